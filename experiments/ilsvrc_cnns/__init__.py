@@ -1,0 +1,8 @@
+"""Table 1: ILSVRC12 classification CNNs, FP32 vs mixed precision (paper section 4.1)."""
+from experiments.ilsvrc_cnns.task import Task, TaskCfg  # noqa: F401
+
+
+def main(overrides: list[str]) -> dict:
+    from mpt.engine import main as _main
+
+    return _main("ilsvrc_cnns", overrides)

@@ -1,0 +1,86 @@
+"""Task glue for Table 1: ImageNet folders, the paper's augmentation, cross-entropy (with the
+auxiliary heads of GoogLeNet / Inception v3), single-centre-crop top-1 / top-5."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torchvision import transforms as T
+
+from mpt.config import infra
+from mpt.errors import UserError
+
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+@dataclass
+class TaskCfg:
+    data_root: str = infra("data/imagenet")  # output of `python -m data_prep.imagenet`
+    crop: int = 224
+    resize: int = 256
+    # caffe: images warped to resize x resize, random crop + flip (the paper's Caffe models);
+    # torchvision: RandomResizedCrop + flip (the torchvision reference, the paper's ResNet-50).
+    augment: str = "caffe"
+    aux_weight: float = -1.0  # -1: the model's published default (models.imagenet_cnns.AUX_WEIGHTS)
+    label_smoothing: float = 0.0
+
+
+def transforms(c: TaskCfg, train: bool):
+    norm = [T.ToTensor(), T.Normalize(MEAN, STD)]
+    if c.augment == "caffe":
+        warp = T.Resize((c.resize, c.resize), antialias=True)
+        if train:
+            return T.Compose([warp, T.RandomCrop(c.crop), T.RandomHorizontalFlip(), *norm])
+        return T.Compose([warp, T.CenterCrop(c.crop), *norm])
+    if c.augment == "torchvision":
+        if train:
+            return T.Compose([T.RandomResizedCrop(c.crop, antialias=True), T.RandomHorizontalFlip(), *norm])
+        return T.Compose([T.Resize(c.resize, antialias=True), T.CenterCrop(c.crop), *norm])
+    raise UserError(f"unknown task.augment={c.augment!r}; choose one of: caffe, torchvision")
+
+
+class Task:
+    primary_metric = "top1"
+    higher_is_better = True
+
+    def datasets(self, cfg):
+        from data_prep.imagenet.dataset import ImageNetFolder
+
+        c = cfg.task
+        train = ImageNetFolder(c.data_root, "train", transform=transforms(c, True))
+        val = ImageNetFolder(c.data_root, "val", transform=transforms(c, False))
+        self.num_classes = len(train.classes)
+        return train, val
+
+    def build_model(self, cfg):
+        import models
+        from models.imagenet_cnns import AUX_WEIGHTS
+
+        self.aux_weight = cfg.task.aux_weight if cfg.task.aux_weight >= 0 else AUX_WEIGHTS.get(cfg.model, 0.0)
+        self.label_smoothing = cfg.task.label_smoothing
+        return models.build(cfg.model, num_classes=self.num_classes, width=cfg.width)
+
+    def loss(self, model, batch):
+        x, y = batch
+        out = model(x)
+        aux = []
+        if isinstance(out, tuple):  # GoogLeNet / Inception v3 in training: (logits, [aux logits])
+            out, aux = out
+        loss = F.cross_entropy(out.float(), y, label_smoothing=self.label_smoothing)
+        for a in aux:
+            loss = loss + self.aux_weight * F.cross_entropy(a.float(), y, label_smoothing=self.label_smoothing)
+        return loss, y.shape[0]
+
+    def eval_sums(self, model, batch):
+        x, y = batch
+        logits = model(x).float()
+        k = min(5, logits.shape[1])
+        top = logits.topk(k, dim=1).indices
+        hit = top.eq(y[:, None])
+        return {"n": y.shape[0], "top1": hit[:, 0].sum().item(), "top5": hit.any(dim=1).sum().item(),
+                "loss": F.cross_entropy(logits, y, reduction="sum").item()}
+
+    def eval_metrics(self, s):
+        n = max(s.get("n", 0), 1)
+        return {"top1": 100.0 * s["top1"] / n, "top5": 100.0 * s["top5"] / n, "loss": s["loss"] / n}

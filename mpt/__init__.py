@@ -1,0 +1,2 @@
+"""mpt: the precision machinery of this reproduction of Micikevicius et al., "Mixed Precision
+Training" (ICLR 2018), and the one training engine every experiment uses."""

@@ -1,0 +1,303 @@
+"""Typed configuration: defaults in one place, each experiment states only what differs.
+
+Resolution order (later wins):
+    dataclass defaults  <  experiments/<name>/config.yaml `base:`  <  `models: {<model>: ...}`
+    <  `profiles: {<profile>: ...}`  <  command-line `key=value` overrides (dotted keys).
+
+An unknown key or a value of the wrong type is a one-line UserError. The resolved config is saved
+with every run (config.yaml in the run directory) and hashed into the run's content id.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+import json
+import pathlib
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from mpt.errors import UserError
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def infra(default=dataclasses.MISSING, **kw):
+    """A field that describes where/how a run executes, not what it computes: left out of the
+    content id, so the same cell on another cluster (other paths, workers, logging) is the same run."""
+    return field(default=default, metadata={"infra": True}, **kw)
+
+
+@dataclass
+class OptimCfg:
+    name: str = "sgd"  # sgd | adam | adamw | adagrad | rmsprop
+    lr: float = 0.1
+    momentum: float = 0.9
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    alpha: float = 0.99  # rmsprop decay
+    initial_accumulator_value: float = 0.0  # adagrad
+
+
+@dataclass
+class SchedCfg:
+    name: str = "constant"  # constant | step | multistep | poly | cosine | exponential
+    warmup_epochs: float = 0.0
+    step_epochs: float = 30.0  # step: multiply by gamma every step_epochs
+    milestones: list[float] = field(default_factory=list)  # multistep: epochs
+    gamma: float = 0.1
+    power: float = 1.0  # poly
+    min_lr: float = 0.0
+
+
+@dataclass
+class TrainCfg:
+    epochs: float = 1.0
+    max_steps: int = 0  # >0 overrides epochs (optimizer steps, skipped ones included)
+    batch_size: int = 256  # GLOBAL batch: split evenly over ranks, then over accum_steps
+    accum_steps: int = 1
+    clip_grad_norm: float = 0.0  # 0 = off; applied to unscaled FP32 gradients
+    eval_every_epochs: float = 1.0
+    eval_max_batches: int = 0  # 0 = the whole validation set
+    diverge_after: int = 20  # K consecutive non-finite losses end the run as "diverged"
+    log_every: int = infra(10)
+    ckpt_every_steps: int = infra(0)
+    ckpt_every_minutes: float = infra(30.0)
+    num_workers: int = infra(4)
+    progress: bool = infra(True)
+
+
+@dataclass
+class ScalerCfg:
+    # Dynamic loss scaling is not in the paper (section 5 lists it as future work); these are
+    # torch.amp.GradScaler's defaults.
+    init_scale: float = 65536.0
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+
+
+@dataclass
+class NumericsCfg:
+    every: int = 0  # sample the FP16 numerics every N steps; 0 = off (costs nothing)
+
+
+@dataclass
+class WandbCfg:
+    mode: str = infra("auto")  # auto (online with WANDB_API_KEY, else offline) | online | offline | disabled
+    project: str = infra("mixed-precision-training-1710.03740")
+    entity: str = infra("")
+    tags: list[str] = field(default_factory=list, metadata={"infra": True})
+
+
+@dataclass
+class Config:
+    experiment: str = ""
+    model: str = ""
+    width: float = 1.0  # channel multiplier: tiny variants for tests and the demo
+    profile: str = "paper"  # paper | tiny (CPU smoke data) -- tables never mix them
+    seed: int = 0
+    precision: str = "fp32"  # fp32 | fp16 | mixed | bf16 | fp16_pure   (mpt.precision)
+    impl: str = "autocast"  # autocast | paper
+    loss_scale: str = "auto"  # auto | dynamic | <number>
+    tf32: bool = False  # off by default so FP32 baselines are strict
+    channels_last: bool = False
+    device: str = infra("auto")
+    out_dir: str = infra("runs")
+    optim: OptimCfg = field(default_factory=OptimCfg)
+    sched: SchedCfg = field(default_factory=SchedCfg)
+    train: TrainCfg = field(default_factory=TrainCfg)
+    scaler: ScalerCfg = field(default_factory=ScalerCfg)
+    numerics: NumericsCfg = field(default_factory=NumericsCfg)
+    wandb: WandbCfg = field(default_factory=WandbCfg)
+    task: Any = None  # the experiment's own dataclass (experiments/<name>/task.py: TaskCfg)
+
+
+# ----------------------------------------------------------------------------------------------
+# setting values with type checks
+
+
+def _is_dc(t) -> bool:
+    return isinstance(t, type) and dataclasses.is_dataclass(t)
+
+
+def _coerce(value, tp, key: str):
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin is list:
+        (item_tp,) = typing.get_args(tp) or (Any,)
+        if not isinstance(value, (list, tuple)):
+            value = [value]
+        return [_coerce(v, item_tp, key) for v in value]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise UserError(f"config key {key!r} expects true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise UserError(f"config key {key!r} expects an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # yaml reads 1e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise UserError(f"config key {key!r} expects a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise UserError(f"config key {key!r} expects a string, got {value!r}")
+    raise TypeError(f"unsupported config type {tp} for {key}")
+
+
+def _field_types(dc) -> dict[str, Any]:
+    hints = typing.get_type_hints(type(dc))
+    return {f.name: hints[f.name] for f in dataclasses.fields(dc)}
+
+
+def set_key(cfg, dotted: str, value, *, where: str = "override") -> None:
+    """Set cfg.<dotted> = value with a type check. Unknown keys are an error naming the valid ones."""
+    obj, parts = cfg, dotted.split(".")
+    for i, part in enumerate(parts):
+        if not dataclasses.is_dataclass(obj):
+            raise UserError(f"unknown config key {dotted!r} ({where}): {'.'.join(parts[:i])} has no sub-keys")
+        types = _field_types(obj)
+        if part not in types:
+            prefix = ".".join(parts[:i])
+            valid = ", ".join((f"{prefix}.{k}" if prefix else k) for k in types)
+            raise UserError(f"unknown config key {dotted!r} ({where}); valid keys here: {valid}")
+        if i == len(parts) - 1:
+            cur = getattr(obj, part)
+            if dataclasses.is_dataclass(cur):
+                if not isinstance(value, dict):
+                    raise UserError(f"config key {dotted!r} ({where}) is a section; give a mapping or set {dotted}.<key>")
+                for k, v in value.items():
+                    set_key(cfg, f"{dotted}.{k}", v, where=where)
+            else:
+                setattr(obj, part, _coerce(value, types[part], dotted))
+        else:
+            obj = getattr(obj, part)
+
+
+def apply_mapping(cfg, mapping: dict | None, where: str) -> None:
+    for k, v in (mapping or {}).items():
+        set_key(cfg, k, v, where=where)
+
+
+def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
+    out = []
+    for o in overrides:
+        if "=" not in o:
+            raise UserError(f"bad override {o!r}: write key=value, e.g. precision=mixed optim.lr=0.1")
+        k, v = o.split("=", 1)
+        try:
+            val = yaml.safe_load(v) if v != "" else ""
+        except yaml.YAMLError:
+            val = v
+        out.append((k.strip(), val))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# experiments
+
+
+def experiment_module(name: str):
+    if not name or not (REPO / "experiments" / name / "__init__.py").exists():
+        known = sorted(p.parent.name for p in (REPO / "experiments").glob("*/config.yaml"))
+        raise UserError(f"unknown experiment {name!r}; choose one of: {', '.join(known)}")
+    return importlib.import_module(f"experiments.{name}")
+
+
+def load_experiment_yaml(name: str) -> dict:
+    path = REPO / "experiments" / name / "config.yaml"
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    unknown = set(data) - {"base", "models", "profiles"}
+    if unknown:
+        raise UserError(f"{path}: unknown top-level keys {sorted(unknown)}; allowed: base, models, profiles")
+    return data
+
+
+def resolve(experiment: str, overrides: list[str] | tuple = ()) -> Config:
+    """The resolved config of one run of `experiment` (see the module docstring for the order)."""
+    mod = experiment_module(experiment)
+    spec = load_experiment_yaml(experiment)
+    cfg = Config(experiment=experiment, task=mod.TaskCfg())
+    pairs = parse_overrides(list(overrides))
+    cli = dict(pairs)
+    if "experiment" in cli and cli["experiment"] != experiment:
+        raise UserError(f"experiment={cli['experiment']} does not match the command's experiment {experiment!r}")
+    apply_mapping(cfg, spec.get("base"), f"experiments/{experiment}/config.yaml base")
+    model = str(cli.get("model", cfg.model))
+    models = spec.get("models") or {}
+    if model not in models:
+        raise UserError(f"unknown model {model!r} for experiment {experiment}; choose one of: {', '.join(models)}")
+    apply_mapping(cfg, models[model], f"experiments/{experiment}/config.yaml models.{model}")
+    profile = str(cli.get("profile", cfg.profile))
+    profiles = spec.get("profiles") or {}
+    if profile != "paper" and profile not in profiles:
+        raise UserError(f"unknown profile {profile!r}; choose one of: paper, {', '.join(profiles)}")
+    apply_mapping(cfg, profiles.get(profile), f"experiments/{experiment}/config.yaml profiles.{profile}")
+    for k, v in pairs:
+        set_key(cfg, k, v, where="command line")
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    from mpt import precision  # late import: precision imports torch
+
+    precision.check(cfg)
+    t = cfg.train
+    if t.batch_size < 1 or t.accum_steps < 1:
+        raise UserError("train.batch_size and train.accum_steps must be >= 1")
+    if cfg.width <= 0:
+        raise UserError(f"width={cfg.width} must be > 0")
+
+
+# ----------------------------------------------------------------------------------------------
+# identity
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def _strip_infra(dc) -> dict:
+    out = {}
+    for f in dataclasses.fields(dc):
+        if f.metadata.get("infra"):
+            continue
+        v = getattr(dc, f.name)
+        out[f.name] = _strip_infra(v) if dataclasses.is_dataclass(v) else v
+    return out
+
+
+def cell_id(cfg: Config) -> str:
+    """Content id of a run: sha256 of the resolved config without infrastructure keys."""
+    blob = json.dumps(_strip_infra(cfg), sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def run_name(cfg: Config) -> str:
+    return f"{cfg.model}-{cfg.precision}-s{cfg.seed}-{cell_id(cfg)[:10]}"
+
+
+def run_dir(cfg: Config) -> pathlib.Path:
+    return pathlib.Path(cfg.out_dir) / cfg.experiment / run_name(cfg)
+
+
+def dump_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)

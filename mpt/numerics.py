@@ -1,0 +1,608 @@
+"""FP16 numerics instrumentation: the measurements behind the paper's Figures 2b and 3.
+
+Section 3 of Micikevicius et al. argues from histograms of gradient exponents: about 5% of the
+Mandarin speech model's weight-gradient values lie below 2^-24 and would become zero in FP16
+(Figure 2b, the reason for FP32 master weights, section 3.1), and most of SSD's non-zero activation
+gradients lie below FP16's range while its top is unused (Figure 3, the reason for loss scaling,
+section 3.2). No framework reports these numbers, so this module measures them:
+
+- `exponent_histogram` / `fp16_bands`: where values fall relative to FP16's range
+  (smallest subnormal 2^-24, smallest normal 2^-14, largest 65504).
+- `swamping_fraction`: how many optimizer updates an FP16 weight would lose in the addition
+  (section 3.1: an update 2^11 times smaller than the weight is lost; 10-bit mantissa).
+- `advise_loss_scale`: the paper's rule for S (section 3.2: S x max|grad| below 65504).
+- `first_nonfinite`: which parameter's gradient overflowed (for the engine's overflow report).
+- `Numerics`: samples all of the above during training every N steps and returns one flat dict
+  (JSON-safe: ints, floats, lists, None, and a string under "numerics/error" only if something
+  failed) for metrics.jsonl and wandb.
+
+Every measurement is taken on an FP64 copy of the values (in bounded chunks), so the measurement
+itself cannot underflow or overflow, and on the device where the tensor lives; one host sync per
+result, none inside the backward pass.
+"""
+from __future__ import annotations
+
+import math
+import threading
+import warnings
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from mpt.errors import UserError
+
+FP16_MIN_SUBNORMAL = 2.0**-24  # smaller values flush to zero in FP16 (section 3.1)
+FP16_MIN_NORMAL = 2.0**-14
+FP16_MAX = 65504.0
+FP16_MANTISSA_BITS = 10
+# Section 3.1: with a 10-bit mantissa an addend 2^11 = 2048 times smaller than the weight is lost.
+SWAMP_RATIO = 2.0 ** -(FP16_MANTISSA_BITS + 1)
+
+BANDS = ("zero", "underflow", "subnormal", "normal", "overflow")
+
+# floor(log2|x|) of any finite non-zero FP64 value lies in [-1074, 1023]: histograms recorded over
+# this range never clamp, so they can be shifted by log2(loss scale) afterwards without loss.
+_RAW_LO, _RAW_HI = -1074, 1023
+# Elements converted to FP64 at a time: bounds the measurement's extra memory (32 MiB per chunk)
+# even for an 800M-element softmax weight (bigLSTM, section 4.5).
+_CHUNK = 1 << 22
+
+
+# ---------------------------------------------------------------------------------------------
+# Plain functions
+# ---------------------------------------------------------------------------------------------
+
+
+def _abs64_chunks(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    """|t| flattened, as FP64 chunks of at most _CHUNK elements (FP64 holds every FP16/BF16/FP32
+    value exactly, and products with a power-of-two scale stay exact)."""
+    flat = t.detach().reshape(-1)
+    for i in range(0, flat.numel(), _CHUNK):
+        yield flat[i : i + _CHUNK].to(torch.float64).abs_()
+
+
+def _exponent_counts(v: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """int64 counts over bins lo..hi of floor(log2 v) for the finite, non-zero entries of v
+    (non-negative FP64); out-of-range exponents are clamped into the end bins. No host sync."""
+    nbins = hi - lo + 1
+    # frexp: v = m * 2^e with m in [0.5, 1), so floor(log2 v) = e - 1 exactly (log2 rounds
+    # near powers of two); it handles subnormals too.
+    _, e = torch.frexp(v)
+    idx = (e.to(torch.int64) - 1).clamp_(lo, hi) - lo
+    keep = torch.isfinite(v) & (v > 0)
+    idx = torch.where(keep, idx, torch.full_like(idx, nbins))  # zeros/non-finite -> dropped bin
+    counts = torch.zeros(nbins + 1, dtype=torch.int64, device=v.device)
+    # 1-D scatter_add_ is deterministic on CUDA (and, unlike bincount, does not sync the host).
+    counts.scatter_add_(0, idx, torch.ones_like(idx))
+    return counts[:nbins]
+
+
+def _band_counts(v: torch.Tensor) -> torch.Tensor:
+    """int64 [zero, underflow, subnormal, normal, nonfinite] counts of v (non-negative FP64).
+    Overflow (> 65504 or non-finite) is the remainder: numel minus the first four."""
+    return torch.stack(
+        [
+            (v == 0).sum(),
+            ((v > 0) & (v < FP16_MIN_SUBNORMAL)).sum(),
+            ((v >= FP16_MIN_SUBNORMAL) & (v < FP16_MIN_NORMAL)).sum(),
+            ((v >= FP16_MIN_NORMAL) & (v <= FP16_MAX)).sum(),
+            (~torch.isfinite(v)).sum(),
+        ]
+    )
+
+
+def _check_range(lo: int, hi: int) -> None:
+    if int(lo) != lo or int(hi) != hi or lo > hi:
+        raise ValueError(f"histogram range lo={lo}, hi={hi}: need integers with lo <= hi")
+
+
+def exponent_histogram(t: torch.Tensor, lo: int = -40, hi: int = 16) -> torch.Tensor:
+    """Histogram of floor(log2|x|) over the finite, non-zero values x of `t`.
+
+    Returns an int64 tensor of hi - lo + 1 counts on `t`'s device; bin i is exponent lo + i, so
+    FP16 subnormals are bins -24..-15 and normals -14..15. Exponents below `lo` are counted in the
+    first bin and exponents above `hi` in the last (the end bins are "lo or less" / "hi or more").
+    Zeros and inf/nan are not counted here: `fp16_bands` counts them. Computed on FP64 copies, so
+    any FP16/BF16/FP32/FP64 input is binned exactly.
+    """
+    _check_range(lo, hi)
+    counts = torch.zeros(hi - lo + 1, dtype=torch.int64, device=t.device)
+    for v in _abs64_chunks(t):
+        counts += _exponent_counts(v, lo, hi)
+    return counts
+
+
+def fp16_bands(t: torch.Tensor, scale: float = 1.0) -> dict[str, int]:
+    """Count the values v = |x| * scale of `t` in FP16's bands (what FP16 would hold at loss scale
+    `scale`):
+
+    - "zero": v == 0
+    - "underflow": 0 < v < 2^-24 (flushed to zero when stored in FP16)
+    - "subnormal": 2^-24 <= v < 2^-14 (kept, with fewer than 10 mantissa bits)
+    - "normal": 2^-14 <= v <= 65504
+    - "overflow": v > 65504, inf or nan (becomes inf in FP16)
+
+    Also "nonfinite" (inf/nan, a subset of "overflow") and "total" (numel). The scale is applied
+    on an FP64 copy, so neither it nor the measurement underflows. The bands use the exact value,
+    not its FP16 rounding: round-to-nearest would keep [2^-25, 2^-24) as 2^-24 and (65504, 65520)
+    as 65504; the paper (Figure 3) draws the same sharp edges.
+    """
+    scale = float(scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"fp16_bands scale={scale}: need a finite positive number")
+    acc = torch.zeros(5, dtype=torch.int64, device=t.device)
+    for v in _abs64_chunks(t):
+        if scale != 1.0:
+            v.mul_(scale)
+        acc += _band_counts(v)
+    zero, under, sub, normal, nonfinite = acc.tolist()
+    n = t.numel()
+    return {
+        "zero": zero,
+        "underflow": under,
+        "subnormal": sub,
+        "normal": normal,
+        "overflow": n - zero - under - sub - normal,
+        "nonfinite": nonfinite,
+        "total": n,
+    }
+
+
+def swamping_fraction(before: Sequence[torch.Tensor], after: Sequence[torch.Tensor]) -> dict:
+    """Section 3.1's measure of updates lost when they are added to FP16 weights.
+
+    `before` / `after`: the master weights (any float dtype) before and after one optimizer step,
+    matched by position. With update u = after - before (computed in FP64) and w = before:
+
+    - "total": number of parameters; "changed": those with a finite non-zero u.
+    - "swamped": changed with |u| < 2^-11 |w| -- the paper's rule: an FP16 weight (10-bit
+      mantissa) loses an addend that is 2048 times smaller. (At exactly 2^-11 |w| FP16 loses it
+      only for some w -- a power of two with a same-sign u rounds back by ties-to-even -- so the
+      edge is excluded, as "smaller than" says.)
+    - "frac_swamped": swamped / changed (0.0 if nothing changed);
+      "frac_swamped_all": swamped / total (updates non-zero but swamped, among all parameters).
+    - "update_underflow" / "frac_update_underflow": changed with 0 < |u| < 2^-24, which FP16
+      cannot even represent (section 3.1's first reason, Figure 2b), over changed.
+    - "lost_fp16" / "frac_lost_fp16": changed for which an exact FP16 update would leave the
+      weight unchanged, fp16(fp16(w) + fp16(u)) == fp16(w) (both reasons together), over changed.
+
+    One tensor at a time, in bounded FP64 chunks; no per-element Python; one host sync.
+    """
+    before, after = list(before), list(after)
+    if len(before) != len(after):
+        raise ValueError(f"swamping_fraction: {len(before)} tensors before the step, {len(after)} after")
+    per_device: dict[torch.device, torch.Tensor] = {}
+    total = 0
+    for b_t, a_t in zip(before, after):
+        if b_t.shape != a_t.shape:
+            raise ValueError(f"swamping_fraction: shapes differ, {tuple(b_t.shape)} vs {tuple(a_t.shape)}")
+        total += b_t.numel()
+        b_flat = b_t.detach().reshape(-1)
+        a_flat = a_t.detach().reshape(-1).to(b_flat.device)
+        acc = per_device.setdefault(b_flat.device, torch.zeros(4, dtype=torch.int64, device=b_flat.device))
+        for i in range(0, b_flat.numel(), _CHUNK):
+            w = b_flat[i : i + _CHUNK].to(torch.float64)
+            u = a_flat[i : i + _CHUNK].to(torch.float64) - w
+            abs_u = u.abs()
+            changed = torch.isfinite(u) & (u != 0)
+            # The sum of two FP16 values is exact in FP64 (their exponents differ by < 53), so
+            # rounding it once to FP16 is exactly FP16 addition with round-to-nearest-even.
+            w16 = w.to(torch.float16)
+            stays = (w16.to(torch.float64) + u.to(torch.float16).to(torch.float64)).to(torch.float16) == w16
+            acc += torch.stack(
+                [
+                    changed.sum(),
+                    (changed & (abs_u < SWAMP_RATIO * w.abs())).sum(),
+                    (changed & (abs_u < FP16_MIN_SUBNORMAL)).sum(),
+                    (changed & stays).sum(),
+                ]
+            )
+    sums = [0, 0, 0, 0]
+    for acc in per_device.values():
+        sums = [s + c for s, c in zip(sums, acc.tolist())]
+    changed, swamped, update_underflow, lost = sums
+    return {
+        "total": total,
+        "changed": changed,
+        "swamped": swamped,
+        "frac_swamped": swamped / changed if changed else 0.0,
+        "frac_swamped_all": swamped / total if total else 0.0,
+        "update_underflow": update_underflow,
+        "frac_update_underflow": update_underflow / changed if changed else 0.0,
+        "lost_fp16": lost,
+        "frac_lost_fp16": lost / changed if changed else 0.0,
+    }
+
+
+def advise_loss_scale(max_abs_grad: float, margin: float = 2.0, max_scale: float = 2.0**24) -> float | None:
+    """The paper's rule for a constant loss scale (section 3.2): the largest power of two S with
+    S * max_abs_grad * margin < 65504, capped at `max_scale`.
+
+    `max_abs_grad` is the largest true (unscaled) gradient magnitude; `margin` leaves headroom for
+    larger gradients later in training. Returns `max_scale` when max_abs_grad is 0 (nothing can
+    overflow), None when it is inf/nan (the true maximum is unknown: it already overflowed), and a
+    power of two below 1 when even S = 1 would overflow FP16 (max_abs_grad * margin >= 65504).
+    """
+    m, margin, max_scale = float(max_abs_grad), float(margin), float(max_scale)
+    if not math.isfinite(m):
+        return None
+    if m < 0:
+        raise ValueError(f"advise_loss_scale max_abs_grad={m}: a magnitude cannot be negative")
+    if not (math.isfinite(margin) and margin > 0):
+        raise ValueError(f"advise_loss_scale margin={margin}: need a finite positive number")
+    if not max_scale > 0:
+        raise ValueError(f"advise_loss_scale max_scale={max_scale}: need a positive number")
+    if m == 0:
+        return max_scale
+    k = math.floor(math.log2(FP16_MAX) - math.log2(m) - math.log2(margin))
+    if k - 1 >= math.log2(max_scale):  # even allowing for rounding in the logs, S >= max_scale
+        return max_scale
+    k = max(k, -1070)  # keep ldexp representable; such an m is beyond FP64's range anyway
+
+    def fits(j: int) -> bool:
+        return math.ldexp(1.0, j) * m * margin < FP16_MAX
+
+    # The logs may round across a power of two; settle the strict inequality exactly.
+    while not fits(k) and k > -1070:
+        k -= 1
+    while fits(k + 1) and k + 1 <= math.log2(max_scale):
+        k += 1
+    return min(math.ldexp(1.0, k), max_scale)
+
+
+def first_nonfinite(named_tensors: Iterable[tuple[str, torch.Tensor | None]]) -> str | None:
+    """Name of the first gradient in `named_tensors` holding inf or nan, or None.
+
+    Accepts (name, gradient) pairs, with None for a missing gradient, or (name, parameter) pairs
+    such as model.named_parameters(): for a tensor that requires grad its `.grad` is checked.
+    One host sync per device, not per tensor.
+    """
+    names: list[str] = []
+    flags: list[torch.Tensor] = []
+    for name, t in named_tensors:
+        if t is not None and t.is_leaf and t.requires_grad:  # a parameter: look at its gradient
+            t = t.grad
+        if t is None:
+            continue
+        if t.is_sparse:
+            t = t.coalesce().values()
+        names.append(name)
+        flags.append((~torch.isfinite(t.detach())).any())
+    by_device: dict[torch.device, list[int]] = {}
+    for i, f in enumerate(flags):
+        by_device.setdefault(f.device, []).append(i)
+    bad = set()
+    for dev, idx in by_device.items():
+        found = torch.stack([flags[i] for i in idx]).tolist()
+        bad.update(i for i, b in zip(idx, found) if b)
+    return names[min(bad)] if bad else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling during training
+# ---------------------------------------------------------------------------------------------
+
+
+class _Group:
+    """Running statistics of one layer's gradients, kept on their device until `end`:
+    raw exponent counts over [_RAW_LO, _RAW_HI] of |g| / divisor, band counts of the stored |g|,
+    the largest finite |g| / divisor, and the element count."""
+
+    __slots__ = ("hist", "bands", "max_abs", "count")
+
+    def __init__(self, device: torch.device):
+        self.hist = torch.zeros(_RAW_HI - _RAW_LO + 1, dtype=torch.int64, device=device)
+        self.bands = torch.zeros(5, dtype=torch.int64, device=device)
+        self.max_abs = torch.zeros((), dtype=torch.float64, device=device)
+        self.count = 0
+
+    def add(self, g: torch.Tensor, divisor: float) -> None:
+        dev = self.hist.device
+        for v in _abs64_chunks(g):
+            v = v.to(dev, non_blocking=True)
+            # Bands of the stored values = bands of the true gradient at the loss scale: what
+            # FP16 holds (or would hold) in this backward pass.
+            self.bands += _band_counts(v)
+            if divisor != 1.0:
+                v = v / divisor
+            self.hist += _exponent_counts(v, _RAW_LO, _RAW_HI)
+            finite_max = torch.where(torch.isfinite(v), v, torch.zeros_like(v)).amax()
+            torch.maximum(self.max_abs, finite_max, out=self.max_abs)
+        self.count += g.numel()
+
+
+def _tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """Tensors in a module's output: a tensor, or nested tuples/lists/dicts (LSTM, detection heads)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth < 4 and isinstance(obj, (tuple, list)):
+        for x in obj:
+            yield from _tensors(x, depth + 1)
+    elif depth < 4 and isinstance(obj, dict):
+        for x in obj.values():
+            yield from _tensors(x, depth + 1)
+
+
+def _layer_of(param_name: str) -> str:
+    """Module name owning a parameter: "features.0.weight" -> "features.0"; root -> "root"."""
+    return param_name.rpartition(".")[0] or "root"
+
+
+class Numerics:
+    """Samples the FP16 numerics of training every `every` steps (paper section 3, Figures 2b, 3).
+
+    Expected use by the engine (one training step)::
+
+        if num.should_sample(step):
+            num.begin(step)                     # hooks on; optionally begin(step, loss_scale=S)
+        loss = ...; (loss * S).backward()       # forward and backward as usual
+        if num.should_sample(step):
+            stats = num.end(model.named_parameters(), recipe.loss_scale)
+            # optional, section 3.1: before = [p.detach().clone() for p in master_params]
+            # before optimizer.step(); after = the same params after it:
+            stats.update(num.swamping(before, after))
+            log({"kind": "numerics", "step": step, **stats})
+
+    `end` must run after backward and before the gradients are unscaled, clipped or stepped on
+    (and before a dynamic scaler changes S): it reads `.grad` as the loss-scaled values and
+    divides by `loss_scale` to get the true gradients.
+
+    `every=0` turns sampling off and costs nothing: `should_sample` is always False, `begin`
+    registers no hooks, `end` returns {}. The engine never crashes because of this class: any
+    failure inside it becomes a warning and a "numerics/error" string in the returned dict.
+
+    Activation gradients (the gradients of module outputs, Figure 3) are captured with forward
+    hooks that put a tensor hook on each output, not with `register_full_backward_hook`: a full
+    backward hook wraps the module's output in a view, and any later in-place op on it -- the
+    ReLU(inplace=True) after every convolution in AlexNet/VGG, ResNet's `out += identity` --
+    raises in the forward pass, in model code no try/except here can guard. A tensor hook
+    registered before an in-place op still receives the gradient of the value before that op.
+    Hooked modules: leaf modules (no children) and modules owning parameters directly; not
+    nn.Identity, and an output that is the unchanged input of a non-in-place module is skipped
+    (it would be counted twice). Each module output is a distinct activation, so a ReLU's output
+    gradient and its convolution's are both counted in the overall histogram; a module called
+    several times (shared weights, RNN steps) accumulates all its calls.
+    """
+
+    def __init__(self, model: nn.Module, every: int = 0, lo: int = -40, hi: int = 16, margin: float = 2.0):
+        if int(every) != every or every < 0:
+            raise UserError(f"numerics.every={every}: use a whole number of steps >= 0 (0 turns numerics off)")
+        if int(lo) != lo or int(hi) != hi or lo > hi:
+            raise UserError(f"numerics histogram range lo={lo}, hi={hi}: use integers with lo <= hi")
+        self.model = model
+        self.every = int(every)
+        self.lo, self.hi = int(lo), int(hi)
+        self.margin = float(margin)
+        self._handles: list[Any] = []
+        self._act: dict[str, _Group] = {}
+        self._active = False
+        self._generation = 0  # tensor hooks from an earlier sample find a newer generation and do nothing
+        self._divisor = 1.0
+        self._step: int | None = None
+        self._errors: list[str] = []
+        self._lock = threading.Lock()  # autograd may run hooks of different devices on different threads
+
+    # -- sampling control ---------------------------------------------------------------------
+
+    def should_sample(self, step: int) -> bool:
+        """True on the steps to measure: every `every`-th step, starting at step 0."""
+        return self.every > 0 and step % self.every == 0
+
+    def begin(self, step: int, loss_scale: float | None = None) -> None:
+        """Start sampling `step`: hook the modules so that the coming backward pass records the
+        activation gradients. Give `loss_scale` (the S this backward uses) if known now; else the
+        activation histograms are shifted by log2 S in `end`, exact when S is a power of two (as
+        for the paper's constants and torch's dynamic scaler) and within one bin otherwise."""
+        if self.every <= 0:
+            return
+        self._remove_hooks()
+        self._act = {}
+        self._errors = []
+        self._generation += 1
+        self._step = step
+        self._divisor = self._scale_or_one(loss_scale) if loss_scale is not None else 1.0
+        self._active = True
+        try:
+            for name, module in self._hook_targets():
+                self._handles.append(module.register_forward_hook(self._forward_hook(name, module)))
+        except Exception as e:  # noqa: BLE001 -- instrumentation must never stop training
+            self._note_error("begin", e)
+            self._remove_hooks()
+
+    def end(self, named_params: Iterable[tuple[str, nn.Parameter]], loss_scale: float | None) -> dict:
+        """Stop sampling; return the flat dict of this step's numerics.
+
+        `named_params`: (name, parameter) pairs such as model.named_parameters(); each `.grad` is
+        read as the loss-scaled gradient and divided by `loss_scale` (None means 1) to give the
+        true weight gradient. Histograms are of true gradients (|g| / S); bands are of the stored
+        values, i.e. the true gradients at scale S -- what FP16 holds at the current loss scale.
+        Keys (G is "act" or "weight", L "overall" or a module name from model.named_modules(),
+        "root" for the model itself):
+
+            numerics/hist_lo, numerics/hist_hi   exponent of the first / last histogram bin
+            numerics/loss_scale                  S
+            numerics/G/L/hist                    list of counts, bins hist_lo..hist_hi (end bins
+                                                 also hold everything beyond), non-zero finite only
+            numerics/G/L/count                   number of values
+            numerics/G/L/frac_{zero,underflow,subnormal,normal,overflow}   fractions of count
+            numerics/G/L/nonfinite               number of inf/nan values (part of overflow)
+            numerics/G/L/max_abs                 largest finite true |gradient|
+            numerics/max_abs_act_grad, numerics/max_abs_weight_grad      = G/overall/max_abs
+            numerics/advised_loss_scale_act, numerics/advised_loss_scale_weight   the advisor's
+                                                 S for each (None if that group holds inf/nan)
+            numerics/advised_loss_scale          the smaller of the two (None if either is None)
+            numerics/error                       only if something failed: what
+
+        The act keys are absent if `begin` was not called for this step. Returns {} when off.
+        """
+        if self.every <= 0:
+            return {}
+        try:
+            return self._end(named_params, loss_scale)
+        except Exception as e:  # noqa: BLE001 -- instrumentation must never stop training
+            self._note_error("end", e)
+            return {"numerics/error": "; ".join(self._errors)}
+        finally:
+            self._remove_hooks()
+            self._active = False
+            self._act = {}
+
+    def swamping(self, before: Sequence[torch.Tensor], after: Sequence[torch.Tensor]) -> dict:
+        """`swamping_fraction(before, after)` with keys prefixed "numerics/swamp/" (e.g.
+        numerics/swamp/frac_swamped). `before`: master weights snapshotted before the optimizer
+        step; `after`: the same tensors after it. On failure: {"numerics/swamp/error": ...}."""
+        if self.every <= 0:
+            return {}
+        try:
+            return {f"numerics/swamp/{k}": v for k, v in swamping_fraction(before, after).items()}
+        except Exception as e:  # noqa: BLE001 -- instrumentation must never stop training
+            warnings.warn(f"numerics: swamping measure failed ({type(e).__name__}: {e})", stacklevel=2)
+            return {"numerics/swamp/error": f"{type(e).__name__}: {e}"}
+
+    # -- internals ------------------------------------------------------------------------------
+
+    @staticmethod
+    def _scale_or_one(loss_scale: Any) -> float:
+        s = 1.0 if loss_scale is None else float(loss_scale)
+        if not (math.isfinite(s) and s > 0):
+            raise ValueError(f"loss_scale={s}: need a finite positive number")
+        return s
+
+    def _note_error(self, where: str, e: BaseException) -> None:
+        msg = f"{where}: {type(e).__name__}: {e}"
+        if not self._errors:  # warn once per sample, not once per layer
+            warnings.warn(f"numerics: {msg} (training continues without these numbers)", stacklevel=3)
+        if len(self._errors) < 5:
+            self._errors.append(msg)
+
+    def _remove_hooks(self) -> None:
+        for h in self._handles:
+            try:
+                h.remove()
+            except Exception:  # noqa: BLE001
+                pass
+        self._handles = []
+
+    def _hook_targets(self) -> list[tuple[str, nn.Module]]:
+        targets = []
+        for name, module in self.model.named_modules():
+            if isinstance(module, nn.Identity):
+                continue
+            is_leaf = next(module.children(), None) is None
+            owns_params = next(module.parameters(recurse=False), None) is not None
+            if is_leaf or owns_params:
+                targets.append((name or "root", module))
+        return targets
+
+    def _forward_hook(self, name: str, module: nn.Module):
+        generation = self._generation
+        inplace = bool(getattr(module, "inplace", False))
+
+        def hook(mod, inputs, output):
+            if not torch.is_grad_enabled() or generation != self._generation:
+                return None
+            try:
+                ins = None
+                for t in _tensors(output):
+                    if not (t.requires_grad and t.is_floating_point()):
+                        continue
+                    if not inplace:
+                        ins = list(_tensors(inputs)) if ins is None else ins
+                        if any(t is x for x in ins):
+                            continue  # passed through unchanged: the producer already records it
+                    t.register_hook(self._grad_hook(name, generation))
+            except Exception as e:  # noqa: BLE001
+                self._note_error(f"forward hook {name}", e)
+            return None
+
+        return hook
+
+    def _grad_hook(self, name: str, generation: int):
+        def hook(grad):
+            if generation != self._generation or not self._active:
+                return None
+            try:
+                with torch.no_grad(), self._lock:
+                    group = self._act.get(name)
+                    if group is None:
+                        group = self._act[name] = _Group(grad.device)
+                    group.add(grad, self._divisor)
+            except Exception as e:  # noqa: BLE001
+                self._note_error(f"gradient hook {name}", e)
+            return None  # never changes the gradient
+
+        return hook
+
+    def _end(self, named_params, loss_scale) -> dict:
+        scale = self._scale_or_one(loss_scale)
+        out: dict[str, Any] = {
+            "numerics/hist_lo": self.lo,
+            "numerics/hist_hi": self.hi,
+            "numerics/loss_scale": scale,
+        }
+        # Weight gradients: per owning module, true values = stored / S (exact: FP64).
+        weight: dict[str, _Group] = {}
+        with torch.no_grad():
+            for pname, p in named_params:
+                g = p.grad
+                if g is None:
+                    continue
+                if g.is_sparse:
+                    g = g.coalesce().values()
+                layer = _layer_of(pname)
+                group = weight.get(layer)
+                if group is None:
+                    group = weight[layer] = _Group(g.device)
+                group.add(g, scale)
+
+        advised: dict[str, float | None] = {}
+        groups = [("weight", weight, 1.0)]
+        if self._active:
+            # Hooks divided by begin's loss scale (or 1); the remaining factor is a shift.
+            groups.insert(0, ("act", dict(self._act), scale / self._divisor))
+        for kind, layers, residual in groups:
+            shift = round(math.log2(residual))
+            overall = self._emit(out, kind, layers, shift, residual)
+            out[f"numerics/max_abs_{kind}_grad"] = overall
+            has_nonfinite = out[f"numerics/{kind}/overall/nonfinite"] > 0
+            advised[kind] = None if has_nonfinite else advise_loss_scale(overall, self.margin)
+            out[f"numerics/advised_loss_scale_{kind}"] = advised[kind]
+        values = list(advised.values())
+        out["numerics/advised_loss_scale"] = None if None in values else min(values)
+        if self._errors:
+            out["numerics/error"] = "; ".join(self._errors)
+        return out
+
+    def _emit(self, out: dict, kind: str, layers: dict[str, _Group], shift: int, residual: float) -> float:
+        """Write the keys of one group (act or weight); returns its overall max |gradient|."""
+        nbins = self.hi - self.lo + 1
+        # Raw bin i holds exponent _RAW_LO + i of |g| / divisor; the true exponent is that minus
+        # `shift`, clamped into [lo, hi] -- the end bins collect everything beyond.
+        raw_exp = torch.arange(_RAW_LO, _RAW_HI + 1, dtype=torch.int64)
+        target = (raw_exp - shift).clamp_(self.lo, self.hi) - self.lo
+        tot_hist = torch.zeros(nbins, dtype=torch.int64)
+        tot_bands = torch.zeros(5, dtype=torch.int64)
+        tot_count, tot_max = 0, 0.0
+        rows = []
+        for name, g in layers.items():
+            hist = torch.zeros(nbins, dtype=torch.int64).index_add_(0, target, g.hist.cpu())
+            bands = g.bands.cpu()
+            max_abs = float(g.max_abs.cpu()) / residual
+            rows.append((name, hist, bands, g.count, max_abs))
+            tot_hist += hist
+            tot_bands += bands
+            tot_count += g.count
+            tot_max = max(tot_max, max_abs)
+        for name, hist, bands, count, max_abs in [("overall", tot_hist, tot_bands, tot_count, tot_max), *rows]:
+            prefix = f"numerics/{kind}/{name}/"
+            zero, under, sub, normal, nonfinite = bands.tolist()
+            fracs = dict(zip(BANDS, (zero, under, sub, normal, count - zero - under - sub - normal)))
+            out[prefix + "hist"] = hist.tolist()
+            out[prefix + "count"] = count
+            for band, c in fracs.items():
+                out[prefix + f"frac_{band}"] = c / count if count else 0.0
+            out[prefix + "nonfinite"] = nonfinite
+            out[prefix + "max_abs"] = max_abs
+        return tot_max

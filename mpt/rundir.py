@@ -1,0 +1,92 @@
+"""Run-directory files, written atomically (temp file + fsync + rename): a crash or a kill never
+leaves a half-written checkpoint, summary or config behind, and never destroys the previous one."""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import pathlib
+import platform
+import socket
+import subprocess
+import tempfile
+
+import torch
+
+from mpt.config import REPO
+
+
+def _atomic(path, write) -> None:
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_text(path, text: str) -> None:
+    _atomic(path, lambda f: f.write(text.encode()))
+
+
+def atomic_write_json(path, obj) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, default=str) + "\n")
+
+
+def atomic_torch_save(path, obj) -> None:
+    _atomic(path, lambda f: torch.save(obj, f))
+
+
+def append_jsonl(path, obj) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(obj, default=str) + "\n")
+
+
+def read_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def git_info() -> tuple[str, bool]:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                                timeout=10).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                                    capture_output=True, text=True, timeout=10).stdout.strip())
+        return commit or "unknown", dirty
+    except (OSError, subprocess.SubprocessError):
+        return "unknown", False
+
+
+def env_info(device: torch.device, world_size: int = 1) -> dict:
+    """What produced a number: code version, libraries, device and the TF32 switches."""
+    import torchvision
+
+    commit, dirty = git_info()
+    cuda = device.type == "cuda"
+    return {
+        "git_commit": commit,
+        "git_dirty": dirty,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torchvision": torchvision.__version__,
+        "cuda": torch.version.cuda if cuda else None,
+        "cudnn": torch.backends.cudnn.version() if cuda else None,
+        "device_name": torch.cuda.get_device_name(device) if cuda else f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
+        "tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32),
+        "tf32_cudnn": bool(torch.backends.cudnn.allow_tf32),
+        "hostname": socket.gethostname(),
+        "world_size": world_size,
+        "date": now(),
+    }

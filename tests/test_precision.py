@@ -1,0 +1,274 @@
+"""The precision recipes do what section 3 of the paper says (CPU)."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from mpt import precision
+from mpt.config import Config
+from mpt.errors import UserError
+
+torch.set_num_threads(1)
+ALL = [(p, i) for p in precision.PRECISIONS for i in precision.IMPLS]
+
+
+def cfg_of(prec="fp32", impl="autocast", loss_scale="auto", **scaler):
+    c = Config(precision=prec, impl=impl, loss_scale=str(loss_scale))
+    for k, v in scaler.items():
+        setattr(c.scaler, k, v)
+    return c
+
+
+def recipe_for(model, opt, prec, impl, loss_scale="auto", **scaler):
+    r = precision.build(cfg_of(prec, impl, loss_scale, **scaler), "cpu")
+    r.prepare(model, [opt])
+    return r
+
+
+def tiny_net(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                         nn.Flatten(), nn.Linear(4, 3))
+
+
+def data(seed=1, n=8):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 3, 8, 8, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def step(r, model, opt, x, y, clip=0.0):
+    with r.autocast():
+        loss = nn.functional.cross_entropy(model(x).float(), y)
+    r.backward(loss)
+    applied = r.step(opt, clip)
+    r.update()
+    r.zero_grad()
+    return loss.item(), applied
+
+
+def test_fp32_bit_identical_to_hand_written_loop():
+    x, y = data()
+    a, b = tiny_net(), tiny_net()
+    oa = torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    ob = torch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    r = recipe_for(a, oa, "fp32", "paper")
+    for _ in range(5):
+        step(r, a, oa, x, y, clip=1.0)
+        loss = nn.functional.cross_entropy(b(x).float(), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(list(b.parameters()), 1.0, foreach=True)
+        ob.step()
+        ob.zero_grad()
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
+
+
+def _big_weight_step(prec, impl, scale="auto"):
+    """A weight 4096x its update (section 3.1: updates 2048x smaller are lost in FP16)."""
+    m = nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        m.weight.fill_(4096.0)
+    opt = torch.optim.SGD(m.parameters(), lr=1.0)
+    r = recipe_for(m, opt, prec, impl, scale)
+    with r.autocast():
+        loss = m(torch.ones(1, 1)).float().sum()  # d loss / d w = 1 -> update -1
+    r.backward(loss)
+    r.step(opt)
+    r.update()
+    return r.master_params()[0].item()
+
+
+@pytest.mark.parametrize("impl", precision.IMPLS)
+def test_update_swamped_without_master_copy_kept_with_it(impl):
+    assert _big_weight_step("fp16_pure", impl) == 4096.0  # 4095 rounds back to 4096 in FP16
+    assert _big_weight_step("fp16", impl) == 4095.0  # the FP32 master keeps it
+    assert _big_weight_step("mixed", impl, 8) == 4095.0
+
+
+@pytest.mark.parametrize("impl", precision.IMPLS)
+def test_tiny_gradient_flushed_at_s1_survives_with_scaling(impl):
+    def grad(prec, scale):
+        m = nn.Linear(1, 1, bias=False)
+        with torch.no_grad():
+            m.weight.fill_(1.0)
+        opt = torch.optim.SGD(m.parameters(), lr=0.0)
+        r = recipe_for(m, opt, prec, impl, scale)
+        with r.autocast():
+            out = m(torch.full((1, 1), 2.0 ** -13))
+        r.backward(out.float().sum() * 2.0 ** -13)  # true dL/dw = 2^-26 < 2^-24
+        assert r.step(opt)
+        return r.master_params()[0].grad.item()
+
+    assert grad("fp16", "auto") == 0.0
+    assert grad("mixed", 1024) == 2.0 ** -26
+
+
+def test_real_model_gradients_underflow_at_s1_not_with_scale():
+    x, y = data(n=16)
+    tiny = 2.0 ** -22  # shrink the loss so many gradients fall under 2^-24, as in Figure 3
+
+    def grads(prec, scale):
+        m = tiny_net()
+        opt = torch.optim.SGD(m.parameters(), lr=0.0)
+        r = recipe_for(m, opt, prec, "paper", scale)
+        with r.autocast():
+            loss = nn.functional.cross_entropy(m(x), y) * tiny
+        r.backward(loss)
+        r.step(opt)
+        return torch.cat([p.grad.flatten() for p in r.master_params() if p.grad is not None])
+
+    g32, g1, gs = grads("fp32", "auto"), grads("fp16", "auto"), grads("mixed", 2.0 ** 16)
+    nz32 = (g32 != 0).sum().item()
+    assert (g1 != 0).sum().item() < 0.5 * nz32  # S = 1 flushes most of them to zero
+    assert (gs != 0).sum().item() >= 0.95 * nz32  # S = 2^16 keeps them
+    assert torch.allclose(gs, g32, rtol=0.05, atol=tiny * 1e-3)
+
+
+@pytest.mark.parametrize("impl", precision.IMPLS)
+@pytest.mark.parametrize("scale", ["dynamic", "128"])
+def test_overflow_skips_step_and_reports_culprit(impl, scale):
+    x, y = data()
+    m = tiny_net()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    r = recipe_for(m, opt, "mixed", impl, scale, init_scale=128.0)
+    step(r, m, opt, x, y)  # one clean step so the optimizer has state
+    before = [p.detach().clone() for p in r.master_params()]
+    s0 = r.loss_scale
+    with r.autocast():
+        loss = nn.functional.cross_entropy(m(x).float(), y)
+    r.backward(loss)
+    m[5].weight.grad[0, 0] = float("inf")
+    assert r.step(opt) is False
+    r.update()
+    r.zero_grad()
+    after = r.master_params()
+    assert all(torch.equal(b, a) and torch.isfinite(a).all() for b, a in zip(before, after))
+    assert r.skipped_steps == 1 and r.last_overflow == "5.weight"
+    assert r.loss_scale == (s0 / 2 if scale == "dynamic" else s0)
+
+
+@pytest.mark.parametrize("impl", precision.IMPLS)
+def test_dynamic_scale_grows_after_interval(impl):
+    x, y = data()
+    m = tiny_net()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    r = recipe_for(m, opt, "mixed", impl, "dynamic", init_scale=64.0, growth_interval=3)
+    for _ in range(2):
+        step(r, m, opt, x, y)
+    assert r.loss_scale == 64.0
+    step(r, m, opt, x, y)
+    assert r.loss_scale == 128.0
+
+
+@pytest.mark.parametrize("impl", precision.IMPLS)
+def test_clipping_sees_unscaled_gradients(impl):
+    x, y = data()
+    ref, m = tiny_net(), tiny_net()
+    o_ref = torch.optim.SGD(ref.parameters(), lr=0.5)
+    o = torch.optim.SGD(m.parameters(), lr=0.5)
+    r_ref = recipe_for(ref, o_ref, "fp32", impl)
+    r = recipe_for(m, o, "mixed", impl, 1024)
+    step(r_ref, ref, o_ref, x, y, clip=0.05)
+    step(r, m, o, x, y, clip=0.05)
+    # Had clipping seen gradients scaled by 1024, the update would be ~1000x smaller.
+    for a, b in zip(r_ref.master_params(), r.master_params()):
+        assert torch.allclose(a, b, atol=2e-3), (a - b).abs().max()
+
+
+def test_accumulation_equals_big_batch_fp32():
+    x, y = data(n=12)
+    a, b = tiny_net(), tiny_net()
+    for mod in (a, b):  # batch statistics differ per micro-batch; compare without them
+        mod[1].eval()
+    oa, ob = (torch.optim.SGD(n.parameters(), lr=0.1) for n in (a, b))
+    ra, rb = recipe_for(a, oa, "fp32", "autocast"), recipe_for(b, ob, "fp32", "autocast")
+    ra.backward(nn.functional.cross_entropy(a(x), y))
+    ra.step(oa)
+    for xs, ys in zip(x.chunk(3), y.chunk(3)):
+        rb.backward(nn.functional.cross_entropy(b(xs), ys) / 3)
+    rb.step(ob)
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.allclose(pa, pb, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", precision.IMPLS)
+def test_checkpoint_round_trip_continues_bit_identically(impl):
+    x, y = data()
+    m = tiny_net()
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    r = recipe_for(m, opt, "mixed", impl, "dynamic", init_scale=2.0 ** 20, growth_interval=2)
+    for _ in range(3):
+        step(r, m, opt, x, y)
+    sd = copy.deepcopy({"model": m.state_dict(), "opt": opt.state_dict(), "recipe": r.state_dict()})
+    for _ in range(3):
+        step(r, m, opt, x, y)
+    m2 = tiny_net(seed=5)
+    opt2 = torch.optim.Adam(m2.parameters(), lr=1e-2)
+    r2 = recipe_for(m2, opt2, "mixed", impl, "dynamic", init_scale=2.0 ** 20, growth_interval=2)
+    m2.load_state_dict(sd["model"])
+    opt2.load_state_dict(sd["opt"])
+    r2.load_state_dict(sd["recipe"])
+    for _ in range(3):
+        step(r2, m2, opt2, x, y)
+    assert r2.loss_scale == r.loss_scale and r2.skipped_steps == r.skipped_steps
+    for a, b in zip(r.master_params(), r2.master_params()):
+        assert torch.equal(a, b)
+    for a, b in zip(m.state_dict().values(), m2.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_two_optimizers_share_one_scaler():
+    """The DCGAN case: two optimizers, one scale, each step skipped independently."""
+    x, y = data()
+    m = tiny_net()
+    o1 = torch.optim.SGD(list(m.parameters())[:4], lr=0.1)
+    o2 = torch.optim.Adam(list(m.parameters())[4:], lr=0.01)
+    r = precision.build(cfg_of("mixed", "paper", "dynamic", init_scale=256.0), "cpu")
+    r.prepare(m, [o1, o2])
+    with r.autocast():
+        loss = nn.functional.cross_entropy(m(x), y)
+    r.backward(loss)
+    m[5].bias.grad[0] = float("nan")  # belongs to o2
+    assert r.step(o1) is True
+    assert r.step(o2) is False
+    r.update()
+    assert r.loss_scale == 128.0
+
+
+@pytest.mark.parametrize("prec,impl", ALL)
+def test_every_recipe_trains(prec, impl):
+    x, y = data(n=16)
+    m = tiny_net()
+    opt = torch.optim.SGD(m.parameters(), lr=0.2, momentum=0.9)
+    r = recipe_for(m, opt, prec, impl)
+    losses = [step(r, m, opt, x, y)[0] for _ in range(8)]
+    assert all(map(torch.isfinite, torch.tensor(losses)))
+    assert losses[-1] < losses[0]
+
+
+def test_paper_impl_stores_fp16_keeps_norms_fp32():
+    m = tiny_net()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    r = recipe_for(m, opt, "mixed", "paper")
+    assert m[0].weight.dtype == torch.float16 and m[5].weight.dtype == torch.float16
+    assert m[1].weight.dtype == torch.float32 and m[1].running_mean.dtype == torch.float32
+    assert all(p.dtype == torch.float32 for p in r.master_params())
+    assert m(torch.randn(2, 3, 8, 8)).dtype == torch.float32  # loss reduces in FP32 (3.3)
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(prec="fp8"), "unknown precision 'fp8'"),
+    (dict(impl="apex"), "unknown impl 'apex'"),
+    (dict(prec="mixed", loss_scale="0"), "must be a positive"),
+    (dict(prec="mixed", loss_scale="lots"), "is not a number"),
+])
+def test_bad_input_is_one_line_error(kw, msg):
+    with pytest.raises(UserError, match=msg):
+        precision.build(cfg_of(**kw), "cpu")
+
+
+def test_paper_impl_rejects_unwrappable_optimizer():
+    m = tiny_net()
+    with pytest.raises(UserError, match="cannot wrap optimizer LBFGS"):
+        recipe_for(m, torch.optim.LBFGS(m.parameters()), "mixed", "paper")
