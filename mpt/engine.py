@@ -161,10 +161,8 @@ class Run:
             "throughput": None, "peak_gpu_mem_bytes": None, "activation_bytes": getattr(self, "act_bytes", None),
             "wall_time_s": None, "error": None, "env": getattr(self, "env", None),
         }
-        s.update(getattr(self, "_summary_extra", {}))
         s.update(kw)
         s["updated"] = now()
-        self._summary_extra = {k: v for k, v in s.items() if k not in ("status", "updated")}
         if self.main:
             atomic_write_json(self.dir / "summary.json", s)
         return s
@@ -416,9 +414,8 @@ class Run:
     def finish(self, status: str, metrics: dict, throughput, error: str | None = None) -> dict:
         peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
         wall = self.wall + time.time() - self.t_start
-        s = self.write_summary(status=status, metrics=metrics, step=self.step, throughput=throughput,
-                               peak_gpu_mem_bytes=peak, wall_time_s=wall, error=error,
-                               skipped_steps=self.recipe.skipped_steps, final_loss_scale=self.recipe.loss_scale)
+        s = self.write_summary(status=status, metrics=metrics, throughput=throughput,
+                               peak_gpu_mem_bytes=peak, wall_time_s=wall, error=error)
         self.wandb.summary({"status": status, "step": self.step, "skipped_steps": self.recipe.skipped_steps,
                             "throughput": throughput, "activation_bytes": self.act_bytes, "peak_gpu_mem_bytes": peak,
                             **{f"final/{k}": v for k, v in metrics.items()}})

@@ -17,7 +17,10 @@ def cli(main):
         try:
             return main(*args, **kwargs)
         except UserError as e:
-            print(f"error: {e}", file=sys.stderr)
+            msg = str(e).strip()
+            if "\n" in msg:  # raised in a DataLoader worker: torch prepends the worker's traceback
+                msg = msg.splitlines()[-1].split("UserError: ", 1)[-1]
+            print(f"error: {msg}", file=sys.stderr)
             raise SystemExit(2) from None
 
     return wrapper

@@ -256,7 +256,7 @@ def first_nonfinite(named_tensors: Iterable[tuple[str, torch.Tensor | None]]) ->
     """Name of the first gradient in `named_tensors` holding inf or nan, or None.
 
     Accepts (name, gradient) pairs, with None for a missing gradient, or (name, parameter) pairs
-    such as model.named_parameters(): for a tensor that requires grad its `.grad` is checked.
+    such as model.named_parameters(): for a leaf tensor that requires grad, its `.grad` is checked.
     One host sync per device, not per tensor.
     """
     names: list[str] = []
@@ -301,7 +301,7 @@ class _Group:
     def add(self, g: torch.Tensor, divisor: float) -> None:
         dev = self.hist.device
         for v in _abs64_chunks(g):
-            v = v.to(dev, non_blocking=True)
+            v = v.to(dev)
             # Bands of the stored values = bands of the true gradient at the loss scale: what
             # FP16 holds (or would hold) in this backward pass.
             self.bands += _band_counts(v)

@@ -59,7 +59,8 @@ class Task:
 
         self.aux_weight = cfg.task.aux_weight if cfg.task.aux_weight >= 0 else AUX_WEIGHTS.get(cfg.model, 0.0)
         self.label_smoothing = cfg.task.label_smoothing
-        return models.build(cfg.model, num_classes=self.num_classes, width=cfg.width)
+        kw = {"aux_logits": self.aux_weight > 0} if cfg.model in AUX_WEIGHTS else {}
+        return models.build(cfg.model, num_classes=self.num_classes, width=cfg.width, **kw)
 
     def loss(self, model, batch):
         x, y = batch

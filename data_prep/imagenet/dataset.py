@@ -1,0 +1,79 @@
+"""The prepared ILSVRC2012 as a torchvision ImageFolder, with errors a user can act on.
+
+Class indices come from OUT/classes.json (sorted WNIDs, the order ImageFolder itself would use),
+so train and val always agree on them, and a missing class folder is reported instead of silently
+shifting every later index.
+"""
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+from PIL import Image
+from torchvision.datasets import ImageFolder
+
+from mpt.errors import UserError
+
+from .prepare import CLASSES, MARKER
+
+SPLITS = ("train", "val")
+
+
+def _redo_hint(root: Path) -> str:
+    return f"re-run: python -m data_prep.imagenet --archives <dir> --out {root} --force"
+
+
+def load_rgb(path: str, root: Path) -> Image.Image:
+    """torchvision's PIL loader, but a damaged file is a UserError naming it (a module-level
+    function plus functools.partial, so DataLoader workers can pickle it)."""
+    try:
+        with open(path, "rb") as f:
+            img = Image.open(f)
+            return img.convert("RGB")  # forces the full decode, so truncation shows up here
+    except (OSError, ValueError, SyntaxError) as e:  # PIL's decode errors; UnidentifiedImageError is an OSError
+        raise UserError(f"cannot read image {path} ({type(e).__name__}: {e}); the prepared "
+                        f"ImageNet is damaged, {_redo_hint(root)}") from None
+
+
+class ImageNetFolder(ImageFolder):
+    """ImageNetFolder(root, "train" | "val", transform) over the output of python -m data_prep.imagenet."""
+
+    def __init__(self, root, split: str, transform=None, target_transform=None):
+        root = Path(root)
+        if split not in SPLITS:
+            raise UserError(f"unknown ImageNet split {split!r}; use one of {', '.join(SPLITS)}")
+        if not (root / MARKER).is_file():
+            raise UserError(f"no prepared ImageNet at {root} (missing {MARKER}); run: "
+                            f"python -m data_prep.imagenet --archives <dir> --out {root}")
+        self.prepared_root = root
+        self.split = split
+        self.info = json.loads((root / MARKER).read_text())
+        try:
+            super().__init__(root / split, transform=transform, target_transform=target_transform,
+                             loader=functools.partial(load_rgb, root=root))
+        except FileNotFoundError as e:  # a class folder missing or emptied after preparation
+            raise UserError(f"the prepared ImageNet at {root} is damaged ({str(e).splitlines()[0]}); "
+                            f"{_redo_hint(root)}") from None
+        expected = self.info[f"{split}_images"]
+        if len(self.samples) != expected:
+            raise UserError(f"{root / split} has {len(self.samples):,} images but {root / MARKER} "
+                            f"records {expected:,}; the prepared ImageNet is damaged, {_redo_hint(root)}")
+
+    def find_classes(self, directory):
+        # Called by ImageFolder.__init__ with root/split; the class list is the prepared one.
+        path = Path(directory).parent / CLASSES
+        try:
+            wnids = [c["wnid"] for c in json.loads(path.read_text())]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise UserError(f"cannot read {path} ({e}); {_redo_hint(Path(directory).parent)}") from None
+        return wnids, {w: i for i, w in enumerate(wnids)}
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+    @property
+    def wnid_words(self) -> dict[str, str]:
+        """WNID -> human-readable class names, from the devkit."""
+        return {c["wnid"]: c["words"] for c in json.loads((self.prepared_root / CLASSES).read_text())}

@@ -1,0 +1,666 @@
+"""The six ILSVRC12 CNNs of the paper's Table 1 (section 4.1), written as plain nn.Modules.
+
+Every constructor is `fn(num_classes=1000, width=1.0, aux_logits=<default>) -> nn.Module`.
+`width` multiplies every channel count and hidden FC size (rounded, at least 1): width=1 is the
+reference network, width=1/16 or 1/32 a tiny CPU variant with the same topology. A global
+adaptive average pool (and, for AlexNet/VGG and the auxiliary heads, adaptive pooling to the
+reference grid) makes any input of 80x80 or more work; at the reference resolution the pooling
+windows are exactly the reference ones.
+
+Which reference each model follows:
+
+- alexnet: single-tower AlexNet as in torchvision (Krizhevsky 2014, "One weird trick",
+  64-192-384-256-256 filters, no LRN, no grouped convolutions); 61,100,840 parameters.
+  The paper trained Caffe's bvlc_alexnet (96-256-384-384-256, LRN, group=2 in conv2/4/5,
+  227 crops; 60,965,224 parameters). We keep the single tower because groups were a
+  two-GPU memory workaround, not part of the method; initialisation and the training recipe
+  are bvlc_alexnet's (weights N(0, 0.01), fc6/fc7 N(0, 0.005), biases 0.1 on conv2/4/5 and
+  fc6/7, else 0).
+- vgg16: VGG configuration D (Simonyan & Zisserman 2015, Table 1), 138,357,544 parameters.
+  Initialisation: Glorot uniform weights, zero biases -- section 3.1's note that this trains
+  D from scratch without initialising it from configuration A.
+- googlenet: Inception v1 (Szegedy et al. 2015) as replicated by Caffe's bvlc_googlenet:
+  biased convolutions, no batch norm, LRN after pool1 and conv2, 5x5 branches, max-pool
+  projection, dropout 0.4, two auxiliary heads after 4a and 4d (loss weight 0.3 each,
+  dropout 0.7), Caffe "xavier" weights (uniform, fan-in) with bias 0.2.
+  6,998,552 parameters without the auxiliary heads, 13,378,280 with them. (torchvision's
+  googlenet adds batch norm and uses 3x3 in the "5x5" branch, so its counts differ.)
+- inception_v2: BN-Inception, the network of the batch-norm paper (Ioffe & Szegedy 2015,
+  Figure 5): 5x5 replaced by two 3x3, 28x28 modules 3a-3c, stride-2 modules 3c and 4e,
+  batch norm after every convolution, no LRN, no dropout, no auxiliary heads; as in the
+  public Caffe prototxt models/default_googlenet_v2 (conv without bias, "xavier" weights).
+  11,285,224 parameters; the Cadene pretrainedmodels `bninception` port has 11,295,240 because
+  its convolutions keep the bias of the Caffe model it was converted from (ours + 10,016 conv
+  biases, redundant before BN). The BN paper itself says 13.6M without a breakdown.
+- inception_v3: Szegedy et al. 2016 as in torchvision / TF-slim (the released Google model):
+  23,834,568 parameters without the auxiliary head, 27,161,264 with it (weight 0.4 in the
+  torchvision reference recipe). BN eps 1e-3, truncated-normal weights (std 0.1; auxiliary
+  conv 0.01, auxiliary FC 0.001) as in torchvision.
+- resnet50_preact: pre-activation ResNet-50 (He et al. 2016b, "Identity mappings"):
+  BN-ReLU-conv ordering, stride on the 3x3 convolution, projection shortcuts without BN
+  taking the pre-activated input, conv1-BN-ReLU stem, final BN-ReLU before pooling; laid out
+  as fb.resnet.torch preresnet.lua / He's resnet-pre-act.lua. 25,549,352 parameters, the same
+  as timm's `resnetv2_50` (torchvision's post-activation resnet50: 25,557,032).
+  Kaiming-normal (fan-out) weights.
+
+Auxiliary heads: in training mode with aux_logits=True the forward returns
+`(logits, [aux_logits, ...])`; in eval mode, or with aux_logits=False, just `logits`.
+Weight each auxiliary loss by AUX_WEIGHTS[name].
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from models import register
+from mpt.errors import UserError
+
+# Loss weight of each auxiliary classifier (GoogLeNet: bvlc_googlenet train_val.prototxt
+# loss1/loss2 loss_weight 0.3; Inception v3: torchvision classification reference, 0.4).
+AUX_WEIGHTS = {"googlenet": 0.3, "inception_v3": 0.4}
+
+# Training/eval crop of each model at full size (Inception v3 was designed for 299x299).
+INPUT_SIZE = {
+    "alexnet": 224,
+    "vgg16": 224,
+    "googlenet": 224,
+    "inception_v2": 224,
+    "inception_v3": 299,
+    "resnet50_preact": 224,
+}
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def _check_args(name: str, num_classes: int, width: float, aux_logits: bool, has_aux: bool):
+    if not isinstance(num_classes, int) or num_classes < 1:
+        raise UserError(f"model {name}: num_classes must be a positive integer, got {num_classes!r}")
+    if not (isinstance(width, (int, float)) and math.isfinite(width) and width > 0):
+        raise UserError(f"model {name}: width must be a positive number (1.0 = full size), got {width!r}")
+    if aux_logits and not has_aux:
+        raise UserError(f"model {name} has no auxiliary classifiers; set aux_logits=false")
+
+
+def _scaler(width: float):
+    """Channel count at this width: rounded, at least 1."""
+    return lambda ch: max(1, int(round(ch * width)))
+
+
+def _pool_to(x: torch.Tensor, kernel: int, stride: int, ref_size: int, out: int) -> torch.Tensor:
+    """Average-pool to an out x out grid. At the reference map size use the reference's fixed
+    window (so full-size models match their reference exactly); elsewhere pool adaptively to the
+    same grid so the FC sizes behind it hold for any input resolution."""
+    if x.shape[-2] == ref_size and x.shape[-1] == ref_size:
+        return F.avg_pool2d(x, kernel, stride)
+    return F.adaptive_avg_pool2d(x, out)
+
+
+def _same_max_pool(x: torch.Tensor, kernel: int = 3, stride: int = 2) -> torch.Tensor:
+    """TF-"SAME" max pooling: output ceil(n/stride), padding split with the extra pixel at the
+    end. On even maps this is exactly Caffe's ceil-mode unpadded pooling (the BN-Inception
+    reference at 224); on odd maps it still matches the stride-2, pad-1 conv branches it is
+    concatenated with (Caffe's pooling would be one pixel short there, e.g. 5x5 maps at 80x80)."""
+    pads = []
+    for n in (x.shape[-1], x.shape[-2]):  # F.pad order: last dim first
+        total = max((math.ceil(n / stride) - 1) * stride + kernel - n, 0)
+        pads += [total // 2, total - total // 2]
+    if any(pads):
+        x = F.pad(x, pads, value=float("-inf"))
+    return F.max_pool2d(x, kernel, stride)
+
+
+def _caffe_xavier_(w: torch.Tensor):
+    # Caffe's "xavier" filler: U(-sqrt(3/fan_in), +sqrt(3/fan_in)) -- Kaiming-uniform with gain 1.
+    nn.init.kaiming_uniform_(w, nonlinearity="linear")
+
+
+def _aux_output(model: nn.Module, logits: torch.Tensor, aux: list[torch.Tensor]):
+    return (logits, aux) if (model.training and model.aux_logits) else logits
+
+
+class LRN(nn.Module):
+    """Caffe's cross-channel local response normalisation (same formula as
+    nn.LocalResponseNorm: alpha is divided by the window size). Computed in FP32 and returned
+    in the input dtype: it sums squares of activations, and the paper (section 3) keeps such
+    reductions in FP32 -- an FP16 square of an activation above 256 overflows."""
+
+    def __init__(self, size: int = 5, alpha: float = 1e-4, beta: float = 0.75, k: float = 1.0):
+        super().__init__()
+        self.size, self.alpha, self.beta, self.k = size, alpha, beta, k
+
+    def forward(self, x):
+        return F.local_response_norm(x.float(), self.size, self.alpha, self.beta, self.k).to(x.dtype)
+
+
+class ConvReLU(nn.Sequential):
+    """Biased conv + ReLU (GoogLeNet has no batch norm)."""
+
+    def __init__(self, cin, cout, kernel, stride=1, padding=0):
+        super().__init__(nn.Conv2d(cin, cout, kernel, stride, padding), nn.ReLU(inplace=True))
+
+
+class ConvBNReLU(nn.Sequential):
+    """Conv (no bias: BN's beta replaces it) + BN + ReLU (Inception v2/v3)."""
+
+    def __init__(self, cin, cout, kernel, stride=1, padding=0, eps=1e-5):
+        super().__init__(
+            nn.Conv2d(cin, cout, kernel, stride, padding, bias=False),
+            nn.BatchNorm2d(cout, eps=eps),
+            nn.ReLU(inplace=True),
+        )
+
+
+# ----------------------------------------------------------------------------- AlexNet
+
+class AlexNet(nn.Module):
+    def __init__(self, num_classes: int, width: float):
+        super().__init__()
+        c = _scaler(width)
+        c1, c2, c3, c4, c5, hidden = c(64), c(192), c(384), c(256), c(256), c(4096)
+        self.aux_logits = False
+        self.features = nn.Sequential(
+            nn.Conv2d(3, c1, 11, stride=4, padding=2), nn.ReLU(inplace=True),
+            nn.MaxPool2d(3, 2),
+            nn.Conv2d(c1, c2, 5, padding=2), nn.ReLU(inplace=True),
+            nn.MaxPool2d(3, 2),
+            nn.Conv2d(c2, c3, 3, padding=1), nn.ReLU(inplace=True),
+            nn.Conv2d(c3, c4, 3, padding=1), nn.ReLU(inplace=True),
+            nn.Conv2d(c4, c5, 3, padding=1), nn.ReLU(inplace=True),
+            nn.MaxPool2d(3, 2),
+        )
+        # 6x6 is the map at 224x224; adaptive pooling keeps fc6's input size at other sizes.
+        self.pool = nn.AdaptiveAvgPool2d(6)
+        self.classifier = nn.Sequential(
+            nn.Dropout(0.5), nn.Linear(c5 * 36, hidden), nn.ReLU(inplace=True),
+            nn.Dropout(0.5), nn.Linear(hidden, hidden), nn.ReLU(inplace=True),
+            nn.Linear(hidden, num_classes),
+        )
+        # bvlc_alexnet train_val.prototxt fillers, layer by layer.
+        convs = [m for m in self.features if isinstance(m, nn.Conv2d)]
+        fcs = [m for m in self.classifier if isinstance(m, nn.Linear)]
+        for layer, std, bias in zip(convs + fcs,
+                                    [0.01] * 5 + [0.005, 0.005, 0.01],
+                                    [0.0, 0.1, 0.0, 0.1, 0.1, 0.1, 0.1, 0.0]):
+            nn.init.normal_(layer.weight, 0.0, std)
+            nn.init.constant_(layer.bias, bias)
+
+    def forward(self, x):
+        x = self.pool(self.features(x))
+        return self.classifier(torch.flatten(x, 1))
+
+
+@register("alexnet")
+def alexnet(num_classes: int = 1000, width: float = 1.0, aux_logits: bool = False) -> nn.Module:
+    _check_args("alexnet", num_classes, width, aux_logits, has_aux=False)
+    return AlexNet(num_classes, width)
+
+
+# ----------------------------------------------------------------------------- VGG-D
+
+_VGG_D = [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"]
+
+
+class VGG(nn.Module):
+    def __init__(self, num_classes: int, width: float, cfg=_VGG_D):
+        super().__init__()
+        c = _scaler(width)
+        self.aux_logits = False
+        layers, cin = [], 3
+        for v in cfg:
+            if v == "M":
+                layers.append(nn.MaxPool2d(2, 2))
+            else:
+                layers += [nn.Conv2d(cin, c(v), 3, padding=1), nn.ReLU(inplace=True)]
+                cin = c(v)
+        self.features = nn.Sequential(*layers)
+        self.pool = nn.AdaptiveAvgPool2d(7)  # 7x7 at 224x224
+        hidden = c(4096)
+        self.classifier = nn.Sequential(
+            nn.Linear(cin * 49, hidden), nn.ReLU(inplace=True), nn.Dropout(0.5),
+            nn.Linear(hidden, hidden), nn.ReLU(inplace=True), nn.Dropout(0.5),
+            nn.Linear(hidden, num_classes),
+        )
+        for m in self.modules():
+            if isinstance(m, (nn.Conv2d, nn.Linear)):
+                nn.init.xavier_uniform_(m.weight)
+                nn.init.zeros_(m.bias)
+
+    def forward(self, x):
+        x = self.pool(self.features(x))
+        return self.classifier(torch.flatten(x, 1))
+
+
+@register("vgg16")
+def vgg16(num_classes: int = 1000, width: float = 1.0, aux_logits: bool = False) -> nn.Module:
+    _check_args("vgg16", num_classes, width, aux_logits, has_aux=False)
+    return VGG(num_classes, width)
+
+
+# ----------------------------------------------------------------------------- GoogLeNet
+
+class InceptionV1(nn.Module):
+    """Four branches: 1x1 | 1x1 -> 3x3 | 1x1 -> 5x5 | 3x3 max-pool -> 1x1."""
+
+    def __init__(self, cin, n1, r3, n3, r5, n5, pp):
+        super().__init__()
+        self.b1 = ConvReLU(cin, n1, 1)
+        self.b3 = nn.Sequential(ConvReLU(cin, r3, 1), ConvReLU(r3, n3, 3, padding=1))
+        self.b5 = nn.Sequential(ConvReLU(cin, r5, 1), ConvReLU(r5, n5, 5, padding=2))
+        self.bp = nn.Sequential(nn.MaxPool2d(3, 1, padding=1), ConvReLU(cin, pp, 1))
+        self.out_channels = n1 + n3 + n5 + pp
+
+    def forward(self, x):
+        return torch.cat([self.b1(x), self.b3(x), self.b5(x), self.bp(x)], 1)
+
+
+class GoogLeNetAux(nn.Module):
+    """bvlc_googlenet loss1/loss2 head: 5x5/3 avg-pool (14x14 -> 4x4), 1x1 conv 128, fc 1024,
+    dropout 0.7, classifier."""
+
+    def __init__(self, cin, num_classes, c):
+        super().__init__()
+        self.conv = ConvReLU(cin, c(128), 1)
+        self.fc = nn.Linear(c(128) * 16, c(1024))
+        self.drop = nn.Dropout(0.7)
+        self.classifier = nn.Linear(c(1024), num_classes)
+
+    def forward(self, x):
+        x = self.conv(_pool_to(x, 5, 3, ref_size=14, out=4))
+        x = self.drop(F.relu(self.fc(torch.flatten(x, 1)), inplace=True))
+        return self.classifier(x)
+
+
+# (1x1, 3x3 reduce, 3x3, 5x5 reduce, 5x5, pool proj) -- Szegedy et al. 2015, Table 1.
+_GOOGLENET = {
+    "3a": (64, 96, 128, 16, 32, 32), "3b": (128, 128, 192, 32, 96, 64),
+    "4a": (192, 96, 208, 16, 48, 64), "4b": (160, 112, 224, 24, 64, 64),
+    "4c": (128, 128, 256, 24, 64, 64), "4d": (112, 144, 288, 32, 64, 64),
+    "4e": (256, 160, 320, 32, 128, 128),
+    "5a": (256, 160, 320, 32, 128, 128), "5b": (384, 192, 384, 48, 128, 128),
+}
+
+
+class GoogLeNet(nn.Module):
+    def __init__(self, num_classes: int, width: float, aux_logits: bool):
+        super().__init__()
+        c = _scaler(width)
+        self.aux_logits = aux_logits
+        # Caffe pools in ceil mode: 112 -> 56 -> 28 -> 14 -> 7 at 224x224.
+        self.stem = nn.Sequential(
+            ConvReLU(3, c(64), 7, stride=2, padding=3),
+            nn.MaxPool2d(3, 2, ceil_mode=True),
+            LRN(),
+            ConvReLU(c(64), c(64), 1),
+            ConvReLU(c(64), c(192), 3, padding=1),
+            LRN(),
+            nn.MaxPool2d(3, 2, ceil_mode=True),
+        )
+        cin = c(192)
+        blocks = {}
+        for name, spec in _GOOGLENET.items():
+            blocks[name] = InceptionV1(cin, *(c(v) for v in spec))
+            cin = blocks[name].out_channels
+        self.inc3 = nn.Sequential(blocks["3a"], blocks["3b"], nn.MaxPool2d(3, 2, ceil_mode=True))
+        self.inc4a = blocks["4a"]
+        self.inc4bcd = nn.Sequential(blocks["4b"], blocks["4c"], blocks["4d"])
+        self.inc4e = nn.Sequential(blocks["4e"], nn.MaxPool2d(3, 2, ceil_mode=True))
+        self.inc5 = nn.Sequential(blocks["5a"], blocks["5b"])
+        if aux_logits:
+            self.aux1 = GoogLeNetAux(blocks["4a"].out_channels, num_classes, c)
+            self.aux2 = GoogLeNetAux(blocks["4d"].out_channels, num_classes, c)
+        self.pool = nn.AdaptiveAvgPool2d(1)  # = Caffe's 7x7/1 average pool at 224x224
+        self.drop = nn.Dropout(0.4)
+        self.fc = nn.Linear(cin, num_classes)
+        # bvlc_googlenet fillers: "xavier" weights; bias 0.2 on convolutions and the aux
+        # heads' hidden FC, 0 on classifiers.
+        for m in self.modules():
+            if isinstance(m, (nn.Conv2d, nn.Linear)):
+                _caffe_xavier_(m.weight)
+                nn.init.constant_(m.bias, 0.2)
+        for fc in [self.fc] + ([self.aux1.classifier, self.aux2.classifier] if aux_logits else []):
+            nn.init.zeros_(fc.bias)
+
+    def forward(self, x):
+        x = self.inc4a(self.inc3(self.stem(x)))
+        aux = []
+        if self.training and self.aux_logits:
+            aux.append(self.aux1(x))
+        x = self.inc4bcd(x)
+        if self.training and self.aux_logits:
+            aux.append(self.aux2(x))
+        x = self.inc5(self.inc4e(x))
+        logits = self.fc(self.drop(torch.flatten(self.pool(x), 1)))
+        return _aux_output(self, logits, aux)
+
+
+@register("googlenet")
+def googlenet(num_classes: int = 1000, width: float = 1.0, aux_logits: bool = True) -> nn.Module:
+    _check_args("googlenet", num_classes, width, aux_logits, has_aux=True)
+    return GoogLeNet(num_classes, width, aux_logits)
+
+
+# ----------------------------------------------------------------------------- BN-Inception
+
+class InceptionV2(nn.Module):
+    """BN-Inception module (Ioffe & Szegedy 2015, Figure 5). stride=2 makes the grid-reduction
+    form (3c, 4e): no 1x1 branch, stride-2 3x3 convs, and a max-pool pass-through."""
+
+    def __init__(self, cin, n1, r3, n3, rd, nd, pool, pp, stride=1):
+        super().__init__()
+        self.stride = stride
+        self.b1 = ConvBNReLU(cin, n1, 1) if n1 else None
+        self.b3 = nn.Sequential(ConvBNReLU(cin, r3, 1), ConvBNReLU(r3, n3, 3, stride, 1))
+        self.bd = nn.Sequential(ConvBNReLU(cin, rd, 1), ConvBNReLU(rd, nd, 3, 1, 1),
+                                ConvBNReLU(nd, nd, 3, stride, 1))
+        self.pool_kind = pool
+        self.bp = ConvBNReLU(cin, pp, 1) if pp else None
+        self.out_channels = n1 + n3 + nd + (pp if pp else cin)
+
+    def forward(self, x):
+        outs = [self.b1(x)] if self.b1 is not None else []
+        outs += [self.b3(x), self.bd(x)]
+        if self.stride == 2:
+            outs.append(_same_max_pool(x, 3, 2))
+        else:
+            # Caffe averages include the zero padding (count_include_pad).
+            p = F.avg_pool2d(x, 3, 1, 1) if self.pool_kind == "avg" else F.max_pool2d(x, 3, 1, 1)
+            outs.append(self.bp(p))
+        return torch.cat(outs, 1)
+
+
+# (1x1, 3x3 reduce, 3x3, double-3x3 reduce, double-3x3, pool, pool proj, stride):
+# Ioffe & Szegedy 2015, Figure 5; same numbers in models/default_googlenet_v2/train_val.prototxt.
+_BN_INCEPTION = [
+    ("3a", (64, 64, 64, 64, 96, "avg", 32, 1)),
+    ("3b", (64, 64, 96, 64, 96, "avg", 64, 1)),
+    ("3c", (0, 128, 160, 64, 96, "max", 0, 2)),
+    ("4a", (224, 64, 96, 96, 128, "avg", 128, 1)),
+    ("4b", (192, 96, 128, 96, 128, "avg", 128, 1)),
+    ("4c", (160, 128, 160, 128, 160, "avg", 128, 1)),
+    ("4d", (96, 128, 192, 160, 192, "avg", 128, 1)),
+    ("4e", (0, 128, 192, 192, 256, "max", 0, 2)),
+    ("5a", (352, 192, 320, 160, 224, "avg", 128, 1)),
+    ("5b", (352, 192, 320, 192, 224, "max", 128, 1)),
+]
+
+
+class BNInception(nn.Module):
+    def __init__(self, num_classes: int, width: float):
+        super().__init__()
+        c = _scaler(width)
+        self.aux_logits = False
+        self.stem = nn.Sequential(
+            ConvBNReLU(3, c(64), 7, stride=2, padding=3),
+            nn.MaxPool2d(3, 2, ceil_mode=True),
+            ConvBNReLU(c(64), c(64), 1),
+            ConvBNReLU(c(64), c(192), 3, padding=1),
+            nn.MaxPool2d(3, 2, ceil_mode=True),
+        )
+        cin, blocks = c(192), []
+        for _, (n1, r3, n3, rd, nd, pool, pp, stride) in _BN_INCEPTION:
+            blk = InceptionV2(cin, c(n1) if n1 else 0, c(r3), c(n3), c(rd), c(nd), pool,
+                              c(pp) if pp else 0, stride)
+            blocks.append(blk)
+            cin = blk.out_channels
+        self.blocks = nn.Sequential(*blocks)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(cin, num_classes)
+        # default_googlenet_v2 fillers: "xavier" weights, BN gamma 1 / beta 0, classifier bias 0.
+        for m in self.modules():
+            if isinstance(m, (nn.Conv2d, nn.Linear)):
+                _caffe_xavier_(m.weight)
+        nn.init.zeros_(self.fc.bias)
+
+    def forward(self, x):
+        x = self.blocks(self.stem(x))
+        return self.fc(torch.flatten(self.pool(x), 1))
+
+
+@register("inception_v2")
+def inception_v2(num_classes: int = 1000, width: float = 1.0, aux_logits: bool = False) -> nn.Module:
+    _check_args("inception_v2", num_classes, width, aux_logits, has_aux=False)
+    return BNInception(num_classes, width)
+
+
+# ----------------------------------------------------------------------------- Inception v3
+
+def _cbr3(cin, cout, kernel, stride=1, padding=0):
+    return ConvBNReLU(cin, cout, kernel, stride, padding, eps=1e-3)
+
+
+def _avg3(x):
+    # TF-"SAME" 3x3/1 average excludes the padding from the count.
+    return F.avg_pool2d(x, 3, 1, 1, count_include_pad=False)
+
+
+class InceptionA(nn.Module):
+    """35x35 module (Mixed_5b-d)."""
+
+    def __init__(self, cin, pool_features, c):
+        super().__init__()
+        self.b1 = _cbr3(cin, c(64), 1)
+        self.b5 = nn.Sequential(_cbr3(cin, c(48), 1), _cbr3(c(48), c(64), 5, padding=2))
+        self.bd = nn.Sequential(_cbr3(cin, c(64), 1), _cbr3(c(64), c(96), 3, padding=1),
+                                _cbr3(c(96), c(96), 3, padding=1))
+        self.bp = _cbr3(cin, pool_features, 1)
+        self.out_channels = c(64) + c(64) + c(96) + pool_features
+
+    def forward(self, x):
+        return torch.cat([self.b1(x), self.b5(x), self.bd(x), self.bp(_avg3(x))], 1)
+
+
+class ReductionA(nn.Module):
+    """35x35 -> 17x17 (Mixed_6a)."""
+
+    def __init__(self, cin, c):
+        super().__init__()
+        self.b3 = _cbr3(cin, c(384), 3, stride=2)
+        self.bd = nn.Sequential(_cbr3(cin, c(64), 1), _cbr3(c(64), c(96), 3, padding=1),
+                                _cbr3(c(96), c(96), 3, stride=2))
+        self.out_channels = c(384) + c(96) + cin
+
+    def forward(self, x):
+        return torch.cat([self.b3(x), self.bd(x), F.max_pool2d(x, 3, 2)], 1)
+
+
+class InceptionC(nn.Module):
+    """17x17 module with factorised 7x7 convolutions (Mixed_6b-e)."""
+
+    def __init__(self, cin, c7, c):
+        super().__init__()
+        o = c(192)
+        self.b1 = _cbr3(cin, o, 1)
+        self.b7 = nn.Sequential(_cbr3(cin, c7, 1), _cbr3(c7, c7, (1, 7), padding=(0, 3)),
+                                _cbr3(c7, o, (7, 1), padding=(3, 0)))
+        self.bd = nn.Sequential(_cbr3(cin, c7, 1),
+                                _cbr3(c7, c7, (7, 1), padding=(3, 0)), _cbr3(c7, c7, (1, 7), padding=(0, 3)),
+                                _cbr3(c7, c7, (7, 1), padding=(3, 0)), _cbr3(c7, o, (1, 7), padding=(0, 3)))
+        self.bp = _cbr3(cin, o, 1)
+        self.out_channels = 4 * o
+
+    def forward(self, x):
+        return torch.cat([self.b1(x), self.b7(x), self.bd(x), self.bp(_avg3(x))], 1)
+
+
+class ReductionB(nn.Module):
+    """17x17 -> 8x8 (Mixed_7a)."""
+
+    def __init__(self, cin, c):
+        super().__init__()
+        self.b3 = nn.Sequential(_cbr3(cin, c(192), 1), _cbr3(c(192), c(320), 3, stride=2))
+        self.b7 = nn.Sequential(_cbr3(cin, c(192), 1), _cbr3(c(192), c(192), (1, 7), padding=(0, 3)),
+                                _cbr3(c(192), c(192), (7, 1), padding=(3, 0)),
+                                _cbr3(c(192), c(192), 3, stride=2))
+        self.out_channels = c(320) + c(192) + cin
+
+    def forward(self, x):
+        return torch.cat([self.b3(x), self.b7(x), F.max_pool2d(x, 3, 2)], 1)
+
+
+class InceptionE(nn.Module):
+    """8x8 module with expanded 1x3/3x1 outputs (Mixed_7b-c)."""
+
+    def __init__(self, cin, c):
+        super().__init__()
+        self.b1 = _cbr3(cin, c(320), 1)
+        self.b3 = _cbr3(cin, c(384), 1)
+        self.b3a = _cbr3(c(384), c(384), (1, 3), padding=(0, 1))
+        self.b3b = _cbr3(c(384), c(384), (3, 1), padding=(1, 0))
+        self.bd = nn.Sequential(_cbr3(cin, c(448), 1), _cbr3(c(448), c(384), 3, padding=1))
+        self.bda = _cbr3(c(384), c(384), (1, 3), padding=(0, 1))
+        self.bdb = _cbr3(c(384), c(384), (3, 1), padding=(1, 0))
+        self.bp = _cbr3(cin, c(192), 1)
+        self.out_channels = c(320) + 4 * c(384) + c(192)
+
+    def forward(self, x):
+        b3, bd = self.b3(x), self.bd(x)
+        return torch.cat([self.b1(x), self.b3a(b3), self.b3b(b3), self.bda(bd), self.bdb(bd),
+                          self.bp(_avg3(x))], 1)
+
+
+class InceptionV3Aux(nn.Module):
+    """Auxiliary head on the 17x17 grid: 5x5/3 avg-pool (17 -> 5), 1x1 conv 128, 5x5 conv 768,
+    classifier (the BN-auxiliary of Szegedy et al. 2016, section 7)."""
+
+    def __init__(self, cin, num_classes, c):
+        super().__init__()
+        self.conv0 = _cbr3(cin, c(128), 1)
+        self.conv1 = _cbr3(c(128), c(768), 5)
+        self.fc = nn.Linear(c(768), num_classes)
+
+    def forward(self, x):
+        x = self.conv1(self.conv0(_pool_to(x, 5, 3, ref_size=17, out=5)))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+class InceptionV3(nn.Module):
+    def __init__(self, num_classes: int, width: float, aux_logits: bool):
+        super().__init__()
+        c = _scaler(width)
+        self.aux_logits = aux_logits
+        self.stem = nn.Sequential(
+            _cbr3(3, c(32), 3, stride=2), _cbr3(c(32), c(32), 3), _cbr3(c(32), c(64), 3, padding=1),
+            nn.MaxPool2d(3, 2),
+            _cbr3(c(64), c(80), 1), _cbr3(c(80), c(192), 3),
+            nn.MaxPool2d(3, 2),
+        )
+        m5b = InceptionA(c(192), c(32), c)
+        m5c = InceptionA(m5b.out_channels, c(64), c)
+        m5d = InceptionA(m5c.out_channels, c(64), c)
+        m6a = ReductionA(m5d.out_channels, c)
+        cin = m6a.out_channels
+        m6 = [InceptionC(cin, c(c7), c) for c7 in (128, 160, 160, 192)]
+        self.mixed_5_6 = nn.Sequential(m5b, m5c, m5d, m6a, *m6)
+        if aux_logits:
+            self.aux = InceptionV3Aux(cin, num_classes, c)
+        m7a = ReductionB(cin, c)
+        m7b = InceptionE(m7a.out_channels, c)
+        m7c = InceptionE(m7b.out_channels, c)
+        self.mixed_7 = nn.Sequential(m7a, m7b, m7c)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.drop = nn.Dropout(0.5)
+        self.fc = nn.Linear(m7c.out_channels, num_classes)
+        # torchvision's initialisation: truncated normal (+-2 std) weights, BN gamma 1 / beta 0.
+        for m in self.modules():
+            if isinstance(m, (nn.Conv2d, nn.Linear)):
+                nn.init.trunc_normal_(m.weight, 0.0, 0.1, -0.2, 0.2)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+        if aux_logits:
+            nn.init.trunc_normal_(self.aux.conv1[0].weight, 0.0, 0.01, -0.02, 0.02)
+            nn.init.trunc_normal_(self.aux.fc.weight, 0.0, 0.001, -0.002, 0.002)
+
+    def forward(self, x):
+        x = self.mixed_5_6(self.stem(x))
+        aux = [self.aux(x)] if (self.training and self.aux_logits) else []
+        x = self.mixed_7(x)
+        logits = self.fc(self.drop(torch.flatten(self.pool(x), 1)))
+        return _aux_output(self, logits, aux)
+
+
+@register("inception_v3")
+def inception_v3(num_classes: int = 1000, width: float = 1.0, aux_logits: bool = True) -> nn.Module:
+    _check_args("inception_v3", num_classes, width, aux_logits, has_aux=True)
+    return InceptionV3(num_classes, width, aux_logits)
+
+
+# ----------------------------------------------------------------------------- pre-act ResNet-50
+
+class PreActBottleneck(nn.Module):
+    """BN-ReLU-conv1x1, BN-ReLU-conv3x3 (stride), BN-ReLU-conv1x1 (x4), plus the shortcut.
+
+    preact="shared": the unit's first BN-ReLU also feeds the projection shortcut (the first unit
+    of a stage, where the shortcut changes shape -- He et al. 2016b, section 3.2 and Figure 5);
+    preact="none": the input is already activated (first unit after the conv1-BN-ReLU stem);
+    preact="residual": identity shortcut, BN-ReLU only on the residual path."""
+
+    def __init__(self, cin, mid, cout, stride, preact):
+        super().__init__()
+        self.preact = preact
+        self.bn1 = nn.BatchNorm2d(cin) if preact != "none" else None
+        self.conv1 = nn.Conv2d(cin, mid, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(mid)
+        self.conv2 = nn.Conv2d(mid, mid, 3, stride, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(mid)
+        self.conv3 = nn.Conv2d(mid, cout, 1, bias=False)
+        self.shortcut = None
+        if preact != "residual":
+            self.shortcut = nn.Conv2d(cin, cout, 1, stride, bias=False)
+
+    def forward(self, x):
+        if self.preact == "residual":
+            shortcut, out = x, F.relu(self.bn1(x))
+        else:
+            out = F.relu(self.bn1(x)) if self.bn1 is not None else x
+            shortcut = self.shortcut(out)
+        out = self.conv1(out)
+        out = self.conv2(F.relu(self.bn2(out)))
+        out = self.conv3(F.relu(self.bn3(out)))
+        return out + shortcut
+
+
+class PreActResNet(nn.Module):
+    def __init__(self, num_classes: int, width: float, depths=(3, 4, 6, 3)):
+        super().__init__()
+        c = _scaler(width)
+        self.aux_logits = False
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, c(64), 7, 2, 3, bias=False), nn.BatchNorm2d(c(64)), nn.ReLU(inplace=True),
+            nn.MaxPool2d(3, 2, 1),
+        )
+        units, cin = [], c(64)
+        for stage, n in enumerate(depths):
+            mid, cout = c(64 * 2 ** stage), c(256 * 2 ** stage)
+            for i in range(n):
+                if i > 0:
+                    units.append(PreActBottleneck(cout, mid, cout, 1, "residual"))
+                else:
+                    units.append(PreActBottleneck(cin, mid, cout, 1 if stage == 0 else 2,
+                                                  "none" if stage == 0 else "shared"))
+            cin = cout
+        self.units = nn.Sequential(*units)
+        # Pre-activation leaves the last unit's sum un-normalised: a final BN-ReLU precedes
+        # the pooling (He et al. 2016b, section 3.2).
+        self.final = nn.Sequential(nn.BatchNorm2d(cin), nn.ReLU(inplace=True))
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(cin, num_classes)
+        # He et al. 2015 ("MSRA") init as in fb.resnet.torch and torchvision; BN gamma 1, beta 0.
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+            elif isinstance(m, nn.BatchNorm2d):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+
+    def forward(self, x):
+        x = self.final(self.units(self.stem(x)))
+        return self.fc(torch.flatten(self.pool(x), 1))
+
+
+@register("resnet50_preact")
+def resnet50_preact(num_classes: int = 1000, width: float = 1.0, aux_logits: bool = False) -> nn.Module:
+    _check_args("resnet50_preact", num_classes, width, aux_logits, has_aux=False)
+    return PreActResNet(num_classes, width)
