@@ -31,7 +31,9 @@ from mpt.wandb_log import WandbLogger
 
 
 class Task(Protocol):
-    """What an experiment provides. Batches are whatever its datasets' default collation yields."""
+    """What an experiment provides. Batches are whatever its datasets' default collation yields.
+    Optional: `shuffle_train = False` keeps samples in order; `state_dict()` / `load_state_dict()`
+    put task state (e.g. recurrent state) into the checkpoint."""
 
     primary_metric: str  # key of evaluate()'s metrics shown in tables, e.g. "top1"
     higher_is_better: bool
@@ -202,7 +204,10 @@ class Run:
             print(f"global batch {t.batch_size} = {self.world} ranks x {self.per_rank} "
                   f"({t.accum_steps} micro-batches of {self.micro})", file=sys.stderr)
         self.train_ds = SeededDataset(train_ds, cfg.seed)
-        self.sampler = EpochSampler(len(train_ds), cfg.seed, True, self.rank, self.world, self.per_rank)
+        # A task whose samples must stay in order (a language model carrying recurrent state across
+        # batches) sets shuffle_train = False.
+        shuffle = getattr(self.task, "shuffle_train", True)
+        self.sampler = EpochSampler(len(train_ds), cfg.seed, shuffle, self.rank, self.world, self.per_rank)
         self.steps_per_epoch = len(self.sampler) // self.per_rank
         if self.steps_per_epoch == 0:
             raise UserError(f"train.batch_size={t.batch_size} is larger than the training set ({len(train_ds)})")
@@ -247,6 +252,8 @@ class Run:
             "rng_cpu": torch.get_rng_state(),
             "rng_cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
             "cell_id": self.cell,
+            # Task state that must survive a restart (e.g. recurrent state carried across batches).
+            "task": self.task.state_dict() if hasattr(self.task, "state_dict") else None,
         }
 
     def save(self) -> None:
@@ -271,6 +278,8 @@ class Run:
         self.recipe.load_state_dict(sd["recipe"])
         self.sched.load_state_dict(sd["sched"])
         self.step, self.wall, self.act_bytes = sd["step"], sd["wall"], sd["act_bytes"]
+        if sd.get("task") is not None and hasattr(self.task, "load_state_dict"):
+            self.task.load_state_dict(sd["task"])
         torch.set_rng_state(sd["rng_cpu"])
         if sd["rng_cuda"] is not None and self.device.type == "cuda":
             torch.cuda.set_rng_state(sd["rng_cuda"], self.device)

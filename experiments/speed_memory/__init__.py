@@ -1,0 +1,1 @@
+"""Speed and memory measurements (benchmarks that print figures; never timed tests)."""
