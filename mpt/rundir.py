@@ -11,9 +11,7 @@ import socket
 import subprocess
 import tempfile
 
-import torch
-
-from mpt.config import REPO
+REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _atomic(path, write) -> None:
@@ -32,8 +30,12 @@ def _atomic(path, write) -> None:
         raise
 
 
+def atomic_write_bytes(path, data: bytes) -> None:
+    _atomic(path, lambda f: f.write(data))
+
+
 def atomic_write_text(path, text: str) -> None:
-    _atomic(path, lambda f: f.write(text.encode()))
+    atomic_write_bytes(path, text.encode())
 
 
 def atomic_write_json(path, obj) -> None:
@@ -41,6 +43,8 @@ def atomic_write_json(path, obj) -> None:
 
 
 def atomic_torch_save(path, obj) -> None:
+    import torch  # late: this module is also used by tools that never load torch (paper_tables)
+
     _atomic(path, lambda f: torch.save(obj, f))
 
 
@@ -69,8 +73,9 @@ def git_info() -> tuple[str, bool]:
         return "unknown", False
 
 
-def env_info(device: torch.device, world_size: int = 1) -> dict:
+def env_info(device, world_size: int = 1) -> dict:
     """What produced a number: code version, libraries, device and the TF32 switches."""
+    import torch
     import torchvision
 
     commit, dirty = git_info()

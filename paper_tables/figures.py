@@ -1,0 +1,503 @@
+"""Figures 2-6 and the loss-scale trajectories, drawn from metrics.jsonl (or wandb history).
+
+Uses matplotlib's object API (Figure + savefig), never pyplot, so no backend or global state is
+touched: it runs headless and inside other programs alike. A figure whose runs do not exist yet is
+returned as missing with the reason, never drawn empty.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import io
+import math
+import re
+
+import numpy as np
+from matplotlib.figure import Figure
+import matplotlib.image
+
+from paper_tables import specs
+from paper_tables.results import Problem, RunResult
+from paper_tables.tables import _variant_key
+
+# FP16's exponent range (section 3): smallest subnormal 2^-24, smallest normal 2^-14, largest
+# finite 65504 < 2^16, so normal exponents run -14..15 and subnormals -24..-15.
+FP16_SUBNORMAL = (-24, -15)
+FP16_NORMAL = (-14, 15)
+MAX_POINTS = 4000  # per curve: keeps the SVGs small; the shape of a training curve survives
+COLORS = {"fp32": "black", "fp16": "tab:orange", "mixed": "tab:blue", "bf16": "tab:green",
+          "fp16_pure": "tab:red"}
+# mpt.numerics' keys first (its "weight"/"act" histograms are of the gradients), then spellings
+# an older or other logger might use.
+HIST_KEYS = {
+    "weight_grad": ("numerics/weight/overall/hist", "numerics/wgrad/overall/hist",
+                    "numerics/weight_grad/overall/hist", "numerics/grad/overall/hist"),
+    "act_grad": ("numerics/act/overall/hist", "numerics/agrad/overall/hist",
+                 "numerics/act_grad/overall/hist", "numerics/activation_grad/overall/hist"),
+}
+HIST_PATTERN = {"weight_grad": re.compile(r"^numerics/.*(wgrad|weight).*/hist$"),
+                "act_grad": re.compile(r"^numerics/.*(agrad|act).*/hist$")}
+ROLE_NAME = {"weight_grad": "weight-gradient", "act_grad": "activation-gradient"}
+
+
+@dataclasses.dataclass
+class FigureResult:
+    spec: specs.FigureSpec
+    profile: str
+    missing: str | None = None  # why it is not drawn
+    notes: list = dataclasses.field(default_factory=list)
+    png: bytes | None = None
+    svg: bytes | None = None
+    problems: list = dataclasses.field(default_factory=list)
+
+    @property
+    def stem(self) -> str:
+        return self.spec.id + specs.profile_suffix(self.profile)
+
+    @property
+    def title(self) -> str:
+        m = re.fullmatch(r"figure(\w+)", self.spec.id)
+        return f"Figure {m.group(1)}: {self.spec.paper['title']}" if m else self.spec.paper["title"]
+
+    @property
+    def label(self) -> str | None:
+        return specs.profile_label(self.profile)
+
+    @property
+    def paper_text(self) -> str:
+        p = self.spec.paper
+        return f"Paper (section {p['section']}): {p['paper']}"
+
+
+def variant_label(v) -> str:
+    prec, impl, scale, tf32 = v
+    base = {"fp32": "FP32", "fp16": "MP, no loss scaling (S=1)", "mixed": "MP",
+            "bf16": "BF16", "fp16_pure": "FP16 weights, no master copy"}.get(prec, prec)
+    if prec == "mixed":
+        base += ", dynamic S" if scale == "dynamic" else (f", S={scale}" if scale is not None else "")
+    elif prec == "fp16_pure" and scale not in (None, 1):
+        base += f", S={scale}"
+    if tf32:
+        base += " (TF32)"
+    if impl and impl != "autocast":
+        base += f" [impl={impl}]"
+    return base
+
+
+def _rank(value, preferred) -> int:
+    return len(preferred) - preferred.index(value) if value in preferred else 0
+
+
+def _seeds(rs) -> str:
+    return ", ".join(f"s{r.seed}" for r in rs)
+
+
+def _thin(x: np.ndarray, y: np.ndarray):
+    if len(x) > MAX_POINTS:
+        idx = np.linspace(0, len(x) - 1, MAX_POINTS).astype(int)
+        return x[idx], y[idx]
+    return x, y
+
+
+def _float_array(values) -> np.ndarray:
+    return np.array([np.nan if v is None else v for v in values], dtype=float)
+
+
+def _candidates(spec: specs.FigureSpec, runs, profile):
+    mine = [r for r in runs if r.profile == profile and (not spec.precisions or r.precision in spec.precisions)]
+    if spec.experiments and not spec.any_experiment:
+        mine = [r for r in mine if r.experiment in spec.experiments]
+    return mine
+
+
+# ----------------------------------------------------------------------------- training curves
+def _curves(spec, runs, profile, problems, notes):
+    """Figures 2a, 4, 5: training loss (or perplexity = exp(loss)) against step, per precision."""
+    ykind = spec.param("y", "loss")
+    groups = collections.defaultdict(list)
+    for r in _candidates(spec, runs, profile):
+        lines = r.lines(problems)
+        if any(v is not None for v in lines.train_loss):
+            groups[(r.experiment, r.model)].append(r)
+    if not groups:
+        where = (" or ".join(spec.experiments) + " runs" if spec.experiments and not spec.any_experiment
+                 else "runs of any experiment")
+        return None, (f"no {where} ({profile} profile) with train losses in precisions "
+                      f"{', '.join(spec.precisions)}")
+
+    def score(key):
+        return (len({r.precision for r in groups[key]}), _rank(key[0], spec.experiments),
+                _rank(key[1], spec.models), key)
+
+    keys = sorted(groups, key=score, reverse=True)
+    if spec.param("single"):
+        keys = keys[:1]
+    elif len(keys) > 4:
+        notes.append(f"{len(keys) - 4} more model(s) not drawn: {', '.join(m for _, m in keys[4:])}")
+        keys = keys[:4]
+    fig = Figure(figsize=(6.4 * min(len(keys), 2), 4.2 * math.ceil(len(keys) / 2)), layout="constrained")
+    axes = fig.subplots(math.ceil(len(keys) / 2), min(len(keys), 2), squeeze=False).ravel()
+    expect = spec.param("expect") or tuple((p, None) for p in spec.precisions)
+    for ax, key in zip(axes, keys):
+        rs = groups[key]
+        variants = sorted({r.variant for r in rs}, key=_variant_key)
+        for i, v in enumerate(variants):
+            color = COLORS.get(v[0]) if sum(w[0] == v[0] for w in variants) == 1 else f"C{i}"
+            vr = [r for r in rs if r.variant == v]
+            for j, r in enumerate(vr):
+                lines = r.lines(problems)
+                x, y = _float_array(lines.train_step), _float_array(lines.train_loss)
+                if ykind == "perplexity":
+                    y = np.exp(np.minimum(y, 700.0))  # exp overflows float64 past ~709
+                x, y = _thin(x, y)
+                label = f"{variant_label(v)} ({len(vr)} seed{'s' if len(vr) > 1 else ''})" if j == 0 else None
+                ax.plot(x, y, color=color, lw=1.0, alpha=0.85, label=label)
+                if r.status == "diverged" and len(x):
+                    ok = np.isfinite(y)
+                    if ok.any():
+                        ax.plot(x[ok][-1], y[ok][-1], "x", color=color, ms=8)
+                ev = [(e.get("step"), e.get("loss")) for e in lines.eval
+                      if isinstance(e.get("loss"), (int, float)) and isinstance(e.get("step"), (int, float))]
+                if spec.param("eval") and ev:
+                    ex, ey = np.array(ev, dtype=float).T
+                    ax.plot(ex, ey, "--", color=color, lw=1.0,
+                            label=f"{variant_label(v)}, eval" if j == 0 else None)
+            notes.append(f"{key[0]}/{key[1]}: {variant_label(v)} from {len(vr)} run(s) ({_seeds(vr)}; "
+                         f"status {', '.join(sorted({r.status for r in vr}))})")
+        for prec, scale in expect:
+            if not any(v[0] == prec and (scale is None or v[2] == scale) for v in variants):
+                want = variant_label((prec, None, scale, False))
+                notes.append(f"{key[0]}/{key[1]}: not run yet: {want}")
+        if ykind == "perplexity":
+            ax.set_yscale("log")
+        ax.set_xlabel("iteration")
+        ax.set_ylabel("training perplexity" if ykind == "perplexity" else "loss (solid: train)")
+        ax.set_title(f"{key[0]} / {key[1]}", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in axes[len(keys):]:
+        ax.set_visible(False)
+    if any(r.status == "diverged" for k in keys for r in groups[k]):
+        notes.append("x marks the last finite point of a diverged run")
+    return fig, None
+
+
+# ----------------------------------------------------------------------------- exponent histograms
+def _bound(line: dict, key: str, which: str):
+    """hist_lo/hist_hi for a histogram key: next to it, else further up its path, else global."""
+    tries = [f"{key}_{which}"]
+    parts = key.split("/")
+    for i in range(len(parts) - 1, 0, -1):
+        tries.append("/".join(parts[:i]) + f"/hist_{which}")
+    tries.append(f"hist_{which}")
+    for k in tries:
+        v = line.get(k)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            return int(v)
+    return None
+
+
+def _parse_hist(line: dict, key: str):
+    """-> ({exponent: count}, None) or (None, why). The contract: a list of counts for the integer
+    exponents hist_lo..hist_hi; also read a wandb Histogram ({"bins", "values"}) or {exp: count}."""
+    h = line[key]
+    if isinstance(h, dict) and isinstance(h.get("bins"), list) and isinstance(h.get("values"), list):
+        lo = round(h["bins"][0])
+        return {lo + i: float(c) for i, c in enumerate(h["values"])}, None
+    if isinstance(h, dict):
+        try:
+            return {int(k): float(c) for k, c in h.items()}, None
+        except (TypeError, ValueError):
+            return None, f"{key}: not a histogram"
+    if not isinstance(h, list) or not all(isinstance(c, (int, float)) for c in h):
+        return None, f"{key}: not a list of counts"
+    lo, hi = _bound(line, key, "lo"), _bound(line, key, "hi")
+    if lo is None:
+        return None, f"{key}: no hist_lo beside it"
+    if hi is not None and len(h) not in (hi - lo + 1, hi - lo):
+        return None, f"{key}: {len(h)} bins do not fit exponents {lo}..{hi}"
+    return {lo + i: float(c) for i, c in enumerate(h)}, None
+
+
+def _hist_keys(line: dict, role: str) -> list[str]:
+    for k in HIST_KEYS[role]:
+        if k in line:
+            return [k]
+    found = sorted(k for k in line if HIST_PATTERN[role].match(str(k)))
+    overall = [k for k in found if "/overall/" in k]
+    return overall[:1] or found  # per-layer histograms sum to the overall one
+
+
+def _zeros(line: dict, key: str):
+    """(zero fraction, values counted) beside a histogram (mpt.numerics: <G>/<L>/frac_zero, count)."""
+    prefix = key.rsplit("/", 1)[0]
+    count = line.get(f"{prefix}/count")
+    count = float(count) if isinstance(count, (int, float)) and not isinstance(count, bool) else None
+    for name in ("frac_zero", "zero_frac", "zero_fraction"):
+        v = line.get(f"{prefix}/{name}")
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return float(v), count
+    return None, None
+
+
+def _line_scale(line: dict, fallback) -> float:
+    s = line.get("numerics/loss_scale")
+    if isinstance(s, (int, float)) and not isinstance(s, bool) and s > 0 and math.isfinite(s):
+        return float(s)
+    return float(fallback) if isinstance(fallback, (int, float)) and fallback > 0 else 1.0
+
+
+def _gather_hist(rs: list[RunResult], role: str, problems: list[Problem], stored: bool = False):
+    """Sum the histograms of every snapshot of these runs. mpt.numerics records true gradients
+    (|g| / S); stored=True shifts each snapshot by log2 of its S, giving what FP16 held during the
+    loss-scaled backward pass (section 3.2)."""
+    total = collections.Counter()
+    zeros = {"fracs": [], "zero": 0.0, "count": 0.0}
+    snapshots, steps, scales, reported = 0, [], set(), set()
+    bands = {"nonzero": 0.0, "under": 0.0, "over": 0.0}
+    for r in rs:
+        for line in r.lines(problems).numerics:
+            for key in _hist_keys(line, role):
+                h, why = _parse_hist(line, key)
+                if h is None:
+                    if (r.where, why) not in reported:
+                        reported.add((r.where, why))
+                        problems.append(r.problem(f"numerics: {why}; not in the histogram"))
+                    continue
+                if stored:
+                    scale = _line_scale(line, r.loss_scale)
+                    scales.add(scale)
+                    shift = int(round(math.log2(scale)))
+                    h = {e + shift: c for e, c in h.items()}
+                total.update(h)
+                snapshots += 1
+                steps.append(line.get("step"))
+                frac, count = _zeros(line, key)
+                if frac is not None and count is not None:
+                    zeros["zero"] += frac * count
+                    zeros["count"] += count
+                elif frac is not None:
+                    zeros["fracs"].append(frac)
+                if stored and bands is not None:
+                    bands = _add_bands(bands, line, key)
+    if stored and (not snapshots or not bands):
+        bands = None
+    return total, snapshots, steps, zeros, scales, bands
+
+
+def _add_bands(acc: dict, line: dict, key: str) -> dict | None:
+    """mpt.numerics' band fractions are of the stored values (true gradient x S) and exact, where
+    a shifted histogram smears its clamped end bins; None once a snapshot lacks them."""
+    prefix = key.rsplit("/", 1)[0]
+    vals = [line.get(f"{prefix}/{k}") for k in ("count", "frac_zero", "frac_underflow", "frac_overflow")]
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
+        return None
+    n, fz, fu, fo = (float(v) for v in vals)
+    return {"nonzero": acc["nonzero"] + n * (1 - fz), "under": acc["under"] + n * fu,
+            "over": acc["over"] + n * fo}
+
+
+def _zero_text(zeros) -> str:
+    if zeros["count"]:
+        return f"; zeros {100 * zeros['zero'] / zeros['count']:.1f}% of all values"
+    if zeros["fracs"]:
+        return f"; zeros {100 * float(np.mean(zeros['fracs'])):.1f}% of all values"
+    return ""
+
+
+def _has_hist(r: RunResult, role: str, problems) -> bool:
+    return any(_hist_keys(line, role) for line in r.lines(problems).numerics)
+
+
+def _draw_hist(ax, hist: collections.Counter, label: str, color: str, mark=()):
+    exps = np.array(sorted(hist))
+    counts = np.array([hist[e] for e in exps], dtype=float)
+    total = counts.sum()
+    pct = 100.0 * counts / total if total else counts
+    ax.axvspan(FP16_SUBNORMAL[0] - 0.5, FP16_SUBNORMAL[1] + 0.5, color="tab:orange", alpha=0.15,
+               label="FP16 subnormal [2^-24, 2^-14)")
+    ax.axvspan(FP16_NORMAL[0] - 0.5, FP16_NORMAL[1] + 0.5, color="tab:green", alpha=0.12,
+               label="FP16 normal [2^-14, 65504]")
+    ax.axvline(FP16_SUBNORMAL[0] - 0.5, color="tab:red", lw=1.2, label="below 2^-24: zero in FP16")
+    ax.axvline(FP16_NORMAL[1] + 0.5, color="tab:purple", lw=1.2, label="above 65504: overflow in FP16")
+    for m in mark:
+        ax.axvline(m - 0.5, color="gray", ls="--", lw=1.0, label=f"2^{m}")
+    ax.bar(exps, pct, width=0.9, color=color, label=label)
+    ax.set_yscale("log")
+    ax.set_ylabel("% of non-zero values")
+    ax.grid(alpha=0.3, axis="y")
+    below = 100.0 * counts[exps < FP16_SUBNORMAL[0]].sum() / total if total else 0.0
+    over = 100.0 * counts[exps > FP16_NORMAL[1]].sum() / total if total else 0.0
+    return below, over
+
+
+def _hist(spec, runs, profile, problems, notes):
+    """Figures 2b and 3: exponent histograms from the numerics lines, FP16's range marked."""
+    role = spec.param("role")
+    mine = [r for r in runs if r.profile == profile and _has_hist(r, role, problems)]
+    if not mine:
+        return None, (f"no {profile}-profile run has {ROLE_NAME[role]} histograms in its numerics "
+                      f"lines (e.g. {HIST_KEYS[role][0]})")
+    groups = collections.defaultdict(list)
+    for r in mine:
+        groups[(r.experiment, r.model, r.variant)].append(r)
+
+    def score(key):  # the paper measured FP32 training of its model (sections 3.1, 3.2)
+        return (key[2][0] in spec.precisions, _rank(key[0], spec.experiments), _rank(key[1], spec.models),
+                -_variant_key(key[2])[0], str(key))
+
+    key = max(groups, key=score)
+    hist, snaps, steps, zeros, _, _ = _gather_hist(groups[key], role, problems)
+    if not hist:
+        return None, f"the {ROLE_NAME[role]} histograms of {key[0]}/{key[1]} could not be read (see problems)"
+    desc = f"{key[0]}/{key[1]}, {variant_label(key[2])}"
+    steps = [s for s in steps if isinstance(s, (int, float))]
+    span = f", steps {min(steps):g}..{max(steps):g}" if steps else ""
+    notes.append(f"Ours: {desc}, {len(groups[key])} run(s) ({_seeds(groups[key])}); "
+                 f"{snaps} histogram snapshot(s) summed{span}; true gradient values (|g| / S); "
+                 "the first and last bins also hold everything beyond them.")
+
+    second = None
+    if spec.param("with_loss_scale"):
+        # The numerics histograms hold true gradients; what FP16 stores in a loss-scaled backward
+        # pass is S times that (section 3.2). Measured S from a loss-scaled run of the same model
+        # if there is one, else the paper's S for SSD.
+        scaled = [k for k in groups if k[:2] == key[:2] and k[2][0] in ("mixed", "fp16_pure")
+                  and k[2][2] is not None and k[2][2] != 1]
+        if scaled:
+            k2 = max(scaled, key=str)
+            h2, _, _, _, scales, bands = _gather_hist(groups[k2], role, problems, stored=True)
+            if h2:
+                srange = f"{min(scales):g}" if len(scales) == 1 else f"{min(scales):g}..{max(scales):g}"
+                second = (h2, f"stored at S = {srange}: {key[0]}/{key[1]}, {variant_label(k2[2])} "
+                              f"({_seeds(groups[k2])})", bands)
+        if second is None:
+            s = spec.paper.get("paper_loss_scale", 8)
+            shift = int(round(math.log2(s)))
+            second = (collections.Counter({e + shift: c for e, c in hist.items()}),
+                      f"ours stored at S = {s} (the paper's; no loss-scaled run with histograms): "
+                      f"shifted by log2(S) = {shift}", None)
+    rows = 2 if second else 1
+    fig = Figure(figsize=(10, 3.6 * rows), layout="constrained")
+    axes = fig.subplots(rows, 1, squeeze=False, sharex=True).ravel()
+    mark = tuple(spec.param("mark", ()))
+    below, over = _draw_hist(axes[0], hist, f"{desc}" + (", no loss scaling" if second else ""), "tab:blue", mark)
+    summary = f"{below:.2f}% of non-zero values below 2^-24, {over:.2f}% above 65504" + _zero_text(zeros)
+    axes[0].set_title(summary, fontsize=9)
+    notes.append(("Without loss scaling: " if second else "") + summary + ".")
+    if second:
+        b2, o2 = _draw_hist(axes[1], second[0], second[1], "tab:cyan", mark)
+        if second[2] and second[2]["nonzero"]:  # exact band counts beat the shifted histogram
+            b2 = 100 * second[2]["under"] / second[2]["nonzero"]
+            o2 = 100 * second[2]["over"] / second[2]["nonzero"]
+        axes[1].set_title(f"with loss scaling: {b2:.2f}% below 2^-24, {o2:.2f}% above 65504", fontsize=9)
+        notes.append(f"With loss scaling ({second[1]}): {b2:.2f}% below 2^-24, {o2:.2f}% above 65504.")
+    axes[-1].set_xlabel(f"log2 |{ROLE_NAME[role]}| (exponent)")
+    for ax in axes:  # outside the axes: a histogram may sit anywhere in the exponent range
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return fig, None
+
+
+# ----------------------------------------------------------------------------- DCGAN samples
+def _natural(p) -> list:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)]
+
+
+def _samples(spec, runs, profile, problems, notes):
+    """Figure 6: the latest sample grid of the newest run of each precision, side by side."""
+    panels = []
+    for prec in spec.precisions:
+        rs = [r for r in _candidates(spec, runs, profile) if r.precision == prec and r.run_dir is not None
+              and r.experiment in spec.experiments]
+        image = None
+        for r in sorted(rs, key=lambda r: r.updated, reverse=True):
+            files = sorted(r.run_dir.glob("samples_*.png"), key=_natural)
+            for f in reversed(files):
+                try:
+                    image = matplotlib.image.imread(f)
+                except Exception as e:  # a half-written PNG: try an older one
+                    problems.append(r.problem(f"{f.name} unreadable ({type(e).__name__}); skipped"))
+                    continue
+                panels.append((f"{variant_label(r.variant)}\n{r.name}/{f.name}", image))
+                notes.append(f"{variant_label(r.variant)}: {r.where}/{f.name} (status {r.status})")
+                break
+            if image is not None:
+                break
+        if image is None:
+            notes.append(f"not run yet (no samples_*.png): {variant_label((prec, None, None, False))}")
+    if not panels:
+        return None, f"no {' or '.join(spec.experiments)} run ({profile} profile) has samples_*.png files"
+    fig = Figure(figsize=(5 * len(panels), 5.4), layout="constrained")
+    for ax, (title, image) in zip(fig.subplots(1, len(panels), squeeze=False).ravel(), panels):
+        ax.imshow(image)
+        ax.set_title(title, fontsize=9)
+        ax.axis("off")
+    return fig, None
+
+
+# ----------------------------------------------------------------------------- loss scale
+def _loss_scale(spec, runs, profile, problems, notes):
+    """S over training for every run with a scaler (dynamic scaling is later practice, section 5)."""
+    by_exp = collections.defaultdict(list)
+    for r in _candidates(spec, runs, profile):
+        s = [v for v in r.lines(problems).train_scale if v is not None and math.isfinite(v)]
+        if s and not all(v == 1 for v in s):
+            by_exp[r.experiment].append(r)
+    if not by_exp:
+        return None, f"no {profile}-profile run logged a loss scale other than 1 (train lines' loss_scale)"
+    exps = sorted(by_exp)
+    cols = min(len(exps), 2)
+    fig = Figure(figsize=(6.4 * cols, 3.8 * math.ceil(len(exps) / cols)), layout="constrained")
+    axes = fig.subplots(math.ceil(len(exps) / cols), cols, squeeze=False).ravel()
+    for ax, exp in zip(axes, exps):
+        rs = sorted(by_exp[exp], key=lambda r: (r.model, _variant_key(r.variant), str(r.seed)))
+        for r in rs:
+            lines = r.lines(problems)
+            x, y = _thin(_float_array(lines.train_step), _float_array(lines.train_scale))
+            skipped = f", {r.skipped_steps} skipped" if r.skipped_steps is not None else ""
+            ax.plot(x, y, lw=1.0, drawstyle="steps-post",  # S changes in jumps
+                    label=f"{r.model} {variant_label(r.variant)} s{r.seed}{skipped}")
+        ax.set_yscale("log", base=2)
+        ax.set_xlabel("iteration")
+        ax.set_ylabel("loss scale S")
+        ax.set_title(exp, fontsize=10)
+        ax.grid(alpha=0.3)
+        if len(rs) <= 10:
+            ax.legend(fontsize=7)
+        else:
+            notes.append(f"{exp}: {len(rs)} runs, legend left out")
+        notes.append(f"{exp}: {len(rs)} run(s)")
+    for ax in axes[len(exps):]:
+        ax.set_visible(False)
+    return fig, None
+
+
+BUILDERS = {"curves": _curves, "exponent_hist": _hist, "samples": _samples, "loss_scale": _loss_scale}
+
+
+def _render(fig: Figure, fmt: str) -> bytes:
+    buf = io.BytesIO()
+    # No dates in the files, so regenerating unchanged results gives unchanged files.
+    meta = {"Date": None} if fmt == "svg" else {"Software": None}
+    fig.savefig(buf, format=fmt, dpi=110, metadata=meta)
+    return buf.getvalue()
+
+
+def build_figure(spec: specs.FigureSpec, runs: list[RunResult], profile: str,
+                 problems: list[Problem]) -> FigureResult:
+    res = FigureResult(spec, profile)
+    local: list[Problem] = []
+    try:
+        fig, res.missing = BUILDERS[spec.kind](spec, runs, profile, local, res.notes)
+        if fig is not None:
+            label = specs.profile_label(profile)
+            if label:
+                fig.suptitle(label, color="tab:red", fontsize=10, fontweight="bold")
+            res.png, res.svg = _render(fig, "png"), _render(fig, "svg")
+    except Exception as e:  # results we did not foresee must not stop the other figures
+        res.missing = f"could not be drawn ({type(e).__name__}: {e}); see problems"
+        res.png = res.svg = None
+        local.append(Problem(spec.id, f"drawing failed: {type(e).__name__}: {e}", None, profile))
+    res.problems = local
+    problems.extend(p for p in local if str(p) not in {str(q) for q in problems})
+    return res

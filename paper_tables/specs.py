@@ -1,0 +1,117 @@
+"""The registry of tables and figures: one small spec each, so a new experiment plugs in with a spec
+line (and, for a table, the paper's numbers in paper_numbers.yaml) instead of new code."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import pathlib
+import re
+
+import yaml
+
+PAPER_NUMBERS = pathlib.Path(__file__).with_name("paper_numbers.yaml")
+
+TINY_LABEL = "TINY PROFILE (CPU smoke data, not comparable to the paper)"
+STATUSES = ("completed", "running", "interrupted", "diverged", "failed")
+# Orders columns and legends: the paper's three modes first (section 4), then later practice.
+PRECISION_ORDER = ("fp32", "fp16", "mixed", "bf16", "fp16_pure")
+# Precisions that run without a loss scaler: their loss_scale setting means nothing, so it must not
+# split a cell (BF16 has FP32's exponent range; "Later practice" in the fact sheet).
+NO_SCALER = ("fp32", "bf16")
+
+
+@dataclasses.dataclass(frozen=True)
+class TableSpec:
+    id: str
+    experiment: str
+    metric: tuple[str, ...]  # candidate keys of summary["metrics"], first found wins
+    higher_is_better: bool
+    decimals: int
+    metric_scale: float = 1.0  # multiply ours by this to reach the paper's unit (percent)
+
+    @property
+    def paper(self) -> dict:
+        return paper_numbers()["tables"][self.id]
+
+
+@dataclasses.dataclass(frozen=True)
+class FigureSpec:
+    id: str
+    kind: str  # which builder in paper_tables.figures draws it
+    experiments: tuple[str, ...] = ()  # in order of preference; () = any known experiment
+    any_experiment: bool = False  # fall back to any experiment when the preferred have nothing
+    models: tuple[str, ...] = ()  # preferred models (the paper's), in order
+    precisions: tuple[str, ...] = ()
+    params: tuple[tuple[str, object], ...] = ()  # kind-specific settings, as pairs to stay hashable
+
+    def param(self, name, default=None):
+        return dict(self.params).get(name, default)
+
+    @property
+    def paper(self) -> dict:
+        return paper_numbers()["figures"][self.id]
+
+
+TABLES: tuple[TableSpec, ...] = (
+    TableSpec("table1", "ilsvrc_cnns", ("top1",), higher_is_better=True, decimals=2),
+    TableSpec("table2", "voc_detection", ("mAP", "map"), higher_is_better=True, decimals=1),
+    TableSpec("table3", "deepspeech2", ("cer", "CER"), higher_is_better=False, decimals=2),
+)
+
+FIGURES: tuple[FigureSpec, ...] = (
+    # Figure 2a: the master-copy ablation was run on the Mandarin speech model (section 3.1).
+    FigureSpec("figure2a", "curves", experiments=("deepspeech2",), any_experiment=True,
+               models=("mandarin", "english"), precisions=("fp32", "mixed", "fp16_pure"),
+               params=(("single", True), ("y", "loss"), ("eval", True))),
+    FigureSpec("figure2b", "exponent_hist", experiments=("deepspeech2",), any_experiment=True,
+               models=("mandarin", "english"), precisions=("fp32",),
+               params=(("role", "weight_grad"),)),
+    # Figure 3 is SSD's activation gradients (section 3.2); S = 8 is what SSD needed.
+    FigureSpec("figure3", "exponent_hist", experiments=("voc_detection",), any_experiment=True,
+               models=("ssd300_vgg16",), precisions=("fp32",),
+               params=(("role", "act_grad"), ("with_loss_scale", True), ("mark", (-27,)))),
+    FigureSpec("figure4", "curves", experiments=("wmt_translation",), precisions=("fp32", "fp16", "mixed"),
+               params=(("y", "perplexity"),)),
+    FigureSpec("figure5", "curves", experiments=("lm_biglstm",), precisions=("fp32", "fp16", "mixed"),
+               params=(("y", "perplexity"), ("expect", (("fp32", None), ("fp16", None), ("mixed", 128))))),
+    FigureSpec("figure6", "samples", experiments=("dcgan",), precisions=("fp32", "mixed")),
+    FigureSpec("loss_scale", "loss_scale", any_experiment=True, precisions=("mixed", "fp16_pure", "fp16")),
+)
+
+# Experiments with no table or figure of their own whose runs are still results (Figure 2a, the
+# loss-scale plot and the histograms take any experiment).
+OTHER_EXPERIMENTS: tuple[str, ...] = ()
+
+
+@functools.cache
+def paper_numbers() -> dict:
+    return yaml.safe_load(PAPER_NUMBERS.read_text())
+
+
+def known_experiments() -> tuple[str, ...]:
+    names = [t.experiment for t in TABLES] + [e for f in FIGURES for e in f.experiments]
+    return tuple(dict.fromkeys(names + list(OTHER_EXPERIMENTS)))
+
+
+def model_aliases() -> dict[tuple[str, str], str]:
+    """(experiment, alias) -> the table row's model name (Table 3: ds2_english -> english)."""
+    out = {}
+    for t in TABLES:
+        for row in t.paper["rows"]:
+            for alias in row.get("aliases", []):
+                out[(t.experiment, alias)] = row["model"]
+    return out
+
+
+def profile_label(profile: str) -> str | None:
+    """The banner on every table and figure that is not the paper's setup (None for "paper")."""
+    if profile == "paper":
+        return None
+    if profile == "tiny":
+        return TINY_LABEL
+    return f"{profile.upper()} PROFILE (not the paper's setup, not comparable to the paper)"
+
+
+def profile_suffix(profile: str) -> str:
+    # The profile comes from run files: keep only characters that are safe in a file name.
+    return "" if profile == "paper" else "_" + re.sub(r"[^A-Za-z0-9_-]", "_", profile)
