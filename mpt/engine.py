@@ -32,8 +32,10 @@ from mpt.wandb_log import WandbLogger
 
 class Task(Protocol):
     """What an experiment provides. Batches are whatever its datasets' default collation yields.
-    Optional: `shuffle_train = False` keeps samples in order; `state_dict()` / `load_state_dict()`
-    put task state (e.g. recurrent state) into the checkpoint."""
+    Optional: `shuffle_train = False` keeps samples in order (the train dataset may then define
+    `set_epoch(epoch)`); `state_dict()` / `load_state_dict()` put task state (e.g. recurrent state)
+    into the checkpoint; `param_groups(model, cfg)` returns torch optimizer param groups (per-group
+    settings, and an optional per-group "clip_grad_norm")."""
 
     primary_metric: str  # key of evaluate()'s metrics shown in tables, e.g. "top1"
     higher_is_better: bool
@@ -95,12 +97,46 @@ def build_optimizer(o, params) -> torch.optim.Optimizer:
         cls = torch.optim.Adam if name == "adam" else torch.optim.AdamW
         return cls(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
     if name == "adagrad":
-        return torch.optim.Adagrad(params, lr=o.lr, weight_decay=o.weight_decay, eps=o.eps,
-                                   initial_accumulator_value=o.initial_accumulator_value)
+        return _Adagrad(params, lr=o.lr, weight_decay=o.weight_decay, eps=o.eps,
+                        initial_accumulator_value=o.initial_accumulator_value)
     if name == "rmsprop":
         return torch.optim.RMSprop(params, lr=o.lr, alpha=o.alpha, eps=o.eps, momentum=o.momentum,
                                    weight_decay=o.weight_decay)
     raise UserError(f"unknown optimizer optim.name={o.name!r}; choose one of: sgd, adam, adamw, adagrad, rmsprop")
+
+
+class _Adagrad(torch.optim.Adagrad):
+    """torch's Adagrad with its state created at the first step instead of in __init__, from each
+    param group's own initial_accumulator_value. torch fills the state eagerly with the constructor's
+    value, so impl=paper could not swap in its FP32 master copies (it wraps optimizers before their
+    first step) and groups could not start from different accumulators."""
+
+    def __init__(self, params, **kw):
+        super().__init__(params, **kw)
+        self.state.clear()
+        # A pre-hook, not an overridden step(): torch wraps step() to run hooks, and an override calling
+        # an already-wrapped Adagrad.step would run every step hook twice.
+        self.register_step_pre_hook(_adagrad_lazy_state)
+
+
+@torch.no_grad()
+def _adagrad_lazy_state(opt, args, kwargs) -> None:
+    for g in opt.param_groups:
+        for p in g["params"]:
+            if p.grad is not None and len(opt.state[p]) == 0:
+                opt.state[p]["step"] = torch.tensor(0.0)
+                opt.state[p]["sum"] = torch.full_like(p, g["initial_accumulator_value"],
+                                                      memory_format=torch.preserve_format)
+
+
+def _clip_groups(optimizer, args, kwargs) -> None:
+    """Optimizer step pre-hook: clip each param group that names its own clip_grad_norm (e.g. only a
+    language model's LSTM weights). It runs inside optimizer.step(), i.e. after every recipe has
+    unscaled the gradients and skipped overflowing steps, so the norm is of the true gradients."""
+    for g in optimizer.param_groups:
+        if g.get("clip_grad_norm", 0) > 0:
+            torch.nn.utils.clip_grad_norm_([p for p in g["params"] if p.grad is not None], g["clip_grad_norm"],
+                                           foreach=True)
 
 
 def lr_factor(s, epoch: float, total_epochs: float) -> float:
@@ -214,7 +250,10 @@ class Run:
         self.total_steps = t.max_steps or max(1, round(t.epochs * self.steps_per_epoch))
         self.total_epochs = self.total_steps / self.steps_per_epoch
         self.eval_every = max(1, round(t.eval_every_epochs * self.steps_per_epoch))
-        lkw = dict(num_workers=t.num_workers, pin_memory=self.device.type == "cuda")
+        # Each DataLoader iterator draws a worker seed when created (every epoch, every evaluation, at
+        # resume); from its own generator, not the global RNG that dropout uses, so resume stays exact.
+        lkw = dict(num_workers=t.num_workers, pin_memory=self.device.type == "cuda",
+                   generator=torch.Generator().manual_seed(cfg.seed))
         self.train_loader = DataLoader(self.train_ds, batch_size=self.micro, sampler=self.sampler, drop_last=True, **lkw)
         self.val_loader = DataLoader(val_ds, batch_size=max(self.micro, 1), shuffle=False,
                                      sampler=EpochSampler(len(val_ds), 0, False, self.rank, self.world, drop_last=False), **lkw)
@@ -222,7 +261,12 @@ class Run:
         model = self.task.build_model(cfg).to(self.device)
         if cfg.channels_last:
             model = model.to(memory_format=torch.channels_last)
-        self.optimizer = build_optimizer(cfg.optim, model.parameters())
+        # A task may split the parameters into groups with their own optimizer settings (torch param
+        # groups), and give a group its own "clip_grad_norm" (applied by _clip_groups).
+        params = self.task.param_groups(model, cfg) if hasattr(self.task, "param_groups") else model.parameters()
+        self.optimizer = build_optimizer(cfg.optim, params)
+        if any(g.get("clip_grad_norm", 0) > 0 for g in self.optimizer.param_groups):
+            self.optimizer.register_step_pre_hook(_clip_groups)
         self.recipe = precision.build(cfg, self.device)
         self.model = self.recipe.prepare(model, [self.optimizer])
         # The schedule is a function of *applied* updates: a step skipped for overflow (3.2) does not
@@ -299,6 +343,9 @@ class Run:
             epoch, within = divmod(self.step, self.steps_per_epoch)
             self.sampler.set_epoch(epoch, start=within * self.per_rank)
             self.train_ds.set_epoch(epoch)
+            # An ordered dataset may lay out its samples differently each epoch (a language model's
+            # token streams with the shard order reshuffled every pass).
+            getattr(self.train_ds.base, "set_epoch", lambda e: None)(epoch)
             for b in self.train_loader:
                 yield epoch, b
 

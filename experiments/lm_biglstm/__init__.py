@@ -1,0 +1,9 @@
+"""Figure 5: the bigLSTM language model on the One Billion Word benchmark, FP32 vs FP16 without loss
+scaling vs loss scale 128 (paper section 4.5)."""
+from experiments.lm_biglstm.task import Task, TaskCfg  # noqa: F401
+
+
+def main(overrides: list[str]) -> dict:
+    from mpt.engine import main as _main
+
+    return _main("lm_biglstm", overrides)

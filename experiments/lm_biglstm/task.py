@@ -1,0 +1,166 @@
+"""Task glue for Figure 5: token-stream windows of the One Billion Word benchmark, the bigLSTM with
+its recurrent state carried across batches (truncated back-propagation through time), the sampled
+softmax in training and test perplexity with the full softmax.
+
+Training loss, as the reference code defines it (rafaljozefowicz/lm and NVIDIA's okuchaiev/f-lm,
+language_model.py): the per-token NLL of the sampled softmax, multiplied by num_steps before the
+backward pass (the sum over the window's 20 steps, averaged over the batch), with the embedding
+gradient further multiplied by the per-GPU batch, only the LSTM gradients clipped by their global
+norm, and Adagrad starting from an accumulator of 1. We reproduce each piece:
+- x num_steps: _ScaleGrad multiplies the gradient, not the value, so the engine still logs the mean
+  NLL per token and exp(loss) is the training perplexity of Figure 5. The FP16 gradients see the same
+  magnitudes as in the reference (this matters for where they underflow without loss scaling).
+- x per-GPU batch on the embedding gradient: for Adagrad, multiplying a gradient by c is the same as
+  dividing the initial accumulator by c^2 (update = lr g / sqrt(a/c^2 + sum g^2)), so the embedding
+  group starts from initial_accumulator_value / emb_grad_scale^2 and its gradients are untouched.
+- LSTM-only clipping: the LSTM param group carries its own clip_grad_norm (mpt.engine._clip_groups).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from mpt.config import infra
+from mpt.errors import UserError
+
+
+@dataclass
+class TaskCfg:
+    data_root: str = infra("data/lm1b")  # output of `python -m data_prep.lm1b`
+    num_steps: int = 20  # truncated back-propagation window (Jozefowicz et al.: 20)
+    num_sampled: int = 8192  # negatives of the sampled softmax; 0 = full softmax in training too
+    num_layers: int = 2
+    dropout: float = 0.1  # keep_prob 0.9 on the embeddings and after every LSTM layer
+    forget_bias: float = 1.0
+    loss_sum_over_steps: bool = True  # gradient of the window's summed NLL (reference: loss x num_steps)
+    emb_grad_scale: float = 256.0  # reference multiplies embedding gradients by the per-GPU batch (1024 / 4)
+    lstm_clip_norm: float = 1.0  # global norm of the LSTM gradients only (f-lm BIGLSTM: max_grad_norm=1)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity in value, gradient multiplied by `scale`."""
+
+    @staticmethod
+    def forward(ctx, x, scale: float):
+        ctx.scale = scale
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+class Task:
+    primary_metric = "ppl"
+    higher_is_better = False
+    # Windows must come in order: batch row r continues stream r (data_prep/lm1b/dataset.py).
+    shuffle_train = False
+
+    def __init__(self):
+        # Recurrent state per stream, FP32, one table per kind ("train" / "eval") and layer:
+        # [(h [S, P], c [S, H]), ...]. Train state survives checkpoints; eval state restarts with each
+        # evaluation (window 0 resets a stream's state).
+        self._tables: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._loaded: list | None = None
+
+    # -- data and model -----------------------------------------------------------------------------
+    def datasets(self, cfg):
+        from data_prep.lm1b.dataset import Prepared, StreamWindows, TokenStream
+
+        c, t = cfg.task, cfg.train
+        data = Prepared(c.data_root)
+        self.vocab_size = len(data.vocab)
+        if t.batch_size % t.accum_steps:
+            raise UserError(f"train.batch_size={t.batch_size} must divide by train.accum_steps={t.accum_steps}")
+        # One stream per row of a global batch: S = batch_size for training, batch_size / accum_steps for
+        # evaluation (the engine evaluates in micro-batches); see dataset.py for why this continues streams.
+        self.streams = {"train": t.batch_size, "eval": t.batch_size // t.accum_steps}
+        train = StreamWindows(TokenStream(data.shards("train")), self.streams["train"], c.num_steps, data.bos,
+                              shuffle_seed=cfg.seed)
+        test = StreamWindows(TokenStream(data.shards("test")), self.streams["eval"], c.num_steps, data.bos,
+                             align=True, pad=True)
+        return train, test
+
+    def build_model(self, cfg):
+        import models
+
+        c = cfg.task
+        if c.num_sampled >= self.vocab_size:
+            raise UserError(f"task.num_sampled={c.num_sampled} must be below the vocabulary size "
+                            f"({self.vocab_size:,}); use task.num_sampled=0 for the full softmax")
+        model = models.build(cfg.model, vocab_size=self.vocab_size, width=cfg.width, num_sampled=c.num_sampled,
+                             num_layers=c.num_layers, dropout=c.dropout, forget_bias=c.forget_bias)
+        self.dims = (len(model.lstm), model.proj_size, model.hidden_size)
+        self.num_steps, self.sum_steps = c.num_steps, c.loss_sum_over_steps
+        return model
+
+    def param_groups(self, model, cfg):
+        c = cfg.task
+        if c.emb_grad_scale <= 0:
+            raise UserError(f"task.emb_grad_scale={c.emb_grad_scale} must be positive")
+        groups = [
+            {"params": [model.embedding.weight],
+             "initial_accumulator_value": cfg.optim.initial_accumulator_value / c.emb_grad_scale ** 2},
+            {"params": list(model.lstm.parameters()), "clip_grad_norm": c.lstm_clip_norm},
+            {"params": list(model.softmax.parameters())},
+        ]
+        assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))
+        return groups
+
+    # -- recurrent state ----------------------------------------------------------------------------
+    def _table(self, kind: str, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        tab = self._tables.get(kind)
+        if tab is None or tab[0][0].device != torch.device(device):
+            layers, P, H = self.dims
+            S = self.streams[kind]
+            if kind == "train" and self._loaded is not None:
+                tab = [(h.to(device), c.to(device)) for h, c in self._loaded]
+                self._loaded = None
+            else:
+                tab = [(torch.zeros(S, P, device=device), torch.zeros(S, H, device=device)) for _ in range(layers)]
+            self._tables[kind] = tab
+        return tab
+
+    def _state(self, kind: str, batch) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        stream, fresh = batch["stream"], (batch["window"] == 0)[:, None]
+        return [(torch.where(fresh, 0.0, h[stream]), torch.where(fresh, 0.0, c[stream]))
+                for h, c in self._table(kind, stream.device)]
+
+    @torch.no_grad()
+    def _keep(self, kind: str, batch, new) -> None:
+        # Detached: back-propagation is truncated at the window boundary, the state itself carries on.
+        for (h, c), (hn, cn) in zip(self._table(kind, batch["stream"].device), new):
+            h[batch["stream"]] = hn.detach().float()
+            c[batch["stream"]] = cn.detach().float()
+
+    def state_dict(self) -> dict:
+        tab = self._tables.get("train")
+        return {"train": None if tab is None else [[h.cpu(), c.cpu()] for h, c in tab]}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if sd.get("train") is not None:
+            self._loaded = [(h, c) for h, c in sd["train"]]
+            self._tables.pop("train", None)
+
+    # -- training and evaluation --------------------------------------------------------------------
+    def loss(self, model, batch):
+        mask = batch["mask"]
+        nll, new = model(batch["x"], batch["y"], mask, self._state("train", batch))
+        self._keep("train", batch, new)
+        n = int(mask.sum())
+        loss = nll.sum() / max(n, 1)
+        if self.sum_steps:
+            loss = _ScaleGrad.apply(loss, float(self.num_steps))
+        return loss, n
+
+    def eval_sums(self, model, batch):
+        mask = batch["mask"]
+        nll, new = model(batch["x"], batch["y"], mask, self._state("eval", batch))
+        self._keep("eval", batch, new)
+        return {"nll": float(nll.sum()), "n": int(mask.sum())}
+
+    def eval_metrics(self, s):
+        nll = s.get("nll", float("nan")) / max(s.get("n", 0), 1)
+        return {"ppl": math.exp(min(nll, 700.0)), "nll": nll}
