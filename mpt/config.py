@@ -2,7 +2,8 @@
 
 Resolution order (later wins):
     dataclass defaults  <  experiments/<name>/config.yaml `base:`  <  `models: {<model>: ...}`
-    <  `profiles: {<profile>: ...}`  <  command-line `key=value` overrides (dotted keys).
+    <  `profiles: {<profile>: ...}`  <  `profiles: {<profile>: {models: {<model>: ...}}}`
+    <  command-line `key=value` overrides (dotted keys).
 
 An unknown key or a value of the wrong type is a one-line UserError. The resolved config is saved
 with every run (config.yaml in the run directory) and hashed into the run's content id.
@@ -249,7 +250,10 @@ def resolve(experiment: str, overrides: list[str] | tuple = ()) -> Config:
     profiles = spec.get("profiles") or {}
     if profile != "paper" and profile not in profiles:
         raise UserError(f"unknown profile {profile!r}; choose one of: paper, {', '.join(profiles)}")
-    apply_mapping(cfg, profiles.get(profile), f"experiments/{experiment}/config.yaml profiles.{profile}")
+    prof = dict(profiles.get(profile) or {})
+    per_model = prof.pop("models", None) or {}  # a profile may adjust single models too
+    apply_mapping(cfg, prof, f"experiments/{experiment}/config.yaml profiles.{profile}")
+    apply_mapping(cfg, per_model.get(model), f"experiments/{experiment}/config.yaml profiles.{profile}.models.{model}")
     for k, v in pairs:
         set_key(cfg, k, v, where="command line")
     validate(cfg)

@@ -360,8 +360,8 @@ class Run:
         for i, b in enumerate(micro_batches):
             b = _to_device(b, self.device, cfg.channels_last)
             sync = contextlib.nullcontext() if (self.world == 1 or i == k - 1) else self.ddp.no_sync()
-            meter = SavedTensorBytes(self.model)
-            with sync, (meter.measure() if measure and i == 0 else contextlib.nullcontext()):
+            meter = SavedTensorBytes(self.model) if measure and i == 0 else None
+            with sync, (meter.measure() if meter is not None else contextlib.nullcontext()):
                 with recipe.autocast():
                     loss, items = self.task.loss(self.ddp, b)
                 recipe.backward(loss / k)
@@ -404,6 +404,16 @@ class Run:
         self.model.train()
         return self.task.eval_metrics(sums)
 
+    def agree(self, loss: float) -> tuple[float, bool]:
+        """With DDP, every rank must see the same mean loss (logged: the global batch's loss; and
+        the divergence rule) and the same stop decision (a signal reaches ranks at different steps;
+        a rank leaving early would hang the others in all-reduce). One small all-reduce per step."""
+        if self.world == 1:
+            return loss, STOP.reason is not None
+        t = torch.tensor([loss, 1.0 if STOP.reason is not None else 0.0], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return t[0].item() / self.world, t[1].item() > 0
+
     def loop(self) -> dict:
         cfg, t = self.cfg, self.cfg.train
         self.model.train()
@@ -418,12 +428,10 @@ class Run:
         bad, metrics, last_eval, throughput = 0, {}, -1, None
         it = self.batches()
         while self.step < self.total_steps:
-            if STOP.reason is not None:
-                self.save()
-                return self.finish("interrupted", metrics, throughput, error=f"stopped: {STOP.reason}")
             micro = [next(it)[1] for _ in range(t.accum_steps)]
             loss, n, applied, stats = self.train_step(micro)
             self.step += 1
+            loss, stop = self.agree(loss)
             bad = bad + 1 if not math.isfinite(loss) else 0
             win_loss += loss if math.isfinite(loss) else 0.0
             win_n, win_steps = win_n + n, win_steps + 1
@@ -459,6 +467,11 @@ class Run:
             if (due_time or due_step or self.step % self.eval_every == 0) and self.step < self.total_steps:
                 self.save()
                 self.write_summary(step=self.step, metrics=metrics)
+            # Checked after a step, so a process always makes progress before it can be stopped
+            # (a job signalled at every start would otherwise requeue forever).
+            if stop and self.step < self.total_steps:
+                self.save()
+                return self.finish("interrupted", metrics, throughput, error=f"stopped: {STOP.reason or 'another rank'}")
         if bar is not None:
             bar.close()
         if last_eval != self.step:

@@ -43,7 +43,11 @@ from mpt.errors import UserError
 
 PRECISIONS = ("fp32", "fp16", "mixed", "bf16", "fp16_pure")
 IMPLS = ("autocast", "paper")
-_NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm)
+# Norm layers keep FP32 parameters and statistics; their kernels read FP16 input with FP32
+# parameters and reduce in FP32 (section 3.3), so no FP32 copy of the activation is made or saved.
+_NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm)
+# Layers with no FP16 kernel on some devices: computed in FP32 on a cast of their input.
+_FP32_COMPUTE = (nn.LocalResponseNorm,)
 # Optimizers whose step needs a closure or sparse gradients: the master-weight swap cannot wrap them.
 _UNWRAPPABLE = (torch.optim.LBFGS, torch.optim.SparseAdam)
 
@@ -277,7 +281,7 @@ def _cast_floats(obj, dtype):
 
 def convert_model(model: nn.Module, dtype: torch.dtype) -> list:
     """Store the model in `dtype` (section 3): every parameter and floating buffer, except norm
-    layers, which keep FP32 parameters and statistics and compute in FP32 on FP16 inputs (3.3).
+    layers, which keep FP32 parameters and statistics and reduce in FP32 on FP16 inputs (3.3).
     Inputs are cast to `dtype` on entry; outputs are cast to FP32 so that softmax and the loss
     reduce in FP32 (3.3). Returns the hook handles."""
     model.to(dtype)
@@ -285,6 +289,7 @@ def convert_model(model: nn.Module, dtype: torch.dtype) -> list:
     for m in model.modules():
         if isinstance(m, _NORMS):
             m.float()
+        elif isinstance(m, _FP32_COMPUTE):
             handles.append(m.register_forward_pre_hook(lambda mod, args: _cast_floats(args, torch.float32)))
             handles.append(m.register_forward_hook(lambda mod, args, out: _cast_floats(out, dtype)))
     handles.append(model.register_forward_pre_hook(

@@ -24,6 +24,11 @@ class TaskCfg:
     augment: str = "caffe"
     aux_weight: float = -1.0  # -1: the model's published default (models.imagenet_cnns.AUX_WEIGHTS)
     label_smoothing: float = 0.0
+    dropout: float = -1.0  # -1: each model's published rate; 0 turns dropout off (e.g. DDP equivalence checks)
+    # reference: each model's published initialisation. kaiming: He-normal (fan-in) weights and zero
+    # biases -- for the tiny profile, where the Caffe models' fixed-std Gaussians (std 0.01, designed
+    # for full width) shrink the signal of a 1/16-width net to nothing and it never leaves chance.
+    init: str = "reference"
 
 
 def transforms(c: TaskCfg, train: bool):
@@ -60,7 +65,20 @@ class Task:
         self.aux_weight = cfg.task.aux_weight if cfg.task.aux_weight >= 0 else AUX_WEIGHTS.get(cfg.model, 0.0)
         self.label_smoothing = cfg.task.label_smoothing
         kw = {"aux_logits": self.aux_weight > 0} if cfg.model in AUX_WEIGHTS else {}
-        return models.build(cfg.model, num_classes=self.num_classes, width=cfg.width, **kw)
+        model = models.build(cfg.model, num_classes=self.num_classes, width=cfg.width, **kw)
+        if cfg.task.init == "kaiming":
+            for m in model.modules():
+                if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear)):
+                    torch.nn.init.kaiming_normal_(m.weight, nonlinearity="relu")
+                    if m.bias is not None:
+                        torch.nn.init.zeros_(m.bias)
+        elif cfg.task.init != "reference":
+            raise UserError(f"unknown task.init={cfg.task.init!r}; choose one of: reference, kaiming")
+        if cfg.task.dropout >= 0:
+            for m in model.modules():
+                if isinstance(m, torch.nn.Dropout):
+                    m.p = cfg.task.dropout
+        return model
 
     def loss(self, model, batch):
         x, y = batch

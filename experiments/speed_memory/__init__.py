@@ -1,1 +1,116 @@
-"""Speed and memory measurements (benchmarks that print figures; never timed tests)."""
+"""Speed and memory of every registered model in every precision (paper section 3: memory "roughly
+halved", FP16 math 2-8x FP32), measured ahead of the published figures. Benchmarks that write
+results files; never timed tests.
+
+    python -m experiments.speed_memory [models=all] [precisions=fp32,tf32,fp16,mixed,bf16,fp16_pure]
+        [impls=autocast,paper] [batch=256] [size=auto] [width=1.0] [steps=20] [warmup=5] [device=auto]
+        [channels_last=false] [compile=false] [fused=false] [cudnn_benchmark=true] [kernels=true]
+        [overhead=resnet50_preact] [overhead_rounds=5] [out=experiments/speed_memory/results] [tag=]
+
+Programmatic: `experiments.speed_memory.main(["models=alexnet", ...]) -> dict` (the JSON written).
+See README.md for what is measured and how, and the results schema.
+"""
+from __future__ import annotations
+
+import shlex
+import sys
+
+import torch
+
+DEFAULTS = {
+    "models": "all", "precisions": "fp32,tf32,fp16,mixed,bf16,fp16_pure", "impls": "autocast,paper",
+    "batch": 256, "size": "auto", "width": 1.0, "steps": 20, "warmup": 5, "device": "auto",
+    "channels_last": False, "compile": False, "fused": False, "cudnn_benchmark": True, "kernels": True,
+    "overhead": "resnet50_preact", "overhead_rounds": 5, "out": "experiments/speed_memory/results", "tag": "",
+}
+
+
+def _check(o: dict) -> None:
+    from mpt.errors import UserError
+
+    if o["batch"] < 1:
+        raise UserError(f"batch={o['batch']} must be >= 1")
+    if o["steps"] < 0 or o["warmup"] < 0 or o["overhead_rounds"] < 1:
+        raise UserError("steps and warmup must be >= 0 (steps=0: memory only) and overhead_rounds >= 1")
+    if o["width"] <= 0:
+        raise UserError(f"width={o['width']} must be > 0 (1.0 = the paper's network)")
+    if o["size"] != "auto":
+        try:
+            ok = int(o["size"]) >= 32
+        except ValueError:
+            ok = False
+        if not ok:
+            raise UserError(f"size={o['size']!r}: give an input size in pixels (>= 32) or auto (each model's own)")
+    if o["tag"] and not o["tag"].replace("-", "").replace("_", "").isalnum():
+        raise UserError(f"tag={o['tag']!r}: use letters, digits, - and _ only (it becomes part of a file name)")
+
+
+def main(overrides: list[str]) -> dict:
+    from experiments.speed_memory import bench, engine_overhead, report
+    from mpt.rundir import now
+
+    o = bench.parse_options(list(overrides), DEFAULTS, "experiments.speed_memory")
+    _check(o)
+    names, skipped_models = bench.resolve_models(o["models"])
+    precisions = bench.resolve_list(o["precisions"], bench.PRECISIONS, "precisions")
+    impls = bench.resolve_list(o["impls"], ("autocast", "paper"), "impls")
+    if "fp32" not in precisions:  # every ratio is to FP32 of the same run
+        precisions.insert(0, "fp32")
+        print("note: fp32 added to precisions: ratios are computed against FP32 of the same run", file=sys.stderr)
+    device = bench.pick_device(o["device"])
+    if o["overhead"] not in ("none", *bench.WORKLOADS):
+        from mpt.errors import UserError
+
+        raise UserError(f"overhead={o['overhead']!r}: name a model ({', '.join(bench.WORKLOADS)}) or none")
+
+    env = bench.environment(device)
+    date = now()
+    name = f"{bench.device_slug(env)}-{date[:10]}" + (f"-{o['tag']}" if o["tag"] else "")
+    result = {
+        "schema": report.SCHEMA, "command": "python -m experiments.speed_memory " + shlex.join(overrides),
+        "date": date, "env": env, "options": {**o, "device": str(device)}, "data": bench.DATA_NOTE,
+        "paper_models": [m for m in bench.PAPER_MODELS if m in names], "skipped_models": skipped_models,
+        "rows": [], "engine_overhead": [], "goals": [], "anchors": report.ANCHORS,
+    }
+
+    def save():
+        return report.write(report.refresh(result), o["out"], name)
+
+    print(f"speed/memory on {env['device_name']}: {len(names)} models x {len(bench.cells(precisions, impls))} "
+          f"precision/impl cells, batch {o['batch']}; {bench.DATA_NOTE}", file=sys.stderr)
+    with bench.restored_backend_flags():
+        for m in names:
+            for prec, impl in bench.cells(precisions, impls):
+                row = bench.measure(m, prec, impl, o, device)
+                result["rows"].append(row)
+                print(_line(row), file=sys.stderr)
+                save()  # after every row: an interrupted run keeps what it measured
+        ov = o["overhead"]
+        if ov != "none" and o["steps"] > 0:
+            size = None if o["size"] == "auto" else int(o["size"])
+            for prec in [p for p in ("fp32", "mixed") if p in precisions]:
+                try:
+                    r = engine_overhead.measure(ov, prec, width=o["width"], batch=o["batch"], size=size,
+                                                rounds=o["overhead_rounds"], steps=max(o["steps"] // 2, 1),
+                                                device=str(device), channels_last=o["channels_last"])
+                except torch.cuda.OutOfMemoryError as e:
+                    r = {"model": ov, "precision": prec, "batch": o["batch"], "width": o["width"],
+                         "overhead_pct": None, "note": f"oom: {str(e).splitlines()[0][:200]}"}
+                result["engine_overhead"].append(r)
+                print(f"engine overhead {ov} {prec}: " + (f"{r['overhead_pct']:+.1f}%" if r["overhead_pct"] is not None
+                                                          else r["note"]), file=sys.stderr)
+    env["load_avg_1min_end"] = bench._load_avg()
+    path = save()
+    print(f"wrote {path} and {path.with_suffix('.md')}")
+    return result
+
+
+def _line(r: dict) -> str:
+    head = f"{r['model']:16s} {r['precision']:9s} {r['impl'] or '-':8s}"
+    if r["status"] != "ok":
+        return f"{head} {r['status']}: {r['note']}"
+    t = r.get("step_ms")
+    tm = f"{t['median']:9.1f} ms/step [{t['p10']:.1f}-{t['p90']:.1f}] {r['throughput']:9.1f} {r['unit']}/s" if t \
+        else "not timed"
+    peak = f" peak {r['peak_gpu_mem_bytes'] / 2**20:,.0f} MiB" if r.get("peak_gpu_mem_bytes") else ""
+    return f"{head} {tm}{peak} act {r['activation_bytes'] / 2**20:,.1f} MiB (only {r['activation_only_bytes'] / 2**20:,.1f})"

@@ -1,132 +1,151 @@
-"""Engine overhead benchmark: the engine's training step (mpt.engine.Run.train_step through the
-precision recipe) versus a hand-written torch.amp loop, same model, same batch, one process,
-alternating blocks so drift in machine load hits both equally. Prints figures; asserts nothing.
+"""Engine overhead: the engine's training step (mpt.engine.Run.train_step through the precision
+recipe) versus a hand-written torch.amp loop, same model, same device-resident batch, one process,
+rotating blocks so drift in machine load hits every loop alike, and a second hand-written loop
+as a control that shows the machine's noise floor. `python -m experiments.speed_memory`
+runs it as its engine-overhead row; alone:
 
-    python -m experiments.speed_memory.engine_overhead [--model resnet50_preact] [--width 0.0625]
-        [--batch 32] [--size 80] [--precisions fp32,mixed] [--rounds 7] [--steps 10] [--device auto]
+    python -m experiments.speed_memory.engine_overhead [model=resnet50_preact] [width=0.0625]
+        [batch=32] [size=80] [precisions=fp32,mixed] [rounds=7] [steps=10] [device=auto]
 """
 from __future__ import annotations
 
-import argparse
-import copy
 import statistics
-import time
+import sys
+import tempfile
 
 import torch
-import torch.nn.functional as F
-from torch.utils.data import TensorDataset
 
-import models
+from experiments.speed_memory.bench import WORKLOADS, parse_options, pick_device, sync, time_steps
 from mpt import config as C
 from mpt import engine
-from mpt.errors import cli
+from mpt.errors import UserError, cli
+
+# Precisions the hand-written loop covers: torch.amp's documented recipe, autocast + GradScaler.
+HAND_DTYPES = {"fp32": None, "fp16": torch.float16, "mixed": torch.float16, "bf16": torch.bfloat16}
 
 
-class SyntheticTask:
-    primary_metric, higher_is_better = "top1", True
+class _EngineTask:
+    """The workload's task for engine.Run. Its dataset only gives the engine a length: batches are
+    handed to train_step already on the device, so neither loop loads or copies data."""
 
-    def __init__(self, model_name, width, n, size, classes=10):
-        self.model_name, self.width = model_name, width
-        g = torch.Generator().manual_seed(0)
-        self.x = torch.randn(n, 3, size, size, generator=g)
-        self.y = torch.randint(0, classes, (n,), generator=g)
-        self.classes = classes
+    def __init__(self, inner, n):
+        self.inner, self.n = inner, n
+        self.primary_metric, self.higher_is_better = "none", True
 
     def datasets(self, cfg):
-        ds = TensorDataset(self.x, self.y)
-        return ds, ds
+        return range(self.n), range(self.n)
 
     def build_model(self, cfg):
-        return models.build(self.model_name, num_classes=self.classes, width=self.width)
+        return self.inner.build_model(cfg)
 
     def loss(self, model, batch):
-        x, y = batch
-        out = model(x)
-        out = out[0] if isinstance(out, tuple) else out
-        return F.cross_entropy(out.float(), y), y.shape[0]
+        return self.inner.loss(model, batch)
 
 
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def measure(model: str, precision: str, *, width: float, batch: int, size: int | None, rounds: int, steps: int,
+            device: str = "auto", channels_last: bool = False) -> dict:
+    """Median ms/step of the engine, a hand-written loop and a second hand-written loop (the
+    control) over `rounds` rotating blocks of `steps` steps."""
+    if precision not in HAND_DTYPES:
+        raise UserError(f"engine overhead: precision {precision!r} has no hand-written torch.amp loop; "
+                        f"choose from: {', '.join(HAND_DTYPES)}")
+    if model not in WORKLOADS:
+        raise UserError(f"engine overhead: model {model!r} has no workload; choose from: {', '.join(WORKLOADS)}")
+    if rounds < 1 or steps < 1:
+        raise UserError("engine overhead needs rounds >= 1 and steps >= 1")
+    wl = WORKLOADS[model]
+    size = size or wl.default_size
+    dev = pick_device(device)
+    with tempfile.TemporaryDirectory(prefix="engine_overhead_") as tmp:
+        cfg = C.resolve(wl.experiment, [
+            f"model={model}", f"precision={precision}", "impl=autocast", f"width={width}",
+            f"train.batch_size={batch}", "train.num_workers=0", "train.progress=false", "wandb.mode=disabled",
+            f"device={dev}", f"out_dir={tmp}", f"channels_last={str(channels_last).lower()}"])
+        torch.manual_seed(0)
+        task = _EngineTask(wl.make_task(), batch)
+        run = engine.Run(cfg, task)
+        run.setup()  # the engine's settings: cudnn.benchmark on, TF32 off
+        xb = wl.make_batch(batch, size, run.device, channels_last, torch.Generator().manual_seed(0))
+
+        hand_step = _hand_loop(task, cfg, precision, run.device, xb, channels_last)
+        # A second, identical hand-written loop: the control. Its difference from the first is the
+        # noise floor of this machine; an engine overhead below it cannot be resolved.
+        control_step = _hand_loop(task, cfg, precision, run.device, xb, channels_last)
+
+        def engine_step():
+            run.train_step([xb])
+            run.step += 1
+
+        def block(fn):
+            _, wall = time_steps(fn, steps, run.device)
+            return wall / steps
+
+        run.act_bytes = 0  # activation memory is measured by the main benchmark, not in these blocks
+        loops = [hand_step, engine_step, control_step]
+        for fn in loops:  # warm-up: cudnn.benchmark's search, allocator, loss-scale back-off
+            block(fn)
+        times: dict = {fn: [] for fn in loops}
+        for r in range(rounds):  # rotate the order so drift in machine load hits every loop alike
+            for fn in loops[r % 3:] + loops[:r % 3]:
+                times[fn].append(block(fn))
+        run.wandb.finish(0)
+        del run
+        sync(dev)
+    hand, eng, ctl = times[hand_step], times[engine_step], times[control_step]
+    # Paired within each round (adjacent blocks), then the median over rounds: robust to load that
+    # drifts between rounds and to a round hit by a burst.
+    per_round = [b / a for a, b in zip(hand, eng)]
+    ctl_round = [b / a for a, b in zip(hand, ctl)]
+    return {"model": model, "precision": precision, "impl": "autocast", "batch": batch, "size": size, "width": width,
+            "rounds": rounds, "steps": steps, "device": str(dev), "hand_ms": 1e3 * statistics.median(hand),
+            "engine_ms": 1e3 * statistics.median(eng), "control_ms": 1e3 * statistics.median(ctl),
+            "overhead_pct": 100 * (statistics.median(per_round) - 1),
+            "control_pct": 100 * (statistics.median(ctl_round) - 1),
+            "ratio_min": min(per_round), "ratio_max": max(per_round)}
 
 
-def measure(args, precision: str) -> dict:
-    overrides = ["profile=tiny", f"precision={precision}", "wandb.mode=disabled", "train.progress=false",
-                 f"train.batch_size={args.batch}", "train.num_workers=0", f"device={args.device}",
-                 "out_dir=/tmp/engine_overhead_runs", "model=resnet50_preact"]
-    cfg = C.resolve("ilsvrc_cnns", overrides)
-    task = SyntheticTask(args.model, args.width, args.batch * 2, args.size)
-    run = engine.Run(cfg, task)
-    run.setup()
-    dev = run.device
-    batch = (task.x[: args.batch], task.y[: args.batch])
-    xb, yb = batch[0].to(dev), batch[1].to(dev)
-
-    # The hand-written reference: the PyTorch AMP recipe, written out.
-    ref = copy.deepcopy(task.build_model(cfg)).to(dev)
-    opt = torch.optim.SGD(ref.parameters(), lr=cfg.optim.lr, momentum=cfg.optim.momentum,
-                          weight_decay=cfg.optim.weight_decay)
-    use_amp = precision == "mixed"
-    scaler = torch.amp.GradScaler(dev.type, enabled=use_amp)
+def _hand_loop(task, cfg, precision, device, xb, channels_last):
+    """The PyTorch AMP recipe written out (autocast + GradScaler), with the engine's optimizer."""
+    torch.manual_seed(0)
+    ref = task.build_model(cfg).to(device)
+    if channels_last:
+        ref = ref.to(memory_format=torch.channels_last)
+    opt = engine.build_optimizer(cfg.optim, ref.parameters())
+    dtype = HAND_DTYPES[precision]
+    sc = cfg.scaler
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "mixed", init_scale=sc.init_scale,
+                                  growth_factor=sc.growth_factor, backoff_factor=sc.backoff_factor,
+                                  growth_interval=sc.growth_interval)
 
     def hand_step():
-        with torch.autocast(dev.type, dtype=torch.float16, enabled=use_amp):
-            out = ref(xb)
-            out = out[0] if isinstance(out, tuple) else out
-            loss = F.cross_entropy(out.float(), yb)
+        with torch.autocast(device.type, dtype=dtype or torch.float16, enabled=dtype is not None):
+            loss, _ = task.loss(ref, xb)
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
         opt.zero_grad(set_to_none=True)
         return loss.item()  # the engine reads the loss every step too (divergence check)
 
-    def engine_step():
-        run.train_step([batch])
-        run.step += 1
+    return hand_step
 
-    def block(fn):
-        sync(dev)
-        t = time.perf_counter()
-        for _ in range(args.steps):
-            fn()
-        sync(dev)
-        return (time.perf_counter() - t) / args.steps
 
-    run.act_bytes = 0  # measure activation memory outside the timed blocks
-    for fn in (hand_step, engine_step):  # warm-up
-        block(fn)
-    hand, eng = [], []
-    for r in range(args.rounds):
-        order = (hand_step, engine_step) if r % 2 == 0 else (engine_step, hand_step)
-        for fn in order:
-            (hand if fn is hand_step else eng).append(block(fn))
-    h, e = statistics.median(hand), statistics.median(eng)
-    ratios = [b / a for a, b in zip(hand, eng)]
-    return {"precision": precision, "hand_ms": 1e3 * h, "engine_ms": 1e3 * e, "overhead_pct": 100 * (e / h - 1),
-            "ratio_spread": (min(ratios), max(ratios)), "device": str(dev)}
+DEFAULTS = {"model": "resnet50_preact", "width": 0.0625, "batch": 32, "size": 80, "precisions": "fp32,mixed",
+            "rounds": 7, "steps": 10, "device": "auto", "channels_last": False}
 
 
 @cli
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m experiments.speed_memory.engine_overhead")
-    p.add_argument("--model", default="resnet50_preact")
-    p.add_argument("--width", type=float, default=0.0625)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--size", type=int, default=80)
-    p.add_argument("--precisions", default="fp32,mixed")
-    p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--device", default="auto")
-    args = p.parse_args(argv)
+    o = parse_options(sys.argv[1:] if argv is None else argv, DEFAULTS, "experiments.speed_memory.engine_overhead")
     torch.manual_seed(0)
-    print(f"engine vs hand-written torch.amp loop: {args.model} width {args.width}, batch {args.batch}, "
-          f"{args.size}px, {args.rounds} alternating rounds of {args.steps} steps, torch {torch.__version__}, "
+    print(f"engine vs hand-written torch.amp loop: {o['model']} width {o['width']}, batch {o['batch']}, "
+          f"{o['size']}px, {o['rounds']} rotating rounds of {o['steps']} steps, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads")
-    for prec in args.precisions.split(","):
-        r = measure(args, prec)
+    for prec in [p.strip() for p in o["precisions"].split(",") if p.strip()]:
+        r = measure(o["model"], prec, width=o["width"], batch=o["batch"], size=o["size"], rounds=o["rounds"],
+                    steps=o["steps"], device=o["device"], channels_last=o["channels_last"])
         print(f"{prec:6s} {r['device']:6s} hand {r['hand_ms']:8.2f} ms/step   engine {r['engine_ms']:8.2f} ms/step   "
-              f"overhead {r['overhead_pct']:+5.1f}%   (per-round ratio {r['ratio_spread'][0]:.3f}..{r['ratio_spread'][1]:.3f})")
+              f"overhead {r['overhead_pct']:+5.1f}%   (per-round ratio {r['ratio_min']:.3f}..{r['ratio_max']:.3f}; "
+              f"control hand vs hand {r['control_pct']:+5.1f}%)")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,567 @@
+"""Measure one training step of one model in one precision: step time, throughput, peak GPU memory,
+activation memory and the bytes of weights, gradients and optimizer state (paper section 3:
+"roughly halved" memory; FP16 math 2-8x FP32).
+
+The step is the engine's step without the engine around it: the same task loss, optimizer and
+precision recipe (mpt.precision), called in the engine's order (autocast forward, backward, step,
+update, zero_grad). The engine's own cost is measured separately (engine_overhead.py). Inputs are
+synthetic tensors made once on the device, so data loading is out of every figure.
+
+A model is measurable when it has a Workload: which experiment's config (optimizer, loss) it trains
+with, what one synthetic batch looks like and what the throughput counts (images, utterances,
+tokens). Adding a model family = one entry in WORKLOADS.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+import models
+from mpt import config as C
+from mpt import precision as P
+from mpt.engine import build_optimizer
+from mpt.errors import UserError
+from mpt.memory import SavedTensorBytes
+from mpt.rundir import env_info
+
+# "tf32" is FP32 storage with the TF32 Tensor Core switches on (a baseline the paper predates;
+# see the fact sheet's "later practice"); every other row runs with both switches off.
+PRECISIONS = ("fp32", "tf32", "fp16", "mixed", "bf16", "fp16_pure")
+DATA_NOTE = ("synthetic data: one random batch made on the device before timing, reused every step "
+             "(data loading and host-to-device copies are out of every figure)")
+
+
+# ------------------------------------------------------------------------------------------------
+# key=value options (the repository's command-line style)
+
+
+def parse_options(argv: list[str], defaults: dict[str, Any], prog: str) -> dict[str, Any]:
+    """`key=value` words -> {key: value} typed like the defaults; unknown keys are a UserError."""
+    if argv and argv[0] in ("-h", "--help"):
+        print(f"usage: python -m {prog} [key=value ...]\nkeys (default):")
+        for k, v in defaults.items():
+            print(f"  {k}={str(v).lower() if isinstance(v, bool) else v}")
+        raise SystemExit(0)
+    out = dict(defaults)
+    for word in argv:
+        if "=" not in word:
+            raise UserError(f"bad argument {word!r}: write key=value, e.g. models=alexnet precisions=fp32,mixed")
+        k, v = (s.strip() for s in word.split("=", 1))
+        if k not in defaults:
+            raise UserError(f"unknown key {k!r}; valid keys: {', '.join(defaults)}")
+        d = defaults[k]
+        if isinstance(d, bool):
+            if v.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise UserError(f"{k}={v!r}: expected true or false")
+            out[k] = v.lower() in ("true", "1", "yes")
+        elif isinstance(d, int):
+            try:
+                out[k] = int(v)
+            except ValueError:
+                raise UserError(f"{k}={v!r}: expected an integer") from None
+        elif isinstance(d, float):
+            try:
+                out[k] = float(v)
+            except ValueError:
+                raise UserError(f"{k}={v!r}: expected a number") from None
+            if not math.isfinite(out[k]):
+                raise UserError(f"{k}={v!r}: expected a finite number")
+        else:
+            out[k] = v
+    return out
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"device={name!r} is not a torch device; use auto, cpu or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"device={name} but no CUDA GPU is visible; use device=cpu or auto")
+    if dev.type not in ("cpu", "cuda"):
+        raise UserError(f"device={name}: this benchmark supports cpu and cuda devices")
+    return dev
+
+
+# ------------------------------------------------------------------------------------------------
+# workloads: what a model trains on, synthetically
+
+
+@dataclass(frozen=True)
+class Workload:
+    experiment: str  # whose config.yaml gives the optimizer and loss (experiments/<name>)
+    unit: str  # what throughput counts: images | utterances | tokens
+    default_size: int  # input size at which the paper trained the model
+    make_task: Callable[[], Any]  # the experiment's Task, ready for build_model(cfg) and loss(model, batch)
+    make_batch: Callable[[int, int, torch.device, bool, torch.Generator], Any]  # (n, size, device, channels_last, gen)
+
+
+def _imagenet_task():
+    from experiments.ilsvrc_cnns.task import Task
+
+    t = Task()
+    t.num_classes = 1000  # set by Task.datasets() from the class folders; ILSVRC12 has 1000
+    return t
+
+
+def _imagenet_batch(n, size, device, channels_last, gen):
+    x = torch.randn(n, 3, size, size, generator=gen).to(device)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    return x, torch.randint(0, 1000, (n,), generator=gen).to(device)
+
+
+def _workloads() -> dict[str, Workload]:
+    from models.imagenet_cnns import INPUT_SIZE
+
+    return {name: Workload("ilsvrc_cnns", "images", size, _imagenet_task, _imagenet_batch)
+            for name, size in INPUT_SIZE.items()}
+
+
+WORKLOADS = _workloads()
+# The paper's models that have a benchmark workload (Table 1; the other tables' models join here
+# when they are added to the registry and to WORKLOADS).
+PAPER_MODELS = ("alexnet", "vgg16", "googlenet", "inception_v2", "inception_v3", "resnet50_preact")
+
+
+def resolve_models(spec: str) -> tuple[list[str], dict[str, str]]:
+    """models=all|a,b -> (names to measure, {registry name without a workload: why skipped})."""
+    registry = models.names()
+    no_workload = {n: "no speed/memory workload (add one to experiments/speed_memory/bench.py WORKLOADS)"
+                   for n in registry if n not in WORKLOADS}
+    if spec.strip() == "all":
+        return [n for n in registry if n in WORKLOADS], no_workload
+    chosen = [m.strip() for m in spec.split(",") if m.strip()]
+    for m in chosen:
+        if m not in registry:
+            raise UserError(f"unknown model {m!r}; choose from: {', '.join(registry)} (or models=all)")
+        if m not in WORKLOADS:
+            raise UserError(f"model {m!r} has no speed/memory workload yet; add one to "
+                            f"experiments/speed_memory/bench.py WORKLOADS")
+    if not chosen:
+        raise UserError("models= is empty; name at least one model or use models=all")
+    return chosen, {}
+
+
+def resolve_list(spec: str, valid: tuple[str, ...], key: str) -> list[str]:
+    items = [s.strip() for s in spec.split(",") if s.strip()]
+    if not items:
+        raise UserError(f"{key}= is empty; choose from: {', '.join(valid)}")
+    for s in items:
+        if s not in valid:
+            raise UserError(f"unknown {key[:-1]} {s!r} in {key}=; choose from: {', '.join(valid)}")
+    return list(dict.fromkeys(items))
+
+
+def cells(precisions: list[str], impls: list[str]) -> list[tuple[str, str | None]]:
+    """(precision, impl) pairs to measure. FP32 and TF32 have no impl (one FP32 recipe);
+    fp16_pure has no FP32 weights for autocast to cast from, so both impls are the paper's."""
+    out = []
+    for p in precisions:
+        if p in ("fp32", "tf32"):
+            out.append((p, None))
+        elif p == "fp16_pure":
+            out.append((p, "paper"))
+        else:
+            out += [(p, i) for i in impls]
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# memory accounting
+
+
+def storage_bytes(tensors, exclude: set[int] = frozenset()) -> int:
+    """Bytes of the distinct storages behind `tensors` (views and aliases counted once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        st = t.untyped_storage()
+        if st.data_ptr() not in exclude:
+            seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+# Autograd nodes that only view or cast their input: a saved tensor reached from a parameter
+# through these alone is a copy of that parameter (autocast's FP16 weight casts), not an activation.
+_VIEW_OR_CAST = {"ToCopyBackward0", "TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0",
+                 "UnsafeViewBackward0", "ExpandBackward0", "UnsqueezeBackward0", "SqueezeBackward0",
+                 "SqueezeBackward1", "AliasBackward0", "AsStridedBackward0", "ReshapeAliasBackward0",
+                 "CloneBackward0", "ContiguousBackward0"}
+
+
+class ActivationMeter(SavedTensorBytes):
+    """mpt.memory's count of the bytes saved for backward (parameters left out), split into what
+    it holds: casts of parameters that torch.autocast saves (its FP16 copies of conv/linear weights,
+    made every forward), model buffers saved by reference (batch-norm running statistics), and
+    activations proper, by dtype."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__(model)
+        self._buffers = {b.untyped_storage().data_ptr() for b in model.buffers()}
+        self._kind: dict[int, tuple[str, str]] = {}  # storage -> (kind, dtype)
+
+    def _from_param(self, t: torch.Tensor) -> bool:
+        fn = t.grad_fn
+        for _ in range(8):
+            if fn is None or type(fn).__name__ not in _VIEW_OR_CAST:
+                return False
+            nxt = [f for f, _ in fn.next_functions if f is not None]
+            if len(nxt) != 1:
+                return False
+            fn = nxt[0]
+            if type(fn).__name__ == "AccumulateGrad":
+                return fn.variable.untyped_storage().data_ptr() in self._params
+        return False
+
+    def _pack(self, t):
+        n = len(self._seen)
+        out = super()._pack(t)
+        if len(self._seen) > n:  # a storage counted for the first time
+            key = t.untyped_storage().data_ptr()
+            kind = "weight_cast" if self._from_param(t) else "buffer" if key in self._buffers else "activation"
+            self._kind[key] = (kind, str(t.dtype).replace("torch.", ""))
+        return out
+
+    def breakdown(self) -> dict:
+        by_kind = {"weight_cast": 0, "buffer": 0, "activation": 0}
+        by_dtype: dict[str, int] = {}
+        for key, nbytes in self._seen.items():
+            kind, dtype = self._kind[key]
+            by_kind[kind] += nbytes
+            if kind == "activation":
+                by_dtype[dtype] = by_dtype.get(dtype, 0) + nbytes
+        return {"activation_bytes": self.bytes, "saved_weight_cast_bytes": by_kind["weight_cast"],
+                "saved_buffer_bytes": by_kind["buffer"], "activation_only_bytes": by_kind["activation"],
+                "activation_only_bytes_by_dtype": dict(sorted(by_dtype.items()))}
+
+
+def state_bytes(model: torch.nn.Module, recipe: P.Recipe, optimizer: torch.optim.Optimizer) -> dict:
+    """Weights, FP32 master copies, gradients and optimizer state, measured after an optimizer
+    step and before zero_grad (when model and master gradients both exist: paper impl, 3.1)."""
+    params = list(model.parameters())
+    pkeys = {p.untyped_storage().data_ptr() for p in params}
+    masters = recipe.master_params()
+    opt_state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return {
+        "param_bytes": storage_bytes(params),
+        "buffer_bytes": storage_bytes(model.buffers()),
+        "master_bytes": storage_bytes(masters, exclude=pkeys),  # 0 where the parameters are the master
+        "grad_bytes": storage_bytes([p.grad for p in params] + [m.grad for m in masters]),
+        "optimizer_state_bytes": storage_bytes(opt_state),
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# timing
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def percentile(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    pos = (len(s) - 1) * q
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def time_steps(fn: Callable[[], Any], steps: int, device: torch.device) -> tuple[list[float], float]:
+    """Per-step times (ms) and the wall time (s) of `steps` calls. On a GPU each step is bracketed
+    by CUDA events on the stream (no extra synchronisation between steps), and the whole block by
+    synchronize() so the wall time covers every kernel."""
+    if device.type == "cuda":
+        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+        sync(device)
+        t0 = time.perf_counter()
+        for a, b in ev:
+            a.record()
+            fn()
+            b.record()
+        sync(device)
+        wall = time.perf_counter() - t0
+        return [a.elapsed_time(b) for a, b in ev], wall
+    times = []
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        t = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - t))
+    return times, time.perf_counter() - t0
+
+
+def step_stats(times_ms: list[float]) -> dict:
+    return {"median": statistics.median(times_ms), "p10": percentile(times_ms, 0.1),
+            "p90": percentile(times_ms, 0.9), "min": min(times_ms), "max": max(times_ms), "n": len(times_ms)}
+
+
+# Kernel names of convolutions and matrix products (cuDNN, cuBLAS, CUTLASS); the rest (element-wise,
+# normalisation, reductions, copies) is mostly memory-bandwidth bound.
+_MATMUL_KERNEL = re.compile(r"gemm|conv|xmma|cutlass|wgrad|dgrad|fprop|nvjet|hmma|s16816|s1688|implicit|winograd|fft", re.I)
+
+
+def busy_union(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, -math.inf
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def kernel_profile(fn: Callable[[], Any], steps: int, device: torch.device) -> dict:
+    """What limits a GPU step, from the CUDA kernel timeline of `steps` profiled steps:
+    gpu_busy = time with a kernel running / span of the timeline (below ~0.85 the GPU waits on the
+    host: Python, kernel launches, synchronisations); matmul_conv = share of kernel time in
+    convolution/matmul kernels (the rest is mostly memory-bandwidth bound). Approximate: the
+    profiler itself slows launches a little."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    # On the CPU (tests only: a CPU-only build has no CUDA activity) CPU ops stand in for kernels.
+    activity, kind = ((ProfilerActivity.CUDA, DeviceType.CUDA) if device.type == "cuda"
+                      else (ProfilerActivity.CPU, DeviceType.CPU))
+    sync(device)
+    with profile(activities=[activity]) as prof:
+        for _ in range(steps):
+            fn()
+        sync(device)
+    kern = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+            if e.device_type == kind and e.time_range.end > e.time_range.start]
+    return summarize_kernels(kern)
+
+
+def summarize_kernels(kern: list[tuple[str, float, float]]) -> dict:
+    if not kern:
+        return {"gpu_busy_fraction": None, "matmul_conv_kernel_fraction": None}
+    span = max(e for _, _, e in kern) - min(s for _, s, _ in kern)
+    total = sum(e - s for _, s, e in kern)
+    mm = sum(e - s for n, s, e in kern if _MATMUL_KERNEL.search(n))
+    return {"gpu_busy_fraction": busy_union([(s, e) for _, s, e in kern]) / span if span > 0 else None,
+            "matmul_conv_kernel_fraction": mm / total if total > 0 else None}
+
+
+def limit_text(row: dict, device: torch.device) -> str:
+    if device.type != "cuda":
+        return "CPU run (FP16/BF16 CPU kernels are slow: times say nothing about GPUs)"
+    busy, mm = row.get("gpu_busy_fraction"), row.get("matmul_conv_kernel_fraction")
+    if busy is None:
+        return "not profiled"
+    if busy < 0.85:
+        return f"host-bound: GPU idle {1 - busy:.0%} of the step (Python, kernel launches, synchronisations)"
+    if mm is not None and mm < 0.5:
+        return (f"GPU-bound, mostly memory-bandwidth-bound kernels (element-wise/normalisation "
+                f"{1 - mm:.0%} of kernel time)")
+    return f"GPU-bound, mostly compute (conv/matmul {mm:.0%} of kernel time)"
+
+
+# ------------------------------------------------------------------------------------------------
+# one measurement
+
+
+def make_optimizer(ocfg, params: list, fused: bool) -> torch.optim.Optimizer:
+    opt = build_optimizer(ocfg, params)
+    if fused:
+        try:  # the engine's optimizer with its own settings, as the single fused kernel
+            opt = type(opt)(params, **{**opt.defaults, "fused": True, "foreach": None})
+        except (RuntimeError, TypeError, ValueError) as e:
+            raise UserError(f"fused=true: {type(opt).__name__} has no fused implementation here ({e}); "
+                            f"use fused=false") from None
+    return opt
+
+
+def config_for(wl: Workload, model: str, precision: str, impl: str | None, o: dict, device) -> C.Config:
+    return C.resolve(wl.experiment, [
+        f"model={model}", f"precision={'fp32' if precision == 'tf32' else precision}",
+        f"impl={impl or 'autocast'}", f"tf32={'true' if precision == 'tf32' else 'false'}",
+        f"width={o['width']}", f"train.batch_size={o['batch']}", f"channels_last={str(o['channels_last']).lower()}",
+        f"device={device}", "wandb.mode=disabled"])
+
+
+def skip_reason(precision: str, device: torch.device) -> str | None:
+    if precision == "tf32":
+        if device.type != "cuda":
+            return "TF32 is a GPU mode (Ampere or newer); no GPU here"
+        if torch.cuda.get_device_capability(device)[0] < 8:
+            return f"TF32 needs Ampere or newer; {torch.cuda.get_device_name(device)} has none"
+    if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        return f"BF16 needs Ampere or newer; {torch.cuda.get_device_name(device)} has none"
+    return None
+
+
+def measure(model_name: str, precision: str, impl: str | None, o: dict, device: torch.device) -> dict:
+    """One row: every figure of one (model, precision, impl) at the options `o`."""
+    wl = WORKLOADS[model_name]
+    size = wl.default_size if o["size"] == "auto" else int(o["size"])
+    row = {"model": model_name, "precision": precision, "impl": impl, "status": "ok", "note": None,
+           "batch": o["batch"], "size": size, "width": o["width"], "unit": wl.unit}
+    reason = skip_reason(precision, device)
+    if reason:
+        row.update(status="skipped", note=reason)
+        return row
+    try:
+        row.update(_measure(wl, model_name, precision, impl, size, o, device))
+    except torch.cuda.OutOfMemoryError as e:
+        row.update(status="oom", note=str(e).splitlines()[0][:300])
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- one failing cell must not lose the others' figures
+        row.update(status="failed", note=f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if o.get("compile"):
+        torch._dynamo.reset()
+    return row
+
+
+def _measure(wl: Workload, model_name, precision, impl, size, o, device) -> dict:
+    cfg = config_for(wl, model_name, precision, impl, o, device)
+    # The engine's settings (mpt/engine.py setup): TF32 only where asked; cudnn.benchmark picks the
+    # fastest convolution algorithms for these shapes during the warm-up.
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.tf32
+    torch.backends.cudnn.benchmark = o["cudnn_benchmark"]
+    torch.manual_seed(0)
+    task = wl.make_task()
+    net = task.build_model(cfg).to(device)
+    if o["channels_last"]:
+        net = net.to(memory_format=torch.channels_last)
+    opt = make_optimizer(cfg.optim, list(net.parameters()), o["fused"])
+    recipe = P.build(cfg, device)
+    net = recipe.prepare(net, [opt])
+    batch = wl.make_batch(o["batch"], size, device, o["channels_last"], torch.Generator().manual_seed(0))
+    items = 0
+
+    def train_step(m, meter: ActivationMeter | None = None) -> tuple[bool, dict | None]:
+        """The engine's step. With a meter: activation memory as the engine measures it (forward and
+        backward inside the saved-tensor hooks), and the bytes of weights, gradients and optimizer
+        state between the optimizer step and zero_grad."""
+        nonlocal items
+        with meter.measure() if meter is not None else contextlib.nullcontext():
+            with recipe.autocast():
+                loss, items = task.loss(m, batch)
+            recipe.backward(loss)
+        applied = recipe.step(opt)
+        recipe.update()
+        state = state_bytes(net, recipe, opt) if meter is not None else None
+        recipe.zero_grad()
+        return applied, state
+
+    out = dict(step_ms=None, throughput=None, peak_gpu_mem_bytes=None, peak_gpu_reserved_bytes=None,
+               gpu_busy_fraction=None, matmul_conv_kernel_fraction=None)
+    run = torch.compile(net) if o["compile"] else net
+    for _ in range(o["warmup"]):  # cudnn.benchmark's search, torch.compile, allocator, loss-scale back-off
+        train_step(run)
+    skipped0 = recipe.skipped_steps
+    if o["steps"] > 0:
+        if device.type == "cuda":
+            sync(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        times, wall = time_steps(lambda: train_step(run), o["steps"], device)
+        out["step_ms"] = step_stats(times)
+        out["throughput"] = items * o["steps"] / wall
+        if device.type == "cuda":
+            out["peak_gpu_mem_bytes"] = torch.cuda.max_memory_allocated(device)
+            out["peak_gpu_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+    # Overflow skips inside the timed steps (a skipped step has no optimizer update: a little faster).
+    out["skipped_steps_timed"] = recipe.skipped_steps - skipped0
+    if device.type == "cuda" and o["kernels"] and o["steps"] > 0:
+        try:
+            out.update(kernel_profile(lambda: train_step(run), 3, device))
+        except Exception as e:  # noqa: BLE001 -- a profiler failure (e.g. no CUPTI) loses only this diagnosis
+            out["note"] = f"kernel profile failed: {type(e).__name__}: {str(e)[:200]}"
+
+    # Memory, in eager mode (torch.compile saves other tensors): one measured step, repeated until
+    # an update is applied, since optimizer state only exists after one (the dynamic loss scale
+    # starts at 2^16 and may skip the first steps, section 3.2).
+    meter = ActivationMeter(net)
+    applied, state = train_step(net, meter)
+    out.update(meter.breakdown())
+    for _ in range(50):
+        if applied:
+            break
+        applied, state = train_step(net, ActivationMeter(net))
+    out.update(state)
+    if not applied:
+        out["optimizer_state_bytes"] = None
+        out["note"] = "every measured step overflowed: optimizer-state bytes are missing"
+    out["items_per_step"] = items
+    out["loss_scale"] = recipe.loss_scale
+    out["limit"] = limit_text(out, device)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# environment
+
+
+def _driver_version() -> str | None:
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        r = subprocess.run([exe, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
+                           text=True, timeout=30)
+        return r.stdout.strip().splitlines()[0] if r.returncode == 0 and r.stdout.strip() else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _load_avg() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError):
+        return None
+
+
+def environment(device: torch.device) -> dict:
+    e = env_info(device)
+    # TF32 is set per row (on only for precision=tf32), not once per run.
+    e["tf32_matmul"] = e["tf32_cudnn"] = "per row: on only where precision=tf32"
+    e["threads"] = torch.get_num_threads()
+    # Other processes on the machine slow CPU-side work (and a GPU step's launches): recorded at the
+    # start and, by the command, at the end of the run.
+    e["load_avg_1min_start"] = _load_avg()
+    e["cpu"] = platform.processor() or platform.machine()
+    e["driver"] = None
+    e["gpu"] = None
+    if device.type == "cuda":
+        e["cuda"] = torch.version.cuda
+        e["driver"] = _driver_version()
+        p = torch.cuda.get_device_properties(device)
+        e["gpu"] = {"name": p.name, "capability": f"{p.major}.{p.minor}", "sm_count": p.multi_processor_count,
+                    "total_memory_bytes": p.total_memory}
+    return e
+
+
+def device_slug(env: dict) -> str:
+    name = env["gpu"]["name"] if env.get("gpu") else "cpu"
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "device"
+
+
+@contextlib.contextmanager
+def restored_backend_flags():
+    """Leave TF32 / cudnn.benchmark as they were (the benchmark sets them per row)."""
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark = saved

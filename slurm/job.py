@@ -1,0 +1,242 @@
+"""What runs on a compute node: one cell of a grid, in every task (DDP rank) of its job.
+
+SLURM (submitit pickles a CellJob; `srun` starts one copy per task):
+  * ranks: RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT are set from SLURM_PROCID,
+    SLURM_NTASKS, SLURM_LOCALID and the job's first node, so the engine sees torchrun's variables
+    and stays cluster-agnostic (it picks NCCL on GPUs, gloo on CPUs; rank 0 alone writes files).
+  * time limit: the job is submitted with --signal=USR2@<signal_delay_s>. submitit's own USR2
+    handler would checkpoint from inside the signal handler, i.e. in the middle of a training step,
+    so it is replaced here by one that only asks the engine to stop (mpt.engine.STOP): the loop
+    saves its checkpoint at the next step boundary and returns "interrupted", then rank 0 runs
+    `scontrol requeue` and the restarted job resumes from that checkpoint (same wandb run: its id is
+    the cell id).
+  * preemption / `scontrol requeue` / scancel: SLURM sends SIGTERM, then SIGKILL after KillWait.
+    SIGTERM also stops the loop at a step boundary with a checkpoint; SLURM itself decides whether
+    the job comes back (preemption, requeue) or not (scancel). A hard kill loses at most
+    train.ckpt_every_minutes of work (periodic checkpoints).
+Local backend: `python -m slurm.job` runs the same function in a plain process (SIGTERM/SIGINT stop).
+
+Every attempt is recorded by rank 0 in <run_dir>/job.json (job id, host, start/end, outcome, error):
+slurm.status reads it, so it needs no SLURM accounting.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+JOB_FILE = "job.json"
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+def _one_line(e: BaseException) -> str:
+    msg = str(e).strip()
+    if "\n" in msg:  # e.g. raised in a DataLoader worker: torch prepends the worker's traceback
+        msg = msg.splitlines()[-1].split("Error: ", 1)[-1]
+    return f"{type(e).__name__}: {msg}"
+
+
+def read_job_file(run_dir) -> dict | None:
+    p = pathlib.Path(run_dir) / JOB_FILE
+    try:
+        return json.loads(p.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _write_job_file(run_dir: pathlib.Path, rec: dict) -> None:
+    from mpt.rundir import atomic_write_json
+
+    rec["updated"] = _now()
+    atomic_write_json(run_dir / JOB_FILE, rec)
+
+
+def master_port(job_id: str) -> int:
+    """A rendezvous port from the job id: jobs sharing a node do not collide."""
+    return 20000 + int(job_id) % 20000
+
+
+def _slurm_ranks() -> str:
+    """Map SLURM's task variables to torchrun's; returns this task's job id for the records."""
+    from submitit import JobEnvironment
+
+    env = JobEnvironment()
+    os.environ.setdefault("RANK", str(env.global_rank))
+    os.environ.setdefault("WORLD_SIZE", str(env.num_tasks))
+    os.environ.setdefault("LOCAL_RANK", str(env.local_rank))
+    os.environ.setdefault("MASTER_ADDR", env.hostnames[0])
+    os.environ.setdefault("MASTER_PORT", str(master_port(os.environ["SLURM_JOB_ID"])))
+    return env.job_id  # "<array>_<index>" for array tasks, as the manifest records it
+
+
+class _Signals:
+    """Install handlers that turn stop signals into mpt.engine.STOP requests (checkpoint at the next
+    step boundary). `requeue` is set when the signal means "time is almost up, come back later"."""
+
+    def __init__(self, stop, requeue_signals: tuple, stop_signals: tuple):
+        self.stop, self.requeue, self.received = stop, False, []
+        for s in requeue_signals:
+            signal.signal(s, self._on_requeue)
+        for s in stop_signals:
+            signal.signal(s, self._on_stop)
+
+    def _on_requeue(self, signum, frame):
+        self.requeue = True
+        self.received.append(signal.Signals(signum).name)
+        self.stop.request(f"{signal.Signals(signum).name} (time limit or preemption): checkpoint and requeue")
+
+    def _on_stop(self, signum, frame):
+        self.received.append(signal.Signals(signum).name)
+        self.stop.request(f"{signal.Signals(signum).name}")
+
+
+def _requeue(job_id: str) -> str | None:
+    """scontrol requeue this job; returns an error message or None."""
+    try:
+        r = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"scontrol requeue {job_id} failed: {e}"
+    if r.returncode != 0:
+        return f"scontrol requeue {job_id} failed: {(r.stderr or r.stdout).strip()}"
+    return None
+
+
+def run_cell(experiment: str, overrides: list[str], run_dir: str, backend: str, max_requeues: int = 100) -> dict:
+    """Run (or resume) one cell in this process; the same code for every rank."""
+    run_dir = pathlib.Path(run_dir)
+    on_slurm = backend == "slurm"
+    if on_slurm:
+        job_id = _slurm_ranks()
+        restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+        log = None
+        try:
+            from submitit import JobEnvironment
+
+            log = str(JobEnvironment().paths.stdout).replace("%j", job_id)
+        except Exception:  # noqa: BLE001 -- only a hint for slurm.status
+            pass
+    else:
+        job_id, restarts, log = f"local:{socket.gethostname()}:{os.getpid()}", 0, os.environ.get("MPT_JOB_LOG")
+    cpus = os.environ.get("SLURM_CPUS_PER_TASK")
+    if cpus:  # before torch is imported: intra-op threads = the cores SLURM gave this task
+        os.environ.setdefault("OMP_NUM_THREADS", cpus)
+
+    from mpt import config as C
+    from mpt.engine import STOP
+
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    # Before anything slow: a signal from now on stops the loop at a step boundary.
+    if on_slurm:
+        sigs = _Signals(STOP, (signal.SIGUSR2,), (signal.SIGTERM,))
+    else:
+        sigs = _Signals(STOP, (), (signal.SIGTERM, signal.SIGINT))
+
+    try:
+        cfg = C.resolve(experiment, overrides)
+        if C.run_dir(cfg).resolve() != run_dir.resolve():
+            raise RuntimeError(f"cell resolves to {C.run_dir(cfg)} but was submitted as {run_dir}: the "
+                               "experiment's config changed since submission; resubmit the grid")
+    except Exception as e:
+        if rank == 0:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            _write_job_file(run_dir, {"backend": backend, "job_id": job_id, "state": "failed", "log": log,
+                                      "error": _one_line(e), "attempts": []})
+        raise
+    rec = None
+    if rank == 0:
+        per = cfg.train.batch_size / world
+        print(f"[slurm.job] {C.run_name(cfg)} job {job_id} attempt {restarts + 1}: {world} rank(s), "
+              f"global batch {cfg.train.batch_size} = {world} x {per:g} per rank", file=sys.stderr, flush=True)
+        rec = read_job_file(run_dir) or {"cell_id": C.cell_id(cfg), "attempts": []}
+        rec.update(backend=backend, job_id=job_id, state="running", world_size=world, log=log, error=None)
+        rec["attempts"].append({"job_id": job_id, "restart": restarts, "host": socket.gethostname(),
+                                "pid": os.getpid(), "start": _now(), "end": None, "outcome": "running"})
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _write_job_file(run_dir, rec)
+
+    def finish(state: str, error: str | None = None, step=None) -> None:
+        if rec is None:
+            return
+        rec.update(state=state, error=error)
+        rec["attempts"][-1].update(end=_now(), outcome=state, step=step, signals=sigs.received or None)
+        _write_job_file(run_dir, rec)
+
+    try:
+        summary = importlib.import_module(f"experiments.{experiment}").main(list(overrides))
+    except Exception as e:
+        finish("failed", _one_line(e))
+        raise
+    status = summary.get("status")
+    if status != "interrupted":
+        finish(status, summary.get("error"), summary.get("step"))
+        return summary
+    if sigs.requeue and on_slurm and rank == 0:
+        if restarts >= max_requeues:
+            finish("interrupted", f"not requeued: {restarts} restarts >= max_requeues {max_requeues}", summary.get("step"))
+            return summary
+        err = _requeue(os.environ["SLURM_JOB_ID"])
+        if err is None:
+            finish("requeued", None, summary.get("step"))
+            print(f"[slurm.job] checkpointed at step {summary.get('step')} and requeued job {job_id}",
+                  file=sys.stderr, flush=True)
+            # Like submitit after a requeue: leave without a result file; SLURM restarts the job.
+            raise SystemExit(-1)
+        print(f"[slurm.job] {err}", file=sys.stderr, flush=True)
+        finish("interrupted", err, summary.get("step"))
+        return summary
+    finish("interrupted", summary.get("error"), summary.get("step"))
+    return summary
+
+
+class CellJob:
+    """The callable submitit pickles for a SLURM job (one per cell)."""
+
+    def __init__(self, experiment: str, overrides: list[str], run_dir: str, max_requeues: int = 100):
+        self.experiment, self.overrides, self.run_dir = experiment, list(overrides), str(run_dir)
+        self.max_requeues = max_requeues
+
+    def __call__(self) -> dict:
+        return run_cell(self.experiment, self.overrides, self.run_dir, "slurm", self.max_requeues)
+
+    def checkpoint(self, *args, **kwargs):
+        # Reached only if USR2 arrives in the first seconds of a job, before run_cell installed its
+        # own handlers: nothing to save yet, so submitit requeues the job unchanged.
+        from submitit.helpers import DelayedSubmission
+
+        return DelayedSubmission(self)
+
+    def __repr__(self) -> str:
+        return f"CellJob({self.experiment}, {self.run_dir})"
+
+
+def main(argv=None) -> None:
+    """`python -m slurm.job --experiment NAME --run-dir DIR -- key=value ...` (the local backend)."""
+    from mpt.errors import cli
+
+    p = argparse.ArgumentParser(prog="python -m slurm.job", description="Run one grid cell in this process.")
+    p.add_argument("--experiment", required=True)
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("overrides", nargs="*")
+    a = p.parse_args(argv)
+    summary = cli(run_cell)(a.experiment, a.overrides, a.run_dir, "local")
+    print(f"[slurm.job] {summary.get('status')}: {summary.get('run_name')} {summary.get('metrics')}",
+          file=sys.stderr, flush=True)
+    if summary.get("status") in ("failed",):
+        raise SystemExit(1)
+    if summary.get("status") == "interrupted":
+        raise SystemExit(3)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""Where each cell stands, read from files: the submission manifest, the run directory (summary.json,
+metrics.jsonl, and job.json written by slurm.job) and, when there is one, the SLURM queue (squeue
+talks to the controller; it needs no accounting database, unlike sacct).
+
+States: completed, diverged (final results); running; pending (queued, or requeued and waiting);
+failed (with its error); interrupted (stopped with a checkpoint and not queued: resubmit to resume);
+not submitted.
+"""
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+from dataclasses import dataclass
+
+from slurm.job import read_job_file
+
+MANIFEST = "submissions.jsonl"
+FINAL = ("completed", "diverged")
+_RUNNING = {"RUNNING", "COMPLETING", "CONFIGURING", "STAGE_OUT", "SIGNALING"}
+_PENDING = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED", "RESIZING", "RESV_DEL_HOLD"}
+
+
+def manifest_path(exp_dir) -> pathlib.Path:
+    return pathlib.Path(exp_dir) / MANIFEST
+
+
+def append_manifest(exp_dir, record: dict) -> pathlib.Path:
+    """One JSON line per submission; appended whole (O_APPEND) so concurrent submits do not interleave."""
+    path = manifest_path(exp_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = (json.dumps(record, default=str) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+    return path
+
+
+def latest_jobs(exp_dirs) -> dict[str, dict]:
+    """cell_id -> {"job_id", "backend", "time"} of its most recent submission."""
+    out: dict[str, dict] = {}
+    for d in exp_dirs:
+        p = manifest_path(d)
+        if not p.exists():
+            continue
+        for line in p.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue  # a line cut by a crash
+            for c in rec.get("cells", []):
+                if c.get("job_id"):
+                    out[c["cell_id"]] = {"job_id": c["job_id"], "backend": rec.get("backend"), "time": rec.get("time")}
+    return out
+
+
+def slurm_queue() -> dict[str, str] | None:
+    """job id -> SLURM state of this user's jobs (array tasks expanded), or None without a reachable SLURM."""
+    if shutil.which("squeue") is None:
+        return None
+    try:
+        r = subprocess.run(["squeue", "-h", "-r", "-u", getpass.getuser(), "-o", "%i|%T"],
+                           capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if r.returncode != 0:
+        return None
+    q = {}
+    for line in r.stdout.splitlines():
+        if "|" in line:
+            jid, st = line.split("|", 1)
+            q[jid.strip()] = st.strip()
+    return q
+
+
+def _local_alive(job_id: str) -> bool | None:
+    """local:<host>:<pid> -> is it running (None: another host, cannot tell)."""
+    try:
+        _, host, pid = job_id.split(":")
+    except ValueError:
+        return None
+    if host != socket.gethostname():
+        return None
+    try:
+        os.kill(int(pid), 0)
+    except (ProcessLookupError, ValueError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _read_json(p: pathlib.Path):
+    try:
+        return json.loads(p.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _last_line(p: pathlib.Path, kind: str) -> dict | None:
+    try:
+        with open(p, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - 65536))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    for ln in reversed(lines):
+        try:
+            d = json.loads(ln)
+        except ValueError:
+            continue
+        if d.get("kind") == kind:
+            return d
+    return None
+
+
+@dataclass
+class CellState:
+    state: str
+    job_id: str | None = None
+    step: int | None = None
+    total_steps: int | None = None
+    latest: str = ""  # e.g. "top1=71.3" or "loss=2.301"
+    error: str | None = None
+    attempts: int = 0
+    log: str | None = None
+
+
+def cell_state(run_dir, cell_id: str, latest: dict | None, queue: dict[str, str] | None) -> CellState:
+    run_dir = pathlib.Path(run_dir)
+    summary = _read_json(run_dir / "summary.json") or {}
+    job = read_job_file(run_dir) or {}
+    s_status = summary.get("status")
+    jid = (latest or {}).get("job_id") or job.get("job_id")
+    st = CellState("not submitted", jid, summary.get("step"), summary.get("total_steps"),
+                   attempts=len(job.get("attempts", [])), log=job.get("log"))
+    metrics = summary.get("metrics") or {}
+    pm = summary.get("primary_metric")
+    if pm and pm in metrics:
+        st.latest = f"{pm}={metrics[pm]:.4g}"
+    else:
+        line = _last_line(run_dir / "metrics.jsonl", "train")
+        if line and "loss" in line:
+            st.latest = f"loss={line['loss']:.4g}"
+            st.step = max(st.step or 0, line.get("step", 0))
+
+    if s_status in FINAL:
+        st.state = s_status
+        return st
+    # Is the cell's latest job still alive?
+    alive = None
+    if jid and jid.startswith("local:"):
+        alive = _local_alive(jid)
+        q = "RUNNING" if alive else None
+    else:
+        q = queue.get(jid) if (queue is not None and jid) else None
+        if queue is not None and jid:
+            alive = q is not None
+    if q in _RUNNING:
+        st.state = "running"
+        return st
+    if q in _PENDING:
+        st.state = "pending"
+        return st
+    job_is_latest = not jid or job.get("job_id") == jid
+    if job_is_latest and (job.get("state") == "failed" or s_status == "failed"):
+        st.state, st.error = "failed", summary.get("error") or job.get("error")
+        return st
+    if alive is False:  # known to have left the queue / exited
+        if not job or not job_is_latest:
+            st.state, st.error = "failed", f"job {jid} ended before the run started; see its log"
+        elif job.get("state") in ("running",) or s_status == "running":
+            st.state = "failed"
+            st.error = (f"job {jid} ended without a result (killed: time limit without requeue, memory, "
+                        f"node failure?){'; log ' + st.log if st.log else ''}")
+        elif job.get("state") in ("interrupted", "requeued") or s_status == "interrupted":
+            st.state, st.error = "interrupted", job.get("error") or summary.get("error")
+        else:
+            st.state = "failed"
+            st.error = f"job {jid} ended in state {job.get('state')!r}"
+        return st
+    # No queue to ask (no SLURM here, or another host): trust the files.
+    js = job.get("state")
+    if js == "running" or s_status == "running":
+        st.state = "running"
+    elif js == "requeued":
+        st.state = "pending"
+    elif js == "interrupted" or s_status == "interrupted":
+        st.state, st.error = "interrupted", job.get("error") or summary.get("error")
+    elif jid:
+        st.state = "pending"
+    return st

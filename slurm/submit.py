@@ -1,0 +1,354 @@
+"""Send an experiment's grid to a SLURM cluster (job arrays) or run it on this machine.
+
+    python -m slurm.submit experiments/ilsvrc_cnns/grid.yaml --profile tiny --backend local
+    python -m slurm.submit experiments/ilsvrc_cnns/grid.yaml --profile paper --backend slurm \\
+        --cluster mycluster --dry-run
+
+Cells already completed (or diverged) are skipped, and so are cells whose job is still queued or
+running; failed and interrupted cells are submitted again and resume from their checkpoints. Each
+submission appends its cells, job ids and the git commit to <out_dir>/<experiment>/submissions.jsonl.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+from mpt.errors import UserError, cli
+from slurm import clusters, grid as G
+from slurm.state import FINAL, append_manifest, cell_state, latest_jobs, slurm_queue
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+# ------------------------------------------------------------------------------------------------
+# SLURM backend
+
+
+def _sbatch_message(err: BaseException) -> str:
+    """sbatch's own words from a failed submission, on one line."""
+    text = str(err).strip()
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    msgs = [ln.split("error:", 1)[-1].strip() for ln in lines if "error:" in ln] or lines[-1:]
+    out = []
+    for m in msgs:  # sbatch often says the same thing twice ("invalid partition" / "Invalid partition")
+        if m.lower() not in (o.lower() for o in out):
+            out.append(m)
+    return "; ".join(out) or type(err).__name__
+
+
+def submit_slurm(g: G.Grid, cells: list[G.Cell], cluster: clusters.Cluster, exp_dir: pathlib.Path,
+                 submitted: list[tuple[G.Cell, str]]) -> None:
+    """Submit `cells` as job arrays of at most cluster.max_array_size tasks; appends (cell, job id)
+    to `submitted` as it goes, so a failure half-way still leaves a complete record."""
+    for tool in ("sbatch", "srun", "scontrol"):
+        if shutil.which(tool) is None:
+            raise UserError(f"--backend slurm needs SLURM's {tool} on PATH (not found on this machine); "
+                            "submit from a cluster login node, start a test cluster (slurm/local_cluster.sh) "
+                            "or use --backend local")
+    import submitit
+    from submitit.core.utils import FailedJobError, FailedSubmissionError
+
+    from slurm.job import CellJob
+
+    nodes, per_node = G.nodes_and_tasks(g.resources, cluster.gpus_per_node)
+    params = clusters.sbatch_parameters(cluster, job_name=f"{g.experiment}-{g.profile}", nodes=nodes,
+                                        tasks_per_node=per_node, gpus=g.resources.gpus, chdir=str(REPO))
+    ex = submitit.SlurmExecutor(folder=exp_dir / "slurm_logs" / "%j", max_num_timeout=cluster.max_requeues,
+                                python=cluster.python)
+    try:
+        ex.update_parameters(**params)
+    except ValueError as e:
+        raise UserError(f"cluster profile {cluster.name}: {str(e).splitlines()[0]}") from None
+    size = cluster.max_array_size
+    for i in range(0, len(cells), size):
+        chunk = cells[i:i + size]
+        jobs = []
+        # submitit prints sbatch's stderr itself before raising; the one-line error below says it.
+        with contextlib.redirect_stderr(io.StringIO()):
+            try:
+                with ex.batch():
+                    for c in chunk:
+                        jobs.append(ex.submit(CellJob(c.experiment, c.overrides, str(c.run_dir), cluster.max_requeues)))
+            except (FailedJobError, FailedSubmissionError, subprocess.CalledProcessError) as e:
+                raise UserError(f"sbatch rejected the job: {_sbatch_message(e)}") from None
+        submitted.extend((c, j.job_id) for c, j in zip(chunk, jobs))
+
+
+# ------------------------------------------------------------------------------------------------
+# local backend
+
+
+@dataclass
+class LocalTask:
+    """One cell to run locally: one process per rank."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    world: int = 1
+    gpus: int = 0
+    log: pathlib.Path | None = None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_cap(threads: int, world: int, gpus: int) -> int:
+    """How many cells fit on this machine at once: cores / (threads x ranks), or GPUs / GPUs per run."""
+    if gpus > 0:
+        import torch
+
+        return max(1, torch.cuda.device_count() // gpus)
+    return max(1, (os.cpu_count() or 1) // (threads * world))
+
+
+def run_local(tasks: list[LocalTask], cap: int, started=None, say=print) -> dict[str, int]:
+    """Run tasks with at most `cap` at once (submitit's local executor has no limit); returns
+    name -> exit code (the worst of its ranks). SIGINT/SIGTERM stop the running cells at a step
+    boundary with a checkpoint (they receive SIGTERM) and start no more."""
+    if cap < 1:
+        raise UserError(f"--jobs {cap}: run at least one cell at a time")
+    pending = list(tasks)
+    running: dict[str, tuple[list[subprocess.Popen], list[int]]] = {}
+    results: dict[str, int] = {}
+    free_gpus: list[int] = []
+    if any(t.gpus for t in tasks):
+        import torch
+
+        free_gpus = list(range(torch.cuda.device_count()))
+        if max(t.gpus for t in tasks) > len(free_gpus):
+            raise UserError(f"a run needs {max(t.gpus for t in tasks)} GPU(s); this machine has {len(free_gpus)}")
+    signals: list[int] = []
+    old = {}
+    if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
+        old = {s: signal.signal(s, lambda signum, frame: signals.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    forwarded = False
+    try:
+        while pending or running:
+            while pending and len(running) < cap and not signals and pending[0].gpus <= len(free_gpus):
+                t = pending.pop(0)
+                gpus = [free_gpus.pop(0) for _ in range(t.gpus)]
+                port = str(_free_port())
+                procs = []
+                logf = open(t.log, "ab") if t.log else subprocess.DEVNULL
+                for r in range(t.world):
+                    env = {**os.environ, **t.env, "RANK": str(r), "WORLD_SIZE": str(t.world),
+                           "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+                    if t.log:
+                        env["MPT_JOB_LOG"] = str(t.log)
+                    if t.gpus:
+                        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+                    # Own session: a Ctrl-C reaches the cells only as the SIGTERM forwarded below.
+                    procs.append(subprocess.Popen(t.argv, env=env, cwd=REPO, stdout=logf, stderr=subprocess.STDOUT,
+                                                  start_new_session=True))
+                if t.log:
+                    logf.close()
+                running[t.name] = (procs, gpus)
+                if started is not None:
+                    started(t, procs[0].pid)
+            if signals and not forwarded:
+                say(f"stopping {len(running)} running cell(s) at their next step boundary (checkpoint) ...")
+                for procs, _ in running.values():
+                    for p in procs:
+                        if p.poll() is None:
+                            p.send_signal(signal.SIGTERM)
+                forwarded = True
+            for name in list(running):
+                procs, gpus = running[name]
+                if all(p.poll() is not None for p in procs):
+                    results[name] = max((p.returncode for p in procs), key=abs)
+                    free_gpus.extend(gpus)
+                    del running[name]
+                    say(f"  {name}: {'done' if results[name] == 0 else f'exit {results[name]}'}")
+            if signals and not running:
+                break
+            time.sleep(0.2)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    if signals:
+        raise UserError(f"stopped by signal: {len(results)} cell(s) ended, {len(pending)} not started; "
+                        "submit again to resume")
+    return results
+
+
+# ------------------------------------------------------------------------------------------------
+# the command
+
+
+def _git() -> tuple[str, bool]:
+    from mpt.rundir import git_info
+
+    return git_info()
+
+
+def _fmt_hours(h: float) -> str:
+    return f"{h:,.0f}" if h >= 100 else f"{h:.3g}"
+
+
+def plan(g: G.Grid, force: bool, queue_needed: bool) -> tuple[list[G.Cell], dict[str, int], list[str]]:
+    """Which cells to submit: not those completed or diverged, nor (unless force) those whose job is
+    still queued or running. Returns (todo, skipped counts by state, one printable line per cell)."""
+    exp_dirs = sorted({c.run_dir.parent for c in g.cells})
+    latest = latest_jobs(exp_dirs)
+    queue = slurm_queue() if queue_needed or any(
+        not str(j["job_id"]).startswith("local:") for j in latest.values()) else None
+    todo, skipped, lines = [], {}, []
+    width = max(len(c.run_name) for c in g.cells)
+    lwidth = max(len(c.label) for c in g.cells)
+    world = g.resources.world
+    for c in g.cells:
+        st = cell_state(c.run_dir, c.cell_id, latest.get(c.cell_id), queue)
+        if st.state in FINAL or (st.state in ("running", "pending") and not force):
+            skipped[st.state] = skipped.get(st.state, 0) + 1
+            note = f"skip ({st.state}" + (f", job {st.job_id})" if st.job_id and st.state not in FINAL else ")")
+        else:
+            todo.append(c)
+            note = "submit" if st.state == "not submitted" else f"submit ({st.state}: resumes)"
+        b = c.cfg.train.batch_size
+        lines.append(f"  {c.run_name:<{width}}  {c.label:<{lwidth}}  batch {b} = {world} x {b // world}  {note}")
+    return todo, skipped, lines
+
+
+def print_plan(g: G.Grid, todo, skipped, lines, backend: str, cluster: clusters.Cluster | None, full: bool) -> None:
+    res = g.resources
+    where = f"cluster {cluster.name}" if cluster else f"this machine ({socket.gethostname()})"
+    print(f"{g.path} profile {g.profile}, backend {backend} on {where}: {len(g.cells)} cell(s), {len(todo)} to submit"
+          + (f", skipped: {', '.join(f'{n} {k}' for k, n in skipped.items())}" if skipped else ""))
+    if full or len(lines) <= 50:
+        print("\n".join(lines))
+    hours = sum(res.hours_for(c.cfg.model) for c in todo)
+    if res.gpus:
+        nodes = ""
+        if cluster:
+            n, per_node = G.nodes_and_tasks(res, cluster.gpus_per_node)
+            nodes = f" on {n} node(s) x {per_node}"
+        print(f"resources per run: {res.gpus} GPU(s), one rank each (NCCL){nodes}")
+        print(f"estimated: {_fmt_hours(hours)} run-hours x {res.gpus} GPUs = {_fmt_hours(hours * res.gpus)} GPU-hours "
+              f"for {len(todo)} run(s)")
+    else:
+        print(f"resources per run: CPU only, {res.world} process(es)" + (" (gloo)" if res.world > 1 else ""))
+        print(f"estimated: {_fmt_hours(hours)} run-hours, 0 GPU-hours for {len(todo)} run(s)")
+    if cluster:
+        n_arrays = -(-len(todo) // cluster.max_array_size)
+        part = cluster.cpu_partition if (not res.gpus and cluster.cpu_partition) else cluster.partition
+        print(f"sbatch: partition {part or '(default)'}, {cluster.cpus_per_task} CPU(s) and {cluster.mem_gb_per_task:g} GB "
+              f"per task, time limit {cluster.time_min} min (USR2 {cluster.signal_delay_s} s before: checkpoint + "
+              f"requeue), {n_arrays} array(s) of <= {cluster.max_array_size}, <= {cluster.array_parallelism} at once")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m slurm.submit", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("grid", help="grid file, e.g. experiments/ilsvrc_cnns/grid.yaml")
+    p.add_argument("--profile", required=True, help="grid profile, e.g. tiny or paper")
+    p.add_argument("--backend", required=True, choices=["slurm", "local"],
+                   help="slurm: job arrays via submitit; local: this machine")
+    p.add_argument("--cluster", help="cluster profile for --backend slurm: slurm/clusters/<name>.yaml or a path")
+    p.add_argument("--dry-run", action="store_true", help="print the cells, resources and GPU-hours; submit nothing")
+    p.add_argument("--only", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                   help="only cells with these values (same key twice: either value)")
+    p.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE", dest="extra",
+                   help="extra config overrides for every cell, e.g. task.data_root=/data/imagenet")
+    p.add_argument("--force", action="store_true", help="also resubmit cells that look queued or running")
+    p.add_argument("--jobs", type=int, help="local backend: cells at once (default: cores / (threads x ranks))")
+    p.add_argument("--threads", type=int, help="local backend: CPU threads per process (default: the grid's)")
+    a = p.parse_args(argv)
+    if a.backend == "slurm" and not a.cluster:
+        raise UserError("--backend slurm needs --cluster <name> (a profile in slurm/clusters/, e.g. local)")
+    if a.backend == "local" and a.cluster:
+        raise UserError("--cluster is for --backend slurm; the local backend runs on this machine")
+    if a.backend == "slurm" and (a.jobs is not None or a.threads is not None):
+        raise UserError("--jobs/--threads are for --backend local; on SLURM use the cluster profile")
+    cluster = clusters.load(a.cluster) if a.backend == "slurm" else None
+    extra = list(a.extra)
+    if cluster and cluster.ckpt_every_minutes is not None:  # an infrastructure key: same cells
+        extra.insert(0, f"train.ckpt_every_minutes={cluster.ckpt_every_minutes}")
+    g = G.load(a.grid, a.profile, extra, a.only)
+    if cluster:
+        G.nodes_and_tasks(g.resources, cluster.gpus_per_node)  # fails early on GPUs the cluster lacks
+    for c in g.cells:  # the engine would fail at start; say it now
+        if c.cfg.train.batch_size % g.resources.world:
+            raise UserError(f"{c.run_name}: global batch train.batch_size={c.cfg.train.batch_size} does not divide "
+                            f"over {g.resources.world} ranks")
+    todo, skipped, lines = plan(g, a.force, a.backend == "slurm")
+    print_plan(g, todo, skipped, lines, a.backend, cluster, a.dry_run)
+    if not todo:
+        print("nothing to submit")
+    if a.dry_run or not todo:
+        return
+
+    exp_dir = todo[0].run_dir.parent
+    commit, dirty = _git()
+    record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "grid": str(g.path), "profile": g.profile,
+              "backend": a.backend, "cluster": cluster.name if cluster else None, "git_commit": commit,
+              "git_dirty": dirty, "argv": sys.argv[1:] if argv is None else list(argv)}
+    follow = f"python -m slurm.status {g.path} --profile {g.profile}" + (f" --set {' '.join(a.extra)}" if a.extra else "")
+    if a.backend == "slurm":
+        submitted: list[tuple[G.Cell, str]] = []
+        try:
+            submit_slurm(g, todo, cluster, exp_dir, submitted)
+        finally:
+            manifest = _record(record, submitted)
+        ids = sorted({jid.split("_")[0] for _, jid in submitted})
+        print(f"submitted {len(submitted)} cell(s) as job(s) {', '.join(ids)}; manifest {manifest}")
+        print(f"follow: {follow}\nlogs: {exp_dir / 'slurm_logs'}")
+        return
+    _submit_local(g, todo, a.threads or g.resources.threads, a.jobs, exp_dir, record, follow)
+
+
+def _record(record: dict, pairs: list[tuple[G.Cell, str]]) -> pathlib.Path | None:
+    """Append the submission to the manifest of each experiment directory it touched."""
+    by_dir: dict[pathlib.Path, list] = {}
+    for c, jid in pairs:
+        by_dir.setdefault(c.run_dir.parent, []).append(
+            {"cell_id": c.cell_id, "run_name": c.run_name, "run_dir": str(c.run_dir), "job_id": jid,
+             "overrides": c.overrides})
+    path = None
+    for d, cells in by_dir.items():
+        path = append_manifest(d, {**record, "cells": cells})
+    return path
+
+
+def _submit_local(g: G.Grid, todo: list[G.Cell], threads: int, jobs: int | None, exp_dir: pathlib.Path,
+                  record: dict, follow: str) -> None:
+    res = g.resources
+    cap = jobs if jobs is not None else default_cap(threads, res.world, res.gpus)
+    log_dir = exp_dir / "local_logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    tasks = [LocalTask(c.run_name, [sys.executable, "-m", "slurm.job", "--experiment", c.experiment,
+                                    "--run-dir", str(c.run_dir), "--", *c.overrides],
+                       env={"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)},
+                       world=res.world, gpus=res.gpus, log=log_dir / f"{c.run_name}.log") for c in todo]
+    by_name = {c.run_name: c for c in todo}
+    started: list[tuple[G.Cell, str]] = []
+    print(f"running {len(tasks)} cell(s), at most {cap} at once, {threads} thread(s) each; logs in {log_dir}")
+    try:
+        results = run_local(tasks, cap, started=lambda t, pid: started.append(
+            (by_name[t.name], f"local:{socket.gethostname()}:{pid}")))
+    finally:
+        _record(record, started)
+    bad = [n for n, rc in results.items() if rc != 0]
+    print(f"{len(results) - len(bad)} cell(s) ended normally, {len(bad)} with errors"
+          + (f" ({', '.join(bad)}; see {log_dir})" if bad else ""))
+    print(f"status: {follow}")
+    if bad:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    cli(main)()

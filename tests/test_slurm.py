@@ -1,0 +1,361 @@
+"""slurm/ without a cluster: grid expansion, profiles, bad input, dry runs, the local backend and
+its concurrency cap, and slurm.status read from run directories. The real-cluster tests are in
+tests/test_slurm_cluster.py."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from mpt.errors import UserError
+from slurm import clusters, grid as G, state, status, submit
+
+REPO = Path(__file__).resolve().parents[1]
+GRID = REPO / "experiments" / "ilsvrc_cnns" / "grid.yaml"
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def tiny_set(root, out):
+    return [f"task.data_root={root}", f"out_dir={out}"]
+
+
+# ------------------------------------------------------------------------------------------------
+# grids
+
+
+def test_tiny_grid_cells_have_content_ids_and_run_dirs(tmp_path):
+    g = G.load(GRID, "tiny", tiny_set("/nonexistent", tmp_path))
+    assert g.experiment == "ilsvrc_cnns" and g.resources.gpus == 0
+    assert len(g.cells) == 4
+    assert len({c.cell_id for c in g.cells}) == 4
+    for c in g.cells:
+        assert "profile=tiny" in c.overrides
+        assert c.run_dir.parent == tmp_path / "ilsvrc_cnns"
+        assert c.run_name.endswith(c.cell_id[:10])
+    # Infrastructure keys (data path, out_dir) do not change a cell's id.
+    g2 = G.load(GRID, "tiny", tiny_set("/elsewhere", tmp_path / "other"))
+    assert [c.cell_id for c in g2.cells] == [c.cell_id for c in g.cells]
+
+
+def test_relative_out_dir_becomes_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    g = G.load(GRID, "tiny", ["out_dir=runs"])
+    assert all(c.run_dir.is_absolute() and str(c.run_dir).startswith(str(tmp_path)) for c in g.cells)
+    assert all(f"out_dir={tmp_path / 'runs'}" in c.overrides for c in g.cells)
+
+
+def test_only_filters_cells():
+    assert len(G.load(GRID, "tiny", only=["model=alexnet"]).cells) == 2
+    cells = G.load(GRID, "tiny", only=["model=alexnet", "model=resnet50_preact", "precision=fp32"]).cells
+    assert sorted(c.axes["model"] for c in cells) == ["alexnet", "resnet50_preact"]
+    assert len(G.load(GRID, "tiny", only=["train.batch_size=32"]).cells) == 4  # any config key
+    with pytest.raises(UserError, match="unknown config key 'nosuch'"):
+        G.load(GRID, "tiny", only=["nosuch=1"])
+    with pytest.raises(UserError, match="matches no cell"):
+        G.load(GRID, "tiny", only=["model=vgg16"])
+
+
+def test_paper_profile_uses_gpus_and_estimates(tmp_path):
+    g = G.load(GRID, "paper")
+    assert len(g.cells) == 12 and g.resources.gpus == 8 and g.resources.world == 8
+    assert g.resources.hours_for("vgg16") == 60
+
+
+@pytest.mark.parametrize("text, match", [
+    ("experiment: ilsvrc_cnns\naxes: {model: [alexnet]}\nprofiles: {tiny: {}}\nbogus: 1\n", "unknown key.*bogus"),
+    ("axes: {model: [alexnet]}\nprofiles: {tiny: {}}\n", "missing 'experiment"),
+    ("experiment: nosuch\naxes: {model: [alexnet]}\nprofiles: {tiny: {}}\n", "unknown experiment 'nosuch'"),
+    ("experiment: ilsvrc_cnns\naxes: {model: alexnet}\nprofiles: {tiny: {}}\n", "non-empty list"),
+    ("experiment: ilsvrc_cnns\naxes: {model: [alexnet]}\nprofiles: {tiny: {gpu: 1}}\n", "unknown key.*gpu"),
+    ("experiment: ilsvrc_cnns\naxes: {model: [alexnet]}\nprofiles: {tiny: {resources: {cores: 2}}}\n",
+     "unknown key.*cores"),
+    ("experiment: ilsvrc_cnns\naxes: {model: [alexnet], nosuch.key: [1]}\nprofiles: {tiny: {}}\n",
+     "cell model=alexnet nosuch.key=1: unknown config key 'nosuch.key'"),
+    ("experiment: ilsvrc_cnns\naxes: {model: [alexnet], task.data_root: [a, b]}\nprofiles: {tiny: {}}\n",
+     "same run"),
+    ("experiment: ilsvrc_cnns\naxes: {model: [alexnet]}\nprofiles: {tiny: {resources: {gpus: 2, tasks: 3}}}\n",
+     "one task per GPU"),
+    ("experiment: [unclosed\n", "not valid YAML"),
+])
+def test_bad_grid_files_are_one_line_errors(tmp_path, text, match):
+    path = write(tmp_path / "grid.yaml", text)
+    with pytest.raises(UserError, match=match) as e:
+        G.load(path, "tiny")
+    assert "\n" not in str(e.value)
+
+
+def test_unknown_profile_and_missing_grid(tmp_path):
+    with pytest.raises(UserError, match="unknown profile 'huge'; choose one of: tiny, paper"):
+        G.load(GRID, "huge")
+    with pytest.raises(UserError, match="not found"):
+        G.load(tmp_path / "nope.yaml", "tiny")
+
+
+# ------------------------------------------------------------------------------------------------
+# cluster profiles
+
+
+def test_cluster_profiles_in_repo_load():
+    for p in (REPO / "slurm" / "clusters").glob("*.yaml"):
+        c = clusters.load(p.stem)
+        assert c.time_min >= 1 and c.max_array_size >= 1
+
+
+@pytest.mark.parametrize("text, match", [
+    ("partition: a\ngpus_per_nod: 4\n", "unknown key.*gpus_per_nod"),
+    ("time_min: soon\n", "time_min must be an integer"),
+    ("mem_gb_per_task: 0\n", "mem_gb_per_task must be a positive"),
+    ("setup: module load x\n", "setup must be a list"),
+])
+def test_bad_cluster_profiles(tmp_path, text, match):
+    with pytest.raises(UserError, match=match):
+        clusters.load(str(write(tmp_path / "c.yaml", text)))
+    with pytest.raises(UserError, match="not found.*local"):
+        clusters.load("no_such_cluster")
+
+
+def test_nodes_tasks_and_sbatch_parameters():
+    assert G.nodes_and_tasks(G.Resources(gpus=8), 8) == (1, 8)
+    assert G.nodes_and_tasks(G.Resources(gpus=16), 8) == (2, 8)
+    assert G.nodes_and_tasks(G.Resources(gpus=2), 8) == (1, 2)
+    assert G.nodes_and_tasks(G.Resources(gpus=0, tasks=2), 0) == (1, 2)
+    with pytest.raises(UserError, match="whole nodes"):
+        G.nodes_and_tasks(G.Resources(gpus=12), 8)
+    with pytest.raises(UserError, match="gpus_per_node: 0"):
+        G.nodes_and_tasks(G.Resources(gpus=1), 0)
+    c = clusters.load("example_gpu")
+    p = clusters.sbatch_parameters(c, job_name="x", nodes=2, tasks_per_node=8, gpus=16, chdir="/repo")
+    assert p["gpus_per_node"] == 8 and p["ntasks_per_node"] == 8 and p["nodes"] == 2
+    assert p["mem"] == f"{60 * 1024 * 8}MB" and p["signal_delay_s"] == 300
+    assert p["additional_parameters"]["requeue"] is True
+    # The sbatch script submitit would write: one task per GPU, USR2 before the limit, requeueable.
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    text = _make_sbatch_string(command="run", folder="/tmp/x", **p)
+    for line in ("--gpus-per-node=8", "--ntasks-per-node=8", "--signal=USR2@300", "--requeue", "--partition=gpu",
+                 "--time=1440", "--chdir=/repo"):
+        assert line in text, line
+
+
+# ------------------------------------------------------------------------------------------------
+# the submit command without a cluster
+
+
+def test_backend_is_required(capsys):
+    with pytest.raises(SystemExit):
+        submit.main([str(GRID), "--profile", "tiny"])
+    assert "--backend" in capsys.readouterr().err
+
+
+def test_dry_run_prints_cells_batch_split_and_gpu_hours(tmp_path, capsys):
+    submit.main([str(GRID), "--profile", "paper", "--backend", "slurm", "--cluster", "example_gpu", "--dry-run",
+                 "--set", f"out_dir={tmp_path}", "--only", "model=resnet50_preact"])
+    out = capsys.readouterr().out
+    assert "2 cell(s), 2 to submit" in out
+    assert "resnet50_preact-fp32" in out and "resnet50_preact-mixed" in out
+    assert "batch 256 = 8 x 32" in out
+    assert "60 run-hours x 8 GPUs = 480 GPU-hours" in out  # 2 runs x 30 h x 8 GPUs
+    assert "time limit 1440 min" in out
+    assert not (tmp_path / "ilsvrc_cnns" / state.MANIFEST).exists()  # nothing submitted
+
+
+def test_slurm_backend_without_sbatch_is_one_line_error(tmp_path):
+    env = {**os.environ, "PATH": str(tmp_path)}  # no sbatch, srun, git ...
+    r = subprocess.run([sys.executable, "-m", "slurm.submit", str(GRID), "--profile", "tiny", "--backend", "slurm",
+                        "--cluster", "local", "--set", f"out_dir={tmp_path}"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and "sbatch" in err[0], r.stderr
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--backend", "slurm"], "needs --cluster"),
+    (["--backend", "local", "--cluster", "local"], "--cluster is for --backend slurm"),
+    (["--backend", "slurm", "--cluster", "nope"], "cluster profile 'nope' not found"),
+    (["--backend", "local", "--jobs", "0"], "at least one"),
+])
+def test_submit_argument_errors(tmp_path, argv, match):
+    with pytest.raises(UserError, match=match):
+        submit.main([str(GRID), "--profile", "tiny", "--set", f"out_dir={tmp_path}", "task.data_root=/none", *argv])
+
+
+def test_sbatch_message_is_one_line():
+    from submitit.core.utils import FailedJobError
+
+    e = FailedJobError("sbatch: error: invalid partition specified: nope\n"
+                       "sbatch: error: Batch job submission failed: Invalid partition name specified")
+    assert submit._sbatch_message(e) == ("invalid partition specified: nope; "
+                                         "Batch job submission failed: Invalid partition name specified")
+
+
+# ------------------------------------------------------------------------------------------------
+# local backend
+
+
+def test_local_backend_never_exceeds_its_cap(tmp_path):
+    script = ("import sys, time, pathlib; d = pathlib.Path(sys.argv[1]); t0 = time.time(); time.sleep(1.5); "
+              "d.write_text(f'{t0} {time.time()}')")
+    tasks = [submit.LocalTask(f"t{i}", [sys.executable, "-c", script, str(tmp_path / f"t{i}")]) for i in range(6)]
+    started = []
+    results = submit.run_local(tasks, cap=3, started=lambda t, pid: started.append(t.name), say=lambda *a: None)
+    assert results == {f"t{i}": 0 for i in range(6)} and len(started) == 6
+    spans = [tuple(map(float, (tmp_path / f"t{i}").read_text().split())) for i in range(6)]
+    events = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans], key=lambda e: (e[0], e[1]))
+    now = peak = 0
+    for _, d in events:
+        now += d
+        peak = max(peak, now)
+    assert peak == 3  # the cap is reached and never passed
+
+
+def test_default_cap_from_cores_and_threads():
+    n = os.cpu_count()
+    assert submit.default_cap(1, 1, 0) == n
+    assert submit.default_cap(n, 1, 0) == 1
+    assert submit.default_cap(4 * n, 2, 0) == 1
+
+
+def test_local_backend_runs_cells_skips_completed_and_isolates_a_failure(tiny_imagenet, tmp_path, capsys):
+    """Two real tiny cells, one with a bad override (task.augment): the bad one fails alone with its
+    error, the other completes; submitting again skips the completed cell and retries the failed one."""
+    grid = write(tmp_path / "grid.yaml", """\
+        experiment: ilsvrc_cnns
+        axes: {model: [alexnet], precision: [fp32], task.augment: [caffe, bogus]}
+        overrides: [wandb.mode=disabled, train.progress=false, train.epochs=1]
+        profiles: {tiny: {resources: {threads: 1}}}
+    """)
+    sets = [f"task.data_root={tiny_imagenet}", f"out_dir={tmp_path / 'runs'}"]
+    argv = [str(grid), "--profile", "tiny", "--set", *sets]
+    with pytest.raises(SystemExit) as e:
+        submit.main([*argv, "--backend", "local", "--jobs", "2"])
+    assert e.value.code == 1
+    g, rows, _ = status.collect(grid, "tiny", sets)
+    by = {c.axes["task.augment"]: st for c, st in rows}
+    assert by["caffe"].state == "completed" and by["caffe"].latest.startswith("top1=")
+    assert by["bogus"].state == "failed" and "task.augment='bogus'" in by["bogus"].error
+    assert by["caffe"].job_id.startswith("local:")
+    job = json.loads((g.cells[0].run_dir / "job.json").read_text())
+    assert job["state"] == "completed" and job["attempts"][0]["outcome"] == "completed"
+    capsys.readouterr()
+    status.main(argv)
+    out = capsys.readouterr().out
+    assert "1 completed, 1 failed" in out and "bogus" in out
+    manifest = (tmp_path / "runs" / "ilsvrc_cnns" / state.MANIFEST).read_text().splitlines()
+    assert len(manifest) == 1 and len(json.loads(manifest[0])["cells"]) == 2
+    submit.main([*argv, "--backend", "local", "--dry-run"])
+    out = capsys.readouterr().out
+    assert "1 to submit, skipped: 1 completed" in out and "submit (failed: resumes)" in out
+
+
+# ------------------------------------------------------------------------------------------------
+# status from run directories alone
+
+
+def _fake_run(run_dir: Path, summary=None, job=None):
+    run_dir.mkdir(parents=True)
+    if summary:
+        (run_dir / "summary.json").write_text(json.dumps(summary))
+    if job:
+        (run_dir / "job.json").write_text(json.dumps(job))
+
+
+def test_status_reads_states_from_run_dirs(tmp_path):
+    g = G.load(GRID, "tiny", [f"out_dir={tmp_path}"])
+    c = {(x.axes["model"], x.axes["precision"]): x for x in g.cells}
+    _fake_run(c["alexnet", "fp32"].run_dir,
+              {"status": "completed", "step": 60, "total_steps": 60, "metrics": {"top1": 42.0}, "primary_metric": "top1"},
+              {"job_id": "7_0", "state": "completed", "attempts": [{}, {}]})
+    _fake_run(c["alexnet", "mixed"].run_dir, {"status": "failed", "error": "UserError: no data"},
+              {"job_id": "7_1", "state": "failed", "error": "UserError: no data", "attempts": [{}]})
+    _fake_run(c["resnet50_preact", "fp32"].run_dir, {"status": "diverged", "step": 9, "total_steps": 60},
+              {"job_id": "7_2", "state": "diverged", "attempts": [{}]})
+    exp = tmp_path / "ilsvrc_cnns"
+    state.append_manifest(exp, {"backend": "slurm", "cells": [
+        {"cell_id": x.cell_id, "job_id": f"7_{i}"} for i, x in enumerate(g.cells)]})
+    latest = state.latest_jobs([exp])
+    # Without a queue to ask (no SLURM here): the files decide.
+    got = {k: state.cell_state(x.run_dir, x.cell_id, latest.get(x.cell_id), None) for k, x in c.items()}
+    assert got["alexnet", "fp32"].state == "completed" and got["alexnet", "fp32"].latest == "top1=42"
+    assert got["alexnet", "fp32"].attempts == 2
+    assert got["alexnet", "mixed"].state == "failed" and got["alexnet", "mixed"].error == "UserError: no data"
+    assert got["resnet50_preact", "fp32"].state == "diverged"
+    assert got["resnet50_preact", "mixed"].state == "pending"  # submitted, no run directory yet
+    # With a queue: a job that left it without writing anything failed; one still there is pending.
+    q = {"7_3": "PENDING"}
+    assert state.cell_state(c["resnet50_preact", "mixed"].run_dir, "", latest.get(
+        c["resnet50_preact", "mixed"].cell_id), q).state == "pending"
+    gone = state.cell_state(c["resnet50_preact", "mixed"].run_dir, "", latest.get(
+        c["resnet50_preact", "mixed"].cell_id), {})
+    assert gone.state == "failed" and "before the run started" in gone.error
+    # A local run whose process is gone while job.json still says running was killed.
+    run = tmp_path / "x" / "killed"
+    _fake_run(run, {"status": "running", "step": 5}, {"job_id": f"local:{os.uname().nodename}:999999999",
+                                                       "state": "running", "attempts": [{}]})
+    assert state.cell_state(run, "", None, None).state == "failed"
+
+
+def test_status_of_nothing_submitted(tmp_path, capsys):
+    status.main([str(GRID), "--profile", "tiny", "--set", f"out_dir={tmp_path}"])
+    out = capsys.readouterr().out
+    assert "4 cell(s): 4 not submitted" in out
+    status.main([str(GRID), "--profile", "tiny", "--set", f"out_dir={tmp_path}", "--json"])
+    rows = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert len(rows) == 4 and all(r["state"] == "not submitted" for r in rows)
+
+
+def test_job_wrapper_maps_slurm_ranks(monkeypatch):
+    from slurm import job
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(k, "")  # recorded, so the values set below are removed after the test
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
+    monkeypatch.setenv("SLURM_JOB_ID", "12345")
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[07-08]")
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "12000")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "4")
+    assert job._slurm_ranks() == "12000_4"
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("3", "8", "1")
+    assert os.environ["MASTER_ADDR"] == "gpu07"
+    assert os.environ["MASTER_PORT"] == str(job.master_port("12345"))
+    from mpt.engine import distributed_env
+
+    assert distributed_env() == (3, 8, 1)
+
+
+def test_local_process_stops_at_a_step_boundary_on_sigterm(tiny_imagenet, tmp_path):
+    """The local backend's stop path: SIGTERM -> checkpoint -> status interrupted -> resume."""
+    g = G.load(GRID, "tiny", [f"task.data_root={tiny_imagenet}", f"out_dir={tmp_path}", "train.max_steps=2000"],
+               only=["model=alexnet", "precision=fp32"])
+    c = g.cells[0]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.Popen([sys.executable, "-m", "slurm.job", "--experiment", c.experiment, "--run-dir", str(c.run_dir),
+                          "--", *c.overrides], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+    metrics = c.run_dir / "metrics.jsonl"
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            time.sleep(0.2)
+        p.terminate()
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 3, err
+    st = state.cell_state(c.run_dir, c.cell_id, None, None)
+    assert st.state == "interrupted" and 0 < st.step < 2000
+    job = json.loads((c.run_dir / "job.json").read_text())
+    assert job["attempts"][-1]["signals"] == ["SIGTERM"] and job["attempts"][-1]["step"] == st.step
+    assert (c.run_dir / "checkpoint.pt").exists()

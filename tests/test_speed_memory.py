@@ -1,0 +1,170 @@
+"""The speed/memory benchmark measures what it says (CPU; no test needs or times a GPU):
+exact activation bytes on a model with known activation sizes, ratios from the same run, and the
+command end to end on two tiny models."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+from conftest import REPO
+from experiments.speed_memory import bench, report
+from experiments.speed_memory import main as speed_memory
+from mpt.config import Config
+from mpt.errors import cli
+
+torch.set_num_threads(2)
+B = 4  # batch of the known-size model
+
+
+class KnownTask:
+    """Linear(16, 32) - ReLU - Linear(32, 8), loss = mean of the FP32 output. Saved for backward:
+    the first linear's input (its weight gradient needs it), the ReLU output (ReLU's and the second
+    linear's input: one storage), and under autocast the FP16 cast of the second linear's weight
+    (the first one's is not saved: its input needs no gradient). mean and the FP32 cast save nothing."""
+
+    def build_model(self, cfg):
+        return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+
+    def loss(self, model, x):
+        return model(x).float().mean(), x.shape[0]
+
+
+KNOWN = bench.Workload("none", "items", 16, KnownTask,
+                       lambda n, size, device, cl, gen: torch.randn(n, size, generator=gen).to(device))
+
+
+@pytest.fixture
+def known(monkeypatch):
+    monkeypatch.setitem(bench.WORKLOADS, "known", KNOWN)
+    monkeypatch.setattr(bench, "config_for", lambda wl, m, p, impl, o, dev: Config(
+        model=m, precision="fp32" if p == "tf32" else p, impl=impl or "autocast"))
+
+
+def opts(**kw):
+    from experiments.speed_memory import DEFAULTS
+
+    return {**DEFAULTS, "batch": B, "size": "16", "steps": 1, "warmup": 1, **kw}
+
+
+@pytest.mark.parametrize("prec,impl,act16,act32,casts", [
+    ("fp32", None, 0, B * 16 * 4 + B * 32 * 4, 0),
+    # + 4: GradScaler multiplies the loss by its scale, a 0-dim FP32 tensor, which the product saves
+    ("mixed", "autocast", B * 16 * 2 + B * 32 * 2, 4, 8 * 32 * 2),
+    ("mixed", "paper", B * 16 * 2 + B * 32 * 2, 0, 0),  # FP16 weights are the parameters: not counted
+    ("bf16", "autocast", B * 16 * 2 + B * 32 * 2, 0, 8 * 32 * 2),
+])
+def test_activation_bytes_are_exact(known, prec, impl, act16, act32, casts):
+    r = bench.measure("known", prec, impl, opts(), torch.device("cpu"))
+    assert r["status"] == "ok", r["note"]
+    assert r["activation_bytes"] == act16 + act32 + casts
+    assert r["saved_weight_cast_bytes"] == casts
+    assert r["activation_only_bytes"] == act16 + act32
+    low = "bfloat16" if prec == "bf16" else "float16"
+    assert r["activation_only_bytes_by_dtype"] == {k: v for k, v in ((low, act16), ("float32", act32)) if v}
+    n_params = 16 * 32 + 32 + 32 * 8 + 8
+    assert r["optimizer_state_bytes"] == 4 * n_params  # SGD momentum: one FP32 buffer per master weight
+    if impl == "paper":
+        assert r["param_bytes"] == 2 * n_params and r["master_bytes"] == 4 * n_params
+        assert r["grad_bytes"] == 2 * n_params + 4 * n_params  # FP16 model + FP32 master gradients
+    else:
+        assert r["param_bytes"] == 4 * n_params and r["master_bytes"] == 0 and r["grad_bytes"] == 4 * n_params
+
+
+def test_buffers_saved_by_batch_norm_are_not_activations():
+    net = nn.Sequential(nn.Conv2d(3, 4, 3, bias=False), nn.BatchNorm2d(4))
+    meter = bench.ActivationMeter(net)
+    with meter.measure():
+        net(torch.randn(2, 3, 8, 8)).sum().backward()
+    b = meter.breakdown()
+    assert b["saved_buffer_bytes"] == 2 * 4 * 4  # running mean and variance, FP32
+    assert b["activation_bytes"] == b["saved_buffer_bytes"] + b["activation_only_bytes"]
+    assert b["activation_only_bytes"] >= 2 * 3 * 8 * 8 * 4 + 2 * 4 * 6 * 6 * 4  # conv input, BN input
+
+
+def test_ratios_come_from_rows_of_the_same_run():
+    def row(model, prec, impl, ms, act):
+        return {"model": model, "precision": prec, "impl": impl, "status": "ok", "step_ms": {"median": ms},
+                "throughput": 100 / ms, "activation_bytes": act, "activation_only_bytes": act,
+                "peak_gpu_mem_bytes": None, "param_bytes": 4, "master_bytes": 0, "grad_bytes": 4,
+                "optimizer_state_bytes": 4}
+    rows = [row("a", "fp32", None, 10.0, 100), row("a", "mixed", "autocast", 4.0, 52),
+            row("b", "fp32", None, 20.0, 300), row("b", "tf32", None, 8.0, 300), row("b", "mixed", "paper", 5.0, 150)]
+    report.add_ratios(rows)
+    assert rows[1]["ratios"]["vs_fp32"]["speedup"] == 2.5 and rows[1]["ratios"]["vs_fp32"]["activation"] == 0.52
+    assert rows[1]["ratios"]["vs_tf32"] is None
+    assert rows[4]["ratios"]["vs_fp32"]["activation_only"] == 0.5 and rows[4]["ratios"]["vs_tf32"]["speedup"] == 1.6
+    assert rows[4]["ratios"]["vs_fp32"]["peak_gpu_mem"] is None
+
+
+def test_kernel_timeline_summary():
+    kern = [("sm90_xmma_fprop_implicit_gemm", 0.0, 6.0), ("elementwise_kernel", 5.0, 7.0),
+            ("cudnn::bn_fw_tr_1C11_kernel", 8.0, 10.0)]
+    s = bench.summarize_kernels(kern)
+    assert s["gpu_busy_fraction"] == pytest.approx(9 / 10)
+    assert s["matmul_conv_kernel_fraction"] == pytest.approx(6 / 10)
+    m = nn.Linear(8, 8)  # the profiler plumbing, with CPU ops standing in for kernels
+    s = bench.kernel_profile(lambda: m(torch.randn(4, 8)).sum().backward(), 2, torch.device("cpu"))
+    assert 0 < s["gpu_busy_fraction"] <= 1 and 0 <= s["matmul_conv_kernel_fraction"] <= 1
+    cuda = torch.device("cuda")
+    assert bench.limit_text({"gpu_busy_fraction": 0.5, "matmul_conv_kernel_fraction": 0.9}, cuda).startswith("host-bound")
+    assert "memory-bandwidth" in bench.limit_text({"gpu_busy_fraction": 0.95, "matmul_conv_kernel_fraction": 0.3}, cuda)
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["foo=1"], "unknown key 'foo'"),
+    (["models=resnet51"], "unknown model 'resnet51'"),
+    (["precisions=fp32,fp8"], "unknown precision 'fp8'"),
+    (["impls=apex"], "unknown impl 'apex'"),
+    (["batch=many"], "expected an integer"),
+    (["overhead=vgg19"], "overhead='vgg19'"),
+])
+def test_bad_input_is_one_line(capsys, argv, msg):
+    with pytest.raises(SystemExit) as e:
+        cli(speed_memory)(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and msg in err, err
+
+
+def test_command_on_cpu_two_tiny_models(tmp_path):
+    out = tmp_path / "results"
+    argv = ["models=alexnet,resnet50_preact", "precisions=fp32,tf32,mixed", "impls=autocast,paper",
+            "width=0.03125", "batch=4", "size=80", "steps=2", "warmup=1", "overhead=resnet50_preact",
+            "overhead_rounds=1", f"out={out}", "tag=test"]
+    # One thread: on a shared CPU, OpenMP threads that spin-wait for busy cores slow a step 100-fold.
+    p = subprocess.run([sys.executable, "-m", "experiments.speed_memory", *argv], cwd=REPO, capture_output=True,
+                       text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr
+    (path,) = out.glob("cpu-*-test.json")
+    res = json.loads(path.read_text())
+    assert (out / path.name.replace(".json", ".md")).read_text().count("| resnet50_preact | mixed |") == 3  # 2 impls + engine overhead
+    assert res["schema"] == report.SCHEMA and res["env"]["torch"] == torch.__version__ and res["env"]["date"]
+    assert "synthetic" in res["data"] and res["options"]["channels_last"] is False
+    rows = {(r["model"], r["precision"], r["impl"]): r for r in res["rows"]}
+    assert len(rows) == 2 * 4
+    for m in ("alexnet", "resnet50_preact"):
+        assert rows[(m, "tf32", None)]["status"] == "skipped"  # no GPU: no TF32
+        base = rows[(m, "fp32", None)]
+        for impl in ("autocast", "paper"):
+            r = rows[(m, "mixed", impl)]
+            assert r["status"] == "ok" and r["peak_gpu_mem_bytes"] is None and r["step_ms"]["n"] == 2
+            f = r["ratios"]["vs_fp32"]
+            assert f["activation"] == r["activation_bytes"] / base["activation_bytes"]
+            assert f["activation_only"] == r["activation_only_bytes"] / base["activation_only_bytes"]
+            assert f["speedup"] == base["step_ms"]["median"] / r["step_ms"]["median"]
+            assert r["ratios"]["vs_tf32"] is None
+            assert 0.4 < f["activation_only"] < 0.8  # FP16 activations, FP32 loss and int64 pooling indices
+            assert r["optimizer_state_bytes"] == base["param_bytes"]  # SGD momentum of every FP32 weight
+        assert rows[(m, "mixed", "paper")]["master_bytes"] == base["param_bytes"]
+        assert rows[(m, "mixed", "autocast")]["saved_weight_cast_bytes"] > 0
+    eo = res["engine_overhead"]
+    assert [r["precision"] for r in eo] == ["fp32", "mixed"]
+    assert all(r["hand_ms"] > 0 and r["engine_ms"] > 0 and r["control_ms"] > 0 for r in eo)
+    g = {x["id"]: x for x in res["goals"]}
+    assert g["resnet50_mixed_throughput"]["status"] == report.NO_GPU
+    assert g["activation_ratio_paper"]["status"] in ("met", "missed", "incomplete")
+    assert g["engine_overhead"]["measured"]
