@@ -16,6 +16,9 @@ from slurm import clusters, grid as G, state, status, submit
 
 REPO = Path(__file__).resolve().parents[1]
 GRID = REPO / "experiments" / "ilsvrc_cnns" / "grid.yaml"
+_AXES = __import__("yaml").safe_load(GRID.read_text())["axes"]
+N_MODELS, N_PREC = len(_AXES["model"]), len(_AXES["precision"])
+N_TINY = N_MODELS * N_PREC  # the tiny profile runs every model in every precision of the grid
 
 
 def write(path: Path, text: str) -> Path:
@@ -34,8 +37,8 @@ def tiny_set(root, out):
 def test_tiny_grid_cells_have_content_ids_and_run_dirs(tmp_path):
     g = G.load(GRID, "tiny", tiny_set("/nonexistent", tmp_path))
     assert g.experiment == "ilsvrc_cnns" and g.resources.gpus == 0
-    assert len(g.cells) == 4
-    assert len({c.cell_id for c in g.cells}) == 4
+    assert len(g.cells) == N_TINY
+    assert len({c.cell_id for c in g.cells}) == N_TINY
     for c in g.cells:
         assert "profile=tiny" in c.overrides
         assert c.run_dir.parent == tmp_path / "ilsvrc_cnns"
@@ -53,19 +56,19 @@ def test_relative_out_dir_becomes_absolute(tmp_path, monkeypatch):
 
 
 def test_only_filters_cells():
-    assert len(G.load(GRID, "tiny", only=["model=alexnet"]).cells) == 2
+    assert len(G.load(GRID, "tiny", only=["model=alexnet"]).cells) == N_PREC
     cells = G.load(GRID, "tiny", only=["model=alexnet", "model=resnet50_preact", "precision=fp32"]).cells
     assert sorted(c.axes["model"] for c in cells) == ["alexnet", "resnet50_preact"]
-    assert len(G.load(GRID, "tiny", only=["train.batch_size=32"]).cells) == 4  # any config key
+    assert len(G.load(GRID, "tiny", only=["train.batch_size=32"]).cells) == N_TINY  # any config key
     with pytest.raises(UserError, match="unknown config key 'nosuch'"):
         G.load(GRID, "tiny", only=["nosuch=1"])
     with pytest.raises(UserError, match="matches no cell"):
-        G.load(GRID, "tiny", only=["model=vgg16"])
+        G.load(GRID, "tiny", only=["seed=12345"])
 
 
 def test_paper_profile_uses_gpus_and_estimates(tmp_path):
     g = G.load(GRID, "paper")
-    assert len(g.cells) == 12 and g.resources.gpus == 8 and g.resources.world == 8
+    assert len(g.cells) == N_TINY and g.resources.gpus == 8 and g.resources.world == 8
     assert g.resources.hours_for("vgg16") == 60
 
 
@@ -159,10 +162,10 @@ def test_dry_run_prints_cells_batch_split_and_gpu_hours(tmp_path, capsys):
     submit.main([str(GRID), "--profile", "paper", "--backend", "slurm", "--cluster", "example_gpu", "--dry-run",
                  "--set", f"out_dir={tmp_path}", "--only", "model=resnet50_preact"])
     out = capsys.readouterr().out
-    assert "2 cell(s), 2 to submit" in out
+    assert f"{N_PREC} cell(s), {N_PREC} to submit" in out
     assert "resnet50_preact-fp32" in out and "resnet50_preact-mixed" in out
     assert "batch 256 = 8 x 32" in out
-    assert "60 run-hours x 8 GPUs = 480 GPU-hours" in out  # 2 runs x 30 h x 8 GPUs
+    assert f"{30 * N_PREC} run-hours x 8 GPUs = {240 * N_PREC} GPU-hours" in out  # N runs x 30 h x 8 GPUs
     assert "time limit 1440 min" in out
     assert not (tmp_path / "ilsvrc_cnns" / state.MANIFEST).exists()  # nothing submitted
 
@@ -279,8 +282,9 @@ def test_status_reads_states_from_run_dirs(tmp_path):
     _fake_run(c["resnet50_preact", "fp32"].run_dir, {"status": "diverged", "step": 9, "total_steps": 60},
               {"job_id": "7_2", "state": "diverged", "attempts": [{}]})
     exp = tmp_path / "ilsvrc_cnns"
+    jobs = [("alexnet", "fp32"), ("alexnet", "mixed"), ("resnet50_preact", "fp32"), ("resnet50_preact", "mixed")]
     state.append_manifest(exp, {"backend": "slurm", "cells": [
-        {"cell_id": x.cell_id, "job_id": f"7_{i}"} for i, x in enumerate(g.cells)]})
+        {"cell_id": c[k].cell_id, "job_id": f"7_{i}"} for i, k in enumerate(jobs)]})
     latest = state.latest_jobs([exp])
     # Without a queue to ask (no SLURM here): the files decide.
     got = {k: state.cell_state(x.run_dir, x.cell_id, latest.get(x.cell_id), None) for k, x in c.items()}
@@ -306,10 +310,10 @@ def test_status_reads_states_from_run_dirs(tmp_path):
 def test_status_of_nothing_submitted(tmp_path, capsys):
     status.main([str(GRID), "--profile", "tiny", "--set", f"out_dir={tmp_path}"])
     out = capsys.readouterr().out
-    assert "4 cell(s): 4 not submitted" in out
+    assert f"{N_TINY} cell(s): {N_TINY} not submitted" in out
     status.main([str(GRID), "--profile", "tiny", "--set", f"out_dir={tmp_path}", "--json"])
     rows = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
-    assert len(rows) == 4 and all(r["state"] == "not submitted" for r in rows)
+    assert len(rows) == N_TINY and all(r["state"] == "not submitted" for r in rows)
 
 
 def test_job_wrapper_maps_slurm_ranks(monkeypatch):
