@@ -27,3 +27,23 @@ def tiny_overrides(root, out_dir, *extra):
     """A tiny-profile ILSVRC run that writes under out_dir and logs nothing online."""
     return ["profile=tiny", f"task.data_root={root}", f"out_dir={out_dir}", "wandb.mode=disabled",
             "train.progress=false", *extra]
+
+
+def run_interrupted(monkeypatch, main, overrides, at_step: int) -> dict:
+    """Run `main(overrides)` with the engine asked to stop (as a SLURM signal would) while step
+    `at_step` trains: the run checkpoints after that step and returns status "interrupted"."""
+    from mpt import engine
+
+    orig = engine.Run.train_step
+
+    def train_step(self, micro):
+        if self.step == at_step:
+            engine.STOP.request("test")
+        return orig(self, micro)
+
+    monkeypatch.setattr(engine.Run, "train_step", train_step)
+    try:
+        return main(overrides)
+    finally:
+        engine.STOP.clear()
+        monkeypatch.setattr(engine.Run, "train_step", orig)

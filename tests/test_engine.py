@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 import models
-from conftest import REPO, tiny_overrides
+from conftest import REPO, run_interrupted, tiny_overrides
 from experiments.ilsvrc_cnns import main as ilsvrc
 from mpt import config as C
 from mpt import engine, precision
@@ -42,17 +42,7 @@ def test_tiny_run_beats_chance(tiny_imagenet, tmp_path, prec):
 def test_resume_is_bit_identical(tiny_imagenet, tmp_path, monkeypatch):
     args = ["model=resnet50_preact", "train.max_steps=9", "train.num_workers=2", "train.log_every=1"]
     full = ilsvrc(tiny_overrides(tiny_imagenet, tmp_path / "a", *args))
-    orig = engine.Run.train_step
-
-    def stop_at_4(self, micro):
-        if self.step == 4:
-            engine.STOP.request("test")
-        return orig(self, micro)
-
-    monkeypatch.setattr(engine.Run, "train_step", stop_at_4)
-    part = ilsvrc(tiny_overrides(tiny_imagenet, tmp_path / "b", *args))
-    engine.STOP.clear()
-    monkeypatch.setattr(engine.Run, "train_step", orig)
+    part = run_interrupted(monkeypatch, ilsvrc, tiny_overrides(tiny_imagenet, tmp_path / "b", *args), at_step=4)
     assert part["status"] == "interrupted" and part["step"] == 5
     resumed = ilsvrc(tiny_overrides(tiny_imagenet, tmp_path / "b", *args))
     assert resumed["status"] == "completed" and resumed["metrics"] == full["metrics"]

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import models
-from conftest import REPO
+from conftest import REPO, run_interrupted
 from data_prep.lm1b import prepare as prep
 from data_prep.lm1b.dataset import Prepared, StreamWindows, TokenStream
 from data_prep.lm1b.tiny import generate
@@ -278,17 +278,7 @@ def test_tiny_run_beats_unigram_perplexity(data, tmp_path):
 def test_resume_is_bit_identical(data, tmp_path, monkeypatch):
     args = ["train.max_steps=6", "train.log_every=1", "numerics.every=0"]
     full = lm_main(run_args(data, tmp_path / "a", *args))
-    orig = engine.Run.train_step
-
-    def stop_at_3(self, micro):
-        if self.step == 3:
-            engine.STOP.request("test")
-        return orig(self, micro)
-
-    monkeypatch.setattr(engine.Run, "train_step", stop_at_3)
-    part = lm_main(run_args(data, tmp_path / "b", *args))
-    engine.STOP.clear()
-    monkeypatch.setattr(engine.Run, "train_step", orig)
+    part = run_interrupted(monkeypatch, lm_main, run_args(data, tmp_path / "b", *args), at_step=3)
     assert part["status"] == "interrupted" and part["step"] == 4
     resumed = lm_main(run_args(data, tmp_path / "b", *args))
     assert resumed["status"] == "completed" and resumed["metrics"] == full["metrics"]
