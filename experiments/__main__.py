@@ -13,8 +13,6 @@ import time
 
 from mpt.errors import cli
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-
 
 @cli
 def main(argv=None) -> None:

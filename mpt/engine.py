@@ -415,7 +415,7 @@ class Run:
         return t[0].item() / self.world, t[1].item() > 0
 
     def loop(self) -> dict:
-        cfg, t = self.cfg, self.cfg.train
+        t = self.cfg.train
         self.model.train()
         self.t_start = self.last_ckpt = time.time()
         bar = None

@@ -11,10 +11,11 @@ import socket
 import subprocess
 import tempfile
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+from mpt.config import REPO  # mpt.config does not import torch
 
 
-def _atomic(path, write) -> None:
+def atomic_write(path, write) -> None:
+    """Call write(binary file) on a temporary file beside path, fsync, then rename over path."""
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -31,7 +32,7 @@ def _atomic(path, write) -> None:
 
 
 def atomic_write_bytes(path, data: bytes) -> None:
-    _atomic(path, lambda f: f.write(data))
+    atomic_write(path, lambda f: f.write(data))
 
 
 def atomic_write_text(path, text: str) -> None:
@@ -45,7 +46,7 @@ def atomic_write_json(path, obj) -> None:
 def atomic_torch_save(path, obj) -> None:
     import torch  # late: this module is also used by tools that never load torch (paper_tables)
 
-    _atomic(path, lambda f: torch.save(obj, f))
+    atomic_write(path, lambda f: torch.save(obj, f))
 
 
 def append_jsonl(path, obj) -> None:

@@ -24,11 +24,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from mpt.config import REPO
 from mpt.errors import UserError, cli
 from slurm import clusters, grid as G
 from slurm.state import FINAL, append_manifest, cell_state, latest_jobs, slurm_queue
-
-REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 # ------------------------------------------------------------------------------------------------

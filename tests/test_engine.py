@@ -12,7 +12,7 @@ import models
 from conftest import REPO, run_interrupted, tiny_overrides
 from experiments.ilsvrc_cnns import main as ilsvrc
 from mpt import config as C
-from mpt import engine, precision
+from mpt import precision
 from mpt.config import Config
 from models.imagenet_cnns import INPUT_SIZE
 from mpt.memory import SavedTensorBytes

@@ -23,7 +23,6 @@ import argparse
 import colorsys
 import gzip
 import io
-import os
 import tarfile
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ import numpy as np
 from PIL import Image
 
 from mpt.errors import UserError, cli
+from mpt.rundir import atomic_write
 
 from .prepare import DEVKIT, TRAIN_TAR, VAL_TAR
 
@@ -136,15 +136,6 @@ def meta_mat(wnids: list[str], ids: list[int], words: list[str], train_per_class
     return bytes(raw)
 
 
-def _write_atomic(path: Path, write) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def generate(out: Path, classes: int = 10, train_per_class: int = 64, val_per_class: int = 16,
              size: int = 96, seed: int = 0) -> dict[str, Path]:
     """Write the three archives into out; return {archive name: path}."""
@@ -191,9 +182,9 @@ def generate(out: Path, classes: int = 10, train_per_class: int = 64, val_per_cl
             gz.write(_tar_bytes(files))
 
     paths = {name: out / name for name in (TRAIN_TAR, VAL_TAR, DEVKIT)}
-    _write_atomic(paths[TRAIN_TAR], write_train)
-    _write_atomic(paths[VAL_TAR], write_val)
-    _write_atomic(paths[DEVKIT], write_devkit)
+    atomic_write(paths[TRAIN_TAR], write_train)
+    atomic_write(paths[VAL_TAR], write_val)
+    atomic_write(paths[DEVKIT], write_devkit)
     return paths
 
 
