@@ -117,6 +117,9 @@ class Config:
     numerics: NumericsCfg = field(default_factory=NumericsCfg)
     wandb: WandbCfg = field(default_factory=WandbCfg)
     task: Any = None  # the experiment's own dataclass (experiments/<name>/task.py: TaskCfg)
+    # Computed, never set: the identity of the prepared dataset under task.data_root (see
+    # data_fingerprint). Not an infra key, so a run on other data is another run (another directory).
+    data_fingerprint: str = ""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -255,9 +258,38 @@ def resolve(experiment: str, overrides: list[str] | tuple = ()) -> Config:
     apply_mapping(cfg, prof, f"experiments/{experiment}/config.yaml profiles.{profile}")
     apply_mapping(cfg, per_model.get(model), f"experiments/{experiment}/config.yaml profiles.{profile}.models.{model}")
     for k, v in pairs:
+        if k == "data_fingerprint":
+            raise UserError("data_fingerprint is computed from the prepared dataset (task.data_root); "
+                            "set task.data_root instead")
         set_key(cfg, k, v, where="command line")
+    cfg.data_fingerprint = data_fingerprint(getattr(cfg.task, "data_root", None))
     validate(cfg)
     return cfg
+
+
+# Keys of a data_prep marker (prepared.json) that say when or where it was made, not what it holds.
+_MARKER_VOLATILE = {"prepared_at", "seconds", "skipped", "source", "vocab_source", "warnings"}
+
+
+def data_fingerprint(root) -> str:
+    """A short content id of the prepared dataset at `root`, from what data_prep wrote: its marker
+    (counts, class/vocabulary sizes, source-archive sizes and sampled digests, per-shard digests)
+    and its class list -- not the path, so the same data on another cluster is the same run.
+    "unprepared" when there is no marker (the run itself then fails with the prep command)."""
+    if not root:
+        return "none"
+    root = pathlib.Path(root)
+    marker = root / "prepared.json"
+    try:
+        info = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return "unprepared"
+    blob = {k: v for k, v in info.items() if k not in _MARKER_VOLATILE} if isinstance(info, dict) else info
+    h = hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode())
+    for extra in ("classes.json", "vocab.txt"):  # ImageNet's class list; the LM's vocabulary
+        if (root / extra).is_file():
+            h.update((root / extra).read_bytes())
+    return h.hexdigest()[:16]
 
 
 def validate(cfg: Config) -> None:
@@ -287,6 +319,29 @@ def _strip_infra(dc) -> dict:
         v = getattr(dc, f.name)
         out[f.name] = _strip_infra(v) if dataclasses.is_dataclass(v) else v
     return out
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_difference(stored: dict, cfg: Config) -> str | None:
+    """The first non-infrastructure key whose value differs between a run directory's stored
+    config.yaml and cfg, as 'key: stored -> new'; None when they are the same run."""
+    new = _flat(json.loads(json.dumps(_strip_infra(cfg), default=str)))
+    old = _flat(json.loads(json.dumps(stored, default=str))) if isinstance(stored, dict) else {}
+    for k in sorted(set(new) | set(old)):
+        if k in new and k in old and old[k] != new[k]:
+            return f"{k}: {old[k]!r} stored, {new[k]!r} now"
+        if k in new and k not in old and new[k] not in ("", None):
+            return f"{k}: not stored, {new[k]!r} now"
+    return None
 
 
 def cell_id(cfg: Config) -> str:

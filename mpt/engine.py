@@ -223,6 +223,7 @@ class Run:
         torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
         torch.backends.cudnn.allow_tf32 = cfg.tf32
         self.env = env_info(self.device, self.world)
+        self.check_identity()
         if self.main:
             self.dir.mkdir(parents=True, exist_ok=True)
             atomic_write_text(self.dir / "config.yaml", C.dump_yaml(cfg))
@@ -286,6 +287,23 @@ class Run:
         self.resume()
         self.wandb = WandbLogger(cfg, self.dir, self.cell[:32], self.name, C.to_dict(cfg), self.rank) \
             if self.main else WandbLogger(cfg, self.dir, "", "", {}, rank=self.rank)
+
+    def check_identity(self) -> None:
+        """A run directory holds one config: continuing it with another (other data, another recipe)
+        would mix two runs in one result. Checked before anything in it is written."""
+        import yaml
+
+        path = self.dir / "config.yaml"
+        if not path.is_file():
+            return
+        try:
+            stored = yaml.safe_load(path.read_text())
+        except (OSError, yaml.YAMLError):
+            stored = None
+        diff = C.config_difference(stored, self.cfg) if isinstance(stored, dict) else "config.yaml unreadable"
+        if diff:
+            raise UserError(f"run directory {self.dir} holds another config ({diff}); use another out_dir "
+                            "or delete that directory to start over")
 
     # -- checkpoints ----------------------------------------------------------------------------
     def state(self) -> dict:
@@ -495,10 +513,13 @@ class Run:
 def run(cfg, task: Task) -> dict:
     """Train one run to completion (or divergence / interruption) and return its summary."""
     r = Run(cfg, task)
+    had_summary = (r.dir / "summary.json").exists()
     try:
         r.setup()
     except BaseException as e:
-        if r.main and r.dir.exists():
+        # A run that got as far as a summary keeps it: a later invocation that cannot even start
+        # (a wrong path, another config) must not turn a completed or interrupted result into "failed".
+        if r.main and r.dir.exists() and not had_summary:
             r.write_summary(status="failed", error=f"{type(e).__name__}: {e}")
         raise
     if r.main:

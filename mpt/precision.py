@@ -328,12 +328,15 @@ class Paper(Recipe):
             if any(id(p) not in model_params for p in self.params_of(opt)):
                 raise UserError(f"impl=paper: optimizer {type(opt).__name__} holds tensors that are not "
                                 f"parameters of the model given to prepare()")
+        # The FP32 master copy (3.1) starts from the model's FP32 initial weights, taken before the
+        # model is converted: the FP16 model is derived from the master, never the other way round
+        # (copying back from the FP16 model would start the master from FP16-rounded weights).
+        inits = [[p.detach().float().clone() for p in self.params_of(opt)] if self.master else None
+                 for opt in optimizers]
         self._handles = convert_model(model, self.compute_dtype)
-        for opt in optimizers:
+        for opt, masters in zip(optimizers, inits):
             model_p = self.params_of(opt)
             if self.master:
-                # The FP32 master copy (3.1): the optimizer updates it; the model holds FP16 copies.
-                masters = [p.detach().float().clone() for p in model_p]
                 it = iter(masters)
                 for g in opt.param_groups:
                     g["params"] = [next(it) for _ in g["params"]]

@@ -272,3 +272,34 @@ def test_paper_impl_rejects_unwrappable_optimizer():
     m = tiny_net()
     with pytest.raises(UserError, match="cannot wrap optimizer LBFGS"):
         recipe_for(m, torch.optim.LBFGS(m.parameters()), "mixed", "paper")
+
+
+@pytest.mark.parametrize("prec,scale", [("fp16", 1), ("mixed", 128)])
+def test_paper_master_starts_from_fp32_init_and_matches_section_3(prec, scale):
+    """The FP32 master copy is the model's FP32 initial weights (not their FP16 rounding), and 20
+    steps of impl=paper equal a by-hand section 3: FP16 copy of the master forward/backward, scaled
+    loss, FP32 unscaled gradient, SGD with momentum and weight decay on the master."""
+    torch.manual_seed(0)
+    lin = nn.Linear(6, 3)
+    init = [p.detach().clone() for p in lin.parameters()]
+    assert any((p.half().float() != p).any() for p in init)  # the test would be blind otherwise
+    opt = torch.optim.SGD(lin.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
+    r = recipe_for(lin, opt, prec, "paper", loss_scale=scale)
+    for m, p in zip(r.master_params(), init):
+        assert m.dtype == torch.float32 and torch.equal(m, p)
+
+    masters = [p.clone().requires_grad_(False) for p in init]
+    ref_opt = torch.optim.SGD([torch.nn.Parameter(m) for m in masters], lr=0.05, momentum=0.9, weight_decay=1e-3)
+    ref_params = ref_opt.param_groups[0]["params"]
+    g = torch.Generator().manual_seed(3)
+    for _ in range(20):
+        x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+        step(r, lin, opt, x, y)
+        w16 = [p.detach().half().requires_grad_() for p in ref_params]
+        out = nn.functional.linear(x.half(), w16[0], w16[1]).float()
+        (nn.functional.cross_entropy(out, y) * scale).backward()
+        for p, w in zip(ref_params, w16):
+            p.grad = w.grad.float() / scale
+        ref_opt.step()
+    for m, p in zip(r.master_params(), ref_params):
+        assert torch.equal(m, p.detach())

@@ -31,7 +31,7 @@ import zlib
 from pathlib import Path, PurePosixPath
 
 from mpt.errors import UserError
-from mpt.rundir import atomic_write_json
+from mpt.rundir import sampled_digest, atomic_write_json
 
 TRAIN_TAR = "ILSVRC2012_img_train.tar"
 VAL_TAR = "ILSVRC2012_img_val.tar"
@@ -433,6 +433,8 @@ def prepare(archives_dir: Path, out: Path, force: bool = False, workers: int = 8
         "train_images": sum(train.values()),
         "val_images": sum(val.values()),
         "archives": sizes,
+        # what the run identity (mpt.config.data_fingerprint) tells datasets apart by
+        "archive_digests": {n: sampled_digest(p) for n, p in archives.items()},
         "prepared_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "seconds": round(time.time() - start, 1),
     }

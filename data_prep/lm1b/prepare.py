@@ -240,6 +240,7 @@ def encode(data: bytes, ids: dict[str, int] | None = None) -> tuple[np.ndarray, 
     arr = np.asarray(out, dtype="<u4")
     words = arr.size - 2 * len(lines)
     return arr, {"sentences": len(lines), "words": words, "tokens": int(arr.size),
+                 "sha256": hashlib.sha256(arr.tobytes()).hexdigest()[:16],  # for the run identity
                  "unk": int((arr == unk).sum()), "max_sentence_tokens": longest}
 
 

@@ -1,0 +1,83 @@
+"""A run's identity includes its data (issue: a second dataset must never resume the first one's run),
+and a run directory is never continued with another config."""
+import shutil
+
+import pytest
+
+from conftest import tiny_overrides
+from data_prep.imagenet import prepare as prep
+from data_prep.imagenet.tiny import generate
+from experiments.ilsvrc_cnns import main as ilsvrc
+from mpt import config as C
+from mpt.errors import UserError
+
+SHORT = ("model=resnet50_preact", "train.max_steps=2", "train.eval_max_batches=1")
+
+
+@pytest.fixture(scope="module")
+def second_imagenet(tmp_path_factory):
+    """Another prepared dataset with the same shape as the default tiny one (same counts, same
+    classes): only its content differs."""
+    arch = tmp_path_factory.mktemp("tiny_archives_seed1")
+    generate(arch, seed=1)
+    out = tmp_path_factory.mktemp("tiny_prepared_seed1") / "imagenet"
+    prep.prepare(arch, out, workers=2, log=lambda *a: None)
+    return out
+
+
+def test_same_config_on_two_datasets_is_two_runs(tiny_imagenet, second_imagenet, tmp_path):
+    a = C.resolve("ilsvrc_cnns", tiny_overrides(tiny_imagenet, tmp_path, *SHORT))
+    b = C.resolve("ilsvrc_cnns", tiny_overrides(second_imagenet, tmp_path, *SHORT))
+    assert a.data_fingerprint not in ("", "none", "unprepared")
+    assert a.data_fingerprint != b.data_fingerprint
+    assert C.run_dir(a) != C.run_dir(b)
+    sa = ilsvrc(tiny_overrides(tiny_imagenet, tmp_path, *SHORT))
+    sb = ilsvrc(tiny_overrides(second_imagenet, tmp_path, *SHORT))
+    assert sa["status"] == sb["status"] == "completed"
+    assert sa["run_name"] != sb["run_name"]
+    assert (C.run_dir(a) / "summary.json").is_file() and (C.run_dir(b) / "summary.json").is_file()
+
+
+def test_fingerprint_ignores_the_path(tiny_imagenet, tmp_path):
+    """The same prepared data elsewhere (another cluster's file system) is the same run."""
+    moved = tmp_path / "elsewhere" / "imagenet"
+    shutil.copytree(tiny_imagenet, moved)
+    a = C.resolve("ilsvrc_cnns", tiny_overrides(tiny_imagenet, tmp_path, *SHORT))
+    b = C.resolve("ilsvrc_cnns", tiny_overrides(moved, tmp_path, *SHORT))
+    assert C.cell_id(a) == C.cell_id(b)
+    assert C.data_fingerprint(tmp_path / "nothing") == "unprepared"
+
+
+def test_fingerprint_cannot_be_set(tiny_imagenet, tmp_path):
+    with pytest.raises(UserError, match="data_fingerprint is computed"):
+        C.resolve("ilsvrc_cnns", tiny_overrides(tiny_imagenet, tmp_path, "data_fingerprint=abc"))
+
+
+def test_resume_with_another_config_is_refused_and_the_run_untouched(tiny_imagenet, tmp_path):
+    over = tiny_overrides(tiny_imagenet, tmp_path, *SHORT)
+    s = ilsvrc(over)
+    assert s["status"] == "completed"
+    d = C.run_dir(C.resolve("ilsvrc_cnns", over))
+    # What a run directory made by another config (or another dataset) looks like to this one.
+    cfg_text = (d / "config.yaml").read_text().replace("data_fingerprint: ", "data_fingerprint: x", 1)
+    (d / "config.yaml").write_text(cfg_text)
+    before = {p.name: p.read_bytes() for p in d.iterdir() if p.is_file()}
+    with pytest.raises(UserError, match=r"holds another config \(data_fingerprint: 'x"):
+        ilsvrc(over)
+    after = {p.name: p.read_bytes() for p in d.iterdir() if p.is_file()}
+    assert after == before
+
+
+def test_a_failed_start_keeps_a_completed_result(tiny_imagenet, tmp_path):
+    """Re-running a completed cell with a broken infrastructure key must not mark it failed."""
+    over = tiny_overrides(tiny_imagenet, tmp_path, *SHORT)
+    assert ilsvrc(over)["status"] == "completed"
+    d = C.run_dir(C.resolve("ilsvrc_cnns", over))
+    summary = (d / "summary.json").read_bytes()
+    # Another data_root with the same prepared content: same run; its images are gone.
+    broken = tmp_path / "broken" / "imagenet"
+    shutil.copytree(tiny_imagenet, broken)
+    shutil.rmtree(broken / "train")
+    with pytest.raises(UserError):
+        ilsvrc(tiny_overrides(broken, tmp_path, *SHORT))
+    assert (d / "summary.json").read_bytes() == summary
