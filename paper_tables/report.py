@@ -33,7 +33,10 @@ class Report:
 def build(runs: list[RunResult], problems: list[Problem], source: str) -> Report:
     """Paper-profile tables always (missing cells say so); other profiles only where runs exist, each
     in its own section so that tiny numbers never sit in a paper table."""
-    profiles = ["paper"] + sorted({r.profile for r in runs} - {"paper"})
+    # The report opens with the profiles that have results; the paper profile is always there (its
+    # empty cells are the to-do list) but comes last when no paper-profile run exists.
+    others = sorted({r.profile for r in runs} - {"paper"})
+    profiles = ["paper", *others] if any(r.profile == "paper" for r in runs) else [*others, "paper"]
     sections = []
     for prof in profiles:
         ts = [tables.build_table(spec, runs, prof, problems) for spec in specs.TABLES]

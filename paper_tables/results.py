@@ -85,6 +85,8 @@ class RunResult:
     name: str
     where: str
     run_dir: pathlib.Path | None = None
+    data: str = ""  # the prepared dataset's fingerprint (config data_fingerprint); "" for older runs
+    data_name: str = ""  # the last part of task.data_root, to name a dataset in a table title
     load_lines: Callable[[], Lines] | None = dataclasses.field(default=None, repr=False)
     _lines: Lines | None = dataclasses.field(default=None, repr=False)
 
@@ -246,10 +248,34 @@ def make_run(summary: dict, cfg: dict, env: dict, *, where: str, name: str, upda
         impl=None if impl is None else str(impl),
         loss_scale=normalize_loss_scale(precision, pick("loss_scale")), tf32=tf32,
         profile=fields["profile"], seed=seed, status=status, metrics=metrics,
+        data=str(cfg.get("data_fingerprint") or ""), data_name=_data_name(cfg),
         step=_int(summary.get("step")), total_steps=_int(summary.get("total_steps")),
         skipped_steps=_int(summary.get("skipped_steps")),
         updated=_parse_time(summary.get("updated")) or updated_fallback, env=env,
         name=str(summary.get("run_name") or name), where=where, run_dir=run_dir, load_lines=load_lines)
+
+
+def _data_name(cfg: dict) -> str:
+    task = cfg.get("task")
+    root = task.get("data_root") if isinstance(task, dict) else None
+    return pathlib.PurePath(str(root)).name if root else ""
+
+
+def split_by_data(runs: list[RunResult]) -> list[RunResult]:
+    """Runs of one experiment and profile on different prepared datasets (e.g. the tiny profile on
+    the synthetic set and on a real one) must never be averaged into one cell: each dataset becomes
+    its own profile section, named after its data_root's folder (or fingerprint when those clash)."""
+    by = collections.defaultdict(set)
+    for r in runs:
+        by[(r.experiment, r.profile)].add(r.data)
+    names = collections.defaultdict(set)
+    for r in runs:
+        names[(r.experiment, r.profile, r.data_name)].add(r.data)
+    for r in runs:
+        if len(by[(r.experiment, r.profile)]) > 1:
+            unique = r.data_name and len(names[(r.experiment, r.profile, r.data_name)]) == 1
+            r.profile = f"{r.profile}-{r.data_name if unique else 'data' + (r.data[:8] or 'unknown')}"
+    return runs
 
 
 def _read_run_dir(root: pathlib.Path, d: pathlib.Path, problems: list[Problem]) -> RunResult | None:
@@ -325,7 +351,7 @@ def collect_dir(root) -> tuple[list[RunResult], list[Problem]]:
     dirs = {p.parent for name in RUN_FILES for p in root.rglob(name) if p.is_file()
             and not any(part == "wandb" or part.startswith(".") for part in p.relative_to(root).parts[:-1])}
     runs = [r for d in sorted(dirs) if (r := _read_run_dir(root, d, problems))]
-    return dedupe(runs, problems), problems
+    return dedupe(split_by_data(runs), problems), problems
 
 
 # ----------------------------------------------------------------------------- wandb
@@ -431,4 +457,4 @@ def collect_wandb(path: str) -> tuple[list[RunResult], list[Problem]]:
             continue
         if r:
             runs.append(r)
-    return dedupe(runs, problems), problems
+    return dedupe(split_by_data(runs), problems), problems

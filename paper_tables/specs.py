@@ -107,7 +107,7 @@ def profile_label(profile: str) -> str | None:
     """The banner on every table and figure that is not the paper's setup (None for "paper")."""
     if profile == "paper":
         return None
-    if profile == "tiny":
+    if profile == "tiny" or profile.startswith("tiny-"):  # tiny-<dataset>: results.split_by_data
         return TINY_LABEL
     return f"{profile.upper()} PROFILE (not the paper's setup, not comparable to the paper)"
 

@@ -150,6 +150,22 @@ def test_tiny_and_paper_never_mixed(tmp_path):
     assert html.count(specs.TINY_LABEL) >= 1
 
 
+def test_two_datasets_of_one_profile_never_averaged(tmp_path):
+    """The tiny profile on the synthetic set and on a real set: two sections, the report opens with
+    a profile that has results (no paper-profile run here)."""
+    for seed, (fp, root, top1) in enumerate([("aaaa", "data/tiny_imagenet", 80.0), ("bbbb", "data/digits", 95.0)]):
+        d = write_run(tmp_path, "ilsvrc_cnns", "alexnet", "fp32", seed, profile="tiny", metrics={"top1": top1},
+                      name=f"alexnet-fp32-s{seed}-{fp}")
+        cfg = yaml.safe_load((d / "config.yaml").read_text())
+        cfg.update(data_fingerprint=fp, task={"data_root": root})
+        (d / "config.yaml").write_text(yaml.safe_dump(cfg))
+    runs, problems, rep = build(tmp_path)
+    assert [s.profile for s in rep.sections] == ["tiny-digits", "tiny-tiny_imagenet", "paper"]
+    assert cell(table_of(rep, "table1", "tiny-digits"), "alexnet", "fp32").values == [95.0]
+    assert cell(table_of(rep, "table1", "tiny-tiny_imagenet"), "alexnet", "fp32").values == [80.0]
+    assert specs.profile_label("tiny-digits") == specs.TINY_LABEL
+
+
 # ----------------------------------------------------------------------------- formats
 def _tex_shape_ok(tex: str, ncols: int):
     assert tex.isascii()
