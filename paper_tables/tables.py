@@ -20,7 +20,9 @@ OTHER_ORDER = ("running", "interrupted", "diverged", "failed", "no_metric")
 OTHER_LABEL = {"no_metric": "completed without metric"}
 # What an unrun paper column would be run as (section 4's three modes).
 PLACEHOLDER = {"fp32": ("fp32", None, None, False), "mp_noscale": ("fp16", None, 1, False),
-               "mp_scale": ("mixed", None, None, False), "mp": ("mixed", None, None, False)}
+               "mp_scale": ("mixed", None, None, False), "mp": ("fp16", None, 1, False)}
+# Tables 1 and 3 have one MP column, and the paper ran it without loss scaling (4.1, 4.3): an empty
+# table's MP column is our fp16 (S = 1), as the experiments' READMEs say.
 EXTRA_NAME = {"fp32": "TF32 baseline", "bf16": "BF16", "fp16_pure": "FP16 weights, no master copy"}
 
 
@@ -230,7 +232,9 @@ def build_table(spec: specs.TableSpec, runs: list[RunResult], profile: str,
     # A model the paper did not have still gets a row (its paper cells say so).
     rows += [(m, m) for m in sorted({r.model for r in mine} - {m for m, _ in rows})]
 
-    variants = sorted({r.variant for r in mine}, key=_variant_key)
+    # Columns from every profile's runs of this experiment, so the paper-profile table and the tiny
+    # one have the same columns (a variant with no run in this profile shows as missing).
+    variants = sorted({r.variant for r in runs if r.experiment == spec.experiment}, key=_variant_key)
     multi_impl = len({v[1] for v in variants}) > 1
     columns = []
     for pc in paper["columns"]:

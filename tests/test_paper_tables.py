@@ -86,8 +86,9 @@ def test_mean_std_n_and_difference(tmp_path):
     # Lower-is-better metric: the difference is still ours - paper, its sign not flipped.
     c3 = cell(table_of(rep, "table3"), "english", "fp32")
     assert (c3.n, c3.std, c3.ours_text(), c3.diff_text()) == (1, None, "2.50 (n=1)", "+0.30")
-    # A paper column with no run is a placeholder that says missing but keeps the paper's number.
-    mp = cell(table_of(rep, "table1"), "alexnet", "mixed")
+    # A paper column with no run is a placeholder that says missing but keeps the paper's number;
+    # Table 1's MP is the paper's: FP16 with an FP32 master copy and S = 1 (section 4.1).
+    mp = cell(table_of(rep, "table1"), "alexnet", "fp16_S1")
     assert (mp.ours_text(), mp.paper_text(), mp.diff_text()) == ("missing", "56.93", "—")
 
 
@@ -164,6 +165,9 @@ def test_two_datasets_of_one_profile_never_averaged(tmp_path):
     assert cell(table_of(rep, "table1", "tiny-digits"), "alexnet", "fp32").values == [95.0]
     assert cell(table_of(rep, "table1", "tiny-tiny_imagenet"), "alexnet", "fp32").values == [80.0]
     assert specs.profile_label("tiny-digits") == specs.TINY_LABEL
+    # The paper-profile table has the tiny tables' columns (here: only fp32 ran, in any profile).
+    assert [c.id for c in table_of(rep, "table1", "paper").columns] == \
+        [c.id for c in table_of(rep, "table1", "tiny-digits").columns]
 
 
 # ----------------------------------------------------------------------------- formats
