@@ -26,16 +26,33 @@ from mpt import precision
 from mpt.data import EpochSampler, SeededDataset
 from mpt.errors import UserError, cli
 from mpt.memory import SavedTensorBytes
-from mpt.rundir import append_jsonl, atomic_torch_save, atomic_write_json, atomic_write_text, env_info, now, read_json
+from mpt.rundir import (append_jsonl, atomic_torch_save, atomic_write_bytes, atomic_write_json, atomic_write_text,
+                        env_info, now, read_json)
 from mpt.wandb_log import WandbLogger
 
 
 class Task(Protocol):
     """What an experiment provides. Batches are whatever its datasets' default collation yields.
-    Optional: `shuffle_train = False` keeps samples in order (the train dataset may then define
-    `set_epoch(epoch)`); `state_dict()` / `load_state_dict()` put task state (e.g. recurrent state)
-    into the checkpoint; `param_groups(model, cfg)` returns torch optimizer param groups (per-group
-    settings, and an optional per-group "clip_grad_norm")."""
+
+    Required: `build_model(cfg)` -- one nn.Module, or an nn.ModuleDict of named models (a GAN's
+    `generator` and `discriminator`); `datasets(cfg)` -> (train, val); `primary_metric`,
+    `higher_is_better`; and either `loss()` or `train_step()`:
+
+      loss(model, batch) -> (mean loss, items)        the engine's default step: forward, backward,
+                                                      one optimizer, gradient accumulation
+      train_step(ctx, micro_batches) -> (logs, items) the task owns the step body (several losses,
+                                                      several optimizers); ctx is a StepContext; logs
+                                                      maps names to device tensors and holds "loss"
+                                                      (the divergence rule and the logged loss)
+
+    Evaluation: `eval_sums(model, batch)` (additive statistics, summed over batches and ranks) +
+    `eval_metrics(sums)`, or `evaluate(ev) -> dict[str, float]` (ev: EvalContext; may write images).
+
+    Optional: `optimizers(model, cfg) -> dict[name, Optimizer]` (default: one optimizer "main" from
+    cfg.optim over `param_groups(model, cfg)` or all parameters; a group may name its own
+    "clip_grad_norm"); `shuffle_train = False` keeps samples in order (the train dataset may then
+    define `set_epoch(epoch)`); `state_dict()` / `load_state_dict()` put task state (e.g. recurrent
+    state) into the checkpoint."""
 
     primary_metric: str  # key of evaluate()'s metrics shown in tables, e.g. "top1"
     higher_is_better: bool
@@ -49,6 +66,73 @@ class Task(Protocol):
     def eval_sums(self, model, batch) -> dict[str, float]: ...  # additive statistics of one batch
 
     def eval_metrics(self, sums: dict[str, float]) -> dict[str, float]: ...
+
+
+class StepContext:
+    """What a task's own training step sees: the named models (DDP-wrapped when distributed: call
+    these), the named optimizers, and the recipe's calls. Neither the task nor the loop branches on
+    precision. One loss scaler serves every optimizer with torch.amp's rules: each optimizer is
+    unscaled and inf-checked on its own, an overflow skips only that optimizer's update (section
+    3.2), and the scale is updated once per iteration (by the engine, after the task's step)."""
+
+    def __init__(self, run: "Run", accum: int):
+        self._run = run
+        self.iteration = run.step  # iterations before this one (skipped updates included)
+        self.accum = accum  # micro-batches in this step
+        self.models = run.ddp  # a module or an nn.ModuleDict of modules
+        self.optimizers = run.optimizers
+
+    def autocast(self):
+        return self._run.recipe.autocast()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self._run.recipe.backward(loss)
+
+    def sync(self, i: int):
+        """Context for micro-batch i: DDP all-reduces gradients only on the last one."""
+        return self._run.no_sync() if i < self.accum - 1 else contextlib.nullcontext()
+
+    def step(self, name: str, clip_grad_norm: float | None = None) -> bool:
+        """Unscale, inf-check, clip and update optimizer `name`; advance its schedule when applied.
+        Returns whether the update was applied. The task zeroes gradients it must not carry into
+        the next phase (ctx.zero_grad)."""
+        clip = self._run.cfg.train.clip_grad_norm if clip_grad_norm is None else clip_grad_norm
+        return self._run.optimizer_step(name, clip)
+
+    def zero_grad(self) -> None:
+        self._run.recipe.zero_grad()
+
+
+class EvalContext:
+    """What a task's own evaluate() sees. Every rank calls it; only rank 0 writes files."""
+
+    def __init__(self, run: "Run"):
+        self._run = run
+        self.step, self.device, self.rank, self.world = run.step, run.device, run.rank, run.world
+        self.model = run.model  # unwrapped: evaluation runs no collectives
+        self.val_loader = run.val_loader  # this rank's share of the validation set
+        self.val_dataset = run.val_loader.dataset
+        self.run_dir = run.dir
+        self.images: dict[str, str] = {}  # name -> file written, for the eval log line
+
+    def autocast(self):
+        return self._run.recipe.autocast()
+
+    def image(self, name: str, grid: torch.Tensor, caption: str = "") -> None:
+        """Write a (3, H, W) image in [0, 1] as <run dir>/<name>_<step>.png (atomically) and to wandb."""
+        if not self._run.main:
+            return
+        import io
+
+        from PIL import Image
+
+        arr = (grid.detach().float().clamp(0, 1).mul(255).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy())
+        buf = io.BytesIO()
+        Image.fromarray(arr).save(buf, format="PNG")
+        fname = f"{name}_{self.step:07d}.png"
+        atomic_write_bytes(self._run.dir / fname, buf.getvalue())
+        self.images[name] = fname
+        self._run.wandb.image(name, self._run.dir / fname, self.step, caption)
 
 
 class _Stop:
@@ -195,6 +279,7 @@ class Run:
             "higher_is_better": self.task.higher_is_better, "metrics": {},
             "step": getattr(self, "step", 0), "total_steps": getattr(self, "total_steps", None),
             "skipped_steps": self.recipe.skipped_steps if hasattr(self, "recipe") else 0,
+            "skipped_per_optimizer": dict(getattr(self, "skipped", {})),
             "final_loss_scale": self.recipe.loss_scale if hasattr(self, "recipe") else None,
             "throughput": None, "peak_gpu_mem_bytes": None, "activation_bytes": getattr(self, "act_bytes", None),
             "wall_time_s": None, "error": None, "env": getattr(self, "env", None),
@@ -262,22 +347,28 @@ class Run:
         model = self.task.build_model(cfg).to(self.device)
         if cfg.channels_last:
             model = model.to(memory_format=torch.channels_last)
-        # A task may split the parameters into groups with their own optimizer settings (torch param
-        # groups), and give a group its own "clip_grad_norm" (applied by _clip_groups).
-        params = self.task.param_groups(model, cfg) if hasattr(self.task, "param_groups") else model.parameters()
-        self.optimizer = build_optimizer(cfg.optim, params)
-        if any(g.get("clip_grad_norm", 0) > 0 for g in self.optimizer.param_groups):
-            self.optimizer.register_step_pre_hook(_clip_groups)
+        self.optimizers = self.build_optimizers(model)
+        self.optimizer = next(iter(self.optimizers.values()))  # the first: its lr is the logged "lr"
         self.recipe = precision.build(cfg, self.device)
-        self.model = self.recipe.prepare(model, [self.optimizer])
-        # The schedule is a function of *applied* updates: a step skipped for overflow (3.2) does not
-        # advance the learning rate (sched.step() is called only when the update was applied).
-        self.sched = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda u: lr_factor(cfg.sched, u / self.steps_per_epoch, self.total_epochs))
+        # One recipe and one loss scaler for every optimizer (torch.amp's multi-optimizer rules).
+        self.model = self.recipe.prepare(model, list(self.optimizers.values()))
+        # Each optimizer has its own schedule, a function of its *applied* updates: a step skipped for
+        # overflow (3.2) does not advance the learning rate (stepped only when the update was applied).
+        self.scheds = {k: torch.optim.lr_scheduler.LambdaLR(
+            o, lambda u: lr_factor(cfg.sched, u / self.steps_per_epoch, self.total_epochs))
+            for k, o in self.optimizers.items()}
+        self.skipped = {k: 0 for k in self.optimizers}  # overflow-skipped updates per optimizer
         self.ddp = self.model
         if self.world > 1:
-            self.ddp = nn.parallel.DistributedDataParallel(
-                self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            if isinstance(self.model, nn.ModuleDict):
+                # Each model wrapped on its own; in a phase that leaves one model without gradients
+                # (a GAN's generator while the discriminator trains) DDP must not wait for them.
+                self.ddp = nn.ModuleDict({k: nn.parallel.DistributedDataParallel(
+                    m, device_ids=ids, find_unused_parameters=len(self.optimizers) > 1)
+                    for k, m in self.model.items()})
+            else:
+                self.ddp = nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
         self.numerics = None
         if cfg.numerics.every > 0:
             from mpt.numerics import Numerics
@@ -287,6 +378,30 @@ class Run:
         self.resume()
         self.wandb = WandbLogger(cfg, self.dir, self.cell[:32], self.name, C.to_dict(cfg), self.rank) \
             if self.main else WandbLogger(cfg, self.dir, "", "", {}, rank=self.rank)
+
+    def build_optimizers(self, model) -> dict[str, torch.optim.Optimizer]:
+        """The task's named optimizers, or one ("main") from cfg.optim. A task may split the parameters
+        into groups with their own settings (torch param groups), and give a group its own
+        "clip_grad_norm" (applied by _clip_groups)."""
+        cfg = self.cfg
+        if hasattr(self.task, "optimizers"):
+            opts = dict(self.task.optimizers(model, cfg))
+        else:
+            params = self.task.param_groups(model, cfg) if hasattr(self.task, "param_groups") else model.parameters()
+            opts = {"main": build_optimizer(cfg.optim, params)}
+        for o in opts.values():
+            if any(g.get("clip_grad_norm", 0) > 0 for g in o.param_groups):
+                o.register_step_pre_hook(_clip_groups)
+        return opts
+
+    def no_sync(self):
+        """DDP's no_sync on every wrapped model (gradient accumulation: all-reduce on the last micro-batch)."""
+        if self.world == 1:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        for m in (self.ddp.values() if isinstance(self.ddp, nn.ModuleDict) else [self.ddp]):
+            stack.enter_context(m.no_sync())
+        return stack
 
     def check_identity(self) -> None:
         """A run directory holds one config: continuing it with another (other data, another recipe)
@@ -308,8 +423,11 @@ class Run:
     # -- checkpoints ----------------------------------------------------------------------------
     def state(self) -> dict:
         return {
-            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-            "recipe": self.recipe.state_dict(), "sched": self.sched.state_dict(), "step": self.step,
+            # Every model (one state_dict; a ModuleDict's keys carry the model names), every named
+            # optimizer and schedule, the recipe (scaler, FP32 masters) and per-optimizer skip counts.
+            "model": self.model.state_dict(), "optimizers": {k: o.state_dict() for k, o in self.optimizers.items()},
+            "recipe": self.recipe.state_dict(), "scheds": {k: v.state_dict() for k, v in self.scheds.items()},
+            "skipped": dict(self.skipped), "step": self.step,
             "wall": self.wall + (time.time() - self.t_start), "act_bytes": self.act_bytes,
             "rng_cpu": torch.get_rng_state(),
             "rng_cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
@@ -336,9 +454,11 @@ class Run:
         if sd.get("cell_id") != self.cell:
             raise UserError(f"checkpoint {path} belongs to another config; delete the run directory to restart")
         self.model.load_state_dict(sd["model"])
-        self.optimizer.load_state_dict(sd["optimizer"])
+        for k, o in self.optimizers.items():
+            o.load_state_dict(sd["optimizers"][k])
+            self.scheds[k].load_state_dict(sd["scheds"][k])
         self.recipe.load_state_dict(sd["recipe"])
-        self.sched.load_state_dict(sd["sched"])
+        self.skipped.update(sd.get("skipped", {}))
         self.step, self.wall, self.act_bytes = sd["step"], sd["wall"], sd["act_bytes"]
         if sd.get("task") is not None and hasattr(self.task, "load_state_dict"):
             self.task.load_state_dict(sd["task"])
@@ -367,45 +487,87 @@ class Run:
             for b in self.train_loader:
                 yield epoch, b
 
-    def train_step(self, micro_batches) -> tuple[float, int, bool, dict]:
-        cfg, recipe = self.cfg, self.recipe
-        sample = self.numerics is not None and self.numerics.should_sample(self.step)
-        if sample:
+    def train_step(self, micro_batches) -> tuple[dict, int, dict, dict]:
+        """One iteration: the task's own step body, or the default one (task.loss). Returns
+        (logs: device tensors, items, {optimizer: applied}, numerics stats). Nothing here reads a
+        device value: the loop reads the logs once per log step."""
+        recipe = self.recipe
+        self._sample = self.numerics is not None and self.numerics.should_sample(self.step)
+        self._stats, self._applied = {}, {}
+        if self._sample:
             self.numerics.begin(self.step)
+        ctx = StepContext(self, len(micro_batches))
+        if hasattr(self.task, "train_step"):
+            micro = [_to_device(b, self.device, self.cfg.channels_last) for b in micro_batches]
+            meter = SavedTensorBytes(self.model) if self.act_bytes is None else None
+            with meter.measure() if meter is not None else contextlib.nullcontext():
+                logs, n = self.task.train_step(ctx, micro)
+            if meter is not None:
+                self.act_bytes = meter.bytes
+        else:
+            logs, n = self._loss_step(ctx, micro_batches)
+        recipe.update()  # once per iteration, after every optimizer's step (GradScaler's rule)
+        if self._sample and len(self.optimizers) > 1:
+            self.numerics.end([], None)  # drop the hooks of a phase that never stepped
+        recipe.zero_grad()
+        return logs, n, self._applied, self._stats
+
+    def _loss_step(self, ctx: StepContext, micro_batches) -> tuple[dict, int]:
+        """The default step: k micro-batches of task.loss accumulated, one optimizer step."""
         measure = self.act_bytes is None
-        total, n = 0.0, 0
+        total, n = None, 0
         k = len(micro_batches)
         for i, b in enumerate(micro_batches):
-            b = _to_device(b, self.device, cfg.channels_last)
-            sync = contextlib.nullcontext() if (self.world == 1 or i == k - 1) else self.ddp.no_sync()
+            b = _to_device(b, self.device, self.cfg.channels_last)
             meter = SavedTensorBytes(self.model) if measure and i == 0 else None
-            with sync, (meter.measure() if meter is not None else contextlib.nullcontext()):
-                with recipe.autocast():
-                    loss, items = self.task.loss(self.ddp, b)
-                recipe.backward(loss / k)
-            if measure and i == 0:
+            with ctx.sync(i), (meter.measure() if meter is not None else contextlib.nullcontext()):
+                with ctx.autocast():
+                    loss, items = self.task.loss(ctx.models, b)
+                ctx.backward(loss / k)
+            if meter is not None:
                 self.act_bytes = meter.bytes
-            total += loss.detach().float().item() / k
+            # Kept on the device (no sync per micro-batch); float64 as the Python float sum it replaces.
+            part = loss.detach().to(torch.float64) / k
+            total = part if total is None else total + part
             n += items
-        stats = {}
-        if sample:
-            stats = self.numerics.end(list(self.model.named_parameters()), recipe.loss_scale)
-            before = [p.detach().clone() for p in recipe.master_params()]
-        applied = recipe.step(self.optimizer, cfg.train.clip_grad_norm)
-        recipe.update()
+        ctx.step(next(iter(self.optimizers)))
+        return {"loss": total}, n
+
+    def optimizer_step(self, name: str, clip: float) -> bool:
+        recipe, opt = self.recipe, self.optimizers[name]
+        single = len(self.optimizers) == 1
+        if self._sample:
+            # One sample per optimizer: the gradients its phase produced, under the S of that backward.
+            named = list(self.model.named_parameters()) if single or not isinstance(self.model, nn.ModuleDict) \
+                or name not in self.model else list(self.model[name].named_parameters(prefix=name))
+            stats = self.numerics.end(named, recipe.loss_scale)
+            before = [p.detach().clone() for p in recipe.params_of(opt)]
+        applied = recipe.step(opt, clip)
         if applied:
-            self.sched.step()
-        if sample:
-            stats.update(self.numerics.swamping(before, recipe.master_params()))
+            self.scheds[name].step()
+        else:
+            self.skipped[name] += 1
+        self._applied[name] = applied
+        if self._sample:
+            stats.update(self.numerics.swamping(before, recipe.params_of(opt)))
             stats["numerics/skipped"] = not applied
             if not applied:
                 stats["numerics/overflow_param"] = recipe.last_overflow
-        recipe.zero_grad()
-        return total, n, applied, stats
+            if single:
+                self._stats.update(stats)
+            else:
+                self._stats.update({k.replace("numerics/", f"numerics/{name}/", 1): v for k, v in stats.items()})
+                self.numerics.begin(self.step)  # the next phase's backward
+        return applied
 
     @torch.no_grad()
     def evaluate(self) -> dict:
         self.model.eval()
+        if hasattr(self.task, "evaluate"):
+            ev = EvalContext(self)
+            metrics = dict(self.task.evaluate(ev))
+            self.model.train()
+            return metrics
         sums: dict[str, float] = {}
         for i, b in enumerate(self.val_loader):
             if self.cfg.train.eval_max_batches and i >= self.cfg.train.eval_max_batches:
@@ -422,15 +584,21 @@ class Run:
         self.model.train()
         return self.task.eval_metrics(sums)
 
-    def agree(self, loss: float) -> tuple[float, bool]:
-        """With DDP, every rank must see the same mean loss (logged: the global batch's loss; and
-        the divergence rule) and the same stop decision (a signal reaches ranks at different steps;
-        a rank leaving early would hang the others in all-reduce). One small all-reduce per step."""
-        if self.world == 1:
-            return loss, STOP.reason is not None
-        t = torch.tensor([loss, 1.0 if STOP.reason is not None else 0.0], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t)
-        return t[0].item() / self.world, t[1].item() > 0
+    def read_window(self, win: dict, finite, diverged_at) -> tuple[dict, int, bool, bool]:
+        """The one device read per log step: the window's summed logs, its finite steps, whether
+        the divergence rule fired and whether to stop. With DDP every rank gets the same answer
+        (the logged loss is the global batch's; a stop signal reaches ranks at different steps and a
+        rank leaving early would hang the others in all-reduce): one small all-reduce."""
+        keys = sorted(win)
+        stop = STOP.reason is not None
+        t = torch.stack([win[k] for k in keys] + [finite.to(torch.float64), (diverged_at >= 0).to(torch.float64),
+                                                  torch.tensor(float(stop), dtype=torch.float64, device=self.device)])
+        if self.world > 1:
+            dist.all_reduce(t)
+        v = t.tolist()
+        nf = int(round(v[len(keys)]))
+        means = {k: (v[i] / nf if nf > 0 else float("nan")) for i, k in enumerate(keys)}
+        return means, nf, v[len(keys) + 1] > 0, v[len(keys) + 2] > 0
 
     def loop(self) -> dict:
         t = self.cfg.train
@@ -442,40 +610,59 @@ class Run:
 
             bar = tqdm(total=self.total_steps, initial=self.step, desc=self.name, unit="step",
                        dynamic_ncols=True, file=sys.stderr, mininterval=2.0)
-        win_loss, win_n, win_steps, win_t = 0.0, 0, 0, time.time()
-        bad, metrics, last_eval, throughput = 0, {}, -1, None
+        dev = self.device
+        zero = torch.zeros((), dtype=torch.float64, device=dev)
+        win, finite = {}, torch.zeros((), dtype=torch.int64, device=dev)
+        # Consecutive non-finite losses and the step at which they reached train.diverge_after,
+        # counted on the device and read at log steps (no sync per step).
+        bad = torch.zeros((), dtype=torch.int64, device=dev)
+        diverged_at = torch.full((), -1, dtype=torch.int64, device=dev)
+        win_n, win_t = 0, time.time()
+        metrics, last_eval, throughput = {}, -1, None
         it = self.batches()
         while self.step < self.total_steps:
             micro = [next(it)[1] for _ in range(t.accum_steps)]
-            loss, n, applied, stats = self.train_step(micro)
+            logs, n, applied, stats = self.train_step(micro)
             self.step += 1
-            loss, stop = self.agree(loss)
-            bad = bad + 1 if not math.isfinite(loss) else 0
-            win_loss += loss if math.isfinite(loss) else 0.0
-            win_n, win_steps = win_n + n, win_steps + 1
+            ok = torch.isfinite(logs["loss"])
+            bad = torch.where(ok, 0, bad + 1)
+            diverged_at = torch.where((diverged_at < 0) & (bad >= t.diverge_after), self.step, diverged_at)
+            for k, v in logs.items():
+                win[k] = win.get(k, zero) + torch.where(ok, v.detach().to(torch.float64), zero)
+            finite = finite + ok
+            win_n += n
             if stats:
                 self.log({"kind": "numerics", "step": self.step, **stats})
             if bar is not None:
                 bar.update(1)
-            if self.step % t.log_every == 0 or self.step == self.total_steps or bad:
+            at_log = self.step % t.log_every == 0 or self.step == self.total_steps
+            stop = diverged = False
+            if at_log:
+                means, nf, diverged, stop = self.read_window(win, finite, diverged_at)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 dt = time.time() - win_t
                 throughput = win_n * self.world / dt if dt > 0 else None
-                finite = win_steps - (1 if bad else 0)
-                self.log({"kind": "train", "step": self.step, "epoch": self.step / self.steps_per_epoch,
-                          "loss": (win_loss / finite) if finite > 0 else float("nan"),
-                          "lr": self.optimizer.param_groups[0]["lr"], "loss_scale": self.recipe.loss_scale,
-                          "skipped_steps": self.recipe.skipped_steps, "throughput": throughput,
-                          "time": self.wall + time.time() - self.t_start})
+                line = {"kind": "train", "step": self.step, "epoch": self.step / self.steps_per_epoch, **means,
+                        "lr": self.optimizer.param_groups[0]["lr"], "loss_scale": self.recipe.loss_scale,
+                        "skipped_steps": self.recipe.skipped_steps, "throughput": throughput,
+                        "time": self.wall + time.time() - self.t_start}
+                if len(self.optimizers) > 1:
+                    for k, o in self.optimizers.items():
+                        line[f"lr/{k}"], line[f"skipped/{k}"] = o.param_groups[0]["lr"], self.skipped[k]
+                self.log(line)
                 if bar is not None:
-                    bar.set_postfix(loss=f"{loss:.3f}", S=f"{self.recipe.loss_scale:g}",
+                    bar.set_postfix(loss=f"{means['loss']:.3f}", S=f"{self.recipe.loss_scale:g}",
                                     ips=f"{throughput or 0:.0f}", refresh=False)
-                win_loss, win_n, win_steps, win_t = 0.0, 0, 0, time.time()
-            if bad >= t.diverge_after:
+                win, finite, win_n, win_t = {}, torch.zeros_like(finite), 0, time.time()
+            if self.world == 1:  # a single process acts on a stop request at once; DDP ranks agree at log steps
+                stop = STOP.reason is not None
+            if diverged:
                 # The paper's "diverges" cells: stop instead of burning GPU hours on NaNs.
+                at = int(diverged_at.item())
+                at = at if at >= 0 else self.step  # another rank's loss diverged
                 return self.finish("diverged", metrics, throughput,
-                                   error=f"loss non-finite for {bad} consecutive steps at step {self.step}")
+                                   error=f"loss non-finite for {t.diverge_after} consecutive steps at step {at}")
             if self.step % self.eval_every == 0 or self.step == self.total_steps:
                 metrics = self.evaluate()
                 last_eval = self.step
@@ -522,12 +709,22 @@ def run(cfg, task: Task) -> dict:
         if r.main and r.dir.exists() and not had_summary:
             r.write_summary(status="failed", error=f"{type(e).__name__}: {e}")
         raise
-    if r.main:
-        prev = r.dir / "summary.json"
-        if prev.exists() and read_json(prev).get("status") == "completed" and r.step >= r.total_steps:
-            return read_json(prev)  # nothing left to do
-        r.write_summary(step=r.step, total_steps=r.total_steps)
     try:
+        # Every rank must agree that the run is already complete: a rank that returned alone would
+        # leave the others waiting in the first all-reduce. Rank 0 reads the summary and tells them.
+        prev = r.dir / "summary.json"
+        done = None
+        if r.main and prev.exists() and read_json(prev).get("status") == "completed" and r.step >= r.total_steps:
+            done = read_json(prev)
+        if r.world > 1:
+            box = [done]
+            dist.broadcast_object_list(box, src=0)
+            done = box[0]
+        if done is not None:
+            r.wandb.finish(0)
+            return done  # nothing left to do
+        if r.main:
+            r.write_summary(step=r.step, total_steps=r.total_steps)
         return r.loop()
     except BaseException as e:
         if r.main:

@@ -292,9 +292,12 @@ def convert_model(model: nn.Module, dtype: torch.dtype) -> list:
         elif isinstance(m, _FP32_COMPUTE):
             handles.append(m.register_forward_pre_hook(lambda mod, args: _cast_floats(args, torch.float32)))
             handles.append(m.register_forward_hook(lambda mod, args, out: _cast_floats(out, dtype)))
-    handles.append(model.register_forward_pre_hook(
-        lambda mod, args, kwargs: (_cast_floats(args, dtype), _cast_floats(kwargs, dtype)), with_kwargs=True))
-    handles.append(model.register_forward_hook(lambda mod, args, out: _cast_floats(out, torch.float32)))
+    # Several named models (a GAN's generator and discriminator) are called one by one, never
+    # through their container: each gets the FP16-in / FP32-out boundary.
+    for m in (model.values() if isinstance(model, nn.ModuleDict) else [model]):
+        handles.append(m.register_forward_pre_hook(
+            lambda mod, args, kwargs: (_cast_floats(args, dtype), _cast_floats(kwargs, dtype)), with_kwargs=True))
+        handles.append(m.register_forward_hook(lambda mod, args, out: _cast_floats(out, torch.float32)))
     return handles
 
 

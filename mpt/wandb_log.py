@@ -54,6 +54,15 @@ class WandbLogger:
         except Exception as e:  # noqa: BLE001
             self._fail("log", e)
 
+    def image(self, name: str, path, step: int, caption: str = "") -> None:
+        """An image the run wrote (a sample grid) as wandb.Image under `samples/<name>`."""
+        if self.run is None:
+            return
+        try:
+            self.run.log({f"samples/{name}": self._wandb.Image(str(path), caption=caption or None)}, step=step)
+        except Exception as e:  # noqa: BLE001
+            self._fail("image", e)
+
     def summary(self, data: dict) -> None:
         if self.run is None:
             return
