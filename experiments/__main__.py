@@ -45,7 +45,8 @@ def _lm1b(data: pathlib.Path) -> None:
 
     archives = data.parent / (data.name + "_archive")
     print(f"[demo] writing the tiny 1B Word release to {archives} and preparing {data}")
-    prep.prepare(generate(archives), data)
+    info = prep.prepare(generate(archives), data, workers=2, log=lambda *a: None)
+    print(f"[demo] prepared {data}: {info['vocab_size']} words, {info['totals']['train_tokens']:,} training tokens")
 
 
 @cli
@@ -57,6 +58,10 @@ def main(argv=None) -> None:
                    help=f"Table 1 models (default: {' '.join(DEMO_MODELS)})")
     p.add_argument("--full", action="store_true", help="every Table 1 model, every LM cell and seed")
     p.add_argument("--jobs", type=int, help="runs at once (default: one per core)")
+    p.add_argument("--runs", default="runs", help="where the runs go (every cell's out_dir; default: runs)")
+    p.add_argument("--tables-out", default="paper_tables/out", help="where tables, figures, report.html go")
+    p.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE", dest="extra",
+                   help="extra config overrides for every run (e.g. train.max_steps=4 for a smoke test)")
     args = p.parse_args(argv)
     t0 = time.time()
     data, lm_data = pathlib.Path(args.data), pathlib.Path(args.lm_data)
@@ -64,7 +69,8 @@ def main(argv=None) -> None:
     _lm1b(lm_data)
     from slurm import submit
 
-    local = ["--profile", "tiny", "--backend", "local"] + (["--jobs", str(args.jobs)] if args.jobs else [])
+    local = ["--profile", "tiny", "--backend", "local", "--set", f"out_dir={args.runs}", *args.extra]
+    local += ["--jobs", str(args.jobs)] if args.jobs else []
     models = ALL_MODELS if args.full else args.models
     print(f"[demo] Table 1 and Figures 2a/2b/3 (tiny): {', '.join(models)} x fp32/fp16/mixed/fp16_pure x 3 seeds")
     submit.main(["experiments/ilsvrc_cnns/grid.yaml", *local, "--set", f"task.data_root={data}",
@@ -80,8 +86,8 @@ def main(argv=None) -> None:
     from paper_tables.__main__ import main as tables
 
     print("[demo] regenerating the paper's tables and figures from runs/")
-    tables([])
-    print(f"[demo] done in {time.time() - t0:.0f} s: see paper_tables/out/index.md and paper_tables/out/report.html")
+    tables(["--runs", args.runs, "--out", args.tables_out])
+    print(f"[demo] done in {time.time() - t0:.0f} s: see {args.tables_out}/index.md and {args.tables_out}/report.html")
 
 
 if __name__ == "__main__":

@@ -108,18 +108,28 @@ def generate(out: Path, train_per_shard: int = 40, heldout_per_shard: int = 40, 
     """Write OUT/<official archive name>; return its path."""
     if train_per_shard < 1 or heldout_per_shard < 1:
         raise UserError("--train-per-shard and --heldout-per-shard must be at least 1")
+    rng = np.random.default_rng(seed)
+    train = [shard_text(rng, train_per_shard, i) for i in range(len(TRAIN))]
+    heldout = [shard_text(rng, heldout_per_shard, 100 + i) for i in range(len(HELDOUT))]
+    return write_release(out, train, heldout, b"Synthetic stand-in for the One Billion Word benchmark "
+                                              b"(data_prep.lm1b.tiny); not the benchmark.\n")
+
+
+def write_release(out: Path, train: list[bytes], heldout: list[bytes], readme: bytes) -> Path:
+    """OUT/<official archive name> holding these shard texts (one sentence per line) under the
+    release's folder and file names; return its path. Shared by every small stand-in release."""
+    if len(train) != len(TRAIN) or len(heldout) != len(HELDOUT):
+        raise ValueError(f"a release has {len(TRAIN)} training and {len(HELDOUT)} held-out shards")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
     buf = io.BytesIO()
     with gzip.GzipFile(filename="", mode="wb", fileobj=buf, mtime=0) as gz:
         with tarfile.open(fileobj=gz, mode="w", format=tarfile.USTAR_FORMAT) as tar:
-            _add(tar, f"{TOP}/README", b"Synthetic stand-in for the One Billion Word benchmark "
-                                       b"(data_prep.lm1b.tiny); not the benchmark.\n")
-            for i, name in enumerate(TRAIN):
-                _add(tar, f"{TOP}/{TRAIN_DIR}/{name}", shard_text(rng, train_per_shard, i))
-            for i, name in enumerate(HELDOUT):
-                _add(tar, f"{TOP}/{HELDOUT_DIR}/{name}", shard_text(rng, heldout_per_shard, 100 + i))
+            _add(tar, f"{TOP}/README", readme)
+            for name, text in zip(TRAIN, train):
+                _add(tar, f"{TOP}/{TRAIN_DIR}/{name}", text)
+            for name, text in zip(HELDOUT, heldout):
+                _add(tar, f"{TOP}/{HELDOUT_DIR}/{name}", text)
     path = out / ARCHIVE
     atomic_write_bytes(path, buf.getvalue())
     return path
