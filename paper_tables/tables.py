@@ -44,6 +44,9 @@ class Cell:
     others: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     progress: list = dataclasses.field(default_factory=list)  # (step, total) of running runs
     runs: list = dataclasses.field(default_factory=list)
+    # In a non-paper profile the paper's number is not comparable; the row's FP32 cell is, and Δ then
+    # says whether this precision agrees with FP32 within seed noise (Table 1's claim at any scale).
+    ref: "Cell | None" = None
 
     @property
     def n(self) -> int:
@@ -105,10 +108,23 @@ class Cell:
             if not self.values and self.others["diverged"]:
                 return "both diverge"
             return "paper diverges" if self.values else "—"
+        if not self.comparable and self.values and self.ref is not None and self.ref.values:
+            return self.vs_ref_text()
         if not self.comparable and self.values and _is_number(self.paper):
             return "n/c"
         d = self.diff
         return "—" if d is None else f"{d:+.{self.decimals}f}"
+
+
+    def vs_ref_text(self) -> str:
+        """Ours minus the row's FP32 mean, and whether that is within seed noise: |Δ| <= 2 standard
+        errors of the difference (sqrt(s1²/n1 + s2²/n2)); with fewer than 2 seeds on a side, no test."""
+        d = self.mean - self.ref.mean
+        text = f"{d:+.{self.decimals}f} vs FP32"
+        if self.std is None or self.ref.std is None:
+            return text + " (n<2: no test)"
+        se = math.sqrt(self.std ** 2 / self.n + self.ref.std ** 2 / self.ref.n)
+        return text + (" (within seed noise)" if abs(d) <= 2 * se else " (DIFFERS: > 2 SE)")
 
 
 @dataclasses.dataclass
@@ -140,7 +156,9 @@ class Table:
         better = "higher" if s.higher_is_better else "lower"
         return (f"Paper section {p['section']} (confidence {p['confidence']}). Ours: "
                 f"`metrics.{s.metric[0]}` of experiment `{s.experiment}`, profile `{self.profile}`, "
-                f"{better} is better; mean ± sample std over seeds, n = seeds; Δ = ours − paper.")
+                f"{better} is better; mean ± sample std over seeds, n = seeds; "
+                + ("Δ = ours − paper." if self.profile == "paper" else
+                   "Δ = ours − this row's FP32 (the paper's numbers are not comparable at this scale)."))
 
     def records(self) -> list[dict]:
         """The table as plain data (what the CSV holds)."""
@@ -257,6 +275,12 @@ def build_table(spec: specs.TableSpec, runs: list[RunResult], profile: str,
         for c in columns:
             pv = paper_vals.get(model, {}).get(c.paper_key) if c.paper_key else None
             cells[(model, c.id)] = Cell(spec.decimals, paper=pv, comparable=comparable)
+    if not comparable:
+        ref_col = next((c.id for c in columns if c.paper_key == "fp32" and not c.placeholder), None)
+        for model, _ in rows:
+            for c in columns:
+                if ref_col is not None and c.id != ref_col:
+                    cells[(model, c.id)].ref = cells[(model, ref_col)]
     col_of = {c.variant: c.id for c in columns if not c.placeholder}
     for r in mine:
         cell = cells[(r.model, col_of[r.variant])]
@@ -302,7 +326,9 @@ def to_markdown(t: Table) -> str:
     out += ["", "Skipped or questionable results:"]
     out += [f"- `{p.where}`: {p.what}" for p in t.problems] or ["- none"]
     out += ["", "Status markers: see paper_tables/README.md (missing, running (step/total), "
-            "interrupted, diverged, failed, completed without metric, n/c = not comparable).", ""]
+            "interrupted, diverged, failed, completed without metric, n/c = not comparable). In a "
+            "non-paper profile Δ compares with the row's FP32 cell instead of the paper: within seed noise "
+            "when |Δ| <= 2 standard errors of the difference.", ""]
     return "\n".join(out)
 
 

@@ -142,7 +142,7 @@ def test_tiny_and_paper_never_mixed(tmp_path):
     paper_md, tiny_md = (out / "table1.md").read_text(), (out / "table1_tiny.md").read_text()
     assert "55.50 (n=1)" in paper_md and "4.00" not in paper_md and "TINY" not in paper_md
     assert specs.TINY_LABEL in tiny_md and "4.00 ± 1.06 (n=2)" in tiny_md and "55.50" not in tiny_md
-    assert "n/c" in tiny_md  # no difference against the paper for smoke data
+    assert "n/c" in tiny_md  # no difference against the paper for smoke data (and no non-FP32 cell here)
     assert specs.TINY_LABEL in (out / "table1_tiny.tex").read_text()
     rows = tables.read_csv((out / "table1_tiny.csv").read_text())
     assert {r["profile"] for r in rows} == {"tiny"}
@@ -168,6 +168,19 @@ def test_two_datasets_of_one_profile_never_averaged(tmp_path):
     # The paper-profile table has the tiny tables' columns (here: only fp32 ran, in any profile).
     assert [c.id for c in table_of(rep, "table1", "paper").columns] == \
         [c.id for c in table_of(rep, "table1", "tiny-digits").columns]
+
+
+def test_tiny_cells_compared_with_fp32_within_seed_noise(tmp_path):
+    for seed, (a, b, c) in enumerate([(80.0, 81.0, 60.0), (82.0, 80.0, 61.0), (81.0, 82.5, 59.0)]):
+        write_run(tmp_path, "ilsvrc_cnns", "alexnet", "fp32", seed, profile="tiny", metrics={"top1": a})
+        write_run(tmp_path, "ilsvrc_cnns", "alexnet", "fp16", seed, profile="tiny", metrics={"top1": b})
+        write_run(tmp_path, "ilsvrc_cnns", "alexnet", "mixed", seed, profile="tiny", metrics={"top1": c})
+    _, _, rep = build(tmp_path)
+    t = table_of(rep, "table1", "tiny")
+    assert cell(t, "alexnet", "fp16").diff_text() == "+0.17 vs FP32 (within seed noise)"
+    assert cell(t, "alexnet", "mixed").diff_text() == "-21.00 vs FP32 (DIFFERS: > 2 SE)"
+    md = tables.to_markdown(t)
+    assert "within seed noise" in md and "DIFFERS" in md and "ours − this row's FP32" in md
 
 
 # ----------------------------------------------------------------------------- formats
