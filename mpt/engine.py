@@ -747,9 +747,16 @@ def cli_main(experiment: str, argv: list[str] | None = None) -> None:
     """`python -m experiments.<name> key=value ...`"""
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("-h", "--help"):
-        print(f"usage: python -m experiments.{experiment} [key=value ...]\n"
+        print(f"usage: python -m experiments.{experiment} [--print-config] [key=value ...]\n"
               f"e.g.   python -m experiments.{experiment} profile=tiny precision=mixed\n"
-              f"keys:  see mpt/config.py and experiments/{experiment}/config.yaml")
+              f"keys:  see mpt/config.py and experiments/{experiment}/config.yaml\n"
+              f"--print-config: print the resolved config and its run directory; run nothing")
+        return
+    if argv and argv[0] == "--print-config":
+        # What a grid cell will do, before it does it (the same resolution as a run).
+        cfg = cli(C.resolve)(experiment, argv[1:])
+        print(C.dump_yaml(cfg), end="")
+        print(f"# run directory: {C.run_dir(cfg)}")
         return
     # SLURM/torchrun stop signals: checkpoint at the next step boundary instead of losing work.
     signal.signal(signal.SIGUSR1, lambda *a: STOP.request("SIGUSR1"))

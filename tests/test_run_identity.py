@@ -81,3 +81,25 @@ def test_a_failed_start_keeps_a_completed_result(tiny_imagenet, tmp_path):
     with pytest.raises(UserError):
         ilsvrc(tiny_overrides(broken, tmp_path, *SHORT))
     assert (d / "summary.json").read_bytes() == summary
+
+
+def test_print_config_shows_the_cell_and_runs_nothing(tiny_imagenet, tmp_path):
+    import subprocess
+    import sys
+
+    import yaml
+
+    from conftest import REPO
+
+    over = tiny_overrides(tiny_imagenet, tmp_path, *SHORT)
+    r = subprocess.run([sys.executable, "-m", "experiments.ilsvrc_cnns", "--print-config", *over], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    shown = yaml.safe_load(r.stdout)
+    cfg = C.resolve("ilsvrc_cnns", over)
+    assert shown == C.to_dict(cfg) and f"# run directory: {C.run_dir(cfg)}" in r.stdout
+    assert not C.run_dir(cfg).exists()
+    bad = subprocess.run([sys.executable, "-m", "experiments.ilsvrc_cnns", "--print-config", "bogus=1"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: unknown config key 'bogus'")
+    assert "Traceback" not in bad.stderr
