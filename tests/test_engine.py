@@ -143,3 +143,102 @@ def test_every_model_every_precision_forward_backward(name):
             r.update()
             assert torch.isfinite(loss), (name, prec, impl)
             assert all(torch.isfinite(p).all() for p in r.master_params()), (name, prec, impl)
+
+
+# ------------------------------------------------------------------------------------------------
+# several models and optimizers (issue 10): tests/toy_gan.py, the seam DCGAN uses
+
+
+@pytest.mark.parametrize("impl", ["autocast", "paper"])
+def test_one_scaler_two_optimizers_skip_only_the_overflowing_one(impl):
+    """torch.amp's rules in both impls: each optimizer unscaled and inf-checked on its own, an overflow
+    skips only that optimizer, the scale backs off once per iteration."""
+    torch.manual_seed(0)
+    m = nn.ModuleDict({"generator": nn.Linear(4, 4), "discriminator": nn.Linear(4, 1)})
+    opt_d = torch.optim.SGD(m["discriminator"].parameters(), lr=0.1)
+    opt_g = torch.optim.SGD(m["generator"].parameters(), lr=0.1)
+    r = precision.build(Config(precision="mixed", impl=impl), "cpu")
+    r.prepare(m, [opt_d, opt_g])
+    s0, x = r.loss_scale, torch.randn(8, 4)
+    d0, g0 = ([p.detach().float().clone() for p in m[k].parameters()] for k in ("discriminator", "generator"))
+    with r.autocast():
+        loss_d = m["discriminator"](x).float().mean()
+    r.backward(loss_d * float("inf"))
+    assert r.step(opt_d) is False
+    with r.autocast():
+        loss_g = m["discriminator"](m["generator"](x)).float().mean()
+    r.backward(loss_g)
+    assert r.step(opt_g) is True
+    r.update()
+    assert r.loss_scale == s0 * 0.5 and r.skipped_steps == 1
+    assert all(torch.equal(a, p.detach().float()) for a, p in zip(d0, m["discriminator"].parameters()))
+    assert not any(torch.equal(a, p.detach().float()) for a, p in zip(g0, m["generator"].parameters()))
+
+
+def test_two_optimizer_run_counts_skips_per_optimizer_and_writes_images(tmp_path):
+    from mpt import engine
+    from toy_gan import ToyGan, config
+
+    s = engine.run(config(tmp_path, precision="mixed", train={"max_steps": 4, "eval_every_epochs": 0.25}),
+                   ToyGan(inf_at=1))
+    assert s["status"] == "completed" and s["skipped_per_optimizer"] == {"discriminator": 1, "generator": 0}
+    d = tmp_path / "toy_gan" / s["run_name"]
+    lines = read_lines(d)
+    train = [x for x in lines if x["kind"] == "train"]
+    assert [x["skipped/discriminator"] for x in train] == [0, 1, 1, 1]
+    assert train[1]["loss_scale"] == train[0]["loss_scale"] / 2 == train[3]["loss_scale"]
+    assert {"loss_D", "loss_G", "lr/generator"} <= set(train[0])
+    assert sorted(p.name for p in d.glob("samples_*.png")) == [f"samples_{i:07d}.png" for i in (1, 2, 3, 4)]
+
+
+def test_two_optimizer_resume_is_bit_identical(tmp_path, monkeypatch):
+    from mpt import engine
+    from toy_gan import ToyGan, config
+
+    full = engine.run(config(tmp_path / "a"), ToyGan())
+    part = run_interrupted(monkeypatch, lambda _: engine.run(config(tmp_path / "b"), ToyGan()), None, at_step=4)
+    assert part["status"] == "interrupted" and part["step"] == 5
+    resumed = engine.run(config(tmp_path / "b"), ToyGan())
+    assert resumed["status"] == "completed" and resumed["metrics"] == full["metrics"]
+    da, db = (tmp_path / x / "toy_gan" / full["run_name"] for x in ("a", "b"))
+    keys = ("step", "loss", "loss_D", "loss_G", "gap")
+    assert [[x.get(k) for k in keys] for x in read_lines(da)] == [[x.get(k) for k in keys] for x in read_lines(db)]
+    ca, cb = (torch.load(d / "checkpoint.pt", weights_only=True) for d in (da, db))
+    assert set(ca["optimizers"]) == {"discriminator", "generator"} == set(ca["scheds"])
+    for k in ca["model"]:
+        assert torch.equal(ca["model"][k], cb["model"][k]), k
+    for name in ca["optimizers"]:
+        for pid, st in ca["optimizers"][name]["state"].items():
+            for key, v in st.items():
+                assert torch.equal(v, cb["optimizers"][name]["state"][pid][key]), (name, key)
+
+
+def test_ddp_ranks_agree_a_run_is_complete(tmp_path):
+    """2 gloo ranks: the second start of a completed run returns on every rank (issue 16: rank 0
+    alone returned and the other rank waited forever in evaluation's all-reduce)."""
+    import os
+    import socket
+
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(str(s.getsockname()[1]))
+    procs = []
+    for rank in (0, 1):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": ports[0]}
+        procs.append(subprocess.Popen([sys.executable, str(REPO / "tests" / "ddp_toy_worker.py"), str(tmp_path),
+                                       ports[1]],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("a rank hung")
+        assert p.returncode == 0, err[-2000:]
+    for rank in (0, 1):
+        r = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert r == {"first": "completed", "second": "completed", "step": 4}

@@ -1,0 +1,1 @@
+"""CelebA (aligned faces) for DCGAN, Figure 6: `python -m data_prep.celeba --archives DIR --out DIR`."""
