@@ -340,3 +340,19 @@ def test_memory_bytes_per_parameter():
     parts = ("weights", "grads", "optimizer", "master", "master_grads")
     assert tuple(paper[k] for k in parts) == (2, 2, 4, 4, 4)
     assert 0 < paper["activations"] < fp32["activations"]
+
+
+def test_real_text_release_prepares_like_the_benchmark(tmp_path):
+    """data_prep.lm1b.real_text: real English in the official layout, through the real prep."""
+    import math
+
+    from data_prep.lm1b import prepare as prep
+    from data_prep.lm1b.dataset import Prepared
+    from data_prep.lm1b.real_text import generate
+
+    archive = generate(tmp_path / "arch")
+    assert generate(tmp_path / "arch2").read_bytes() == archive.read_bytes()  # deterministic
+    info = prep.prepare(archive, tmp_path / "real", workers=1, log=lambda *a: None)
+    assert info["vocab_size"] > 500 and info["totals"]["train_tokens"] > 20_000
+    assert "the" in (tmp_path / "real" / "vocab.txt").read_text().split()
+    assert math.exp(Prepared(tmp_path / "real").unigram_nll("test")) > 100  # real text: no easy grammar
