@@ -275,3 +275,26 @@ def test_tiny_classes_are_learnable(prepared):
     means = np.stack([xt[yt == c].mean(0) for c in range(6)])
     pred = ((xv[:, None] - means[None]) ** 2).sum(-1).argmin(1)
     assert (pred == yv).mean() >= 0.8
+
+
+def test_digits_prepare_like_imagenet_with_every_label_right(tmp_path):
+    """data_prep.imagenet.digits -> the official archives -> the real prep: 1,437 / 360 images in 10
+    class folders, and every image sits in its digit's folder (each prepared image, shrunk back to
+    8x8, is nearest to a scikit-learn digit of that class)."""
+    from sklearn.datasets import load_digits
+
+    from data_prep.imagenet.digits import generate as digits
+
+    digits(tmp_path / "arch", size=32)
+    info = prep.prepare(tmp_path / "arch", tmp_path / "out", workers=2, log=quiet)
+    assert (info["num_classes"], info["train_images"], info["val_images"]) == (10, 1437, 360)
+    d = load_digits()
+    ref = d.images.reshape(len(d.images), -1) * (255.0 / 16.0)
+    for split in ("train", "val"):
+        ds = ImageNetFolder(tmp_path / "out", split)
+        assert [c["words"] for c in json.loads((tmp_path / "out" / prep.CLASSES).read_text())] == \
+            [f"digit {k}" for k in range(10)]
+        for path, label in ds.samples:
+            small = np.asarray(Image.open(path).convert("L").resize((8, 8), Image.BOX), dtype=np.float64)
+            nearest = int(np.argmin(((ref - small.reshape(1, -1)) ** 2).sum(axis=1)))
+            assert d.target[nearest] == label, (path, label, d.target[nearest])
