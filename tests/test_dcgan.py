@@ -1,0 +1,141 @@
+"""DCGAN (Figure 6): CelebA prep of the tiny release and its bad-input errors, tiny runs in every
+paper precision writing sample grids and the SWD, and real learning (trained beats untrained)."""
+import json
+import shutil
+import subprocess
+import sys
+import zipfile
+
+import pytest
+import torch
+
+from conftest import REPO
+from data_prep.celeba import prepare as prep
+from data_prep.celeba.tiny import generate
+from mpt.errors import UserError
+
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """These small networks run ~50x faster on one thread than on two when another process holds a
+    core (OpenMP threads spin-wait on each other); restored after each test."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def celeba_archives(tmp_path_factory):
+    return generate(tmp_path_factory.mktemp("celeba_archives"), train=320, valid=48, test=16)
+
+
+@pytest.fixture(scope="module")
+def tiny_celeba(celeba_archives, tmp_path_factory):
+    out = tmp_path_factory.mktemp("celeba_prepared")
+    prep.prepare(celeba_archives, out, log=lambda *a: None)
+    return out
+
+
+def run_overrides(root, out_dir, *extra):
+    return ["profile=tiny", f"task.data_root={root}", f"out_dir={out_dir}", "wandb.mode=disabled",
+            "train.progress=false", *extra]
+
+
+def test_prep_layout_counts_and_resume(celeba_archives, tiny_celeba, tmp_path):
+    info = json.loads((tiny_celeba / "prepared.json").read_text())
+    assert (info["images"], info["train"], info["valid"], info["test"], info["attributes"]) == (384, 320, 48, 16, 8)
+    root = tiny_celeba / "celeba"
+    assert len(list((root / "img_align_celeba").glob("*.jpg"))) == 384
+    assert (root / "list_eval_partition.txt").is_file() and (root / "list_attr_celeba.txt").is_file()
+    # resumable: an interrupted run (no marker, an image missing) keeps what it had
+    out = tmp_path / "p"
+    shutil.copytree(tiny_celeba, out)
+    (out / "prepared.json").unlink()
+    (out / "celeba" / "img_align_celeba" / "000007.jpg").unlink()
+    again = prep.prepare(celeba_archives, out, log=lambda *a: None)
+    assert again["skipped"] == 383 and (out / "celeba" / "img_align_celeba" / "000007.jpg").is_file()
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.mark.parametrize("damage,msg", [
+    ("missing", "no img_align_celeba.zip"),
+    ("truncated", "is truncated or not a zip"),
+    ("corrupt", "is corrupt at img_align_celeba/"),
+    ("partition", "disagrees with"),
+])
+def test_prep_bad_inputs_are_one_line_errors(celeba_archives, tmp_path, damage, msg):
+    a = _copy(celeba_archives, tmp_path / "a")
+    z = a / prep.ZIP
+    if damage == "missing":
+        z.unlink()
+    elif damage == "truncated":
+        z.write_bytes(z.read_bytes()[: z.stat().st_size // 2])
+    elif damage == "corrupt":  # flip bytes inside one stored image: its CRC no longer matches
+        with zipfile.ZipFile(z) as zf:
+            info = zf.getinfo("img_align_celeba/000003.jpg")
+        data = bytearray(z.read_bytes())
+        start = info.header_offset + 30 + len(info.filename) + 500
+        data[start:start + 64] = bytes(64)
+        z.write_bytes(bytes(data))
+    else:
+        lines = (a / prep.PARTITION).read_text().splitlines()
+        (a / prep.PARTITION).write_text("\n".join(lines[:-1] + ["999999.jpg 2"]) + "\n")
+    with pytest.raises(UserError, match=msg):
+        prep.prepare(a, tmp_path / "out", log=lambda *x: None)
+    if damage == "truncated":  # and from the command line: one line, exit code 2
+        p = subprocess.run([sys.executable, "-m", "data_prep.celeba", "--archives", str(a), "--out",
+                            str(tmp_path / "out2")], capture_output=True, text=True, cwd=REPO, timeout=60)
+        lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+        assert p.returncode == 2 and len(lines) == 1 and msg in lines[0], p.stderr
+
+
+@pytest.mark.parametrize("prec,impl", [("fp32", "autocast"), ("fp16", "autocast"), ("mixed", "autocast"),
+                                       ("mixed", "paper")])
+def test_tiny_run_writes_samples_and_metric(tiny_celeba, tmp_path, prec, impl):
+    from experiments.dcgan import main
+
+    # FP16 on a CPU is slow: 16-px images, 4-channel networks, two steps.
+    s = main(run_overrides(tiny_celeba, tmp_path, f"precision={prec}", f"impl={impl}", "task.image_size=16",
+                           "width=0.0625", "train.batch_size=8", "train.max_steps=2", "task.grid=4",
+                           "task.eval_samples=8", "train.log_every=1"))
+    assert s["status"] == "completed" and s["skipped_per_optimizer"].keys() == {"discriminator", "generator"}
+    assert s["metrics"]["swd"] > 0 and "swd_16" in s["metrics"]
+    d = tmp_path / "dcgan" / s["run_name"]
+    from PIL import Image
+
+    with Image.open(d / "samples_0000002.png") as im:
+        assert im.size == (2 * 16 + 3 * 2, 2 * 16 + 3 * 2)  # 2 x 2 grid of 16 px with 2 px padding
+    train = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if '"train"' in x]
+    assert {"loss_D", "loss_G", "D_real", "D_fake"} <= set(train[-1])
+
+
+@pytest.mark.parametrize("size,steps", [
+    (16, 120),  # the default suite: 16-px faces, about 30 s on 2 idle cores
+    pytest.param(32, 250, marks=pytest.mark.slow),  # the tiny profile's 32 px, minutes
+])
+def test_trained_generator_beats_untrained(tiny_celeba, tmp_path, size, steps):
+    """Real learning, not a smoke test: the tiny profile's networks after a few hundred steps against
+    the same generator untrained, on the same held-out faces and latents."""
+    from experiments.dcgan import main
+    from experiments.dcgan.swd import multiscale_swd
+    from experiments.dcgan.task import SWD_SEED, Task, generate as sample
+    from mpt import config as C
+
+    args = run_overrides(tiny_celeba, tmp_path, f"train.max_steps={steps}", "task.eval_samples=48",
+                         f"task.image_size={size}")
+    s = main(args)
+    cfg = C.resolve("dcgan", args)
+    task = Task()
+    torch.manual_seed(cfg.seed)  # as the engine does before building the networks
+    _, val = task.datasets(cfg)
+    G = task.build_model(cfg)["generator"].eval()
+    real = task.real_images(val, 48, "cpu")
+    untrained = multiscale_swd(sample(G, 48, 100, SWD_SEED, "cpu", torch.no_grad), real, seed=SWD_SEED)["swd"]
+    assert s["status"] == "completed"
+    assert s["metrics"]["swd"] < 0.75 * untrained, (s["metrics"], untrained)
