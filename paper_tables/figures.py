@@ -404,8 +404,9 @@ def _natural(p) -> list:
 
 
 def _samples(spec, runs, profile, problems, notes):
-    """Figure 6: the latest sample grid of the newest run of each precision, side by side."""
-    panels = []
+    """Figure 6: the latest sample grid of the newest run of each precision, side by side, with
+    its metric (DCGAN: the SWD) and, beneath, its G/D loss curves."""
+    panels, shown = [], []
     for prec in spec.precisions:
         rs = [r for r in _candidates(spec, runs, profile) if r.precision == prec and r.run_dir is not None
               and r.experiment in spec.experiments]
@@ -419,6 +420,7 @@ def _samples(spec, runs, profile, problems, notes):
                     problems.append(r.problem(f"{f.name} unreadable ({type(e).__name__}); skipped"))
                     continue
                 panels.append((f"{variant_label(r.variant)}\n{r.name}/{f.name}", image))
+                shown.append(r)
                 notes.append(f"{variant_label(r.variant)}: {r.where}/{f.name} (status {r.status})")
                 break
             if image is not None:
@@ -427,11 +429,29 @@ def _samples(spec, runs, profile, problems, notes):
             notes.append(f"not run yet (no samples_*.png): {variant_label((prec, None, None, False))}")
     if not panels:
         return None, f"no {' or '.join(spec.experiments)} run ({profile} profile) has samples_*.png files"
-    fig = Figure(figsize=(5 * len(panels), 5.4), layout="constrained")
-    for ax, (title, image) in zip(fig.subplots(1, len(panels), squeeze=False).ravel(), panels):
+    # Beneath the grids: the G and D losses of the same runs, and their sample-quality metric.
+    curves = [(title, run) for (title, _), run in zip(panels, shown) if run.lines(problems).train_parts]
+    fig = Figure(figsize=(5 * len(panels), 5.4 + (3.0 if curves else 0)), layout="constrained")
+    rows = fig.subplots(2 if curves else 1, len(panels), squeeze=False,
+                        gridspec_kw={"height_ratios": [5, 3]} if curves else None)
+    for ax, (title, image), run in zip(rows[0], panels, shown):
         ax.imshow(image)
-        ax.set_title(title, fontsize=9)
+        key = spec.param("metric")
+        m = {key: run.metrics[key]} if key in run.metrics else {}
+        ax.set_title(title + "".join(f"\n{k} {v:.1f}" for k, v in m.items() if isinstance(v, (int, float))),
+                     fontsize=9)
         ax.axis("off")
+        for k, v in m.items():
+            notes.append(f"{variant_label(run.variant)}: {k} = {v} ({spec.param('metric_note', '')})")
+    if curves:
+        for ax, run in zip(rows[1], shown):
+            for name, pts in sorted(run.lines(problems).train_parts.items()):
+                x, y = _thin(_float_array([p[0] for p in pts]), _float_array([p[1] for p in pts]))
+                ax.plot(x, y, lw=1.0, label=name)
+            ax.set_xlabel("iteration")
+            ax.set_ylabel("training loss")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
     return fig, None
 
 

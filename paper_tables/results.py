@@ -50,6 +50,8 @@ class Lines:
     train_scale: list = dataclasses.field(default_factory=list)
     eval: list = dataclasses.field(default_factory=list)  # whole eval lines
     numerics: list = dataclasses.field(default_factory=list)  # whole numerics lines
+    # Per-model losses of a task with several (DCGAN's loss_D, loss_G): name -> [(step, value)].
+    train_parts: dict = dataclasses.field(default_factory=dict)
     bad: int = 0  # lines that were not a JSON object
 
     def add(self, line: dict):
@@ -59,6 +61,9 @@ class Lines:
             self.train_step.append(step)
             self.train_loss.append(_num(line.get("loss")))
             self.train_scale.append(_num(line.get("loss_scale")))
+            for k, v in line.items():
+                if str(k).startswith("loss_") and k != "loss_scale":
+                    self.train_parts.setdefault(k, []).append((step, _num(v)))
         elif kind == "eval":
             self.eval.append(line)
         elif kind == "numerics" or any(str(k).startswith("numerics/") for k in line):
