@@ -179,8 +179,10 @@ def test_two_optimizer_run_counts_skips_per_optimizer_and_writes_images(tmp_path
     from mpt import engine
     from toy_gan import ToyGan, config
 
-    s = engine.run(config(tmp_path, precision="mixed", train={"max_steps": 4, "eval_every_epochs": 0.25}),
-                   ToyGan(inf_at=1))
+    from mpt.config import NumericsCfg
+
+    s = engine.run(config(tmp_path, precision="mixed", numerics=NumericsCfg(every=2),
+                          train={"max_steps": 4, "eval_every_epochs": 0.25}), ToyGan(inf_at=1))
     assert s["status"] == "completed" and s["skipped_per_optimizer"] == {"discriminator": 1, "generator": 0}
     d = tmp_path / "toy_gan" / s["run_name"]
     lines = read_lines(d)
@@ -189,6 +191,11 @@ def test_two_optimizer_run_counts_skips_per_optimizer_and_writes_images(tmp_path
     assert train[1]["loss_scale"] == train[0]["loss_scale"] / 2 == train[3]["loss_scale"]
     assert {"loss_D", "loss_G", "lr/generator"} <= set(train[0])
     assert sorted(p.name for p in d.glob("samples_*.png")) == [f"samples_{i:07d}.png" for i in (1, 2, 3, 4)]
+    numerics = [x for x in lines if x["kind"] == "numerics"]  # sampled per optimizer: every model covered
+    assert [x["step"] for x in numerics] == [1, 3]
+    for name in ("discriminator", "generator"):
+        assert f"numerics/{name}/weight/overall/max_abs" in numerics[0], name
+    assert numerics[0]["numerics/discriminator/skipped"] is False  # the overflow (iteration 1) was not sampled
 
 
 def test_two_optimizer_resume_is_bit_identical(tmp_path, monkeypatch):
