@@ -17,8 +17,12 @@ from slurm import clusters, grid as G, state, status, submit
 REPO = Path(__file__).resolve().parents[1]
 GRID = REPO / "experiments" / "ilsvrc_cnns" / "grid.yaml"
 _AXES = __import__("yaml").safe_load(GRID.read_text())["axes"]
+_TINY_AXES = {**_AXES, **__import__("yaml").safe_load(GRID.read_text())["profiles"]["tiny"].get("axes", {})}
 N_MODELS, N_PREC = len(_AXES["model"]), len(_AXES["precision"])
-N_TINY = N_MODELS * N_PREC  # the tiny profile runs every model in every precision of the grid
+N_PAPER = N_MODELS * N_PREC * len(_AXES["seed"])  # every model in every precision of the grid
+# the tiny profile: its own precisions (+ the fp16_pure ablation) and seeds
+N_TINY_PREC = len(_TINY_AXES["precision"]) * len(_TINY_AXES["seed"])
+N_TINY = len(_TINY_AXES["model"]) * N_TINY_PREC
 
 
 def write(path: Path, text: str) -> Path:
@@ -56,10 +60,13 @@ def test_relative_out_dir_becomes_absolute(tmp_path, monkeypatch):
 
 
 def test_only_filters_cells():
-    assert len(G.load(GRID, "tiny", only=["model=alexnet"]).cells) == N_PREC
+    assert len(G.load(GRID, "tiny", only=["model=alexnet"]).cells) == N_TINY_PREC
     cells = G.load(GRID, "tiny", only=["model=alexnet", "model=resnet50_preact", "precision=fp32"]).cells
-    assert sorted(c.axes["model"] for c in cells) == ["alexnet", "resnet50_preact"]
-    assert len(G.load(GRID, "tiny", only=["train.batch_size=32"]).cells) == N_TINY  # any config key
+    assert sorted(c.axes["model"] for c in cells) == ["alexnet"] * 3 + ["resnet50_preact"] * 3  # 3 seeds
+    from mpt import config as C
+
+    batch = C.resolve("ilsvrc_cnns", ["profile=tiny"]).train.batch_size
+    assert len(G.load(GRID, "tiny", only=[f"train.batch_size={batch}"]).cells) == N_TINY  # any config key
     with pytest.raises(UserError, match="unknown config key 'nosuch'"):
         G.load(GRID, "tiny", only=["nosuch=1"])
     with pytest.raises(UserError, match="matches no cell"):
@@ -68,7 +75,7 @@ def test_only_filters_cells():
 
 def test_paper_profile_uses_gpus_and_estimates(tmp_path):
     g = G.load(GRID, "paper")
-    assert len(g.cells) == N_TINY and g.resources.gpus == 8 and g.resources.world == 8
+    assert len(g.cells) == N_PAPER and g.resources.gpus == 8 and g.resources.world == 8
     assert g.resources.hours_for("vgg16") == 60
 
 
