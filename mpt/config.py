@@ -11,6 +11,7 @@ with every run (config.yaml in the run directory) and hashed into the run's cont
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import importlib
 import json
@@ -279,9 +280,20 @@ def data_fingerprint(root) -> str:
     if not root:
         return "none"
     root = pathlib.Path(root)
-    marker = root / "prepared.json"
     try:
-        info = json.loads(marker.read_text())
+        st = (root / "prepared.json").stat()
+    except OSError:
+        return "unprepared"
+    # A grid resolves every cell on the same data: hash it once per marker version, not per cell
+    # (the full 1B Word vocabulary alone is 10 MB).
+    return _fingerprint(str(root.resolve()), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=16)
+def _fingerprint(root: str, mtime_ns: int, size: int) -> str:
+    root = pathlib.Path(root)
+    try:
+        info = json.loads((root / "prepared.json").read_text())
     except (OSError, ValueError):
         return "unprepared"
     blob = {k: v for k, v in info.items() if k not in _MARKER_VOLATILE} if isinstance(info, dict) else info
@@ -333,7 +345,7 @@ def _flat(d: dict, prefix: str = "") -> dict:
 
 def config_difference(stored: dict, cfg: Config) -> str | None:
     """The first non-infrastructure key whose value differs between a run directory's stored
-    config.yaml and cfg, as 'key: stored -> new'; None when they are the same run."""
+    config.yaml and cfg, as "key: <stored> stored, <new> now"; None when they are the same run."""
     new = _flat(json.loads(json.dumps(_strip_infra(cfg), default=str)))
     old = _flat(json.loads(json.dumps(stored, default=str))) if isinstance(stored, dict) else {}
     for k in sorted(set(new) | set(old)):

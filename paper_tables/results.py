@@ -270,11 +270,9 @@ def split_by_data(runs: list[RunResult]) -> list[RunResult]:
     """Runs of one experiment and profile on different prepared datasets (e.g. the tiny profile on
     the synthetic set and on a real one) must never be averaged into one cell: each dataset becomes
     its own profile section, named after its data_root's folder (or fingerprint when those clash)."""
-    by = collections.defaultdict(set)
+    by, names = collections.defaultdict(set), collections.defaultdict(set)
     for r in runs:
         by[(r.experiment, r.profile)].add(r.data)
-    names = collections.defaultdict(set)
-    for r in runs:
         names[(r.experiment, r.profile, r.data_name)].add(r.data)
     for r in runs:
         if len(by[(r.experiment, r.profile)]) > 1:
