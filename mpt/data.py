@@ -22,8 +22,11 @@ class EpochSampler(Sampler[int]):
     Drops the tail so every rank gets the same number of samples (DDP)."""
 
     def __init__(self, n: int, seed: int, shuffle: bool = True, rank: int = 0, world: int = 1, batch_size: int = 1,
-                 drop_last: bool = True):
+                 drop_last: bool = True, order=None):
         self.n, self.seed, self.shuffle, self.rank, self.world = n, seed, shuffle, rank, world
+        # order(epoch, generator) -> a permutation of range(n) (Task.train_order): a task's own
+        # epoch order, e.g. SortaGrad. Seeded from (seed, epoch) like the default shuffle.
+        self.order = order
         per = n // world
         # Training drops the tail so every rank runs the same number of steps; evaluation
         # (drop_last=False) gives rank r every index r, r + world, ... so no sample is missed.
@@ -35,7 +38,12 @@ class EpochSampler(Sampler[int]):
         self.epoch, self.start = epoch, start
 
     def __iter__(self):
-        if self.shuffle:
+        if self.order is not None:
+            g = torch.Generator().manual_seed(_mix(self.seed, self.epoch))
+            perm = torch.as_tensor(list(self.order(self.epoch, g)), dtype=torch.int64)
+            if perm.numel() != self.n or not torch.equal(perm.sort().values, torch.arange(self.n)):
+                raise ValueError(f"train_order(epoch={self.epoch}) must return a permutation of range({self.n})")
+        elif self.shuffle:
             g = torch.Generator().manual_seed(_mix(self.seed, self.epoch))
             perm = torch.randperm(self.n, generator=g)
         else:

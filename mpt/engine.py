@@ -48,6 +48,13 @@ class Task(Protocol):
     Evaluation: `eval_sums(model, batch)` (additive statistics, summed over batches and ranks) +
     `eval_metrics(sums)`, or `evaluate(ev) -> dict[str, float]` (ev: EvalContext; may write images).
 
+    Data seam (optional): `collate(samples) -> batch` for samples the default collation cannot stack
+    (detection boxes, padded audio with lengths, token sequences; used for training and
+    validation); `train_order(epoch, generator) -> sequence of indices`, a permutation of the
+    training set for that epoch (default: a seeded random permutation), e.g. SortaGrad's
+    shortest-first first epoch or length buckets. It must depend only on (epoch, generator) so a
+    resumed run sees the same order; every rank then takes its share of it.
+
     Optional: `optimizers(model, cfg) -> dict[name, Optimizer]` (default: one optimizer "main" from
     cfg.optim over `param_groups(model, cfg)` or all parameters; a group may name its own
     "clip_grad_norm"); `shuffle_train = False` keeps samples in order (the train dataset may then
@@ -329,7 +336,8 @@ class Run:
         # A task whose samples must stay in order (a language model carrying recurrent state across
         # batches) sets shuffle_train = False.
         shuffle = getattr(self.task, "shuffle_train", True)
-        self.sampler = EpochSampler(len(train_ds), cfg.seed, shuffle, self.rank, self.world, self.per_rank)
+        self.sampler = EpochSampler(len(train_ds), cfg.seed, shuffle, self.rank, self.world, self.per_rank,
+                                    order=getattr(self.task, "train_order", None))
         self.steps_per_epoch = len(self.sampler) // self.per_rank
         if self.steps_per_epoch == 0:
             raise UserError(f"train.batch_size={t.batch_size} is larger than the training set ({len(train_ds)})")
@@ -339,7 +347,7 @@ class Run:
         # Each DataLoader iterator draws a worker seed when created (every epoch, every evaluation, at
         # resume); from its own generator, not the global RNG that dropout uses, so resume stays exact.
         lkw = dict(num_workers=t.num_workers, pin_memory=self.device.type == "cuda",
-                   generator=torch.Generator().manual_seed(cfg.seed))
+                   generator=torch.Generator().manual_seed(cfg.seed), collate_fn=getattr(self.task, "collate", None))
         self.train_loader = DataLoader(self.train_ds, batch_size=self.micro, sampler=self.sampler, drop_last=True, **lkw)
         self.val_loader = DataLoader(val_ds, batch_size=max(self.micro, 1), shuffle=False,
                                      sampler=EpochSampler(len(val_ds), 0, False, self.rank, self.world, drop_last=False), **lkw)

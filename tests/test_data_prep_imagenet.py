@@ -298,3 +298,14 @@ def test_digits_prepare_like_imagenet_with_every_label_right(tmp_path):
             small = np.asarray(Image.open(path).convert("L").resize((8, 8), Image.BOX), dtype=np.float64)
             nearest = int(np.argmin(((ref - small.reshape(1, -1)) ** 2).sum(axis=1)))
             assert d.target[nearest] == label, (path, label, d.target[nearest])
+
+
+@pytest.mark.parametrize("name", ["/etc/x", "../x", "a/../../x", "a\\b", ""])
+def test_unsafe_archive_names_are_refused(name):
+    from data_prep.common import safe_name, safe_relpath
+    from mpt.errors import UserError
+    with pytest.raises(UserError, match="unsafe member"):
+        safe_relpath(name, "member", "x.tar")
+    with pytest.raises(UserError, match="unsafe class"):
+        safe_name(name, "class", "x.tar")
+    assert safe_relpath("a/b.jpg", "member", "x.tar") == "a/b.jpg"

@@ -249,3 +249,70 @@ def test_ddp_ranks_agree_a_run_is_complete(tmp_path):
     for rank in (0, 1):
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert r == {"first": "completed", "second": "completed", "step": 4}
+
+
+# the data seam (collate + train_order): what detection, speech and translation batches need
+class _VarLenTask:
+    """Sequences of 1..6 values; the target is the sign of their sum. Padded by the task's collate;
+    the first epoch goes shortest-first (SortaGrad's rule), later epochs shuffled."""
+    primary_metric = "acc"
+    higher_is_better = True
+
+    def __init__(self):
+        self.seen = []  # (epoch, lengths of the batch) as the loss sees them
+
+    def datasets(self, cfg):
+        g = torch.Generator().manual_seed(0)
+        xs = [torch.randn(int(torch.randint(1, 7, (), generator=g)), generator=g) for _ in range(48)]
+        self.lengths = [len(x) for x in xs]
+        return xs, xs[:16]
+
+    def collate(self, samples):
+        lengths = torch.tensor([len(s) for s in samples])
+        x = torch.zeros(len(samples), int(lengths.max()))
+        for i, s in enumerate(samples):
+            x[i, : len(s)] = s
+        return {"x": x, "lengths": lengths}
+
+    def train_order(self, epoch, g):
+        if epoch == 0:
+            return sorted(range(len(self.lengths)), key=lambda i: (self.lengths[i], i))
+        return torch.randperm(len(self.lengths), generator=g).tolist()
+
+    def build_model(self, cfg):
+        torch.manual_seed(cfg.seed)
+        return nn.Linear(1, 1)
+
+    def loss(self, model, batch):
+        self.seen.append(batch["lengths"].tolist())
+        pooled = batch["x"].sum(1, keepdim=True) / batch["lengths"].unsqueeze(1)
+        y = (batch["x"].sum(1) > 0).float()
+        return nn.functional.binary_cross_entropy_with_logits(model(pooled).squeeze(1).float(), y), len(y)
+
+    def eval_sums(self, model, batch):
+        pooled = batch["x"].sum(1, keepdim=True) / batch["lengths"].unsqueeze(1)
+        ok = ((model(pooled).squeeze(1) > 0) == (batch["x"].sum(1) > 0)).sum()
+        return {"ok": float(ok), "n": float(len(batch["lengths"]))}
+
+    def eval_metrics(self, s):
+        return {"acc": 100 * s["ok"] / s["n"]}
+
+
+def test_task_collate_and_train_order(tmp_path):
+    from mpt.engine import run
+    from toy_gan import config
+    task = _VarLenTask()
+    cfg = config(tmp_path, train=dict(batch_size=8, max_steps=12))  # 6 steps per epoch: 2 epochs
+    s = run(cfg, task)
+    assert s["status"] == "completed" and "acc" in s["metrics"]
+    first = [n for b in task.seen[:6] for n in b]
+    assert first == sorted(task.lengths)  # epoch 0 shortest-first, padded per batch by collate
+    second = [n for b in task.seen[6:12] for n in b]
+    assert second != sorted(task.lengths) and sorted(second) == sorted(task.lengths)
+
+
+def test_train_order_must_be_a_permutation():
+    from mpt.data import EpochSampler
+    s = EpochSampler(5, 0, order=lambda e, g: [0, 1, 2, 3, 3])
+    with pytest.raises(ValueError, match="permutation"):
+        list(s)
