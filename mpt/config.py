@@ -15,6 +15,7 @@ import functools
 import hashlib
 import importlib
 import json
+import math
 import pathlib
 import typing
 from dataclasses import dataclass, field
@@ -225,10 +226,24 @@ def experiment_module(name: str):
     return importlib.import_module(f"experiments.{name}")
 
 
+def yaml_error(e: yaml.YAMLError) -> str:
+    """A YAML parse error on one line: what is wrong and where ("line 3, column 7")."""
+    mark = getattr(e, "problem_mark", None)
+    what = getattr(e, "problem", None) or str(e).splitlines()[0]
+    return f"{what} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else what
+
+
 def load_experiment_yaml(name: str) -> dict:
     path = REPO / "experiments" / name / "config.yaml"
-    with open(path) as f:
-        data = yaml.safe_load(f) or {}
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except yaml.YAMLError as e:
+        raise UserError(f"{path} is not valid YAML: {yaml_error(e)}; fix that line") from None
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path} must be a mapping with base:, models: and profiles:, not a {type(data).__name__}")
     unknown = set(data) - {"base", "models", "profiles"}
     if unknown:
         raise UserError(f"{path}: unknown top-level keys {sorted(unknown)}; allowed: base, models, profiles")
@@ -263,9 +278,24 @@ def resolve(experiment: str, overrides: list[str] | tuple = ()) -> Config:
             raise UserError("data_fingerprint is computed from the prepared dataset (task.data_root); "
                             "set task.data_root instead")
         set_key(cfg, k, v, where="command line")
+    cfg.loss_scale = canonical_loss_scale(cfg.loss_scale)
     cfg.data_fingerprint = data_fingerprint(getattr(cfg.task, "data_root", None))
     validate(cfg)
     return cfg
+
+
+def canonical_loss_scale(value: str) -> str:
+    """One spelling per loss scale, so that equal values are one cell (one content id, one run
+    directory): 8, 8.0, "8.0" and 8e0 are all "8"; 0.5 stays "0.5"; auto and dynamic in lower case.
+    What is not a number is left for precision.check to reject."""
+    v = str(value).strip().lower()
+    try:
+        f = float(v)
+    except ValueError:
+        return v
+    if not math.isfinite(f):
+        return v
+    return str(int(f)) if f.is_integer() and abs(f) < 2 ** 53 else repr(f)
 
 
 # Keys of a data_prep marker (prepared.json) that say when or where it was made, not what it holds.
@@ -357,8 +387,11 @@ def config_difference(stored: dict, cfg: Config) -> str | None:
 
 
 def cell_id(cfg: Config) -> str:
-    """Content id of a run: sha256 of the resolved config without infrastructure keys."""
-    blob = json.dumps(_strip_infra(cfg), sort_keys=True, default=str)
+    """Content id of a run: sha256 of the resolved config without infrastructure keys (values as
+    resolve() normalises them: a Config built by hand gets the same id as the resolved one)."""
+    ident = _strip_infra(cfg)
+    ident["loss_scale"] = canonical_loss_scale(ident["loss_scale"])
+    blob = json.dumps(ident, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 

@@ -24,10 +24,11 @@ from torch.utils.data import DataLoader
 from mpt import config as C
 from mpt import precision
 from mpt.data import EpochSampler, SeededDataset
-from mpt.errors import UserError, cli
+from mpt.errors import UserError, cli, one_line
 from mpt.memory import SavedTensorBytes
-from mpt.rundir import (append_jsonl, atomic_torch_save, atomic_write_bytes, atomic_write_json, atomic_write_text,
-                        env_info, now, read_json)
+from mpt.rundir import (RunLock, append_jsonl, atomic_torch_save, atomic_write_bytes, atomic_write_json,
+                        atomic_write_text, env_info, now, read_json_or_none, read_jsonl, remove_stale_temp_files,
+                        storage_error)
 from mpt.wandb_log import WandbLogger
 
 
@@ -143,20 +144,48 @@ class EvalContext:
 
 
 class _Stop:
-    """Set from a signal handler (SLURM's pre-timeout signal, preemption): the loop checkpoints
-    at the next step boundary and returns with status "interrupted"."""
+    """Set from a signal handler (SLURM's pre-timeout signal, preemption, `kill`, Ctrl-C): the loop
+    checkpoints at the next step boundary and returns with status "interrupted"."""
 
     def __init__(self):
         self.reason: str | None = None
+        self.signum: int | None = None
 
-    def request(self, reason: str = "signal") -> None:
-        self.reason = reason
+    def request(self, reason: str = "signal", signum: int | None = None) -> None:
+        self.reason, self.signum = reason, signum
 
     def clear(self) -> None:
-        self.reason = None
+        self.reason = self.signum = None
 
 
 STOP = _Stop()
+# The signals that stop a run cleanly: SLURM's pre-timeout signal (USR1 here; slurm.job uses USR2),
+# SIGTERM (a plain `kill`, torchrun, scancel and most schedulers' preemption) and SIGINT (Ctrl-C).
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+FINAL = ("completed", "diverged")  # results a later invocation returns as they are
+
+
+def install_stop_handlers(signals=STOP_SIGNALS) -> None:
+    """Each signal asks the loop to checkpoint at the next step boundary and stop ("interrupted").
+    A second Ctrl-C aborts at once (KeyboardInterrupt): the run then resumes from its last checkpoint."""
+
+    def handler(signum, frame):
+        name = signal.Signals(signum).name
+        if signum == signal.SIGINT and STOP.reason is not None:
+            raise KeyboardInterrupt
+        STOP.request(name, signum)
+        # os.write, not print: a handler may run inside another print to the same stream.
+        os.write(2, f"{name}: checkpointing at the next step boundary, then stopping"
+                    f"{' (Ctrl-C again: abort now)' if signum == signal.SIGINT else ''}\n".encode())
+
+    for s in signals:
+        signal.signal(s, handler)
+
+
+def _worker_init(worker_id: int) -> None:
+    """DataLoader workers share the terminal's process group: a Ctrl-C would kill them mid-batch and
+    fail the run, so they ignore it and the main process stops the run at a step boundary."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -174,9 +203,17 @@ def distributed_env() -> tuple[int, int, int]:
 def pick_device(cfg, local_rank: int) -> torch.device:
     if cfg.device != "auto":
         try:
-            return torch.device(cfg.device)
+            dev = torch.device(cfg.device)
         except RuntimeError:
             raise UserError(f"device={cfg.device!r} is not a torch device; use auto, cpu or cuda:N") from None
+        if dev.type == "cuda":
+            n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if n == 0:
+                raise UserError(f"device={cfg.device} but CUDA is not available on this machine (torch "
+                                f"{torch.__version__}, CUDA build {torch.version.cuda}); use device=auto or device=cpu")
+            if dev.index is not None and dev.index >= n:
+                raise UserError(f"device={cfg.device} but this machine has {n} GPU(s) (cuda:0..cuda:{n - 1})")
+        return dev
     return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
 
 
@@ -275,6 +312,8 @@ class Run:
         self.dir = C.run_dir(cfg)
         self.name = C.run_name(cfg)
         self.cell = C.cell_id(cfg)
+        self.lock: RunLock | None = None  # held by rank 0 from setup to the end of run()
+        self.prev_summary: dict | None = None  # the summary an earlier invocation left (read under the lock)
 
     # -- files ------------------------------------------------------------------------------
     def write_summary(self, **kw) -> dict:
@@ -317,7 +356,7 @@ class Run:
         self.env = env_info(self.device, self.world)
         self.check_identity()
         if self.main:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            self.claim_dir()
             atomic_write_text(self.dir / "config.yaml", C.dump_yaml(cfg))
             atomic_write_json(self.dir / "env.json", self.env)
 
@@ -347,7 +386,8 @@ class Run:
         # Each DataLoader iterator draws a worker seed when created (every epoch, every evaluation, at
         # resume); from its own generator, not the global RNG that dropout uses, so resume stays exact.
         lkw = dict(num_workers=t.num_workers, pin_memory=self.device.type == "cuda",
-                   generator=torch.Generator().manual_seed(cfg.seed), collate_fn=getattr(self.task, "collate", None))
+                   generator=torch.Generator().manual_seed(cfg.seed), collate_fn=getattr(self.task, "collate", None),
+                   worker_init_fn=_worker_init if t.num_workers > 0 else None)
         self.train_loader = DataLoader(self.train_ds, batch_size=self.micro, sampler=self.sampler, drop_last=True, **lkw)
         self.val_loader = DataLoader(val_ds, batch_size=max(self.micro, 1), shuffle=False,
                                      sampler=EpochSampler(len(val_ds), 0, False, self.rank, self.world, drop_last=False), **lkw)
@@ -411,6 +451,30 @@ class Run:
             stack.enter_context(m.no_sync())
         return stack
 
+    def claim_dir(self) -> None:
+        """Rank 0: create the run directory, lock it against a second copy of this run (RunLock),
+        read what an earlier invocation left, and delete the temp files of a writer killed mid-write."""
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise (storage_error(e, self.dir) or UserError(f"cannot create the run directory {self.dir}: "
+                                                           f"{e.strerror}; set out_dir= to a writable folder")) from None
+        self.lock = RunLock(self.dir).acquire()
+        path = self.dir / "summary.json"
+        prev = read_json_or_none(path)
+        if path.exists() and not isinstance(prev, dict):
+            print(f"warning: {path} is unreadable; it is rewritten as the run goes on", file=sys.stderr)
+            prev = None
+        self.prev_summary = prev
+        stale = remove_stale_temp_files(self.dir)
+        if stale:
+            print(f"removed {len(stale)} temp file(s) of an interrupted write in {self.dir}", file=sys.stderr)
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
     def check_identity(self) -> None:
         """A run directory holds one config: continuing it with another (other data, another recipe)
         would mix two runs in one result. Checked before anything in it is written."""
@@ -452,7 +516,8 @@ class Run:
     def resume(self) -> None:
         path = self.dir / "checkpoint.pt"
         if not path.exists():
-            if self.main and (self.dir / "metrics.jsonl").exists():
+            final = (self.prev_summary or {}).get("status") in FINAL  # a result is kept, checkpoint or not
+            if self.main and (self.dir / "metrics.jsonl").exists() and not final:
                 (self.dir / "metrics.jsonl").unlink()  # a run that died before its first checkpoint
             return
         try:
@@ -478,8 +543,12 @@ class Run:
             if mp.exists():
                 import json
 
-                keep = [ln for ln in mp.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= self.step]
-                atomic_write_text(mp, "".join(ln + "\n" for ln in keep))
+                # A line torn by a kill or a full disk mid-append is dropped too (and said).
+                lines, torn = read_jsonl(mp)
+                keep = [x for x in lines if isinstance(x.get("step"), int) and x["step"] <= self.step]
+                atomic_write_text(mp, "".join(json.dumps(x, default=str) + "\n" for x in keep))
+                if torn:
+                    print(f"dropped {torn} unreadable (torn) line(s) of {mp}", file=sys.stderr)
             print(f"resuming {self.name} at step {self.step}/{self.total_steps}", file=sys.stderr)
 
     # -- train / eval -------------------------------------------------------------------------------
@@ -708,47 +777,77 @@ class Run:
 def run(cfg, task: Task) -> dict:
     """Train one run to completion (or divergence / interruption) and return its summary."""
     r = Run(cfg, task)
-    had_summary = (r.dir / "summary.json").exists()
+    try:
+        return _run(r)
+    finally:
+        r.release()
+        if r.world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _run(r: Run) -> dict:
     try:
         r.setup()
     except BaseException as e:
         # A run that got as far as a summary keeps it: a later invocation that cannot even start
-        # (a wrong path, another config) must not turn a completed or interrupted result into "failed".
-        if r.main and r.dir.exists() and not had_summary:
-            r.write_summary(status="failed", error=f"{type(e).__name__}: {e}")
+        # (a wrong path, a missing dataset) must not turn a completed or interrupted result into
+        # "failed". Nothing is written without the directory's lock (another copy may be running).
+        if r.main and r.lock is not None and r.prev_summary is None:
+            _record_failure(r, e, traceback_file=False)
         raise
+    # Every rank must agree that the run is already complete: a rank that returned alone would
+    # leave the others waiting in the first all-reduce. Rank 0 reads the summary and tells them.
+    done = r.prev_summary if r.main and (r.prev_summary or {}).get("status") in FINAL else None
+    if r.world > 1:
+        box = [done]
+        dist.broadcast_object_list(box, src=0)
+        done = box[0]
+    if done is not None:
+        r.wandb.finish(0)
+        return done  # a result is final: nothing to redo, nothing a later failure may replace
     try:
-        # Every rank must agree that the run is already complete: a rank that returned alone would
-        # leave the others waiting in the first all-reduce. Rank 0 reads the summary and tells them.
-        prev = r.dir / "summary.json"
-        done = None
-        if r.main and prev.exists() and read_json(prev).get("status") == "completed" and r.step >= r.total_steps:
-            done = read_json(prev)
-        if r.world > 1:
-            box = [done]
-            dist.broadcast_object_list(box, src=0)
-            done = box[0]
-        if done is not None:
-            r.wandb.finish(0)
-            return done  # nothing left to do
         if r.main:
             r.write_summary(step=r.step, total_steps=r.total_steps)
         return r.loop()
     except BaseException as e:
         if r.main:
-            atomic_write_text(r.dir / "error.txt", traceback.format_exc())
-            r.write_summary(status="failed", error=f"{type(e).__name__}: {e}", step=r.step)
+            _record_failure(r, e, traceback_file=True)
             r.wandb.finish(1)
         raise
-    finally:
-        if r.world > 1 and dist.is_initialized():
-            dist.destroy_process_group()
+
+
+def _record_failure(r: Run, e: BaseException, traceback_file: bool) -> None:
+    """summary.json says why the run ended ("failed" with the error's one-line cause, or
+    "interrupted" after a second Ctrl-C); error.txt keeps the traceback. A failure to write these
+    (the disk that just filled up) must not hide the error being reported."""
+    if isinstance(e, KeyboardInterrupt):
+        status, error = "interrupted", "aborted by a second Ctrl-C; resumes from the last checkpoint"
+    else:
+        status, error = "failed", one_line(e)
+    try:
+        if traceback_file:
+            atomic_write_text(r.dir / "error.txt", traceback.format_exc())
+        r.write_summary(status=status, error=error, step=getattr(r, "step", 0))
+    except Exception as e2:  # noqa: BLE001
+        print(f"could not record the failure in {r.dir}: {one_line(e2)}", file=sys.stderr)
 
 
 def main(experiment: str, overrides: list[str]) -> dict:
     cfg = C.resolve(experiment, overrides)
     mod = C.experiment_module(experiment)
     return run(cfg, mod.Task())
+
+
+def exit_code(summary: dict) -> int:
+    """A command's exit status for a run's summary: 0 for a result (completed or diverged), 1 for a
+    failure, 128 + the signal for a run a signal stopped (130 Ctrl-C, 143 SIGTERM), as a shell
+    reports a process killed by it -- so a scheduler or script sees that the run is not done."""
+    status = summary.get("status")
+    if status in FINAL:
+        return 0
+    if status == "interrupted":
+        return 128 + (STOP.signum or signal.SIGTERM)
+    return 1
 
 
 def cli_main(experiment: str, argv: list[str] | None = None) -> None:
@@ -758,7 +857,9 @@ def cli_main(experiment: str, argv: list[str] | None = None) -> None:
         print(f"usage: python -m experiments.{experiment} [--print-config] [key=value ...]\n"
               f"e.g.   python -m experiments.{experiment} profile=tiny precision=mixed\n"
               f"keys:  see mpt/config.py and experiments/{experiment}/config.yaml\n"
-              f"--print-config: print the resolved config and its run directory; run nothing")
+              f"--print-config: print the resolved config and its run directory; run nothing\n"
+              f"SIGTERM, SIGINT (Ctrl-C) and SIGUSR1 checkpoint at the next step and stop (exit 128 + signal); "
+              f"starting the same command again resumes")
         return
     if argv and argv[0] == "--print-config":
         # What a grid cell will do, before it does it (the same resolution as a run).
@@ -766,9 +867,20 @@ def cli_main(experiment: str, argv: list[str] | None = None) -> None:
         print(C.dump_yaml(cfg), end="")
         print(f"# run directory: {C.run_dir(cfg)}")
         return
-    # SLURM/torchrun stop signals: checkpoint at the next step boundary instead of losing work.
-    signal.signal(signal.SIGUSR1, lambda *a: STOP.request("SIGUSR1"))
-    s = cli(main)(experiment, argv)
-    print(f"{s['status']}: {s['run_name']} {s['metrics']} -> {C.run_dir(C.resolve(experiment, argv))}")
-    if s["status"] == "failed":
-        raise SystemExit(1)
+    cli_run(lambda: main(experiment, argv), where=lambda: C.run_dir(C.resolve(experiment, argv)))
+
+
+def cli_run(start, where=None) -> None:
+    """Run `start()` (-> a run's summary) as a command: stop signals checkpoint instead of losing work,
+    user errors are one line, and the exit status says how the run ended (exit_code)."""
+    install_stop_handlers()
+    try:
+        s = cli(start)()
+    except KeyboardInterrupt:
+        print("aborted (second Ctrl-C): the run resumes from its last checkpoint", file=sys.stderr)
+        raise SystemExit(130) from None
+    print(f"{s['status']}: {s['run_name']} {s['metrics']}" + (f" ({s['error']})" if s.get("error") else "")
+          + (f" -> {where()}" if where is not None else ""))
+    code = exit_code(s)
+    if code:
+        raise SystemExit(code)

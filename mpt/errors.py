@@ -2,11 +2,30 @@
 from __future__ import annotations
 
 import functools
+import re
 import sys
 
 
 class UserError(Exception):
     """A mistake the user can fix: the message names the thing and the fix."""
+
+
+_LAST = re.compile(r"^([A-Za-z_][\w.]*): (.*)$")
+
+
+def one_line(e: BaseException, with_type: bool = True) -> str:
+    """An exception as one line: "Type: message". An error raised in a DataLoader worker arrives
+    with the worker's traceback prepended to its message; its last line is the cause."""
+    msg = str(e).strip()
+    name = type(e).__name__
+    if "\n" in msg:
+        last = [ln for ln in msg.splitlines() if ln.strip()][-1].strip()
+        m = _LAST.match(last)
+        if m:  # "mpt.errors.UserError: ..." -> UserError, the message
+            name, msg = m.group(1).rsplit(".", 1)[-1], m.group(2)
+        else:
+            msg = last
+    return f"{name}: {msg}" if with_type else msg
 
 
 def cli(main):
@@ -17,10 +36,7 @@ def cli(main):
         try:
             return main(*args, **kwargs)
         except UserError as e:
-            msg = str(e).strip()
-            if "\n" in msg:  # raised in a DataLoader worker: torch prepends the worker's traceback
-                msg = msg.splitlines()[-1].split("UserError: ", 1)[-1]
-            print(f"error: {msg}", file=sys.stderr)
+            print(f"error: {one_line(e, with_type=False)}", file=sys.stderr)
             raise SystemExit(2) from None
 
     return wrapper

@@ -1,8 +1,13 @@
 """Run-directory files, written atomically (temp file + fsync + rename): a crash or a kill never
-leaves a half-written checkpoint, summary or config behind, and never destroys the previous one."""
+leaves a half-written checkpoint, summary or config behind, and never destroys the previous one.
+
+Files get the mode the umask allows (0644 under the usual 022, 0664 under a group's 002), so results
+on shared storage are readable by the group. A full disk, a read-only or unwritable folder is a
+one-line UserError naming the path, not a library's traceback."""
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import json
 import os
 import pathlib
@@ -12,22 +17,62 @@ import subprocess
 import tempfile
 
 from mpt.config import REPO  # mpt.config does not import torch
+from mpt.errors import UserError
+
+# What a write can fail with that the user fixes by freeing space or choosing another folder.
+_STORAGE_ERRNOS = {errno.ENOSPC: "No space left on device", errno.EDQUOT: "Disk quota exceeded",
+                   errno.EROFS: "Read-only file system", errno.EACCES: "Permission denied",
+                   errno.EPERM: "Operation not permitted", errno.ENOTDIR: "Not a directory"}
+
+
+def storage_error(e: BaseException, path) -> UserError | None:
+    """A UserError for a write that failed on the storage itself (disk full, quota, read-only,
+    permissions), found anywhere in the exception's chain (torch.save reports a full disk as
+    "unexpected pos" with the OSError as its context); None for any other error."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _STORAGE_ERRNOS:
+            return UserError(f"{_STORAGE_ERRNOS[e.errno]}: {path}; free space or choose a writable "
+                             "folder (out_dir=... for runs, --out for data_prep)")
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def umask() -> int:
+    """The process umask, read without changing it where the OS allows (Linux: /proc)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)  # elsewhere: set and restore (not thread-safe, but only a fallback)
+    os.umask(mask)
+    return mask
 
 
 def atomic_write(path, write) -> None:
-    """Call write(binary file) on a temporary file beside path, fsync, then rename over path."""
+    """Call write(binary file) on a temporary file beside path, fsync, then rename over path. The
+    file gets 0666 minus the umask, as open() would give it (mkstemp alone makes it 0600)."""
     path = pathlib.Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        os.fchmod(fd, 0o666 & ~umask())
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
+    except BaseException as e:
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
+        err = storage_error(e, path)
+        if err is not None:
+            raise err from None
         raise
 
 
@@ -50,13 +95,116 @@ def atomic_torch_save(path, obj) -> None:
 
 
 def append_jsonl(path, obj) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(obj, default=str) + "\n")
+    """One line appended with a single write; a full disk is a one-line error (the torn line it may
+    leave is dropped by read_jsonl when the run resumes)."""
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps(obj, default=str) + "\n")
+    except OSError as e:
+        err = storage_error(e, path)
+        if err is not None:
+            raise err from None
+        raise
+
+
+def read_jsonl(path) -> tuple[list[dict], int]:
+    """The JSON objects of a JSON-lines file and how many lines could not be read: a line torn by a
+    crash or a full disk in the middle of an append (the last one, normally) is skipped, not fatal."""
+    good, bad = [], 0
+    with open(path, "rb") as f:
+        for raw in f:
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw)
+            except ValueError:
+                bad += 1
+                continue
+            if isinstance(obj, dict):
+                good.append(obj)
+            else:
+                bad += 1
+    return good, bad
 
 
 def read_json(path):
     with open(path) as f:
         return json.load(f)
+
+
+def read_json_or_none(path):
+    """A JSON file's content, or None when it is missing, unreadable or not valid JSON (a summary
+    cut short by a full disk on an old version, edited by hand, or not written yet)."""
+    try:
+        return read_json(path)
+    except (OSError, ValueError):
+        return None
+
+
+def remove_stale_temp_files(folder) -> list[str]:
+    """Delete the temp files atomic_write leaves when a process is killed mid-write (`.<name>.*.tmp`,
+    checkpoint-sized at paper scale). Only call it while holding the folder's lock (RunLock): a live
+    writer's temp file must not vanish under it."""
+    removed = []
+    for p in pathlib.Path(folder).glob(".*.tmp"):
+        if p.is_file():
+            try:
+                p.unlink()
+                removed.append(p.name)
+            except FileNotFoundError:
+                pass
+    return removed
+
+
+class RunDirBusy(UserError):
+    """Another live process holds the run directory's lock."""
+
+
+class RunLock:
+    """An exclusive lock on a run directory (fcntl.flock on <dir>/.lock), so that two processes
+    never write the same run (e.g. after `slurm.submit --force` while the first job still runs).
+    A second process is refused at once with a one-line error naming the holder (host, pid, start
+    time) -- waiting would only make it redo or return what the first one produced. The kernel
+    releases the lock when its holder dies (kill -9 included), so no stale lock survives a crash.
+    File systems without flock support (some Lustre mounts) get a warning and no lock."""
+
+    NAME = ".lock"
+
+    def __init__(self, folder):
+        self.path = pathlib.Path(folder) / self.NAME
+        self.fd = None
+
+    def acquire(self) -> "RunLock":
+        import fcntl
+        import warnings
+
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError as e:
+            raise storage_error(e, self.path) or e from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "another process"
+                os.close(fd)
+                raise RunDirBusy(f"run directory {self.path.parent} is in use by {holder}; wait for it to end "
+                                "or stop it (a second copy would write the same files)") from None
+            os.close(fd)
+            warnings.warn(f"cannot lock {self.path} ({e.strerror}); two copies of this run could write it at once")
+            return self
+        try:  # who holds it, for the error above; the lock itself works without (e.g. on a full disk)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {now()}\n".encode(), 0)
+        except OSError:
+            pass
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the descriptor drops the flock
+            self.fd = None
 
 
 def now() -> str:

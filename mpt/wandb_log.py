@@ -1,15 +1,50 @@
 """Weights & Biases logging that never stops training.
 
-Online when WANDB_API_KEY is set (or wandb.mode=online), offline otherwise: the run is written under
-the run directory and can be browsed with `wandb leet <run dir>/wandb` and uploaded later with
-`wandb sync <run dir>/wandb/offline-run-*`. The wandb run id is derived from the run's content id,
+Online when WANDB_API_KEY is set (or wandb.mode=online) and the server answers within a few
+seconds; offline otherwise (one line on stderr says so: a machine without network never waits
+minutes). Offline runs are written under the run directory, can be browsed with
+`wandb leet <run dir>/wandb` and uploaded later with `wandb sync <run dir>/wandb/offline-run-*`. The wandb run id is derived from the run's content id,
 so a resumed or requeued run continues the same wandb run. Only rank 0 logs. The API key is read by
 wandb from the environment and never written into configs or logs."""
 from __future__ import annotations
 
 import os
+import socket
 import sys
+import threading
+import urllib.parse
 import warnings
+
+
+INIT_TIMEOUT_S = 30  # an online wandb.init that the server accepted but that hangs
+PROBE_TIMEOUT_S = 5.0  # how long to wait for a TCP connection to the wandb server
+
+
+def server_unreachable(timeout: float = PROBE_TIMEOUT_S) -> str | None:
+    """None when a TCP connection to the wandb server (WANDB_BASE_URL, default api.wandb.ai:443)
+    opens within `timeout` seconds, else one line saying why. Name resolution has no timeout of its
+    own, so the probe runs in a daemon thread that is abandoned when it takes too long."""
+    url = urllib.parse.urlsplit(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai")
+    host = url.hostname or "api.wandb.ai"
+    try:
+        port = url.port or (80 if url.scheme == "http" else 443)
+    except ValueError:
+        return f"WANDB_BASE_URL={url.geturl()!r} has a bad port"
+    out: dict = {}
+
+    def probe():
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            out["ok"] = True
+        except OSError as e:
+            out["error"] = e.strerror or type(e).__name__
+
+    t = threading.Thread(target=probe, daemon=True)
+    t.start()
+    t.join(timeout)
+    if out.get("ok"):
+        return None
+    return f"cannot reach {host}:{port} ({out.get('error') or f'no answer in {timeout:g} s'})"
 
 
 class WandbLogger:
@@ -20,17 +55,31 @@ class WandbLogger:
             return
         if mode == "auto":
             mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+        if mode == "online":
+            # Without a network wandb.init would wait up to its timeout at every start (and again at
+            # every requeue): ask the server first, briefly, and log offline when it does not answer.
+            problem = server_unreachable()
+            if problem:
+                print(f"wandb: {problem}; logging offline instead (upload later: wandb sync "
+                      f"{run_dir}/wandb/offline-run-*)", file=sys.stderr)
+                mode = "offline"
         try:
             import wandb
 
             os.environ.setdefault("WANDB_SILENT", "true")
             self._wandb = wandb
-            self.run = wandb.init(
-                project=cfg.wandb.project, entity=cfg.wandb.entity or None, mode=mode, dir=str(run_dir),
-                id=run_id, resume="allow", name=run_name, group=cfg.experiment, job_type=cfg.precision,
-                tags=[cfg.profile, cfg.model, cfg.precision, cfg.impl, *cfg.wandb.tags], config=config,
-                settings=wandb.Settings(console="off", x_disable_stats=True, init_timeout=120),
-            )
+            kw = dict(project=cfg.wandb.project, entity=cfg.wandb.entity or None, dir=str(run_dir),
+                      id=run_id, resume="allow", name=run_name, group=cfg.experiment, job_type=cfg.precision,
+                      tags=[cfg.profile, cfg.model, cfg.precision, cfg.impl, *cfg.wandb.tags], config=config)
+            try:
+                self.run = wandb.init(mode=mode, settings=wandb.Settings(console="off", x_disable_stats=True,
+                                                                         init_timeout=INIT_TIMEOUT_S), **kw)
+            except Exception as e:  # noqa: BLE001 -- reachable but failing (auth, server error, timeout)
+                if mode != "online":
+                    raise
+                print(f"wandb: online start failed ({type(e).__name__}: {str(e).strip().splitlines()[0][:200]}); "
+                      "logging offline instead", file=sys.stderr)
+                self.run = wandb.init(mode="offline", settings=wandb.Settings(console="off", x_disable_stats=True), **kw)
         except Exception as e:  # noqa: BLE001 -- wandb must never fail a training run
             self._fail("init", e)
 

@@ -155,7 +155,9 @@ def load_spec(path) -> dict:
     try:
         spec = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
-        raise UserError(f"grid file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+        from mpt.config import yaml_error
+
+        raise UserError(f"grid file {path} is not valid YAML: {yaml_error(e)}") from None
     _check_keys(spec, GRID_KEYS, str(path))
     if not spec.get("experiment"):
         raise UserError(f"{path}: missing 'experiment: <name>' (a folder in experiments/)")

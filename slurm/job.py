@@ -40,18 +40,21 @@ def _now() -> str:
 
 
 def _one_line(e: BaseException) -> str:
-    msg = str(e).strip()
-    if "\n" in msg:  # e.g. raised in a DataLoader worker: torch prepends the worker's traceback
-        msg = msg.splitlines()[-1].split("Error: ", 1)[-1]
-    return f"{type(e).__name__}: {msg}"
+    from mpt.errors import one_line  # e.g. raised in a DataLoader worker: its cause, not the traceback
+
+    return one_line(e)
 
 
 def read_job_file(run_dir) -> dict | None:
+    """job.json, or None when it is missing or damaged (a new record is started then)."""
     p = pathlib.Path(run_dir) / JOB_FILE
     try:
-        return json.loads(p.read_text())
+        rec = json.loads(p.read_text())
     except (OSError, ValueError):
         return None
+    if not isinstance(rec, dict) or not isinstance(rec.get("attempts", []), list):
+        return None
+    return rec
 
 
 def _write_job_file(run_dir: pathlib.Path, rec: dict) -> None:
@@ -158,7 +161,9 @@ def run_cell(experiment: str, overrides: list[str], run_dir: str, backend: str, 
         per = cfg.train.batch_size / world
         print(f"[slurm.job] {C.run_name(cfg)} job {job_id} attempt {restarts + 1}: {world} rank(s), "
               f"global batch {cfg.train.batch_size} = {world} x {per:g} per rank", file=sys.stderr, flush=True)
-        rec = read_job_file(run_dir) or {"cell_id": C.cell_id(cfg), "attempts": []}
+        before = read_job_file(run_dir)
+        rec = json.loads(json.dumps(before)) if before else {"cell_id": C.cell_id(cfg)}
+        rec.setdefault("attempts", [])
         rec.update(backend=backend, job_id=job_id, state="running", world_size=world, log=log, error=None)
         rec["attempts"].append({"job_id": job_id, "restart": restarts, "host": socket.gethostname(),
                                 "pid": os.getpid(), "start": _now(), "end": None, "outcome": "running"})
@@ -172,8 +177,18 @@ def run_cell(experiment: str, overrides: list[str], run_dir: str, backend: str, 
         rec["attempts"][-1].update(end=_now(), outcome=state, step=step, signals=sigs.received or None)
         _write_job_file(run_dir, rec)
 
+    from mpt.rundir import RunDirBusy
+
     try:
         summary = importlib.import_module(f"experiments.{experiment}").main(list(overrides))
+    except RunDirBusy:
+        # Another copy of this cell is running (e.g. after submit --force): its record stays.
+        if rank == 0:
+            if before is not None:
+                _write_job_file(run_dir, before)
+            else:
+                (run_dir / JOB_FILE).unlink(missing_ok=True)
+        raise
     except Exception as e:
         finish("failed", _one_line(e))
         raise

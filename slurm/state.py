@@ -17,7 +17,6 @@ import socket
 import subprocess
 from dataclasses import dataclass
 
-from slurm.job import read_job_file
 
 MANIFEST = "submissions.jsonl"
 FINAL = ("completed", "diverged")
@@ -103,6 +102,39 @@ def _read_json(p: pathlib.Path):
         return None
 
 
+# summary.json / job.json fields slurm.status reads, and their types (None is allowed for each).
+_SUMMARY_TYPES = {"status": str, "step": int, "total_steps": int, "metrics": dict, "primary_metric": str, "error": str}
+_JOB_TYPES = {"job_id": str, "state": str, "error": str, "log": str, "attempts": list}
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _read_checked(p: pathlib.Path, types: dict) -> tuple[dict, str | None]:
+    """A run-directory JSON file as a dict with only well-typed fields, and what was wrong with it
+    (naming the file), so one damaged file gives a note in the table instead of a traceback."""
+    if not p.exists():
+        return {}, None
+    d = _read_json(p)
+    if not isinstance(d, dict):
+        return {}, f"{p} is unreadable (not a JSON object); running the cell again rewrites it"
+    bad = []
+    for k, tp in types.items():
+        v = d.get(k)
+        if v is None:
+            continue
+        ok = _is_number(v) and float(v).is_integer() if tp is int else isinstance(v, tp)
+        if not ok:
+            bad.append(f"{k}={v!r:.40}")
+            d.pop(k)
+        elif tp is int:
+            d[k] = int(v)
+    if isinstance(d.get("attempts"), list):
+        d["attempts"] = [a for a in d["attempts"] if isinstance(a, dict)]
+    return d, (f"{p} has wrong-typed field(s) {', '.join(bad)} (ignored)" if bad else None)
+
+
 def _last_line(p: pathlib.Path, kind: str) -> dict | None:
     try:
         with open(p, "rb") as f:
@@ -116,7 +148,7 @@ def _last_line(p: pathlib.Path, kind: str) -> dict | None:
             d = json.loads(ln)
         except ValueError:
             continue
-        if d.get("kind") == kind:
+        if isinstance(d, dict) and d.get("kind") == kind:
             return d
     return None
 
@@ -135,21 +167,31 @@ class CellState:
 
 def cell_state(run_dir, cell_id: str, latest: dict | None, queue: dict[str, str] | None) -> CellState:
     run_dir = pathlib.Path(run_dir)
-    summary = _read_json(run_dir / "summary.json") or {}
-    job = read_job_file(run_dir) or {}
+    summary, s_problem = _read_checked(run_dir / "summary.json", _SUMMARY_TYPES)
+    job, j_problem = _read_checked(run_dir / "job.json", _JOB_TYPES)
+    st = _cell_state(run_dir, summary, job, latest, queue)
+    problems = "; ".join(x for x in (s_problem, j_problem) if x)
+    if problems:
+        st.error = f"{st.error}; {problems}" if st.error else problems
+    return st
+
+
+def _cell_state(run_dir: pathlib.Path, summary: dict, job: dict, latest: dict | None,
+                queue: dict[str, str] | None) -> CellState:
     s_status = summary.get("status")
     jid = (latest or {}).get("job_id") or job.get("job_id")
     st = CellState("not submitted", jid, summary.get("step"), summary.get("total_steps"),
                    attempts=len(job.get("attempts", [])), log=job.get("log"))
     metrics = summary.get("metrics") or {}
     pm = summary.get("primary_metric")
-    if pm and pm in metrics:
+    if pm and _is_number(metrics.get(pm)):
         st.latest = f"{pm}={metrics[pm]:.4g}"
     else:
         line = _last_line(run_dir / "metrics.jsonl", "train")
-        if line and "loss" in line:
+        if line and _is_number(line.get("loss")):
             st.latest = f"loss={line['loss']:.4g}"
-            st.step = max(st.step or 0, line.get("step", 0))
+            if isinstance(line.get("step"), int):
+                st.step = max(st.step or 0, line["step"])
 
     if s_status in FINAL:
         st.state = s_status

@@ -27,6 +27,7 @@ import zipfile
 import zlib
 from pathlib import Path
 
+from data_prep.common import safe_relpath
 from mpt.errors import UserError
 from mpt.rundir import atomic_write_bytes, atomic_write_json, sampled_digest
 
@@ -85,6 +86,8 @@ def _open_zip(path: Path) -> zipfile.ZipFile:
 def _members(zf: zipfile.ZipFile, path: Path) -> dict[str, zipfile.ZipInfo]:
     out = {}
     for info in zf.infolist():
+        # A member name becomes a file under OUT: refuse '..', absolute or odd paths before writing.
+        safe_relpath(info.filename, "member path", path)
         if info.is_dir():
             continue
         parts = info.filename.split("/")

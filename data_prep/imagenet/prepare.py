@@ -30,6 +30,7 @@ import time
 import zlib
 from pathlib import Path, PurePosixPath
 
+from data_prep.common import safe_name, safe_relpath
 from mpt.errors import UserError
 from mpt.rundir import sampled_digest, atomic_write_json
 
@@ -113,6 +114,7 @@ def read_devkit(devkit: Path) -> tuple[list[dict], list[int]]:
     meta_raw = gt_raw = None
     with _Reading(devkit), tarfile.open(devkit, mode="r:gz") as tar:
         for member in tar:
+            safe_relpath(member.name, "member path", devkit)
             if member.isfile() and member.name.endswith(DEVKIT_META):
                 meta_raw = tar.extractfile(member).read()
             elif member.isfile() and member.name.endswith(DEVKIT_GT):
@@ -126,7 +128,9 @@ def read_devkit(devkit: Path) -> tuple[list[dict], list[int]]:
         classes = []
         for s in synsets.ravel():
             if int(s["num_children"]) == 0:
-                classes.append({"wnid": str(s["WNID"]), "words": str(s["words"]),
+                # A WNID becomes a folder name under OUT/train and OUT/val: checked before anything is written.
+                wnid = safe_name(str(s["WNID"]), "WNID in " + DEVKIT_META, devkit)
+                classes.append({"wnid": wnid, "words": str(s["words"]),
                                 "ilsvrc_id": int(s["ILSVRC2012_ID"])})
     except (ValueError, KeyError, TypeError, IndexError) as e:
         raise _redownload(devkit, f"has an unreadable {DEVKIT_META} ({type(e).__name__}: {e})")
@@ -213,6 +217,7 @@ def _write_members(tar: tarfile.TarFile, folder: Path, wnid: str, archive: Path)
     """Copy every image of one per-class tar into folder (already created); return the count."""
     names = set()
     for member in tar:
+        safe_relpath(member.name, f"member path in {wnid}.tar", archive)
         if not member.isfile():
             continue
         name = PurePosixPath(member.name).name
@@ -257,6 +262,7 @@ def prepare_train(train_tar: Path, out: Path, wnids: set[str], workers: int, log
         members = [m for m in outer.getmembers() if m.isfile()]  # headers only: 1000 seeks
     seen = set()
     for m in members:
+        safe_relpath(m.name, "member path", train_tar)
         name = PurePosixPath(m.name).name
         if not name.endswith(".tar"):
             raise UserError(f"{train_tar} has an unexpected member {m.name!r} (expected one "
@@ -330,6 +336,7 @@ def prepare_val(val_tar: Path, out: Path, gt: list[int], id_to_wnid: dict[int, s
     # Stream mode ("r|"): one sequential pass over the 6.7 GB tar.
     with _Reading(val_tar), tarfile.open(val_tar, mode="r|", bufsize=_BUF) as tar:
         for member in tar:
+            safe_relpath(member.name, "member path", val_tar)
             if not member.isfile():
                 continue
             name = PurePosixPath(member.name).name

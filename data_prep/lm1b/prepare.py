@@ -45,6 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
+from data_prep.common import safe_relpath
 from mpt.errors import UserError
 from mpt.rundir import atomic_write_bytes, atomic_write_json
 
@@ -148,6 +149,8 @@ class Source:
         try:
             with tarfile.open(self.path, mode="r|*") as tar:  # one sequential pass, gzip or not
                 for member in tar:
+                    # Shards are written under our own names, but a tampered path is refused, not trusted.
+                    safe_relpath(member.name, "member path", self.path)
                     key = _member_split(member.name) if member.isfile() else None
                     if key is None:
                         continue

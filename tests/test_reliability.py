@@ -1,0 +1,356 @@
+"""Faults a run meets on a shared cluster (issue 18's audit), one test per item: a torn metrics
+line, a damaged summary, a completed result re-run, stop signals, tampered archives, file modes,
+stale temp files, a full disk and other one-line errors, two copies of one run, equal values as
+one cell, wandb without a network."""
+import errno
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+import zipfile
+
+import pytest
+import torch
+
+from conftest import REPO, run_interrupted
+from mpt import config as C
+from mpt import engine
+from mpt.errors import UserError, one_line
+from mpt.rundir import RunDirBusy, RunLock, atomic_torch_save, atomic_write_json
+from slurm import state
+from toy_gan import ToyGan, config
+
+torch.set_num_threads(1)
+KEYS = ("kind", "step", "loss", "loss_D", "loss_G", "gap", "lr", "loss_scale", "skipped_steps")
+
+
+def lines(d):
+    return [{k: x.get(k) for k in KEYS} for x in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())]
+
+
+def same_weights(da, db):
+    ca, cb = (torch.load(d / "checkpoint.pt", weights_only=True) for d in (da, db))
+    return ca["step"] == cb["step"] and all(torch.equal(ca["model"][k], cb["model"][k]) for k in ca["model"])
+
+
+def interrupted(monkeypatch, out, at_step=4, **kw):
+    s = run_interrupted(monkeypatch, lambda _: engine.run(config(out, **kw), ToyGan()), None, at_step=at_step)
+    assert s["status"] == "interrupted"
+    return s, out / "toy_gan" / s["run_name"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted toy run every resumed one must equal."""
+    out = tmp_path_factory.mktemp("reference")
+    s = engine.run(config(out), ToyGan())
+    return s, out / "toy_gan" / s["run_name"]
+
+
+# 1. a torn last line of metrics.jsonl; a corrupt summary.json; slurm.status names the bad file
+def test_torn_metrics_line_is_dropped_and_the_run_resumes_bit_identically(tmp_path, monkeypatch, reference, capfd):
+    ref, ref_dir = reference
+    _, d = interrupted(monkeypatch, tmp_path)
+    with open(d / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "train", "step": 99, "ep')  # what ENOSPC mid-append leaves
+    s = engine.run(config(tmp_path), ToyGan())
+    assert s["status"] == "completed" and s["metrics"] == ref["metrics"]
+    assert "dropped 1 unreadable (torn) line" in capfd.readouterr().err
+    assert lines(d) == lines(ref_dir) and same_weights(d, ref_dir)
+
+
+def test_corrupt_summary_does_not_block_a_resume_and_status_names_it(tmp_path, monkeypatch, reference):
+    ref, _ = reference
+    _, d = interrupted(monkeypatch, tmp_path)
+    (d / "summary.json").write_text('{"status": "interr')
+    st = state.cell_state(d, "x", None, None)
+    assert str(d / "summary.json") in st.error and "unreadable" in st.error
+    s = engine.run(config(tmp_path), ToyGan())
+    assert s["status"] == "completed" and s["metrics"] == ref["metrics"]
+    assert json.loads((d / "summary.json").read_text())["status"] == "completed"
+
+
+def test_status_survives_wrong_typed_summary_fields(tmp_path, monkeypatch, capsys):
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "summary.json").write_text(json.dumps({"status": "completed", "step": "12", "total_steps": 12.0,
+                                                "primary_metric": "gap", "metrics": {"gap": "0.1"}}))
+    (d / "job.json").write_text(json.dumps({"job_id": "local:h:1", "attempts": "many"}))
+    (d / "metrics.jsonl").write_text('{"kind": "train", "step": "x", "loss": "nan?"}\n[1, 2]\n')
+    st = state.cell_state(d, "x", None, None)
+    assert st.state == "completed" and st.step is None and st.total_steps == 12 and st.latest == ""
+    assert "summary.json has wrong-typed field(s) step='12'" in st.error and "job.json" in st.error
+    from slurm import status
+
+    cell = type("Cell", (), {"run_name": "r", "cell_id": "x", "run_dir": d, "axes": {}})()
+    monkeypatch.setattr(status, "collect", lambda *a, **k: (None, [(cell, st)], False))
+    status.main(["grid.yaml", "--profile", "tiny"])  # the table, with the note, and no traceback
+    assert "wrong-typed field(s) step='12'" in capsys.readouterr().out
+
+
+# 2. a completed result is never replaced by a later invocation's failure
+def test_completed_result_is_never_replaced(tmp_path):
+    out = tmp_path
+    s = engine.run(config(out), ToyGan())
+    d = out / "toy_gan" / s["run_name"]
+    summary, metrics = (d / "summary.json").read_bytes(), (d / "metrics.jsonl").read_bytes()
+
+    class Broken(ToyGan):
+        def datasets(self, cfg):
+            raise FileNotFoundError("/nonexistent/train")
+
+    with pytest.raises(FileNotFoundError):
+        engine.run(config(out), Broken())
+    assert (d / "summary.json").read_bytes() == summary
+    (d / "checkpoint.pt").unlink()  # a result does not need its checkpoint
+    again = engine.run(config(out), ToyGan())
+    assert again["status"] == "completed" and again["metrics"] == s["metrics"]
+    assert (d / "summary.json").read_bytes() == summary and (d / "metrics.jsonl").read_bytes() == metrics
+
+
+# 3 + 8. SIGTERM / SIGINT stop at a step boundary with a checkpoint, exit 128 + signal, and the
+# resumed run equals the uninterrupted one; a second copy of a running run is refused
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_stop_signal_checkpoints_exits_nonzero_and_resumes_bit_identically(tmp_path, sig):
+    steps = 24
+    ref = engine.run(config(tmp_path / "ref", train={"max_steps": steps}), ToyGan())
+    out = tmp_path / "sig"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.Popen([sys.executable, str(REPO / "tests" / "toy_cli.py"), str(out), str(steps), "0.15"],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    d = out / "toy_gan" / ref["run_name"]
+    try:
+        deadline = time.time() + 90
+        while time.time() < deadline and not ((d / "metrics.jsonl").exists()
+                                              and (d / "metrics.jsonl").read_text().count('"train"') >= 3):
+            time.sleep(0.05)
+        if sig == signal.SIGTERM:  # item 8: a second copy (another process) is refused, naming the holder
+            with pytest.raises(RunDirBusy, match=rf"in use by pid {p.pid} on "):
+                engine.run(config(out, train={"max_steps": steps}), ToyGan())
+        p.send_signal(sig)
+        _, err = p.communicate(timeout=90)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 128 + sig, err
+    s = json.loads((d / "summary.json").read_text())
+    assert s["status"] == "interrupted" and 3 <= s["step"] < steps, s
+    assert s["error"] == f"stopped: {signal.Signals(sig).name}"
+    assert torch.load(d / "checkpoint.pt", weights_only=True)["step"] == s["step"]
+    resumed = engine.run(config(out, train={"max_steps": steps}), ToyGan())
+    assert resumed["status"] == "completed" and resumed["metrics"] == ref["metrics"]
+    rd = tmp_path / "ref" / "toy_gan" / ref["run_name"]
+    assert lines(d) == lines(rd) and same_weights(d, rd)
+
+
+def test_lock_is_released_when_its_holder_dies(tmp_path):
+    """flock, not a pid file: a holder killed with -9 leaves no stale lock."""
+    code = ("import sys, time; sys.path.insert(0, sys.argv[2]); from mpt.rundir import RunLock; "
+            "RunLock(sys.argv[1]).acquire(); print('held', flush=True); time.sleep(60)")
+    p = subprocess.Popen([sys.executable, "-c", code, str(tmp_path), str(REPO)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "held"
+        with pytest.raises(RunDirBusy, match=f"pid {p.pid}"):
+            RunLock(tmp_path).acquire()
+    finally:
+        p.kill()
+        p.wait()
+    RunLock(tmp_path).acquire().release()
+
+
+# 4. names taken from archives cannot write outside --out
+def _files(root):
+    return {str(p) for p in root.rglob("*")}
+
+
+def test_tampered_imagenet_devkit_writes_nothing(tmp_path, monkeypatch):
+    from data_prep.imagenet import prepare as prep
+    from data_prep.imagenet import tiny
+
+    monkeypatch.setattr(tiny, "wnid", lambda k: "../../escaped" if k == 0 else f"n{k + 1:08d}")
+    arch = tmp_path / "archives"
+    tiny.generate(arch, classes=2, train_per_class=1, val_per_class=1, size=8)
+    before = _files(tmp_path)
+    with pytest.raises(UserError, match=r"unsafe WNID in data/meta.mat '\.\./\.\./escaped'"):
+        prep.prepare(arch, tmp_path / "a" / "b" / "out", workers=1, log=lambda *a: None)
+    assert _files(tmp_path) == before  # nothing written at all, inside --out or outside
+
+
+def test_tampered_celeba_and_lm1b_members_are_refused(tmp_path):
+    from data_prep.celeba import prepare as celeba
+    from data_prep.lm1b import prepare as lm1b
+
+    arch = tmp_path / "celeba"
+    arch.mkdir()
+    with zipfile.ZipFile(arch / celeba.ZIP, "w") as zf:
+        zf.writestr(f"{celeba.FOLDER}/../../../escaped.jpg", b"\xff\xd8")
+    (arch / celeba.PARTITION).write_text("escaped.jpg 0\n")
+    before = _files(tmp_path)
+    with pytest.raises(UserError, match="unsafe member path"):
+        celeba.prepare(arch, tmp_path / "o1" / "out", log=lambda *a: None)
+    assert _files(tmp_path) == before
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        info = tarfile.TarInfo(f"../../{lm1b.TRAIN_DIR}/{lm1b.TRAIN[0]}")
+        info.size = 6
+        tar.addfile(info, io.BytesIO(b"a b c\n"))
+    (tmp_path / lm1b.ARCHIVE).write_bytes(buf.getvalue())
+    out = tmp_path / "o2" / "out"
+    with pytest.raises(UserError, match="unsafe member path"):
+        lm1b.prepare(tmp_path / lm1b.ARCHIVE, out, workers=1, log=lambda *a: None)
+    new = _files(tmp_path) - before - {str(tmp_path / lm1b.ARCHIVE)}
+    assert all(p.startswith(str(out)) or str(out).startswith(p + os.sep) for p in new), new
+
+
+# 5. files honour the umask (group-readable on shared storage)
+@pytest.mark.parametrize("mask,mode", [(0o002, 0o664), (0o077, 0o600)])
+def test_files_follow_the_umask(tmp_path, mask, mode):
+    old = os.umask(mask)
+    try:
+        s = engine.run(config(tmp_path, train={"max_steps": 2}), ToyGan())
+    finally:
+        os.umask(old)
+    d = tmp_path / "toy_gan" / s["run_name"]
+    for name in ("summary.json", "config.yaml", "env.json", "checkpoint.pt", "metrics.jsonl"):
+        assert (d / name).stat().st_mode & 0o777 == mode, name
+
+
+# 6. temp files of a writer killed mid-write are removed when the run starts again
+def test_stale_temp_files_are_removed_at_start(tmp_path, monkeypatch):
+    _, d = interrupted(monkeypatch, tmp_path)
+    for name in (".checkpoint.pt.k9x2abcd.tmp", ".summary.json.zz1.tmp"):
+        (d / name).write_bytes(b"\0" * 1000)
+    keep = d / "samples_0000004.png"
+    assert engine.run(config(tmp_path), ToyGan())["status"] == "completed"
+    assert not list(d.glob(".*.tmp")) and keep.exists()
+
+
+# 7. one-line errors: disk full, unwritable out_dir, a bad config.yaml, device=cuda without CUDA,
+# errors in DataLoader workers
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 256 KiB tmpfs filled up (root with mount rights), else None."""
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)],
+                                           capture_output=True).returncode != 0:
+        yield None
+        return
+    try:
+        (mnt / "runs").mkdir()
+        with open(mnt / "filler", "wb", buffering=0) as f:
+            try:
+                while True:
+                    f.write(b"\0" * 4096)
+            except OSError as e:
+                assert e.errno == errno.ENOSPC
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+def test_disk_full_is_a_one_line_error(full_disk, tmp_path, monkeypatch):
+    where = full_disk
+    if where is None:  # no tmpfs here: the same failure, raised where the kernel would raise it
+        def fsync(fd):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(os, "fsync", fsync)
+        where = tmp_path
+        (where / "runs").mkdir()
+    with pytest.raises(UserError) as e:  # torch itself says "unexpected pos"
+        atomic_torch_save(where / "runs" / "checkpoint.pt", {"w": torch.zeros(100_000)})
+    assert str(e.value).startswith(f"No space left on device: {where / 'runs' / 'checkpoint.pt'}")
+    assert not list((where / "runs").glob(".*.tmp"))
+    with pytest.raises(UserError, match="^No space left on device: .*config.yaml"):
+        engine.run(config(where / "runs"), ToyGan())
+
+
+def test_unwritable_out_dir_is_a_one_line_error(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UserError, match=r"^Not a directory: .*file/toy_gan"):
+        engine.run(config(tmp_path / "file"), ToyGan())
+
+
+def test_config_yaml_syntax_error_is_one_line(tmp_path, monkeypatch):
+    (tmp_path / "experiments" / "broken").mkdir(parents=True)
+    (tmp_path / "experiments" / "broken" / "config.yaml").write_text("base:\n  optim: {lr: 0.1\nmodels: x\n")
+    monkeypatch.setattr(C, "REPO", tmp_path)
+    with pytest.raises(UserError, match=r"config.yaml is not valid YAML: .* at line \d+, column \d+; fix that line"):
+        C.load_experiment_yaml("broken")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+def test_cuda_without_cuda_is_one_line(tmp_path):
+    cfg = config(tmp_path)
+    cfg.device = "cuda"
+    with pytest.raises(UserError, match="device=cuda but CUDA is not available"):
+        engine.run(cfg, ToyGan())
+
+
+def test_dataloader_worker_error_is_one_line_in_summary(tmp_path):
+    class BadData(ToyGan):
+        def datasets(self, cfg):
+            train, val = super().datasets(cfg)
+            return _Failing(train), val
+
+    with pytest.raises(ValueError):
+        engine.run(config(tmp_path, train={"num_workers": 1}), BadData())
+    s = json.loads(next(tmp_path.glob("toy_gan/*/summary.json")).read_text())
+    assert s["status"] == "failed" and s["error"] == "ValueError: sample 3 is damaged"
+    assert one_line(UserError("Caught UserError in DataLoader worker process 0.\nOriginal Traceback:\n"
+                              "  File x\nmpt.errors.UserError: bad image a.jpg")) == "UserError: bad image a.jpg"
+
+
+class _Failing(torch.utils.data.Dataset):
+    def __init__(self, base):
+        self.base = base
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, i):
+        if i == 3:
+            raise ValueError("sample 3 is damaged")
+        return self.base[i]
+
+
+# 9. equal values, equal cells
+def test_equal_loss_scales_are_one_cell(tmp_path):
+    ids = {C.cell_id(C.resolve("dcgan", ["profile=tiny", "precision=mixed", f"loss_scale={v}"]))
+           for v in ("8", "8.0", "8e0", "'8'")}
+    assert len(ids) == 1
+    assert C.resolve("dcgan", ["precision=mixed", "loss_scale=8.0"]).loss_scale == "8"
+    hand = config(tmp_path, precision="mixed", loss_scale="8.0")
+    assert C.cell_id(hand) == C.cell_id(config(tmp_path, precision="mixed", loss_scale="8"))
+    from slurm import grid as G
+
+    g = tmp_path / "grid.yaml"
+    g.write_text("experiment: dcgan\naxes: {precision: [mixed], loss_scale: [8, 8.0]}\nprofiles: {tiny: {}}\n")
+    with pytest.raises(UserError, match="resolve to the same run"):
+        G.load(g, "tiny")
+
+
+# 10. wandb with a key and no network: offline within seconds, said in one line, key in no file
+def test_wandb_without_network_falls_back_to_offline_quickly(tmp_path, monkeypatch, capfd):
+    key = "0123456789abcdef0123456789abcdef01234567"
+    monkeypatch.setenv("WANDB_API_KEY", key)
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # nothing listens: no network to wandb
+    cfg = config(tmp_path, train={"max_steps": 2})
+    cfg.wandb.mode = "auto"
+    t0 = time.time()
+    s = engine.run(cfg, ToyGan())
+    took = time.time() - t0
+    assert s["status"] == "completed" and took < 60, took
+    err = capfd.readouterr().err
+    assert "wandb: cannot reach 127.0.0.1:9" in err and "logging offline instead" in err
+    d = tmp_path / "toy_gan" / s["run_name"]
+    assert list((d / "wandb").glob("offline-run-*"))
+    for f in d.rglob("*"):
+        if f.is_file():
+            assert key.encode() not in f.read_bytes(), f

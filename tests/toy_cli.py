@@ -1,0 +1,31 @@
+"""The toy GAN run as a command (mpt.engine.cli_run: the stop signals, the exit status), slowed
+down so that a test can signal it mid-run (tests/test_reliability.py).
+
+    python tests/toy_cli.py OUT_DIR MAX_STEPS SECONDS_PER_STEP
+"""
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+from mpt import engine  # noqa: E402
+from toy_gan import ToyGan, config  # noqa: E402
+
+
+class SlowToyGan(ToyGan):
+    def __init__(self, pause: float):
+        super().__init__()
+        self.pause = pause
+
+    def train_step(self, ctx, micro):
+        time.sleep(self.pause)  # no effect on the numbers: the same run as ToyGan, only slower
+        return super().train_step(ctx, micro)
+
+
+torch.set_num_threads(1)
+out, steps, pause = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+engine.cli_run(lambda: engine.run(config(out, train={"max_steps": steps}), SlowToyGan(pause)))
