@@ -232,13 +232,18 @@ def test_stale_temp_files_are_removed_at_start(tmp_path, monkeypatch):
 
 # 7. one-line errors: disk full, unwritable out_dir, a bad config.yaml, device=cuda without CUDA,
 # errors in DataLoader workers
+def _mount_tmpfs(where, opts: str) -> bool:
+    """A small tmpfs at `where` (root with mount rights only): a real full or read-only disk."""
+    where.mkdir()
+    return os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(where)],
+                                                capture_output=True).returncode == 0
+
+
 @pytest.fixture
 def full_disk(tmp_path):
-    """A 256 KiB tmpfs filled up (root with mount rights), else None."""
+    """A 256 KiB tmpfs filled up, else None."""
     mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)],
-                                           capture_output=True).returncode != 0:
+    if not _mount_tmpfs(mnt, "size=256k"):
         yield None
         return
     try:
@@ -275,6 +280,17 @@ def test_unwritable_out_dir_is_a_one_line_error(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(UserError, match=r"^Not a directory: .*file/toy_gan"):
         engine.run(config(tmp_path / "file"), ToyGan())
+    ro = tmp_path / "ro"
+    if _mount_tmpfs(ro, "ro,size=64k"):  # permissions do not stop root; a read-only mount does
+        try:
+            with pytest.raises(UserError, match=r"^Read-only file system: .*ro/toy_gan"):
+                engine.run(config(ro), ToyGan())
+        finally:
+            subprocess.run(["umount", str(ro)], capture_output=True)
+    elif os.geteuid() != 0:
+        ro.chmod(0o500)
+        with pytest.raises(UserError, match=r"^Permission denied: .*ro/toy_gan"):
+            engine.run(config(ro), ToyGan())
 
 
 def test_config_yaml_syntax_error_is_one_line(tmp_path, monkeypatch):
