@@ -355,8 +355,20 @@ class Run:
         torch.backends.cudnn.allow_tf32 = cfg.tf32
         self.env = env_info(self.device, self.world)
         self.check_identity()
+        claim_error = None
         if self.main:
-            self.claim_dir()
+            try:
+                self.claim_dir()
+            except UserError as e:  # another copy holds the lock, or the directory cannot be written
+                claim_error = e
+        if self.world > 1:  # every rank stops, rather than waiting for rank 0 in the first collective
+            box = [None if claim_error is None else str(claim_error)]
+            dist.broadcast_object_list(box, src=0)
+            if box[0] is not None and claim_error is None:
+                raise UserError(box[0])
+        if claim_error is not None:
+            raise claim_error
+        if self.main:
             atomic_write_text(self.dir / "config.yaml", C.dump_yaml(cfg))
             atomic_write_json(self.dir / "env.json", self.env)
 

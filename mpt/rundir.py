@@ -143,8 +143,8 @@ def read_json_or_none(path):
 
 def remove_stale_temp_files(folder) -> list[str]:
     """Delete the temp files atomic_write leaves when a process is killed mid-write (`.<name>.*.tmp`,
-    checkpoint-sized at paper scale). Only call it while holding the folder's lock (RunLock): a live
-    writer's temp file must not vanish under it."""
+    checkpoint-sized at paper scale). Only call it where no other live process writes (a run holds
+    its directory's RunLock; a data_prep owns its --out): a live writer's temp file must not vanish."""
     removed = []
     for p in pathlib.Path(folder).glob(".*.tmp"):
         if p.is_file():

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from data_prep.common import safe_relpath
 from mpt.errors import UserError
-from mpt.rundir import atomic_write_bytes, atomic_write_json, sampled_digest
+from mpt.rundir import atomic_write_bytes, atomic_write_json, remove_stale_temp_files, sampled_digest
 
 ZIP = "img_align_celeba.zip"
 PARTITION = "list_eval_partition.txt"
@@ -133,6 +133,7 @@ def prepare(archives: Path, out: Path, force: bool = False, log=print) -> dict:
         shutil.rmtree(out / "celeba")
     marker.unlink(missing_ok=True)
     dest.mkdir(parents=True, exist_ok=True)
+    remove_stale_temp_files(dest)  # an image write killed half-way (kill -9) leaves its temp file
     kept = written = 0
     for name in sorted(members):
         info, target = members[name], dest / name

@@ -47,7 +47,7 @@ import numpy as np
 
 from data_prep.common import safe_relpath
 from mpt.errors import UserError
-from mpt.rundir import atomic_write_bytes, atomic_write_json
+from mpt.rundir import atomic_write_bytes, atomic_write_json, remove_stale_temp_files
 
 TOP = "1-billion-word-language-modeling-benchmark-r13output"
 ARCHIVE = TOP + ".tar.gz"
@@ -320,6 +320,8 @@ def prepare(archive: Path, out: Path, vocab: Path | None = None, force: bool = F
         raise UserError(f"{out} already has train/, heldout/ or {VOCAB} that this tool did not finish (no {MARKER}); "
                         f"choose an empty --out, or pass --force to replace them")
     part.mkdir(exist_ok=True)
+    for d in (part, part / "train", part / "heldout"):  # temp files of a write killed half-way (kill -9)
+        remove_stale_temp_files(d)
     atomic_write_json(part / STATE, state)
 
     # Pass 1: the vocabulary.
