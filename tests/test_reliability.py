@@ -20,7 +20,7 @@ from conftest import REPO, run_interrupted
 from mpt import config as C
 from mpt import engine
 from mpt.errors import UserError, one_line
-from mpt.rundir import RunDirBusy, RunLock, atomic_torch_save, atomic_write_json
+from mpt.rundir import RunDirBusy, RunLock, atomic_torch_save
 from slurm import state
 from toy_gan import ToyGan, config
 
