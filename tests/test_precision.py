@@ -394,30 +394,9 @@ def test_sparse_gradients_are_a_one_line_error(prec, impl):
 def test_ddp_paper_masters_follow_rank0(tmp_path):
     """Item 5: 2 gloo ranks that initialise different weights end with the same model: DDP broadcast
     rank 0's FP16 model, and the FP32 masters (copied before wrapping) are broadcast after it."""
-    import os
-    import socket
-    import subprocess
-    import sys
+    from conftest import REPO, run_gloo_ranks
 
-    from conftest import REPO
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    procs = []
-    for rank in (0, 1):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, str(REPO / "tests" / "ddp_paper_worker.py"), str(tmp_path),
-                                       "mixed", "8"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    for p in procs:
-        try:
-            _, err = p.communicate(timeout=180)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail("a rank hung")
-        assert p.returncode == 0, err[-2000:]
+    run_gloo_ranks(REPO / "tests" / "ddp_paper_worker.py", str(tmp_path), "mixed", "8")
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
     assert any(not torch.equal(r0["initial"][k], r1["initial"][k]) for k in r0["initial"])  # not blind
     for k in r0["final"]:
