@@ -335,3 +335,14 @@ def test_failures_never_raise():
     assert not model._forward_hooks
     with pytest.warns(UserWarning):
         assert "numerics/swamp/error" in num.swamping([torch.ones(2)], [torch.ones(3)])
+
+
+def test_histogram_range_default_and_validation():
+    """Issue 19 item 7: the range is a config key whose default covers Figure 3's axis (2^-60 and below)."""
+    from mpt.config import Config, validate
+
+    c = Config()
+    assert (c.numerics.hist_lo, c.numerics.hist_hi) == (N.HIST_LO, N.HIST_HI) and N.HIST_LO <= -60
+    c.numerics.hist_lo = 20
+    with pytest.raises(UserError, match="numerics.hist_lo=20 must be <="):
+        validate(c)

@@ -337,9 +337,12 @@ def test_fp16_pure_swamping_is_measured_on_the_fp16_weights(tmp_path):
         assert line["numerics/swamp/swamped_measured"] is False
         assert line["numerics/swamp/frac_swamped"] > 0.9, line
     # A learning rate the weights can hold: few updates lost.
-    kept = _toy_run(tmp_path / "kept", precision="fp16_pure", optim={"lr": 0.1, "momentum": 0.0}, numerics=1,
-                    train={"max_steps": 1})
+    kept = _toy_run(tmp_path / "kept", precision="fp16_pure", optim={"lr": 0.1, "momentum": 0.0},
+                    numerics={"every": 1, "hist_lo": -70, "hist_hi": 10}, train={"max_steps": 1})
     assert kept[0]["numerics/swamp/frac_swamped"] < 0.5
+    # The histogram range comes from the config (issue 19 item 7).
+    assert (kept[0]["numerics/hist_lo"], kept[0]["numerics/hist_hi"]) == (-70, 10)
+    assert len(kept[0]["numerics/weight/overall/hist"]) == 81
 
 
 def test_fp16_pure_keeps_optimizer_state_and_eps_in_fp32():

@@ -17,7 +17,8 @@ def config(out_dir, optim=None, numerics=0, **kw) -> Config:
                  ckpt_every_minutes=0)
     train.update(kw.pop("train", {}))
     return Config(experiment="toy_mlp", model="toy", out_dir=str(out_dir), device="cpu", train=TrainCfg(**train),
-                  optim=OptimCfg(**(optim or {})), numerics=NumericsCfg(every=numerics),
+                  optim=OptimCfg(**(optim or {})),
+                  numerics=NumericsCfg(**(numerics if isinstance(numerics, dict) else {"every": numerics})),
                   wandb=WandbCfg(mode="disabled"), **kw)
 
 
