@@ -162,8 +162,9 @@ class FP32Math(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func not in _FP32_MATH_OPS or "out" in kwargs or not (_has_fp16(args) or _has_fp16(list(kwargs.values()))):
-            return func(*args, **kwargs)
+        if (func not in _FP32_MATH_OPS or "out" in kwargs or not (_has_fp16(args) or _has_fp16(list(kwargs.values())))
+                or kwargs.get("dtype") is not None or any(isinstance(a, torch.dtype) for a in args)):
+            return func(*args, **kwargs)  # not a dot product, or the caller chose the output's dtype
         out = func(*_fp16_to_fp32(args), **{k: _fp16_to_fp32(v) for k, v in kwargs.items()})
         return _cast_floats(out, torch.float16)
 
