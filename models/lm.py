@@ -28,8 +28,13 @@ Details that follow the reference code (model_utils.py / language_model.py of ra
   drawn without replacement from the log-uniform (Zipfian) distribution over ids sorted by frequency,
   every logit corrected by -log(expected count), accidental hits of the true class removed.
 
-Precision (paper section 3.3): the softmax logits are cast to FP32 before the log-sum-exp, whatever the
-model's storage dtype; the matmuls run in the model's (or autocast's) dtype.
+Precision: the softmax layer runs in FP32 whatever the precision, as in the reference code the paper's
+bigLSTM ran (okuchaiev/f-lm language_model.py: softmax_w and softmax_b are FP32 variables whatever its
+float16_rnn / float16_non_rnn switches, and the LSTM output is cast with tf.to_float before both the sampled
+and the full softmax). Its parameters stay FP32 under impl=paper (`keep_fp32`, mpt.precision) and its
+matmuls run outside autocast on FP32 inputs; the rest of the model follows the recipe. `softmax_fp16=True`
+is the other choice: the table stored in the model's dtype and the sampled-logit matmul in FP16, the
+logits still cast to FP32 before the log-sum-exp (section 3.3).
 """
 from __future__ import annotations
 
@@ -100,15 +105,25 @@ class Softmax(nn.Module):
     """Output layer: weight [V, P] (rows are word vectors, as TensorFlow stores softmax_w) and bias [V].
 
     forward(h [N, P], targets [N]) -> per-token negative log-likelihood [N] in FP32: the sampled-softmax
-    loss in training (num_sampled > 0), the exact full-softmax NLL otherwise (evaluation)."""
+    loss in training (num_sampled > 0), the exact full-softmax NLL otherwise (evaluation).
 
-    def __init__(self, vocab_size: int, dim: int, num_sampled: int):
+    keep_fp32 (default, the reference's choice): FP32 parameters under impl=paper, and the whole layer
+    computed in FP32 on an FP32 copy of h, outside autocast."""
+
+    def __init__(self, vocab_size: int, dim: int, num_sampled: int, fp32: bool = True):
         super().__init__()
         self.vocab_size, self.num_sampled = vocab_size, num_sampled
+        self.keep_fp32 = fp32  # read by mpt.precision.convert_model
         self.weight = nn.Parameter(torch.empty(vocab_size, dim))
         self.bias = nn.Parameter(torch.empty(vocab_size))
 
     def forward(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.keep_fp32:
+            with torch.autocast(h.device.type, enabled=False):
+                return self._nll(h.float(), targets)
+        return self._nll(h, targets)
+
+    def _nll(self, h, targets):
         if self.training and self.num_sampled > 0:
             return self.sampled_nll(h, targets)
         return self.full_nll(h, targets)
@@ -125,7 +140,7 @@ class Softmax(nn.Module):
         w_true, w_samp = w[:n], w[n:]
         # True logits: one dot product per token, in FP32 (N x P multiply-adds, cheap).
         true_logit = (h.float() * w_true.float()).sum(-1) + b[:n] - log_q[:n]
-        # Sampled logits: the big matmul in the model's dtype, the softmax in FP32 (section 3.3).
+        # Sampled logits: the big matmul in h's dtype (FP32 unless softmax_fp16), the softmax in FP32 (3.3).
         samp_logit = (h @ w_samp.t()).float() + b[n:] - log_q[n:]
         # Accidental hits: a sampled id equal to the token's target is not a negative for that token.
         hit = ids[None, :] == targets[:, None]
@@ -156,7 +171,7 @@ class BigLSTM(nn.Module):
     truncates back-propagation)."""
 
     def __init__(self, vocab_size: int, emb_size: int, hidden_size: int, proj_size: int, num_layers: int = 2,
-                 num_sampled: int = 8192, dropout: float = 0.1, forget_bias: float = 1.0):
+                 num_sampled: int = 8192, dropout: float = 0.1, forget_bias: float = 1.0, softmax_fp16: bool = False):
         super().__init__()
         if min(vocab_size, emb_size, hidden_size, proj_size, num_layers) < 1:
             raise UserError("biglstm needs vocab_size, emb_size, hidden_size, proj_size and num_layers >= 1")
@@ -169,7 +184,7 @@ class BigLSTM(nn.Module):
             nn.LSTM(emb_size if i == 0 else proj_size, hidden_size, proj_size=proj_size, batch_first=True)
             for i in range(num_layers))
         self.drop_out = nn.ModuleList(nn.Dropout(dropout) for _ in range(num_layers))
-        self.softmax = Softmax(vocab_size, proj_size, num_sampled)
+        self.softmax = Softmax(vocab_size, proj_size, num_sampled, fp32=not softmax_fp16)
         self.reset_parameters(forget_bias)
 
     @torch.no_grad()
@@ -212,13 +227,14 @@ class BigLSTM(nn.Module):
 
 @register("biglstm")
 def biglstm(vocab_size: int = FULL["vocab_size"], width: float = 1.0, num_sampled: int = FULL["num_sampled"],
-            num_layers: int = FULL["num_layers"], dropout: float = 0.1, forget_bias: float = 1.0) -> BigLSTM:
+            num_layers: int = FULL["num_layers"], dropout: float = 0.1, forget_bias: float = 1.0,
+            softmax_fp16: bool = False) -> BigLSTM:
     """The paper's bigLSTM (width=1): 2 x LSTM-8192 projected to 1024, 1024-d embeddings."""
     def scaled(n):
         return max(1, round(n * width))
 
     return BigLSTM(vocab_size, scaled(FULL["emb_size"]), scaled(FULL["hidden_size"]), scaled(FULL["proj_size"]),
-                   num_layers, num_sampled, dropout, forget_bias)
+                   num_layers, num_sampled, dropout, forget_bias, softmax_fp16)
 
 
 def parameter_count(vocab_size: int, emb: int, hidden: int, proj: int, layers: int) -> int:

@@ -88,6 +88,10 @@ class ScalerCfg:
 @dataclass
 class NumericsCfg:
     every: int = 0  # sample the FP16 numerics every N steps; 0 = off (costs nothing)
+    # Exponent range of the gradient histograms (the end bins also count everything beyond):
+    # down to 2^-64, below Figure 3's axis (about 2^-60 by our reading; mpt.numerics.HIST_LO / HIST_HI).
+    hist_lo: int = -64
+    hist_hi: int = 16
 
 
 @dataclass
@@ -105,7 +109,7 @@ class Config:
     width: float = 1.0  # channel multiplier: tiny variants for tests and the demo
     profile: str = "paper"  # paper | tiny (CPU smoke data) -- tables never mix them
     seed: int = 0
-    precision: str = "fp32"  # fp32 | fp16 | mixed | bf16 | fp16_pure   (mpt.precision)
+    precision: str = "fp32"  # fp32 | fp16 | mixed | bf16 | fp16_pure | fp16_storage   (mpt.precision)
     impl: str = "autocast"  # autocast | paper
     loss_scale: str = "auto"  # auto | dynamic | <number>
     tf32: bool = False  # off by default so FP32 baselines are strict
@@ -343,6 +347,10 @@ def validate(cfg: Config) -> None:
         raise UserError("train.batch_size and train.accum_steps must be >= 1")
     if cfg.width <= 0:
         raise UserError(f"width={cfg.width} must be > 0")
+    n = cfg.numerics
+    if n.hist_lo > n.hist_hi:
+        raise UserError(f"numerics.hist_lo={n.hist_lo} must be <= numerics.hist_hi={n.hist_hi} "
+                        f"(exponents of the first and last histogram bins)")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -429,11 +429,14 @@ class Run:
                     for k, m in self.model.items()})
             else:
                 self.ddp = nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
+            # DDP broadcast rank 0's model; the recipe's FP32 masters (impl=paper) must follow it.
+            self.recipe.broadcast_masters()
         self.numerics = None
         if cfg.numerics.every > 0:
             from mpt.numerics import Numerics
 
-            self.numerics = Numerics(self.model, every=cfg.numerics.every)
+            self.numerics = Numerics(self.model, every=cfg.numerics.every, lo=cfg.numerics.hist_lo,
+                                     hi=cfg.numerics.hist_hi)
         self.step, self.wall, self.act_bytes = 0, 0.0, None
         self.resume()
         self.wandb = WandbLogger(cfg, self.dir, self.cell[:32], self.name, C.to_dict(cfg), self.rank) \
@@ -630,7 +633,8 @@ class Run:
             named = list(self.model.named_parameters()) if single or not isinstance(self.model, nn.ModuleDict) \
                 or name not in self.model else list(self.model[name].named_parameters(prefix=name))
             stats = self.numerics.end(named, recipe.loss_scale)
-            before = [p.detach().clone() for p in recipe.params_of(opt)]
+            # The trained weights (FP32 masters; fp16_pure's FP16 weights) before the step (3.1).
+            before = [w.detach().clone() for w in recipe.weights_of(opt)]
         applied = recipe.step(opt, clip)
         if applied:
             self.scheds[name].step()
@@ -638,7 +642,8 @@ class Run:
             self.skipped[name] += 1
         self._applied[name] = applied
         if self._sample:
-            stats.update(self.numerics.swamping(before, recipe.params_of(opt)))
+            # The update the optimizer intended (params_of) against what the weights received.
+            stats.update(self.numerics.swamping(before, recipe.params_of(opt), recipe.weights_of(opt)))
             stats["numerics/skipped"] = not applied
             if not applied:
                 stats["numerics/overflow_param"] = recipe.last_overflow

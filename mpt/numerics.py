@@ -7,9 +7,11 @@ gradients lie below FP16's range while its top is unused (Figure 3, the reason f
 section 3.2). No framework reports these numbers, so this module measures them:
 
 - `exponent_histogram` / `fp16_bands`: where values fall relative to FP16's range
-  (smallest subnormal 2^-24, smallest normal 2^-14, largest 65504).
-- `swamping_fraction`: how many optimizer updates an FP16 weight would lose in the addition
-  (section 3.1: an update 2^11 times smaller than the weight is lost; 10-bit mantissa).
+  (smallest subnormal 2^-24, smallest normal 2^-14, largest 65504); bands by what FP16's
+  round-to-nearest-even makes of each value.
+- `swamping_fraction`: how many optimizer updates an FP16 weight loses in the addition, exactly
+  (section 3.1's rule -- an update 2^11 times smaller than the weight -- is kept beside it as the
+  paper's approximation: such updates are *potentially* lost).
 - `advise_loss_scale`: the paper's rule for S (section 3.2: S x max|grad| below 65504).
 - `first_nonfinite`: which parameter's gradient overflowed (for the engine's overflow report).
 - `Numerics`: samples all of the above during training every N steps and returns one flat dict
@@ -37,8 +39,21 @@ FP16_MIN_SUBNORMAL = 2.0**-24  # smaller values flush to zero in FP16 (section 3
 FP16_MIN_NORMAL = 2.0**-14
 FP16_MAX = 65504.0
 FP16_MANTISSA_BITS = 10
-# Section 3.1: with a 10-bit mantissa an addend 2^11 = 2048 times smaller than the weight is lost.
+# Section 3.1: with a 10-bit mantissa an addend 2^11 = 2048 times smaller than the weight is
+# potentially lost. The exact condition is |u| below half an ulp of w, 2^(floor(log2|w|) - 11),
+# with ties to even (and half that below a power of two moving down): swamping_fraction rounds.
 SWAMP_RATIO = 2.0 ** -(FP16_MANTISSA_BITS + 1)
+# Where round-to-nearest-even puts a magnitude v (exact thresholds, all representable in FP64):
+# v <= 2^-25 rounds to 0 (2^-25 is the tie between 0 and 2^-24, and 0 is even); v >= 2^-14 - 2^-25
+# rounds to a normal (the tie between the largest subnormal, odd, and 2^-14); v >= 65520 rounds
+# to inf (the tie between 65504 and 2^16, which does not exist, so inf).
+FP16_ROUNDS_TO_ZERO = 2.0**-25
+FP16_ROUNDS_TO_NORMAL = 2.0**-14 - 2.0**-25
+FP16_ROUNDS_TO_INF = 65520.0
+# Default exponent range of the histograms: the paper's Figures 2b and 3 draw exponents far below
+# FP16's 2^-24, down to about 2^-60 by our reading of Figure 3 (an image we could not re-check here),
+# so -64 leaves a margin; the end bins also count everything beyond.
+HIST_LO, HIST_HI = -64, 16
 
 BANDS = ("zero", "underflow", "subnormal", "normal", "overflow")
 
@@ -80,14 +95,15 @@ def _exponent_counts(v: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
 
 
 def _band_counts(v: torch.Tensor) -> torch.Tensor:
-    """int64 [zero, underflow, subnormal, normal, nonfinite] counts of v (non-negative FP64).
-    Overflow (> 65504 or non-finite) is the remainder: numel minus the first four."""
+    """int64 [zero, underflow, subnormal, normal, nonfinite] counts of v (non-negative FP64), each
+    value banded by what rounding it to FP16 gives. Overflow (rounds to inf, or non-finite) is the
+    remainder: numel minus the first four."""
     return torch.stack(
         [
             (v == 0).sum(),
-            ((v > 0) & (v < FP16_MIN_SUBNORMAL)).sum(),
-            ((v >= FP16_MIN_SUBNORMAL) & (v < FP16_MIN_NORMAL)).sum(),
-            ((v >= FP16_MIN_NORMAL) & (v <= FP16_MAX)).sum(),
+            ((v > 0) & (v <= FP16_ROUNDS_TO_ZERO)).sum(),
+            ((v > FP16_ROUNDS_TO_ZERO) & (v < FP16_ROUNDS_TO_NORMAL)).sum(),
+            ((v >= FP16_ROUNDS_TO_NORMAL) & (v < FP16_ROUNDS_TO_INF)).sum(),
             (~torch.isfinite(v)).sum(),
         ]
     )
@@ -98,7 +114,7 @@ def _check_range(lo: int, hi: int) -> None:
         raise ValueError(f"histogram range lo={lo}, hi={hi}: need integers with lo <= hi")
 
 
-def exponent_histogram(t: torch.Tensor, lo: int = -40, hi: int = 16) -> torch.Tensor:
+def exponent_histogram(t: torch.Tensor, lo: int = HIST_LO, hi: int = HIST_HI) -> torch.Tensor:
     """Histogram of floor(log2|x|) over the finite, non-zero values x of `t`.
 
     Returns an int64 tensor of hi - lo + 1 counts on `t`'s device; bin i is exponent lo + i, so
@@ -115,19 +131,21 @@ def exponent_histogram(t: torch.Tensor, lo: int = -40, hi: int = 16) -> torch.Te
 
 
 def fp16_bands(t: torch.Tensor, scale: float = 1.0) -> dict[str, int]:
-    """Count the values v = |x| * scale of `t` in FP16's bands (what FP16 would hold at loss scale
-    `scale`):
+    """Count the values v = |x| * scale of `t` in FP16's bands, by what storing v in FP16 (round to
+    nearest, ties to even) gives -- what FP16 would hold at loss scale `scale`:
 
     - "zero": v == 0
-    - "underflow": 0 < v < 2^-24 (flushed to zero when stored in FP16)
-    - "subnormal": 2^-24 <= v < 2^-14 (kept, with fewer than 10 mantissa bits)
-    - "normal": 2^-14 <= v <= 65504
-    - "overflow": v > 65504, inf or nan (becomes inf in FP16)
+    - "underflow": 0 < v <= 2^-25 (rounds to zero in FP16)
+    - "subnormal": 2^-25 < v < 2^-14 - 2^-25 (rounds to a subnormal, 2^-24 .. 2^-14 - 2^-24:
+      kept with fewer than 10 mantissa bits)
+    - "normal": 2^-14 - 2^-25 <= v < 65520 (rounds to a normal, up to 65504)
+    - "overflow": v >= 65520, inf or nan (inf in FP16)
 
+    So 1.5 x 2^-25 is a subnormal (it rounds to 2^-24) and 65519 a normal (it rounds to 65504).
+    The exponent histograms keep sharp power-of-two edges instead (bin -25 holds values that round
+    up to 2^-24 as well as ones that round to 0), as the paper's Figures 2b and 3 draw them.
     Also "nonfinite" (inf/nan, a subset of "overflow") and "total" (numel). The scale is applied
-    on an FP64 copy, so neither it nor the measurement underflows. The bands use the exact value,
-    not its FP16 rounding: round-to-nearest would keep [2^-25, 2^-24) as 2^-24 and (65504, 65520)
-    as 65504; the paper (Figure 3) draws the same sharp edges.
+    on an FP64 copy, so neither it nor the measurement underflows.
     """
     scale = float(scale)
     if not (math.isfinite(scale) and scale > 0):
@@ -150,69 +168,100 @@ def fp16_bands(t: torch.Tensor, scale: float = 1.0) -> dict[str, int]:
     }
 
 
-def swamping_fraction(before: Sequence[torch.Tensor], after: Sequence[torch.Tensor]) -> dict:
+def _fp16_keeps(w16: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """True where rounding w16 + u to FP16 (nearest, ties to even) gives w16 back: |u| below half the
+    gap to w16's neighbour in u's direction, or exactly half and w16's mantissa even. Decided from
+    the exact values (u FP64), not by converting the sum: torch converts FP64 to FP16 through FP32,
+    which can round twice."""
+    a = w16.abs().to(torch.float64)
+    _, e = torch.frexp(a)  # a = m 2^e, m in [0.5, 1): floor(log2 a) = e - 1
+    ulp = torch.ldexp(torch.ones_like(a), (e.to(torch.int64) - 1 - FP16_MANTISSA_BITS).clamp_(min=-24))
+    ulp = torch.where(a == 0, FP16_MIN_SUBNORMAL, ulp)
+    # Below a normal power of two (above 2^-14) the neighbour is half an ulp away.
+    toward_zero = (u * w16.to(torch.float64)) < 0
+    power_of_two = (a > FP16_MIN_NORMAL) & (torch.ldexp(torch.ones_like(a), e.to(torch.int64) - 1) == a)
+    half_gap = torch.where(toward_zero & power_of_two, ulp / 4, ulp / 2)
+    even = (w16.view(torch.int16) & 1) == 0
+    abs_u = u.abs()
+    return (abs_u < half_gap) | ((abs_u == half_gap) & even)
+
+
+def swamping_fraction(before: Sequence[torch.Tensor], after: Sequence[torch.Tensor],
+                      received: Sequence[torch.Tensor] | None = None) -> dict:
     """Section 3.1's measure of updates lost when they are added to FP16 weights.
 
-    `before` / `after`: the master weights (any float dtype) before and after one optimizer step,
-    matched by position. With update u = after - before (computed in FP64) and w = before:
+    `before`: the weights before one optimizer step; `after`: what the optimizer computed for them
+    (the update it intended, in FP32); matched by position. With update u = after - before
+    (computed in FP64) and w = before:
 
     - "total": number of parameters; "changed": those with a finite non-zero u.
-    - "swamped": changed with |u| < 2^-11 |w| -- the paper's rule: an FP16 weight (10-bit
-      mantissa) loses an addend that is 2048 times smaller. (At exactly 2^-11 |w| FP16 loses it
-      only for some w -- a power of two with a same-sign u rounds back by ties-to-even -- so the
-      edge is excluded, as "smaller than" says.)
-    - "frac_swamped": swamped / changed (0.0 if nothing changed);
-      "frac_swamped_all": swamped / total (updates non-zero but swamped, among all parameters).
-    - "update_underflow" / "frac_update_underflow": changed with 0 < |u| < 2^-24, which FP16
-      cannot even represent (section 3.1's first reason, Figure 2b), over changed.
-    - "lost_fp16" / "frac_lost_fp16": changed for which an exact FP16 update would leave the
-      weight unchanged, fp16(fp16(w) + fp16(u)) == fp16(w) (both reasons together), over changed.
+    - "swamped" / "frac_swamped" (over changed) / "frac_swamped_all" (over total): the headline, the
+      updates an FP16 weight loses -- exactly:
+        * with `received` (the FP16 weights after the step, fp16_pure): measured, the changed
+          weights whose stored value did not move (received == before);
+        * without it (FP32 master weights, which keep every update): what an FP16 weight would
+          lose, fp16(fp16(w) + u) == fp16(w), the sum rounded once as FP16 addition does: u below
+          half an ulp of w, 2^(floor(log2|w|) - 11), ties to even.
+      "swamped_measured" says which (True: measured on FP16 weights).
+    - "swamped_2048" / "frac_swamped_2048": the paper's approximation (section 3.1), changed with
+      |u| < 2^-11 |w| -- *potentially* lost: it counts updates between a quarter and a half ulp
+      that FP16 keeps (about 1.4x the exact count on random pairs).
+    - "update_underflow" / "frac_update_underflow": changed with 0 < |u| <= 2^-25, which FP16
+      cannot even represent (section 3.1's first reason, Figure 2b: they round to zero), over changed.
 
     One tensor at a time, in bounded FP64 chunks; no per-element Python; one host sync.
     """
     before, after = list(before), list(after)
     if len(before) != len(after):
         raise ValueError(f"swamping_fraction: {len(before)} tensors before the step, {len(after)} after")
+    if received is not None:
+        received = list(received)
+        if len(received) != len(before):
+            raise ValueError(f"swamping_fraction: {len(before)} tensors before the step, {len(received)} received")
     per_device: dict[torch.device, torch.Tensor] = {}
     total = 0
-    for b_t, a_t in zip(before, after):
-        if b_t.shape != a_t.shape:
-            raise ValueError(f"swamping_fraction: shapes differ, {tuple(b_t.shape)} vs {tuple(a_t.shape)}")
+    for j, (b_t, a_t) in enumerate(zip(before, after)):
+        r_t = received[j] if received is not None else None
+        if b_t.shape != a_t.shape or (r_t is not None and r_t.shape != b_t.shape):
+            raise ValueError(f"swamping_fraction: shapes differ, {tuple(b_t.shape)} vs {tuple(a_t.shape)}"
+                             + (f" vs {tuple(r_t.shape)}" if r_t is not None else ""))
         total += b_t.numel()
         b_flat = b_t.detach().reshape(-1)
         a_flat = a_t.detach().reshape(-1).to(b_flat.device)
+        r_flat = r_t.detach().reshape(-1).to(b_flat.device) if r_t is not None else None
         acc = per_device.setdefault(b_flat.device, torch.zeros(4, dtype=torch.int64, device=b_flat.device))
         for i in range(0, b_flat.numel(), _CHUNK):
             w = b_flat[i : i + _CHUNK].to(torch.float64)
             u = a_flat[i : i + _CHUNK].to(torch.float64) - w
             abs_u = u.abs()
             changed = torch.isfinite(u) & (u != 0)
-            # The sum of two FP16 values is exact in FP64 (their exponents differ by < 53), so
-            # rounding it once to FP16 is exactly FP16 addition with round-to-nearest-even.
-            w16 = w.to(torch.float16)
-            stays = (w16.to(torch.float64) + u.to(torch.float16).to(torch.float64)).to(torch.float16) == w16
+            if r_flat is not None:
+                lost = r_flat[i : i + _CHUNK].to(torch.float64) == w
+            else:
+                lost = _fp16_keeps(b_flat[i : i + _CHUNK].to(torch.float16), u)
             acc += torch.stack(
                 [
                     changed.sum(),
+                    (changed & lost).sum(),
                     (changed & (abs_u < SWAMP_RATIO * w.abs())).sum(),
-                    (changed & (abs_u < FP16_MIN_SUBNORMAL)).sum(),
-                    (changed & stays).sum(),
+                    (changed & (abs_u <= FP16_ROUNDS_TO_ZERO)).sum(),
                 ]
             )
     sums = [0, 0, 0, 0]
     for acc in per_device.values():
         sums = [s + c for s, c in zip(sums, acc.tolist())]
-    changed, swamped, update_underflow, lost = sums
+    changed, swamped, swamped_2048, update_underflow = sums
     return {
         "total": total,
         "changed": changed,
         "swamped": swamped,
         "frac_swamped": swamped / changed if changed else 0.0,
         "frac_swamped_all": swamped / total if total else 0.0,
+        "swamped_measured": received is not None,
+        "swamped_2048": swamped_2048,
+        "frac_swamped_2048": swamped_2048 / changed if changed else 0.0,
         "update_underflow": update_underflow,
         "frac_update_underflow": update_underflow / changed if changed else 0.0,
-        "lost_fp16": lost,
-        "frac_lost_fp16": lost / changed if changed else 0.0,
     }
 
 
@@ -340,9 +389,9 @@ class Numerics:
         loss = ...; (loss * S).backward()       # forward and backward as usual
         if num.should_sample(step):
             stats = num.end(model.named_parameters(), recipe.loss_scale)
-            # optional, section 3.1: before = [p.detach().clone() for p in master_params]
-            # before optimizer.step(); after = the same params after it:
-            stats.update(num.swamping(before, after))
+            # optional, section 3.1: before = [w.detach().clone() for w in recipe.weights_of(opt)]
+            # before the step; after it, what the optimizer computed and what the weights received:
+            stats.update(num.swamping(before, recipe.params_of(opt), recipe.weights_of(opt)))
             log({"kind": "numerics", "step": step, **stats})
 
     `end` must run after backward and before the gradients are unscaled, clipped or stepped on
@@ -366,7 +415,7 @@ class Numerics:
     several times (shared weights, RNN steps) accumulates all its calls.
     """
 
-    def __init__(self, model: nn.Module, every: int = 0, lo: int = -40, hi: int = 16, margin: float = 2.0):
+    def __init__(self, model: nn.Module, every: int = 0, lo: int = HIST_LO, hi: int = HIST_HI, margin: float = 2.0):
         if int(every) != every or every < 0:
             raise UserError(f"numerics.every={every}: use a whole number of steps >= 0 (0 turns numerics off)")
         if int(lo) != lo or int(hi) != hi or lo > hi:
@@ -449,14 +498,20 @@ class Numerics:
             self._active = False
             self._act = {}
 
-    def swamping(self, before: Sequence[torch.Tensor], after: Sequence[torch.Tensor]) -> dict:
-        """`swamping_fraction(before, after)` with keys prefixed "numerics/swamp/" (e.g.
-        numerics/swamp/frac_swamped). `before`: master weights snapshotted before the optimizer
-        step; `after`: the same tensors after it. On failure: {"numerics/swamp/error": ...}."""
+    def swamping(self, before: Sequence[torch.Tensor], after: Sequence[torch.Tensor],
+                 received: Sequence[torch.Tensor] | None = None) -> dict:
+        """`swamping_fraction` with keys prefixed "numerics/swamp/" (e.g. numerics/swamp/frac_swamped).
+        `before`: the weights snapshotted before the optimizer step; `after`: what the optimizer
+        computed for them; `received`: the weights after the step, if they are not `after` itself
+        (fp16_pure: the FP16 weights, which may not have received the update). Tensors that are the
+        very objects of `after` are ignored as `received` (FP32 masters receive every update: the
+        loss is then what an FP16 weight would lose). On failure: {"numerics/swamp/error": ...}."""
         if self.every <= 0:
             return {}
         try:
-            return {f"numerics/swamp/{k}": v for k, v in swamping_fraction(before, after).items()}
+            if received is not None and all(r is a for r, a in zip(received, after)):
+                received = None
+            return {f"numerics/swamp/{k}": v for k, v in swamping_fraction(before, after, received).items()}
         except Exception as e:  # noqa: BLE001 -- instrumentation must never stop training
             warnings.warn(f"numerics: swamping measure failed ({type(e).__name__}: {e})", stacklevel=2)
             return {"numerics/swamp/error": f"{type(e).__name__}: {e}"}

@@ -3,6 +3,7 @@ the training loop calls the same five methods whatever the precision and never b
 
     recipe = build(cfg, device)                  # from cfg.precision / cfg.impl / cfg.loss_scale
     model = recipe.prepare(model, [optimizer])   # before DDP wrapping and before any step
+    recipe.broadcast_masters()                   # after DDP wrapping (DDP broadcasts only the model)
     with recipe.autocast():
         loss = loss_fn(model(x), y)
     recipe.backward(loss)                        # scales by S (section 3.2); call k times to accumulate
@@ -11,14 +12,25 @@ the training loop calls the same five methods whatever the precision and never b
     recipe.zero_grad()
 
 Recipes (cfg.precision):
-  fp32       everything FP32 (TF32 is a separate switch, off by default).
-  fp16       the paper's "MP without loss scaling": FP16 forward/backward, FP32 master weights,
-             S = 1 and no overflow skipping, so a network that diverges (SSD, Table 2) diverges here.
-  mixed      FP16 + FP32 master weights + loss scaling: constant S (the paper's) or dynamic
-             (a later framework feature, section 5); both skip the update on inf/nan.
-  bf16       BF16 compute, FP32 master weights, no scaling (BF16 has FP32's exponent range).
-  fp16_pure  Figure 2a's ablation: FP16 weights updated directly, no FP32 master copy
-             (loss scaling optional).
+  fp32          everything FP32 (TF32 is a separate switch, off by default).
+  fp16          the paper's "MP without loss scaling": FP16 forward/backward, FP32 master weights,
+                S = 1 and no overflow skipping, so a network that diverges (SSD, Table 2) diverges here.
+  mixed         FP16 + FP32 master weights + loss scaling: constant S (the paper's) or dynamic
+                (a later framework feature, section 5); both skip the update on inf/nan.
+  bf16          BF16 compute, FP32 master weights, no scaling (BF16 has FP32's exponent range).
+  fp16_pure     Figure 2a's ablation: FP16 weights updated directly, no FP32 master copy (loss
+                scaling optional). The optimizer's arithmetic and state stay FP32 -- each step it
+                works on an FP32 copy made from the FP16 weights, and its result is rounded back
+                into them; the copy carries nothing to the next step, so whatever the rounding
+                loses is lost (section 3.1). The ablation is about the weights: an Adam eps of
+                1e-8 (0 in FP16) or an FP16 momentum buffer would be a second, different effect.
+  fp16_storage  "FP16 storage, FP32 math", how the paper ran DeepSpeech 2 (section 4.3): weights,
+                activations and gradients stored in FP16, FP32 master weights, and every dot
+                product (linear, matmul, convolution, recurrent layer) and softmax computed in
+                FP32 on the FP16 values, its result stored in FP16. Point-wise ops and reductions
+                run PyTorch's FP16 kernels, which already compute in FP32 and round once on
+                output. No loss scaling unless loss_scale is set. The FP32 temporaries autograd
+                saves make its memory and speed those of FP32: it reproduces the numerics only.
 
 Implementations (cfg.impl):
   autocast   torch.autocast + torch.amp.GradScaler: parameters stay FP32 (they *are* the master
@@ -28,7 +40,10 @@ Implementations (cfg.impl):
              gradients, the updated master rounded back into the FP16 model. Norm layers keep FP32
              parameters and statistics and compute in FP32 while reading/writing FP16, and the
              model's outputs are cast to FP32 so softmax and the loss reduce in FP32 (section 3.3).
-  fp16_pure has no FP32 weights to autocast from, so both impls run it the same way.
+             A module with `keep_fp32 = True` (the bigLSTM's softmax, as in its reference code)
+             keeps FP32 parameters and gets FP32 inputs. A parameter kept in FP32 is its own master.
+  fp16_pure and fp16_storage are defined by what the model stores, which autocast's FP32 weights
+  cannot express, so both impls run them the paper's way.
 """
 from __future__ import annotations
 
@@ -38,10 +53,14 @@ from typing import Iterable
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from mpt.errors import UserError
 
-PRECISIONS = ("fp32", "fp16", "mixed", "bf16", "fp16_pure")
+PRECISIONS = ("fp32", "fp16", "mixed", "bf16", "fp16_pure", "fp16_storage")
+# Precisions that store the model in FP16 whatever cfg.impl says (see the module docstring).
+_PAPER_ONLY = ("fp16_pure", "fp16_storage")
 IMPLS = ("autocast", "paper")
 # Norm layers keep FP32 parameters and statistics; their kernels read FP16 input with FP32
 # parameters and reduce in FP32 (section 3.3), so no FP32 copy of the activation is made or saved.
@@ -50,6 +69,9 @@ _NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm)
 _FP32_COMPUTE = (nn.LocalResponseNorm,)
 # Optimizers whose step needs a closure or sparse gradients: the master-weight swap cannot wrap them.
 _UNWRAPPABLE = (torch.optim.LBFGS, torch.optim.SparseAdam)
+# Layers that can produce sparse gradients (sparse=True): impl=paper copies gradients into dense FP32
+# masters with dense kernels.
+_SPARSE_CAPABLE = (nn.Embedding, nn.EmbeddingBag)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -62,8 +84,8 @@ def parse_loss_scale(value: str, precision: str):
     if v == "auto":
         return "dynamic" if precision == "mixed" else None
     if v == "dynamic":
-        if precision not in ("mixed", "fp16_pure"):
-            raise UserError(f"loss_scale=dynamic needs precision=mixed or fp16_pure, not {precision}")
+        if precision not in ("mixed", "fp16_pure", "fp16_storage"):
+            raise UserError(f"loss_scale=dynamic needs precision=mixed, fp16_pure or fp16_storage, not {precision}")
         return "dynamic"
     try:
         s = float(v)
@@ -91,6 +113,60 @@ def check(cfg) -> None:
     s = cfg.scaler
     if not (s.init_scale > 0 and s.growth_factor > 1 and 0 < s.backoff_factor < 1 and s.growth_interval >= 1):
         raise UserError("scaler needs init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1, growth_interval >= 1")
+
+
+# ------------------------------------------------------------------------------------------------
+# FP16 storage, FP32 math (fp16_storage)
+
+
+def _ops(owner, names):
+    return {getattr(owner, n) for n in names if hasattr(owner, n)}
+
+
+# Dot products (section 3.3's first category), recurrent layers and softmax: the operations whose
+# FP16 kernels may round partial results (FP16 GEMM reductions on GPUs, the gates inside an FP16
+# recurrent cell). Point-wise ops and reductions are left to PyTorch's FP16 kernels, which compute
+# in FP32 and round their output once -- the same numbers as FP32 math on FP16 storage.
+_FP32_MATH_OPS = (
+    _ops(torch, ("matmul", "mm", "bmm", "addmm", "addmv", "mv", "baddbmm", "addbmm", "einsum", "dot",
+                 "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+                 "gru", "lstm", "rnn_tanh", "rnn_relu", "gru_cell", "lstm_cell", "rnn_tanh_cell", "rnn_relu_cell",
+                 "softmax", "log_softmax"))
+    | _ops(torch.Tensor, ("matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "addmm", "addmv", "mv", "baddbmm",
+                          "addbmm", "dot", "softmax", "log_softmax"))
+    | _ops(F, ("linear", "bilinear", "softmax", "log_softmax"))
+)
+
+
+def _has_fp16(obj) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return obj.dtype == torch.float16
+    if isinstance(obj, (list, tuple)):
+        return any(_has_fp16(o) for o in obj)
+    return False
+
+
+def _fp16_to_fp32(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.float() if obj.dtype == torch.float16 else obj
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_fp16_to_fp32(o) for o in obj)
+    return obj
+
+
+class FP32Math(TorchFunctionMode):
+    """Within this context, the operations in _FP32_MATH_OPS that read FP16 tensors compute in FP32
+    on exact FP32 copies of them and store their floating results in FP16. The casts are recorded by
+    autograd, so the backward pass computes in FP32 too and stores each gradient in FP16 (the cast's
+    backward rounds it)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (func not in _FP32_MATH_OPS or "out" in kwargs or not (_has_fp16(args) or _has_fp16(list(kwargs.values())))
+                or kwargs.get("dtype") is not None or any(isinstance(a, torch.dtype) for a in args)):
+            return func(*args, **kwargs)  # not a dot product, or the caller chose the output's dtype
+        out = func(*_fp16_to_fp32(args), **{k: _fp16_to_fp32(v) for k, v in kwargs.items()})
+        return _cast_floats(out, torch.float16)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -182,8 +258,18 @@ class Recipe:
         return [p for g in optimizer.param_groups for p in g["params"]]
 
     def master_params(self) -> list[torch.Tensor]:
-        """The tensors the optimizers update (FP32 masters where the recipe keeps them)."""
+        """The tensors the optimizers update (FP32 masters where the recipe keeps them; in fp16_pure
+        the FP32 copies each step starts from the FP16 weights)."""
         return [p for opt in self.optimizers for p in self.params_of(opt)]
+
+    def weights_of(self, optimizer) -> list[torch.Tensor]:
+        """The tensors that hold the weights `optimizer` trains, matched by position with
+        params_of(optimizer): the same tensors, except in fp16_pure, where the optimizer's result
+        (params_of) is what the update intended and these FP16 weights are what they received."""
+        return self.params_of(optimizer)
+
+    def broadcast_masters(self, src: int = 0) -> None:
+        """After DDP wrapping: make weights DDP does not broadcast (FP32 masters) rank src's."""
 
     def _note_overflow(self) -> None:
         self.skipped_steps += 1
@@ -281,14 +367,21 @@ def _cast_floats(obj, dtype):
 
 def convert_model(model: nn.Module, dtype: torch.dtype) -> list:
     """Store the model in `dtype` (section 3): every parameter and floating buffer, except norm
-    layers, which keep FP32 parameters and statistics and reduce in FP32 on FP16 inputs (3.3).
-    Inputs are cast to `dtype` on entry; outputs are cast to FP32 so that softmax and the loss
-    reduce in FP32 (3.3). Returns the hook handles."""
+    layers, which keep FP32 parameters and statistics and reduce in FP32 on FP16 inputs (3.3), and
+    modules marked `keep_fp32 = True`, which keep FP32 parameters and are given FP32 inputs (their
+    outputs are theirs to choose: a loss head returns FP32). Inputs are cast to `dtype` on entry;
+    outputs are cast to FP32 so that softmax and the loss reduce in FP32 (3.3). Returns the hook
+    handles."""
     model.to(dtype)
     handles = []
     for m in model.modules():
         if isinstance(m, _NORMS):
             m.float()
+        elif getattr(m, "keep_fp32", False):
+            m.float()
+            handles.append(m.register_forward_pre_hook(
+                lambda mod, args, kwargs: (_cast_floats(args, torch.float32), _cast_floats(kwargs, torch.float32)),
+                with_kwargs=True))
         elif isinstance(m, _FP32_COMPUTE):
             handles.append(m.register_forward_pre_hook(lambda mod, args: _cast_floats(args, torch.float32)))
             handles.append(m.register_forward_hook(lambda mod, args, out: _cast_floats(out, dtype)))
@@ -301,14 +394,32 @@ def convert_model(model: nn.Module, dtype: torch.dtype) -> list:
     return handles
 
 
+def check_dense(model: nn.Module, what: str) -> None:
+    """One-line error for layers that make sparse gradients: the FP32 master copy is dense."""
+    for name, m in model.named_modules():
+        if isinstance(m, _SPARSE_CAPABLE) and m.sparse:
+            raise UserError(f"{what} cannot train {name or 'the model'} = {type(m).__name__}(sparse=True): "
+                            f"the FP32 master copy takes dense gradients; build it with sparse=False "
+                            f"(or use impl=autocast with precision fp16/mixed/bf16)")
+
+
 class Paper(Recipe):
-    """The paper's scheme (section 3): FP16 model, FP32 master weights, loss scaling."""
+    """The paper's scheme (section 3): FP16 model, FP32 master weights, loss scaling.
+
+    master=False is fp16_pure: the optimizer still updates FP32 tensors, but they are overwritten
+    from the FP16 weights before every step, so nothing survives the rounding back into FP16.
+    fp32_math=True is fp16_storage: autocast() computes the dot products in FP32 (FP32Math).
+
+    Per optimizer it keeps (model params, FP32 params the optimizer holds, `own`: the positions
+    whose FP32 tensor is a separate copy). A model parameter that stays FP32 (norm layers,
+    keep_fp32 modules) is handed to the optimizer itself: it needs no second FP32 copy."""
 
     impl = "paper"
 
-    def __init__(self, device, name: str, dtype: torch.dtype, scale, scaler_cfg=None, master: bool = True):
+    def __init__(self, device, name: str, dtype: torch.dtype, scale, scaler_cfg=None, master: bool = True,
+                 fp32_math: bool = False):
         super().__init__(device)
-        self.name, self.compute_dtype, self.master = name, dtype, master
+        self.name, self.compute_dtype, self.master, self.fp32_math = name, dtype, master, fp32_math
         c = scaler_cfg
         if scale is None:
             self.scaler = LossScaler("none")
@@ -316,7 +427,14 @@ class Paper(Recipe):
             self.scaler = LossScaler("dynamic", c.init_scale, c.growth_factor, c.backoff_factor, c.growth_interval)
         else:
             self.scaler = LossScaler("static", scale)
-        self._pairs: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []  # per optimizer: (model, master)
+        self._pairs: list[tuple[list[torch.Tensor], list[torch.Tensor], list[int]]] = []
+
+    def autocast(self):
+        return FP32Math() if self.fp32_math else contextlib.nullcontext()
+
+    @property
+    def _what(self) -> str:
+        return f"precision={self.name} (impl=paper)"
 
     def prepare(self, model, optimizers):
         optimizers = list(optimizers)
@@ -331,25 +449,46 @@ class Paper(Recipe):
             if any(id(p) not in model_params for p in self.params_of(opt)):
                 raise UserError(f"impl=paper: optimizer {type(opt).__name__} holds tensors that are not "
                                 f"parameters of the model given to prepare()")
+        check_dense(model, self._what)
         # The FP32 master copy (3.1) starts from the model's FP32 initial weights, taken before the
         # model is converted: the FP16 model is derived from the master, never the other way round
         # (copying back from the FP16 model would start the master from FP16-rounded weights).
-        inits = [[p.detach().float().clone() for p in self.params_of(opt)] if self.master else None
-                 for opt in optimizers]
+        inits = [[p.detach().float().clone() for p in self.params_of(opt)] for opt in optimizers]
         self._handles = convert_model(model, self.compute_dtype)
-        for opt, masters in zip(optimizers, inits):
+        for opt, init in zip(optimizers, inits):
             model_p = self.params_of(opt)
-            if self.master:
-                it = iter(masters)
-                for g in opt.param_groups:
-                    g["params"] = [next(it) for _ in g["params"]]
-                self._pairs.append((model_p, masters))
-            else:
-                self._pairs.append((model_p, model_p))
+            own = [i for i, p in enumerate(model_p) if p.dtype != torch.float32]
+            fp32 = list(model_p)
+            for i in own:
+                fp32[i] = init[i]
+            it = iter(fp32)
+            for g in opt.param_groups:
+                g["params"] = [next(it) for _ in g["params"]]
+            self._pairs.append((model_p, fp32, own))
         return super().prepare(model, optimizers)
+
+    def broadcast_masters(self, src: int = 0) -> None:
+        """Give every rank rank `src`'s FP32 masters. DDP broadcasts the model's (FP16) weights when it
+        wraps it, but the masters were copied before, from each rank's own initial weights: ranks
+        started from different weights would round different masters into their models and drift
+        apart. Call after DDP wrapping, before the first step."""
+        import torch.distributed as dist
+
+        if not (self.master and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return
+        with torch.no_grad():
+            for _, fp32, own in self._pairs:
+                for i in own:
+                    dist.broadcast(fp32[i], src)
+        self.sync_model_from_master()
 
     def _pair(self, optimizer):
         return self._pairs[self.optimizers.index(optimizer)]
+
+    def weights_of(self, optimizer) -> list[torch.Tensor]:
+        """The tensors that hold the trained weights: the FP32 masters, or (fp16_pure) the FP16 model."""
+        model_p, fp32, _ = self._pair(optimizer)
+        return fp32 if self.master else model_p
 
     @property
     def loss_scale(self) -> float:
@@ -360,19 +499,25 @@ class Paper(Recipe):
         (loss.float() * self.scaler.scale if self.scaler.scale != 1.0 else loss).backward()
 
     def step(self, optimizer, clip_grad_norm=0.0):
-        model_p, masters = self._pair(optimizer)
-        live = [i for i, p in enumerate(model_p) if p.grad is not None]
-        if self.master:
-            for i, (p, m) in enumerate(zip(model_p, masters)):
+        model_p, fp32, own = self._pair(optimizer)
+        if any(p.grad is not None and p.grad.is_sparse for p in model_p):
+            raise UserError(f"{self._what} got a sparse gradient; the FP32 master copy takes dense ones "
+                            f"(build embeddings with sparse=False)")
+        with torch.no_grad():
+            if not self.master:  # fp16_pure: the FP32 copy starts every step from the FP16 weights
+                torch._foreach_copy_([fp32[i] for i in own], [model_p[i] for i in own])
+            for i in own:
+                p, m = model_p[i], fp32[i]
                 if p.grad is None:
                     m.grad = None  # unused this step: the optimizer skips it, as in FP32
                 elif m.grad is None:
                     m.grad = torch.empty_like(m)
-            grads = [masters[i].grad for i in live]
+            copied = [i for i in own if model_p[i].grad is not None]
             # FP16 -> FP32 first, then unscale: unscaling in FP16 would flush small values again.
-            torch._foreach_copy_(grads, [model_p[i].grad for i in live])
-        else:
-            grads = [model_p[i].grad for i in live]
+            if copied:
+                torch._foreach_copy_([fp32[i].grad for i in copied], [model_p[i].grad for i in copied])
+        live = [i for i, m in enumerate(fp32) if m.grad is not None]
+        grads = [fp32[i].grad for i in live]
         found = False
         if self.scaler.mode != "none" and grads:
             found_inf = torch.zeros(1, device=grads[0].device)
@@ -384,11 +529,11 @@ class Paper(Recipe):
             self._note_overflow()
             return False
         if clip_grad_norm > 0:  # on unscaled FP32 gradients
-            torch.nn.utils.clip_grad_norm_([masters[i] for i in live], clip_grad_norm, foreach=True)
+            torch.nn.utils.clip_grad_norm_([fp32[i] for i in live], clip_grad_norm, foreach=True)
         optimizer.step()
-        if self.master:  # round the updated master back into the FP16 model (3.1)
+        if copied:  # round the updated FP32 weights back into the FP16 model (3.1)
             with torch.no_grad():
-                torch._foreach_copy_([model_p[i] for i in live], [masters[i] for i in live])
+                torch._foreach_copy_([model_p[i] for i in copied], [fp32[i] for i in copied])
         return True
 
     def update(self):
@@ -396,24 +541,23 @@ class Paper(Recipe):
         self._found_inf = False
 
     def zero_grad(self):
-        # Model (FP16) gradients are freed; master gradients are kept allocated and overwritten.
+        # Model (FP16) gradients are freed; the FP32 copies' gradients are kept allocated and overwritten.
         if self.model is not None:
             self.model.zero_grad(set_to_none=True)
-        if not self.master:
-            for opt in self.optimizers:
-                opt.zero_grad(set_to_none=True)
 
     def sync_model_from_master(self) -> None:
+        if not self.master:
+            return
         with torch.no_grad():
-            for model_p, masters in self._pairs:
-                if self.master:
-                    torch._foreach_copy_(model_p, masters)
+            for model_p, fp32, own in self._pairs:
+                if own:
+                    torch._foreach_copy_([model_p[i] for i in own], [fp32[i] for i in own])
 
     def state_dict(self):
         sd = super().state_dict()
         sd["scaler"] = self.scaler.state_dict()
-        if self.master:
-            sd["master"] = [[m.detach().clone() for m in masters] for _, masters in self._pairs]
+        if self.master:  # only the separate copies: the FP32 model parameters are in the model's state_dict
+            sd["master"] = [[fp32[i].detach().clone() for i in own] for _, fp32, own in self._pairs]
         return sd
 
     def load_state_dict(self, sd):
@@ -421,8 +565,11 @@ class Paper(Recipe):
         self.scaler.load_state_dict(sd["scaler"])
         if self.master:
             with torch.no_grad():
-                for (_, masters), saved in zip(self._pairs, sd["master"]):
-                    torch._foreach_copy_(masters, [s.to(masters[0].device) for s in saved])
+                for (_, fp32, own), saved in zip(self._pairs, sd["master"]):
+                    # Older checkpoints saved a master for every parameter, FP32 ones included.
+                    idx = own if len(saved) == len(own) else range(len(fp32))
+                    for i, s in zip(idx, saved):
+                        fp32[i].copy_(s)
             self.sync_model_from_master()
 
 
@@ -437,8 +584,8 @@ def build(cfg, device) -> Recipe:
     if p == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise UserError(f"precision=bf16 needs a GPU with BF16 (Ampere or newer); "
                         f"{torch.cuda.get_device_name(device)} has none: use precision=mixed")
-    if p == "fp16_pure":
-        return Paper(device, p, dtype, scale, cfg.scaler, master=False)
+    if p in _PAPER_ONLY:
+        return Paper(device, p, dtype, scale, cfg.scaler, master=p != "fp16_pure", fp32_math=p == "fp16_storage")
     if cfg.impl == "paper":
         return Paper(device, p, dtype, scale, cfg.scaler, master=True)
     return Autocast(device, p, dtype, scale, cfg.scaler)

@@ -26,7 +26,7 @@ FP16_SUBNORMAL = (-24, -15)
 FP16_NORMAL = (-14, 15)
 MAX_POINTS = 4000  # per curve: keeps the SVGs small; the shape of a training curve survives
 COLORS = {"fp32": "black", "fp16": "tab:orange", "mixed": "tab:blue", "bf16": "tab:green",
-          "fp16_pure": "tab:red"}
+          "fp16_pure": "tab:red", "fp16_storage": "tab:purple"}
 # mpt.numerics' keys first (its "weight"/"act" histograms are of the gradients), then spellings
 # an older or other logger might use.
 HIST_KEYS = {
@@ -72,10 +72,11 @@ class FigureResult:
 def variant_label(v) -> str:
     prec, impl, scale, tf32 = v
     base = {"fp32": "FP32", "fp16": "MP, no loss scaling (S=1)", "mixed": "MP",
-            "bf16": "BF16", "fp16_pure": "FP16 weights, no master copy"}.get(prec, prec)
+            "bf16": "BF16", "fp16_pure": "FP16 weights, no master copy",
+            "fp16_storage": "FP16 storage, FP32 math"}.get(prec, prec)
     if prec == "mixed":
         base += ", dynamic S" if scale == "dynamic" else (f", S={scale}" if scale is not None else "")
-    elif prec == "fp16_pure" and scale not in (None, 1):
+    elif prec in ("fp16_pure", "fp16_storage") and scale not in (None, 1):
         base += f", S={scale}"
     if tf32:
         base += " (TF32)"
@@ -387,11 +388,14 @@ def _hist(spec, runs, profile, problems, notes):
     notes.append(("Without loss scaling: " if second else "") + summary + ".")
     if second:
         b2, o2 = _draw_hist(axes[1], second[0], second[1], "tab:cyan", mark)
+        under, over = "below 2^-24", "above 65504"
         if second[2] and second[2]["nonzero"]:  # exact band counts beat the shifted histogram
             b2 = 100 * second[2]["under"] / second[2]["nonzero"]
             o2 = 100 * second[2]["over"] / second[2]["nonzero"]
-        axes[1].set_title(f"with loss scaling: {b2:.2f}% below 2^-24, {o2:.2f}% above 65504", fontsize=9)
-        notes.append(f"With loss scaling ({second[1]}): {b2:.2f}% below 2^-24, {o2:.2f}% above 65504.")
+            # mpt.numerics bands by FP16 rounding: <= 2^-25 stores as 0, >= 65520 as inf.
+            under, over = "round to 0 in FP16", "overflow FP16"
+        axes[1].set_title(f"with loss scaling: {b2:.2f}% {under}, {o2:.2f}% {over}", fontsize=9)
+        notes.append(f"With loss scaling ({second[1]}): {b2:.2f}% {under}, {o2:.2f}% {over}.")
     axes[-1].set_xlabel(f"log2 |{ROLE_NAME[role]}| (exponent)")
     for ax in axes:  # outside the axes: a histogram may sit anywhere in the exponent range
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))

@@ -14,7 +14,7 @@ PAPER_NUMBERS = pathlib.Path(__file__).with_name("paper_numbers.yaml")
 TINY_LABEL = "TINY PROFILE (CPU smoke data, not comparable to the paper)"
 STATUSES = ("completed", "running", "interrupted", "diverged", "failed")
 # Orders columns and legends: the paper's three modes first (section 4), then later practice.
-PRECISION_ORDER = ("fp32", "fp16", "mixed", "bf16", "fp16_pure")
+PRECISION_ORDER = ("fp32", "fp16", "mixed", "bf16", "fp16_pure", "fp16_storage")
 # Precisions that run without a loss scaler: their loss_scale setting means nothing, so it must not
 # split a cell (BF16 has FP32's exponent range; "Later practice" in the fact sheet).
 NO_SCALER = ("fp32", "bf16")

@@ -23,7 +23,8 @@ PLACEHOLDER = {"fp32": ("fp32", None, None, False), "mp_noscale": ("fp16", None,
                "mp_scale": ("mixed", None, None, False), "mp": ("fp16", None, 1, False)}
 # Tables 1 and 3 have one MP column, and the paper ran it without loss scaling (4.1, 4.3): an empty
 # table's MP column is our fp16 (S = 1), as the experiments' READMEs say.
-EXTRA_NAME = {"fp32": "TF32 baseline", "bf16": "BF16", "fp16_pure": "FP16 weights, no master copy"}
+EXTRA_NAME = {"fp32": "TF32 baseline", "bf16": "BF16", "fp16_pure": "FP16 weights, no master copy",
+              "fp16_storage": "FP16 storage, FP32 math"}
 
 
 @dataclasses.dataclass

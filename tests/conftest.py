@@ -47,3 +47,28 @@ def run_interrupted(monkeypatch, main, overrides, at_step: int) -> dict:
     finally:
         engine.STOP.clear()
         monkeypatch.setattr(engine.Run, "train_step", orig)
+
+
+def run_gloo_ranks(script: Path, *args: str, world: int = 2, timeout: float = 180) -> None:
+    """Run `script` once per rank as a torchrun-style process group on this machine (gloo, CPU);
+    fails the test with the rank's stderr if one fails, and kills them all if one hangs."""
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, str(script), *args], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("a rank hung")
+        assert p.returncode == 0, err[-2000:]

@@ -84,7 +84,7 @@ def test_tiny_forward_backward_every_precision():
     mask[0, 1] = False
     for prec in precision.PRECISIONS:
         for impl in precision.IMPLS:
-            if prec == "fp16_pure" and impl == "autocast":
+            if prec in ("fp16_pure", "fp16_storage") and impl == "autocast":
                 continue  # the same recipe as impl=paper
             m = tiny_model()
             opt = engine.build_optimizer(OptimCfg(name="adagrad", lr=0.2, initial_accumulator_value=1.0),
@@ -331,15 +331,46 @@ def test_tiny_grid_through_launcher_into_figure5(data, tmp_path):
 def test_memory_bytes_per_parameter():
     """The per-parameter state the README's memory extrapolation rests on (experiments/lm_biglstm/memory.py):
     FP32 weights + gradients + Adagrad = 12 bytes; the paper's scheme adds FP32 masters and their
-    gradients to FP16 weights and gradients: 2 + 2 + 4 + 4 + 4 = 16 bytes."""
+    gradients to FP16 weights and gradients: 2 + 2 + 4 + 4 + 4 = 16 bytes -- except the softmax layer,
+    FP32 as in the reference (f-lm) and its own master: 12 bytes."""
     from experiments.lm_biglstm.memory import SHAPES, measure
 
     fp32 = measure("fp32", "autocast", "auto", SHAPES[0])
     paper = measure("mixed", "paper", "128", SHAPES[0])
     assert (fp32["weights"], fp32["grads"], fp32["optimizer"], fp32["master"]) == (4, 4, 4, 0)
     parts = ("weights", "grads", "optimizer", "master", "master_grads")
-    assert tuple(paper[k] for k in parts) == (2, 2, 4, 4, 4)
+    assert tuple(paper["parts"]["rest"][k] for k in parts) == (2, 2, 4, 4, 4)
+    assert tuple(paper["parts"]["softmax"][k] for k in parts) == (4, 4, 4, 0, 0)
     assert 0 < paper["activations"] < fp32["activations"]
+
+
+def test_softmax_fp32_under_paper_impl_as_the_reference():
+    """Issue 19 item 4: f-lm keeps softmax_w / softmax_b in FP32 and feeds them FP32 inputs whatever its
+    FP16 switches; impl=paper keeps them FP32 (their own master), autocast computes them in FP32, and
+    task.softmax_fp16=true is the FP16 variant."""
+    import models
+
+    for prec, impl in (("mixed", "paper"), ("fp16", "paper"), ("fp16_storage", "paper"), ("mixed", "autocast")):
+        torch.manual_seed(0)
+        m = models.build("biglstm", vocab_size=50, width=1 / 128, num_sampled=8, dropout=0.0)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        r = precision.build(Config(precision=prec, impl=impl), "cpu")
+        r.prepare(m, [opt])
+        seen = {}
+        m.softmax.register_forward_hook(lambda mod, args, out: seen.update(h=args[0].dtype))
+        assert m.softmax.weight.dtype == m.softmax.bias.dtype == torch.float32, (prec, impl)
+        held = {id(t) for t in r.master_params()}
+        assert id(m.softmax.weight) in held  # its own master: no second FP32 copy
+        x = torch.randint(0, 50, (2, 3))
+        with r.autocast():
+            nll, _ = m(x, x, torch.ones(2, 3, dtype=torch.bool))
+        assert nll.dtype == torch.float32
+        if impl == "paper":
+            assert m.lstm[0].weight_ih_l0.dtype == torch.float16
+            assert seen["h"] == torch.float32, (prec, impl)  # inputs cast to FP32 before the softmax
+    m = models.build("biglstm", vocab_size=50, width=1 / 128, num_sampled=8, softmax_fp16=True)
+    precision.build(Config(precision="mixed", impl="paper"), "cpu").prepare(m, [torch.optim.SGD(m.parameters(), lr=0.1)])
+    assert m.softmax.weight.dtype == torch.float16
 
 
 def test_real_text_release_prepares_like_the_benchmark(tmp_path):

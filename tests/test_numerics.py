@@ -24,17 +24,34 @@ def test_constants():
     assert N.FP16_MAX == torch.finfo(torch.float16).max == 65504.0
 
 
-def test_bands_exact_edges():
+def above(x: float, dtype=torch.float64) -> float:
+    return torch.nextafter(torch.tensor(x, dtype=dtype), torch.tensor(math.inf, dtype=dtype)).item()
+
+
+def test_bands_follow_fp16_rounding_at_the_edges():
+    """Issue 17 item 3: a value is banded by what FP16's round-to-nearest-even stores for it."""
+    f64 = torch.float64
     values = [
-        0.0, -0.0,                                   # zero
-        below(2.0**-24), 2.0**-30, -(2.0**-25),      # underflow
-        2.0**-24, -(2.0**-24), below(2.0**-14),      # subnormal
-        2.0**-14, 1.0, -1.5, below(65504.0), 65504.0,  # normal
-        65505.0, -1e6, math.inf, -math.inf, math.nan,  # overflow (3 non-finite)
+        0.0, -0.0,                                                       # zero
+        2.0**-30, below(2.0**-25, f64), 2.0**-25, -(2.0**-25),           # underflow: 2^-25 ties to 0
+        above(2.0**-25), 1.5 * 2.0**-25, 2.0**-24, below(2.0**-14 - 2.0**-25, f64),  # subnormal
+        2.0**-14 - 2.0**-25, 2.0**-14, -1.5, 65504.0, 65519.0, below(65520.0, f64),  # normal
+        65520.0, -1e6, math.inf, -math.inf, math.nan,                    # overflow (3 non-finite)
     ]
-    bands = N.fp16_bands(torch.tensor(values, dtype=torch.float32))
-    assert bands == {"zero": 2, "underflow": 3, "subnormal": 3, "normal": 5, "overflow": 5,
+    bands = N.fp16_bands(torch.tensor(values, dtype=f64))
+    assert bands == {"zero": 2, "underflow": 4, "subnormal": 4, "normal": 6, "overflow": 5,
                      "nonfinite": 3, "total": len(values)}
+    # The issue's two cases, and the thresholds against torch's own (single) FP32 -> FP16 rounding.
+    assert torch.tensor(1.5 * 2.0**-25).half().item() == 2.0**-24 and torch.tensor(65519.0).half().item() == 65504
+    g = torch.Generator().manual_seed(0)
+    x = torch.exp2(torch.empty(20_000).uniform_(-27, 17, generator=g)).float()
+    x = torch.cat([x, torch.tensor([2.0**-25, above(2.0**-25, torch.float32), 2.0**-14 - 2.0**-25,
+                                    below(2.0**-14 - 2.0**-25), 65520.0, below(65520.0)])])
+    h = x.half().float()
+    expected = {"zero": 0, "underflow": int((h == 0).sum()), "subnormal": int(((h > 0) & (h < 2.0**-14)).sum()),
+                "normal": int(((h >= 2.0**-14) & torch.isfinite(h)).sum()), "overflow": int(torch.isinf(h).sum()),
+                "nonfinite": 0, "total": x.numel()}
+    assert N.fp16_bands(x) == expected
     # FP16 input: the representable edges themselves.
     h = torch.tensor([2.0**-24, 2.0**-14, below(2.0**-14, torch.float16), 65504.0, math.inf], dtype=torch.float16)
     assert N.fp16_bands(h) == {"zero": 0, "underflow": 0, "subnormal": 2, "normal": 2, "overflow": 1,
@@ -101,15 +118,40 @@ def test_swamping_fraction():
     before = [torch.tensor([4096.0, 1024.0]), torch.tensor([[1.0, 5.0]], dtype=f64)]
     after = [torch.tensor([4097.0, 1025.0]), torch.tensor([[1.0, 5.0 + 2.0**-30]], dtype=f64)]
     s = N.swamping_fraction(before, after)
-    # 4096 + 1: 1 < 2^-11 * 4096 = 2 -> swamped; 1024 + 1: 1 > 0.5 -> kept; 5 + 2^-30 swamped too.
-    assert s["total"] == 4 and s["changed"] == 3 and s["swamped"] == 2
+    # 4096 + 1: 1 < 2^-11 * 4096 = 2, and FP16 rounds 4097 to 4096 (ulp 4): lost;
+    # 1024 + 1 = 1025 kept; 5 + 2^-30 lost.
+    assert s["total"] == 4 and s["changed"] == 3 and s["swamped"] == 2 and s["swamped_2048"] == 2
     assert s["frac_swamped"] == pytest.approx(2 / 3) and s["frac_swamped_all"] == pytest.approx(2 / 4)
-    assert s["update_underflow"] == 1  # 2^-30 < 2^-24
-    assert s["lost_fp16"] == 2  # exact FP16 addition: 4096 + 1 -> 4096 (ulp 4); 1024 + 1 = 1025
+    assert s["update_underflow"] == 1  # 2^-30 rounds to zero in FP16
+    assert s["swamped_measured"] is False
     empty = N.swamping_fraction([torch.ones(3)], [torch.ones(3)])
     assert empty["changed"] == 0 and empty["frac_swamped"] == 0.0
     with pytest.raises(ValueError):
         N.swamping_fraction([torch.ones(3)], [])
+
+
+def test_swamping_exact_count_is_the_headline_2048_rule_overcounts():
+    """Issue 17 item 2: the exact loss (half an ulp of w, ties to even) against the paper's 2^-11 |w|
+    rule, on random pairs; and at the edges of one weight."""
+    g = torch.Generator().manual_seed(0)
+    w = (torch.rand(100_000, generator=g) + 0.5).half().float()  # FP16 weights in [0.5, 1.5]
+    u = w * torch.exp2(torch.empty_like(w).uniform_(-13, -10, generator=g)) * (torch.randint(0, 2, w.shape, generator=g) * 2 - 1)
+    s = N.swamping_fraction([w], [w + u])
+    actual = int(((w + u).half() == w.half()).sum())  # what FP16 addition does (FP32 sum, one rounding)
+    assert s["swamped"] == actual
+    assert s["swamped_2048"] > 1.2 * s["swamped"]  # the rule counts updates FP16 keeps
+    # w = 1: the neighbour above is 2^-10 away, below 2^-11. Up: 2^-11 ties back to 1 (even), more
+    # moves; down: 2^-12 ties back, 1.5 x 2^-12 moves -- though the 2^-11 rule calls it lost.
+    cases = {2.0**-11: (True, False), 2.0**-11 + 2.0**-30: (False, False), -(2.0**-12): (True, True),
+             -1.5 * 2.0**-12: (False, True)}
+    for up, (lost, rule) in cases.items():
+        one = torch.ones(1, dtype=torch.float64)
+        s = N.swamping_fraction([one], [one + up])
+        assert (s["changed"], s["swamped"], s["swamped_2048"]) == (1, int(lost), int(rule)), up
+    # Measured: given the weights received, the loss is read from them.
+    before, intended, received = torch.tensor([1.0, 1.0]), torch.tensor([1.0 + 2.0**-12, 1.5]), torch.tensor([1.0, 1.5])
+    m = N.swamping_fraction([before], [intended], [received])
+    assert m["swamped_measured"] is True and m["changed"] == 2 and m["swamped"] == 1
 
 
 def test_first_nonfinite():
@@ -145,7 +187,7 @@ def test_numerics_records_activation_and_weight_gradients(inplace):
     stats = _sample(model, scale=8.0)
     assert "numerics/error" not in stats
     json.dumps(stats, allow_nan=False)  # ready for metrics.jsonl
-    assert stats["numerics/hist_lo"] == -40 and stats["numerics/hist_hi"] == 16
+    assert stats["numerics/hist_lo"] == N.HIST_LO == -64 and stats["numerics/hist_hi"] == N.HIST_HI == 16
     assert stats["numerics/loss_scale"] == 8.0
     # Activation gradients: outputs of 0 (5x3), 1 (5x3), 2 (5x2).
     for name, n in {"0": 15, "1": 15, "2": 10, "overall": 40}.items():
@@ -155,7 +197,7 @@ def test_numerics_records_activation_and_weight_gradients(inplace):
         assert sum(stats[key + "hist"]) == n - zeros - stats[key + "nonfinite"]
         assert sum(stats[key + f"frac_{b}"] for b in N.BANDS) == pytest.approx(1.0)
     # d(sum)/d(output) = 1: stored as 8, histogrammed as the true gradient (exponent 0).
-    assert stats["numerics/act/2/hist"][0 + 40] == 10 and stats["numerics/act/2/max_abs"] == 1.0
+    assert stats["numerics/act/2/hist"][0 - N.HIST_LO] == 10 and stats["numerics/act/2/max_abs"] == 1.0
     # Weight gradients per layer equal a direct measurement of .grad / S.
     for layer in ("0", "2"):
         grads = [p.grad / 8.0 for n, p in model.named_parameters() if n.startswith(layer + ".")]
@@ -212,7 +254,7 @@ def test_inplace_residual_block_and_fp16_model():
     num.begin(0)
     (half(torch.randn(4, 8).half()).float().sum() * 2.0**10).backward()
     stats = num.end(half.named_parameters(), 2.0**10)
-    assert stats["numerics/act/2/hist"][0 + 40] == 4 and stats["numerics/act/2/frac_normal"] == 1.0
+    assert stats["numerics/act/2/hist"][0 - N.HIST_LO] == 4 and stats["numerics/act/2/frac_normal"] == 1.0
     assert stats["numerics/weight/overall/nonfinite"] == 0
     # S = 2^20 overflows FP16 (2^20 > 65504): every stored output gradient is inf.
     num.begin(1)
@@ -234,7 +276,7 @@ def test_bands_are_taken_at_the_loss_scale():
     (model(torch.ones(1, 3)) * 2.0**-26 * 2.0**12).sum().backward()  # same loss, scaled by S = 2^12
     stats = num.end(model.named_parameters(), 2.0**12)
     assert stats["numerics/act/root/frac_normal"] == 1.0
-    assert stats["numerics/act/root/hist"][-26 + 40] == 1  # histogram still of the true value
+    assert stats["numerics/act/root/hist"][-26 - N.HIST_LO] == 1  # histogram still of the true value
 
 
 def test_overflow_makes_advice_none():
@@ -293,3 +335,14 @@ def test_failures_never_raise():
     assert not model._forward_hooks
     with pytest.warns(UserWarning):
         assert "numerics/swamp/error" in num.swamping([torch.ones(2)], [torch.ones(3)])
+
+
+def test_histogram_range_default_and_validation():
+    """Issue 19 item 7: the range is a config key whose default covers Figure 3's axis (2^-60 and below)."""
+    from mpt.config import Config, validate
+
+    c = Config()
+    assert (c.numerics.hist_lo, c.numerics.hist_hi) == (N.HIST_LO, N.HIST_HI) and N.HIST_LO <= -60
+    c.numerics.hist_lo = 20
+    with pytest.raises(UserError, match="numerics.hist_lo=20 must be <="):
+        validate(c)

@@ -419,7 +419,7 @@ def test_figures_drawn_from_metrics(full):
     assert "voc_detection/ssd300_vgg16, FP32" in f3
     # The exact band fractions of the stored values (0.033 of all, 0.33 non-zero) beat the histogram.
     assert ("With loss scaling (stored at S = 8: voc_detection/ssd300_vgg16, MP, S=8 (s1)): "
-            "10.00% below 2^-24, 0.00% above 65504") in f3
+            "10.00% round to 0 in FP16, 0.00% overflow FP16") in f3
     f5 = (out / "figure5.md").read_text()
     assert "MP, S=128" in f5 and "not run yet" not in f5 and "diverged" in f5
     f6 = (out / "figure6.md").read_text()

@@ -76,7 +76,7 @@ def _big_weight_step(prec, impl, scale="auto"):
     r.backward(loss)
     r.step(opt)
     r.update()
-    return r.master_params()[0].item()
+    return r.weights_of(opt)[0].item()  # the master, or fp16_pure's FP16 weight
 
 
 @pytest.mark.parametrize("impl", precision.IMPLS)
@@ -303,3 +303,213 @@ def test_paper_master_starts_from_fp32_init_and_matches_section_3(prec, scale):
         ref_opt.step()
     for m, p in zip(r.master_params(), ref_params):
         assert torch.equal(m, p.detach())
+
+
+# ------------------------------------------------------------------------------------------------
+# issue 17: the edges of the recipes
+
+
+def _toy_run(tmp_path, **kw):
+    from mpt import engine
+    from toy_mlp import ToyMLP, config
+
+    s = engine.run(config(tmp_path, **kw), ToyMLP())
+    assert s["status"] == "completed", s
+    lines = (tmp_path / "toy_mlp" / s["run_name"] / "metrics.jsonl").read_text().splitlines()
+    import json
+
+    return [x for x in map(json.loads, lines) if x["kind"] == "numerics"]
+
+
+def test_fp16_pure_swamping_is_measured_on_the_fp16_weights(tmp_path):
+    """Item 1: at lr 1e-5 almost every update is lost in FP16 weights. fp16_pure measures what its
+    FP16 weights received against what the optimizer intended (it used to compare the FP16 weights
+    with themselves and report 0); fp16 (FP32 master) reports what FP16 weights would lose."""
+    kw = dict(optim={"lr": 1e-5, "momentum": 0.0}, numerics=1, train={"max_steps": 2})
+    pure = _toy_run(tmp_path / "pure", precision="fp16_pure", **kw)
+    master = _toy_run(tmp_path / "master", precision="fp16", impl="paper", **kw)
+    for line in pure:
+        assert line["numerics/swamp/swamped_measured"] is True
+        assert line["numerics/swamp/changed"] > 0.9 * line["numerics/swamp/total"]
+        assert line["numerics/swamp/frac_swamped"] > 0.9, line
+        assert line["numerics/swamp/frac_swamped_2048"] >= line["numerics/swamp/frac_swamped"]
+    for line in master:
+        assert line["numerics/swamp/swamped_measured"] is False
+        assert line["numerics/swamp/frac_swamped"] > 0.9, line
+    # A learning rate the weights can hold: few updates lost.
+    kept = _toy_run(tmp_path / "kept", precision="fp16_pure", optim={"lr": 0.1, "momentum": 0.0},
+                    numerics={"every": 1, "hist_lo": -70, "hist_hi": 10}, train={"max_steps": 1})
+    assert kept[0]["numerics/swamp/frac_swamped"] < 0.5
+    # The histogram range comes from the config (issue 19 item 7).
+    assert (kept[0]["numerics/hist_lo"], kept[0]["numerics/hist_hi"]) == (-70, 10)
+    assert len(kept[0]["numerics/weight/overall/hist"]) == 81
+
+
+def test_fp16_pure_keeps_optimizer_state_and_eps_in_fp32():
+    """Item 6: Adam's eps = 1e-8 is 0 in FP16, so a zero gradient gave 0/0. fp16_pure's optimizer
+    works on FP32 copies of the FP16 weights: state FP32, no NaN; the weights stay FP16."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+    r = recipe_for(m, opt, "fp16_pure", "autocast")
+    x = torch.randn(6, 4)
+    x[:, 0] = 0  # the first input column gets a zero weight gradient
+    for _ in range(2):
+        with r.autocast():
+            loss = m(x).float().square().mean()
+        r.backward(loss)
+        assert r.step(opt)
+        r.update()
+        r.zero_grad()
+    assert all(p.dtype == torch.float16 and torch.isfinite(p).all() for p in m.parameters())
+    state = [t for s in opt.state.values() for t in s.values() if t.dim() > 0]
+    assert state and all(t.dtype == torch.float32 for t in state)
+    # The FP16 weights are the optimizer's FP32 result rounded (which the next step starts from).
+    assert all(torch.equal(f.half(), w) for w, f in zip(r.weights_of(opt), r.params_of(opt)))
+
+
+def test_fp16_pure_loses_updates_every_step():
+    """The FP32 copy carries nothing between steps: 4096 - 1 rounds back to 4096 every time."""
+    m = nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        m.weight.fill_(4096.0)
+    opt = torch.optim.SGD(m.parameters(), lr=1.0)
+    r = recipe_for(m, opt, "fp16_pure", "paper")
+    for _ in range(3):
+        r.backward(m(torch.ones(1, 1).half()).float().sum())
+        r.step(opt)
+        r.update()
+        r.zero_grad()
+    assert m.weight.item() == 4096.0
+
+
+@pytest.mark.parametrize("prec,impl", [("mixed", "paper"), ("fp16_pure", "autocast"), ("fp16_storage", "autocast")])
+def test_sparse_gradients_are_a_one_line_error(prec, impl):
+    """Item 4: the FP32 master copy takes dense gradients (copy_() between dense and sparse crashed)."""
+    m = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
+    with pytest.raises(UserError, match=r"0 = Embedding\(sparse=True\).*sparse=False"):
+        recipe_for(m, torch.optim.SGD(m.parameters(), lr=0.1), prec, impl)
+    m = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))  # autocast recipes take them
+    r = recipe_for(m, torch.optim.SGD(m.parameters(), lr=0.1), "mixed", "autocast")
+    assert r.impl == "autocast"
+
+
+def test_ddp_paper_masters_follow_rank0(tmp_path):
+    """Item 5: 2 gloo ranks that initialise different weights end with the same model: DDP broadcast
+    rank 0's FP16 model, and the FP32 masters (copied before wrapping) are broadcast after it."""
+    from conftest import REPO, run_gloo_ranks
+
+    run_gloo_ranks(REPO / "tests" / "ddp_paper_worker.py", str(tmp_path), "mixed", "8")
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
+    assert any(not torch.equal(r0["initial"][k], r1["initial"][k]) for k in r0["initial"])  # not blind
+    for k in r0["final"]:
+        assert r0["final"][k].dtype == torch.float16
+        assert torch.equal(r0["final"][k], r1["final"][k]), k
+
+
+# ------------------------------------------------------------------------------------------------
+# issue 19 item 5: FP16 storage, FP32 math (DeepSpeech 2, section 4.3)
+
+
+@pytest.mark.parametrize("impl", precision.IMPLS)
+def test_fp16_storage_stores_fp16_and_computes_fp32(impl):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 3))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    r = recipe_for(m, opt, "fp16_storage", impl)
+    assert r.impl == "paper" and r.loss_scale == 1.0
+    assert all(p.dtype == torch.float16 for p in m.parameters())
+    assert all(p.dtype == torch.float32 for p in r.master_params())
+    seen = {}
+    m[0].register_forward_hook(lambda mod, args, out: seen.update(x=args[0], out=out))
+    x = torch.randn(5, 16)
+    with r.autocast():
+        y = m(x)
+    assert seen["x"].dtype == seen["out"].dtype == torch.float16  # activations stored in FP16
+    w, b = m[0].weight, m[0].bias
+    # The layer's output: FP32 arithmetic on the FP16 values, rounded once into FP16 storage.
+    expected = nn.functional.linear(x.half().float(), w.float(), b.float()).half()
+    assert torch.equal(seen["out"], expected)
+    r.backward(nn.functional.cross_entropy(y, torch.tensor([0, 1, 2, 0, 1])))
+    assert all(p.grad.dtype == torch.float16 for p in m.parameters())  # gradients stored in FP16
+    assert r.step(opt)
+
+
+def test_fp16_storage_differs_from_fp16_math():
+    """A recurrent layer: FP16 math rounds every gate to FP16; FP16 storage with FP32 math keeps the
+    cell's arithmetic in FP32 and rounds its output once."""
+    def gru_output(prec):
+        torch.manual_seed(0)
+        m = nn.GRU(8, 16, batch_first=True)
+        ref = copy.deepcopy(m)
+        r = recipe_for(m, torch.optim.SGD(m.parameters(), lr=0.1), prec, "paper")
+        x = torch.randn(4, 12, 8)
+        with r.autocast():
+            out = m(x)[0]
+        ref.load_state_dict({k: v.half().float() for k, v in ref.state_dict().items()})
+        return out, ref(x.half().float())[0].half().float()
+
+    out, fp32_math = gru_output("fp16_storage")
+    assert torch.equal(out, fp32_math)
+    out16, fp32_math = gru_output("fp16")
+    assert (out16 != fp32_math).float().mean() > 0.1
+
+
+def test_fp16_storage_loss_scale_and_validation():
+    assert precision.parse_loss_scale("auto", "fp16_storage") is None
+    assert precision.parse_loss_scale("dynamic", "fp16_storage") == "dynamic"
+    assert precision.parse_loss_scale("128", "fp16_storage") == 128.0
+    from mpt.config import validate
+
+    validate(cfg_of("fp16_storage", "paper", "dynamic"))
+
+
+def test_fp32_kept_module_is_its_own_master():
+    """A module marked keep_fp32 (the bigLSTM's softmax) keeps FP32 parameters under impl=paper, gets
+    FP32 inputs, and needs no second FP32 copy; the checkpoint holds only the separate masters."""
+    class Head(nn.Linear):
+        keep_fp32 = True
+
+        def forward(self, x):
+            self.seen = x.dtype
+            return super().forward(x)
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), Head(4, 3))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    r = recipe_for(m, opt, "mixed", "paper", 8)
+    assert m[0].weight.dtype == torch.float16 and m[2].weight.dtype == torch.float32
+    masters = r.master_params()
+    assert masters[4] is m[2].weight and masters[2] is m[1].weight  # no copies of FP32 parameters
+    assert masters[0] is not m[0].weight and masters[0].dtype == torch.float32
+    x, y = data(n=6)
+    step(r, m, opt, x[:, :, 0, :4].mean(1), y)
+    assert m[2].seen == torch.float32
+    assert len(r.state_dict()["master"][0]) == 2  # the first Linear's weight and bias
+
+
+def test_fp16_pure_matches_by_hand_ablation():
+    """fp16_pure, 20 steps, equals by hand: FP16 weights, forward/backward in FP16, each step an FP32
+    copy of the FP16 weights updated by SGD (momentum, Nesterov, weight decay; state FP32) and rounded
+    back into FP16."""
+    torch.manual_seed(0)
+    lin = nn.Linear(6, 3)
+    ref_w16 = [p.detach().half() for p in lin.parameters()]
+    opt = torch.optim.SGD(lin.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)
+    r = recipe_for(lin, opt, "fp16_pure", "paper")
+    work = [torch.zeros(w.shape) for w in ref_w16]
+    ref_opt = torch.optim.SGD(work, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(20):
+        x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+        step(r, lin, opt, x, y)
+        w16 = [w.clone().requires_grad_() for w in ref_w16]
+        nn.functional.cross_entropy(nn.functional.linear(x.half(), w16[0], w16[1]).float(), y).backward()
+        with torch.no_grad():
+            for wk, w in zip(work, w16):
+                wk.copy_(w)
+                wk.grad = w.grad.float()
+        ref_opt.step()
+        ref_w16 = [wk.detach().half() for wk in work]
+    for p, w in zip(lin.parameters(), ref_w16):
+        assert torch.equal(p.detach(), w)

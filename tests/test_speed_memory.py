@@ -159,7 +159,9 @@ def test_command_on_cpu_two_tiny_models(tmp_path):
             assert r["ratios"]["vs_tf32"] is None
             assert 0.4 < f["activation_only"] < 0.8  # FP16 activations, FP32 loss and int64 pooling indices
             assert r["optimizer_state_bytes"] == base["param_bytes"]  # SGD momentum of every FP32 weight
-        assert rows[(m, "mixed", "paper")]["master_bytes"] == base["param_bytes"]
+        # FP32 masters of the FP16 parameters only: the norm layers' FP32 parameters are their own master.
+        paper = rows[(m, "mixed", "paper")]
+        assert 0 < paper["master_bytes"] == 2 * (base["param_bytes"] - paper["param_bytes"]) <= base["param_bytes"]
         assert rows[(m, "mixed", "autocast")]["saved_weight_cast_bytes"] > 0
     eo = res["engine_overhead"]
     assert [r["precision"] for r in eo] == ["fp32", "mixed"]

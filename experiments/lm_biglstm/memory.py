@@ -6,9 +6,10 @@ Two parts of training memory, measured on the CPU with one real training step th
 own optimizer and precision recipes (mpt.engine.build_optimizer, mpt.precision):
 
 1. Per-parameter state: weights, gradients (dense), Adagrad's accumulator, and for impl=paper the FP32
-   master weights and their gradients. Counted from the tensors after a step, as bytes per parameter;
-   these do not depend on the model's size (checked at several widths), so the full model needs
-   bytes/param x 1,776,948,095. DistributedDataParallel adds one more gradient-sized buffer (its
+   master weights and their gradients. Counted from the tensors after a step, as bytes per parameter,
+   separately for the softmax layer (FP32 in every recipe, as in the reference: models/lm.py) and the
+   rest; these do not depend on the model's size (checked at several widths), so the full model needs
+   bytes/param x parameters of each part (812,514,304 + 793,471 softmax, 963,640,320 the rest). DistributedDataParallel adds one more gradient-sized buffer (its
    all-reduce buckets; gradient_as_bucket_view=False, the engine's setting), and torch's foreach
    Adagrad allocates two FP32 temporaries (sqrt of the accumulator, lr x gradient) for one param group
    at a time -- at most 8 bytes x the largest group, the softmax table; both counted analytically.
@@ -82,17 +83,26 @@ def measure(prec: str, impl: str, scale: str, shape) -> dict:
     recipe.update()
     n_params = sum(p.numel() for p in model.parameters())
     params = list(model.parameters())
-    paper = isinstance(recipe, precision.Paper) and recipe.master
-    masters = [m for _, ms in recipe._pairs for m in ms] if paper else []
-    state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0]
+    # The optimizer's tensor for each parameter (params_of and model.parameters() follow the same
+    # param-group order): a separate FP32 master where the recipe keeps one, else the parameter itself.
+    held = recipe.params_of(opt)
+    softmax = {id(p) for p in model.softmax.parameters()}
+
+    def part(which: str) -> dict:
+        pairs = [(p, h) for p, h in zip(params, held) if (id(p) in softmax) == (which == "softmax")]
+        n = sum(p.numel() for p, _ in pairs)
+        masters = [h for p, h in pairs if h is not p]
+        state = [t for _, h in pairs for t in opt.state[h].values() if isinstance(t, torch.Tensor) and t.dim() > 0]
+        return {"params": n, "weights": _bytes(p for p, _ in pairs) / n, "grads": _bytes(p.grad for p, _ in pairs) / n,
+                "master": _bytes(masters) / n, "master_grads": _bytes(m.grad for m in masters) / n,
+                "optimizer": _bytes(state) / n}
+
+    assert [p.shape for p in params] == [h.shape for h in held]
+    parts = {"softmax": part("softmax"), "rest": part("rest")}
+    total = {k: sum(parts[g][k] * parts[g]["params"] for g in parts) / n_params
+             for k in ("weights", "grads", "master", "master_grads", "optimizer")}
     return {
-        "params": n_params,
-        "weights": _bytes(params) / n_params,
-        "grads": _bytes(p.grad for p in params) / n_params,
-        "master": _bytes(masters) / n_params,
-        "master_grads": _bytes(m.grad for m in masters) / n_params,
-        "optimizer": _bytes(state) / n_params,
-        "grad_dtype_bytes": next(p.grad for p in params if p.grad is not None).element_size(),
+        "params": n_params, **total, "parts": parts,
         "activations": meter.bytes,
     }
 
@@ -107,34 +117,39 @@ def analyse(per_gpu_batch: int = 256, gpu_gb: float = 80.0, shapes=SHAPES, log=p
     log(f"bigLSTM: {full_params:,} parameters; per GPU: {per_gpu_batch} sequences x 20 tokens "
         f"(the paper's batch 1024 over 4 GPUs)")
     largest_group = FULL["vocab_size"] * (FULL["proj_size"] + 1)  # softmax weight + bias
+    full_parts = {"softmax": largest_group, "rest": full_params - largest_group}
     step_b = 8 * largest_group
-    log(f"{'recipe':<22}{'B/param':>9}{'(w+g+opt+m+mg)':>16}{'state GB':>10}{'DDP GB':>8}{'step GB':>9}"
-        f"{'act GB':>8}{'total GB':>10}  fits {gpu_gb:g} GB?")
+    log(f"{'recipe':<22}{'B/param':>9}{'rest (w+g+opt+m+mg)':>21}{'softmax':>15}{'state GB':>10}{'DDP GB':>8}"
+        f"{'step GB':>9}{'act GB':>8}{'total GB':>10}  fits {gpu_gb:g} GB?")
+    keys = ("weights", "grads", "optimizer", "master", "master_grads")
     for prec, impl, scale in RECIPES:
         rows = [measure(prec, impl, scale, s) for s in shapes]
-        per = {k: [r[k] for r in rows] for k in ("weights", "grads", "master", "master_grads", "optimizer")}
-        # Per-parameter state must not depend on the shape: the same bytes/param at every size.
-        spread = max(max(v) - min(v) for v in per.values())
-        bpp = {k: float(np.mean(v)) for k, v in per.items()}
+        # Per-parameter state of each part must not depend on the shape: the same bytes/param at every size.
+        per = {g: {k: [r["parts"][g][k] for r in rows] for k in keys} for g in full_parts}
+        spread = max(max(v) - min(v) for g in per for v in per[g].values())
+        bpp_parts = {g: {k: float(np.mean(v)) for k, v in per[g].items()} for g in per}
+        bpp = {k: sum(bpp_parts[g][k] * full_parts[g] for g in full_parts) / full_params for k in keys}
         X = np.array([features(*s) for s in shapes], dtype=np.float64)
         yv = np.array([r["activations"] for r in rows], dtype=np.float64)
         coef, *_ = np.linalg.lstsq(X, yv, rcond=None)
         resid = float(np.max(np.abs(X @ coef - yv) / yv))
         act = float(np.dot(coef, features(*full_shape)))
         state_b = sum(bpp.values()) * full_params
-        ddp_b = rows[0]["grad_dtype_bytes"] * full_params
+        ddp_b = bpp["grads"] * full_params  # DDP's buckets: one more copy of the model's gradients
         total = state_b + ddp_b + step_b + 1.5 * act
         name = f"{prec}/{impl}" + (f" S={scale}" if prec == "mixed" else "")
         fits = total < gpu_gb * 1e9
         out["recipes"][name] = {
             "bytes_per_param": bpp, "bytes_per_param_total": sum(bpp.values()), "bytes_per_param_spread": spread,
+            "bytes_per_param_parts": bpp_parts,
             "state_gb": state_b / 1e9, "ddp_buckets_gb": ddp_b / 1e9, "optimizer_step_gb": step_b / 1e9,
             "activations_gb": act / 1e9,
             "activation_fit": dict(zip(FEATURES, map(float, coef))), "activation_fit_max_rel_residual": resid,
             "total_gb_with_margin": total / 1e9, "fits": fits,
         }
-        parts = "+".join(f"{bpp[k]:g}" for k in ("weights", "grads", "optimizer", "master", "master_grads"))
-        log(f"{name:<22}{sum(bpp.values()):>9g}{parts:>16}{state_b / 1e9:>10.1f}{ddp_b / 1e9:>8.1f}{step_b / 1e9:>9.1f}"
+        rest, soft = ("+".join(f"{bpp_parts[g][k]:g}" for k in keys) for g in ("rest", "softmax"))
+        log(f"{name:<22}{sum(bpp.values()):>9.3g}{rest:>21}{soft:>15}{state_b / 1e9:>10.1f}{ddp_b / 1e9:>8.1f}"
+            f"{step_b / 1e9:>9.1f}"
             f"{act / 1e9:>8.1f}"
             f"{total / 1e9:>10.1f}  {'yes' if fits else 'NO'}"
             + (f"  (fit residual {resid:.1%})" if resid > 1e-3 else ""))

@@ -37,6 +37,9 @@ class TaskCfg:
     loss_sum_over_steps: bool = True  # gradient of the window's summed NLL (reference: loss x num_steps)
     emb_grad_scale: float = 256.0  # reference multiplies embedding gradients by the per-GPU batch (1024 / 4)
     lstm_clip_norm: float = 1.0  # global norm of the LSTM gradients only (f-lm BIGLSTM: max_grad_norm=1)
+    # The softmax layer in FP32 whatever the precision, as f-lm (models/lm.py); True: stored and
+    # multiplied in the model's dtype (FP16 under impl=paper), logits still reduced in FP32.
+    softmax_fp16: bool = False
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -91,7 +94,8 @@ class Task:
             raise UserError(f"task.num_sampled={c.num_sampled} must be below the vocabulary size "
                             f"({self.vocab_size:,}); use task.num_sampled=0 for the full softmax")
         model = models.build(cfg.model, vocab_size=self.vocab_size, width=cfg.width, num_sampled=c.num_sampled,
-                             num_layers=c.num_layers, dropout=c.dropout, forget_bias=c.forget_bias)
+                             num_layers=c.num_layers, dropout=c.dropout, forget_bias=c.forget_bias,
+                             softmax_fp16=c.softmax_fp16)
         self.dims = (len(model.lstm), model.proj_size, model.hidden_size)
         self.num_steps, self.sum_steps = c.num_steps, c.loss_sum_over_steps
         return model
