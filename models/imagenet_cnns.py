@@ -9,16 +9,13 @@ windows are exactly the reference ones.
 
 Which reference each model follows:
 
-- alexnet: single-tower AlexNet as in torchvision (Krizhevsky 2014, "One weird trick",
-  64-192-384-256-256 filters, no LRN, no grouped convolutions); 61,100,840 parameters.
-  The paper trained Caffe's bvlc_alexnet (96-256-384-384-256, LRN, group=2 in conv2/4/5,
-  227 crops; 60,965,224 parameters). We keep the single tower because groups were a
-  two-GPU memory workaround, not part of the method; initialisation and the training recipe
-  are bvlc_alexnet's (weights N(0, 0.01), fc6/fc7 N(0, 0.005), biases 0.1 on conv2/4/5 and
-  fc6/7, else 0).
-- vgg16: VGG configuration D (Simonyan & Zisserman 2015, Table 1), 138,357,544 parameters.
-  Initialisation: Glorot uniform weights, zero biases -- section 3.1's note that this trains
-  D from scratch without initialising it from configuration A.
+- alexnet: Caffe's bvlc_alexnet (train_val.prototxt): 96-256-384-384-256 filters, conv2/4/5
+  in two groups, LRN after conv1 and conv2, ceil-mode max pools, dropout after fc6 and fc7,
+  227x227 crops; 60,965,224 parameters. Its fillers: weights N(0, 0.01), fc6/fc7 N(0, 0.005),
+  biases 0.1 on conv2/4/5 and fc6/7, else 0.
+- vgg16: VGG configuration D (Simonyan & Zisserman 2015, Table 1), 138,357,544 parameters,
+  with NVCaffe 0.16 models/vgg16's fillers: "xavier" convolutions with bias 0.1, fully
+  connected N(0, 0.01) with bias 0.
 - googlenet: Inception v1 (Szegedy et al. 2015) as replicated by Caffe's bvlc_googlenet:
   biased convolutions, no batch norm, LRN after pool1 and conv2, 5x5 branches, max-pool
   projection, dropout 0.4, two auxiliary heads after 4a and 4d (loss weight 0.3 each,
@@ -32,10 +29,13 @@ Which reference each model follows:
   11,285,224 parameters; the Cadene pretrainedmodels `bninception` port has 11,295,240 because
   its convolutions keep the bias of the Caffe model it was converted from (ours + 10,016 conv
   biases, redundant before BN). The BN paper itself says 13.6M without a breakdown.
-- inception_v3: Szegedy et al. 2016 as in torchvision / TF-slim (the released Google model):
-  23,834,568 parameters without the auxiliary head, 27,161,264 with it (weight 0.4 in the
-  torchvision reference recipe). BN eps 1e-3, truncated-normal weights (std 0.1; auxiliary
-  conv 0.01, auxiliary FC 0.001) as in torchvision.
+- inception_v3: NVCaffe 0.16 models/inception_v3/train_val.prototxt (NVIDIA's Caffe, which ran
+  the paper's Caffe models): the v3 paper's Table 1 -- 3x3 stem ending in 288 filters, 3 x 35x35,
+  5 x 17x17 (c7 = 128, 160, 160, 192, 192) and 2 x 8x8 modules -- BN eps 1e-4, "xavier" weights,
+  no dropout, two auxiliary heads (loss1 after the 35->17 reduction, loss2 after 17->8; loss
+  weight 0.3 each). Its final 7x7/1 pool leaves 2x2 of the 8x8 map, so the classifier takes
+  8,192 features. 32,410,760 parameters without the heads, 38,526,552 with them (torchvision's
+  TF-slim layout, a different net: 23,834,568 / 27,161,264).
 - resnet50_preact: pre-activation ResNet-50 (He et al. 2016b, "Identity mappings"):
   BN-ReLU-conv ordering, stride on the 3x3 convolution, projection shortcuts without BN
   taking the pre-activated input, conv1-BN-ReLU stem, final BN-ReLU before pooling; laid out
