@@ -141,3 +141,29 @@ def test_lrn_matches_torch_and_survives_fp16():
     big = torch.full((1, 8, 3, 3), 1000.0, dtype=torch.float16)  # 1000^2 overflows FP16
     out = LRN()(big)
     assert out.dtype == torch.float16 and torch.isfinite(out).all() and (out > 0).all()
+
+
+def test_sync_bn_switch_converts_batch_norm_on_multi_gpu_runs(monkeypatch):
+    """task.sync_bn (issue 19 item 1): SyncBatchNorm when a run has several ranks and GPUs; a one-line
+    error on a multi-process CPU run; nothing in a one-process run."""
+    from experiments.ilsvrc_cnns.task import Task
+    from mpt.config import resolve
+
+    cfg = resolve("ilsvrc_cnns", ["model=inception_v2", "width=0.03125", "task.sync_bn=true"])
+    task = Task()
+    task.num_classes = 10
+
+    def n_sync(model):
+        return sum(isinstance(m, torch.nn.SyncBatchNorm) for m in model.modules())
+
+    assert n_sync(task.build_model(cfg)) == 0  # one process: plain BN
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a: 8)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError, match="task.sync_bn=true needs GPUs"):
+        task.build_model(cfg)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    model = task.build_model(cfg)
+    assert n_sync(model) > 0 and not any(type(m) is torch.nn.BatchNorm2d for m in model.modules())
+    cfg.task.sync_bn = False
+    assert n_sync(task.build_model(cfg)) == 0
