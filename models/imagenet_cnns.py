@@ -9,16 +9,13 @@ windows are exactly the reference ones.
 
 Which reference each model follows:
 
-- alexnet: single-tower AlexNet as in torchvision (Krizhevsky 2014, "One weird trick",
-  64-192-384-256-256 filters, no LRN, no grouped convolutions); 61,100,840 parameters.
-  The paper trained Caffe's bvlc_alexnet (96-256-384-384-256, LRN, group=2 in conv2/4/5,
-  227 crops; 60,965,224 parameters). We keep the single tower because groups were a
-  two-GPU memory workaround, not part of the method; initialisation and the training recipe
-  are bvlc_alexnet's (weights N(0, 0.01), fc6/fc7 N(0, 0.005), biases 0.1 on conv2/4/5 and
-  fc6/7, else 0).
-- vgg16: VGG configuration D (Simonyan & Zisserman 2015, Table 1), 138,357,544 parameters.
-  Initialisation: Glorot uniform weights, zero biases -- section 3.1's note that this trains
-  D from scratch without initialising it from configuration A.
+- alexnet: Caffe's bvlc_alexnet (train_val.prototxt): 96-256-384-384-256 filters, conv2/4/5
+  in two groups, LRN after conv1 and conv2, ceil-mode max pools, dropout after fc6 and fc7,
+  227x227 crops; 60,965,224 parameters. Its fillers: weights N(0, 0.01), fc6/fc7 N(0, 0.005),
+  biases 0.1 on conv2/4/5 and fc6/7, else 0.
+- vgg16: VGG configuration D (Simonyan & Zisserman 2015, Table 1), 138,357,544 parameters,
+  with NVCaffe 0.16 models/vgg16's fillers: "xavier" convolutions with bias 0.1, fully
+  connected N(0, 0.01) with bias 0.
 - googlenet: Inception v1 (Szegedy et al. 2015) as replicated by Caffe's bvlc_googlenet:
   biased convolutions, no batch norm, LRN after pool1 and conv2, 5x5 branches, max-pool
   projection, dropout 0.4, two auxiliary heads after 4a and 4d (loss weight 0.3 each,
@@ -32,10 +29,13 @@ Which reference each model follows:
   11,285,224 parameters; the Cadene pretrainedmodels `bninception` port has 11,295,240 because
   its convolutions keep the bias of the Caffe model it was converted from (ours + 10,016 conv
   biases, redundant before BN). The BN paper itself says 13.6M without a breakdown.
-- inception_v3: Szegedy et al. 2016 as in torchvision / TF-slim (the released Google model):
-  23,834,568 parameters without the auxiliary head, 27,161,264 with it (weight 0.4 in the
-  torchvision reference recipe). BN eps 1e-3, truncated-normal weights (std 0.1; auxiliary
-  conv 0.01, auxiliary FC 0.001) as in torchvision.
+- inception_v3: NVCaffe 0.16 models/inception_v3/train_val.prototxt (NVIDIA's Caffe, which ran
+  the paper's Caffe models): the v3 paper's Table 1 -- 3x3 stem ending in 288 filters, 3 x 35x35,
+  5 x 17x17 (c7 = 128, 160, 160, 192, 192) and 2 x 8x8 modules -- BN eps 1e-4, "xavier" weights,
+  no dropout, two auxiliary heads (loss1 after the 35->17 reduction, loss2 after 17->8; loss
+  weight 0.3 each). Its final 7x7/1 pool leaves 2x2 of the 8x8 map, so the classifier takes
+  8,192 features. 32,410,760 parameters without the heads, 38,526,552 with them (torchvision's
+  TF-slim layout, a different net: 23,834,568 / 27,161,264).
 - resnet50_preact: pre-activation ResNet-50 (He et al. 2016b, "Identity mappings"):
   BN-ReLU-conv ordering, stride on the 3x3 convolution, projection shortcuts without BN
   taking the pre-activated input, conv1-BN-ReLU stem, final BN-ReLU before pooling; laid out
@@ -59,12 +59,12 @@ from models import register
 from mpt.errors import UserError
 
 # Loss weight of each auxiliary classifier (GoogLeNet: bvlc_googlenet train_val.prototxt
-# loss1/loss2 loss_weight 0.3; Inception v3: torchvision classification reference, 0.4).
-AUX_WEIGHTS = {"googlenet": 0.3, "inception_v3": 0.4}
+# loss1/loss2 loss_weight 0.3; Inception v3: NVCaffe 0.16 models/inception_v3, loss1/loss2 0.3).
+AUX_WEIGHTS = {"googlenet": 0.3, "inception_v3": 0.3}
 
 # Training/eval crop of each model at full size (Inception v3 was designed for 299x299).
 INPUT_SIZE = {
-    "alexnet": 224,
+    "alexnet": 227,
     "vgg16": 224,
     "googlenet": 224,
     "inception_v2": 224,
@@ -156,27 +156,32 @@ class ConvBNReLU(nn.Sequential):
 # ----------------------------------------------------------------------------- AlexNet
 
 class AlexNet(nn.Module):
+    """bvlc_alexnet (Caffe models/bvlc_alexnet/train_val.prototxt): 96-256-384-384-256 filters,
+    conv2/4/5 in two groups (the two GPU towers of Krizhevsky et al. 2012), LRN after conv1 and
+    conv2, max pools in Caffe's ceil mode, dropout 0.5 after fc6 and fc7."""
+
     def __init__(self, num_classes: int, width: float):
         super().__init__()
-        c = _scaler(width)
-        c1, c2, c3, c4, c5, hidden = c(64), c(192), c(384), c(256), c(256), c(4096)
+        # Grouped convolutions need even channel counts at every width.
+        c = lambda ch: 2 * max(1, int(round(ch * width / 2)))  # noqa: E731
+        c1, c2, c3, c4, c5, hidden = c(96), c(256), c(384), c(384), c(256), _scaler(width)(4096)
         self.aux_logits = False
         self.features = nn.Sequential(
-            nn.Conv2d(3, c1, 11, stride=4, padding=2), nn.ReLU(inplace=True),
-            nn.MaxPool2d(3, 2),
-            nn.Conv2d(c1, c2, 5, padding=2), nn.ReLU(inplace=True),
-            nn.MaxPool2d(3, 2),
+            nn.Conv2d(3, c1, 11, stride=4), nn.ReLU(inplace=True), LRN(),
+            nn.MaxPool2d(3, 2, ceil_mode=True),
+            nn.Conv2d(c1, c2, 5, padding=2, groups=2), nn.ReLU(inplace=True), LRN(),
+            nn.MaxPool2d(3, 2, ceil_mode=True),
             nn.Conv2d(c2, c3, 3, padding=1), nn.ReLU(inplace=True),
-            nn.Conv2d(c3, c4, 3, padding=1), nn.ReLU(inplace=True),
-            nn.Conv2d(c4, c5, 3, padding=1), nn.ReLU(inplace=True),
-            nn.MaxPool2d(3, 2),
+            nn.Conv2d(c3, c4, 3, padding=1, groups=2), nn.ReLU(inplace=True),
+            nn.Conv2d(c4, c5, 3, padding=1, groups=2), nn.ReLU(inplace=True),
+            nn.MaxPool2d(3, 2, ceil_mode=True),
         )
-        # 6x6 is the map at 224x224; adaptive pooling keeps fc6's input size at other sizes.
+        # 6x6 is the map at 227x227; adaptive pooling keeps fc6's input size at other sizes.
         self.pool = nn.AdaptiveAvgPool2d(6)
         self.classifier = nn.Sequential(
-            nn.Dropout(0.5), nn.Linear(c5 * 36, hidden), nn.ReLU(inplace=True),
-            nn.Dropout(0.5), nn.Linear(hidden, hidden), nn.ReLU(inplace=True),
-            nn.Linear(hidden, num_classes),
+            nn.Linear(c5 * 36, hidden), nn.ReLU(inplace=True), nn.Dropout(0.5),   # fc6, drop6
+            nn.Linear(hidden, hidden), nn.ReLU(inplace=True), nn.Dropout(0.5),    # fc7, drop7
+            nn.Linear(hidden, num_classes),                                       # fc8
         )
         # bvlc_alexnet train_val.prototxt fillers, layer by layer.
         convs = [m for m in self.features if isinstance(m, nn.Conv2d)]
@@ -223,9 +228,14 @@ class VGG(nn.Module):
             nn.Linear(hidden, hidden), nn.ReLU(inplace=True), nn.Dropout(0.5),
             nn.Linear(hidden, num_classes),
         )
+        # NVCaffe 0.16 models/vgg16/train_val.prototxt fillers: convolutions "xavier" with bias
+        # 0.1, fully connected layers N(0, 0.01) with bias 0.
         for m in self.modules():
-            if isinstance(m, (nn.Conv2d, nn.Linear)):
-                nn.init.xavier_uniform_(m.weight)
+            if isinstance(m, nn.Conv2d):
+                _caffe_xavier_(m.weight)
+                nn.init.constant_(m.bias, 0.1)
+            elif isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, 0.0, 0.01)
                 nn.init.zeros_(m.bias)
 
     def forward(self, x):
@@ -426,114 +436,124 @@ def inception_v2(num_classes: int = 1000, width: float = 1.0, aux_logits: bool =
 
 
 # ----------------------------------------------------------------------------- Inception v3
+# NVCaffe 0.16 models/inception_v3/train_val.prototxt, the net the paper's Inception v3 row ran in
+# NVIDIA's Caffe: the topology of Szegedy et al. 2016, Table 1 (conv 3x3 stem ending in 288 filters,
+# 3 x figure-5 modules, 5 x figure-6, 2 x figure-7), Caffe "xavier" weights, no conv biases, BN eps 1e-4.
 
 def _cbr3(cin, cout, kernel, stride=1, padding=0):
-    return ConvBNReLU(cin, cout, kernel, stride, padding, eps=1e-3)
+    return ConvBNReLU(cin, cout, kernel, stride, padding, eps=1e-4)
 
 
 def _avg3(x):
-    # TF-"SAME" 3x3/1 average excludes the padding from the count.
-    return F.avg_pool2d(x, 3, 1, 1, count_include_pad=False)
+    # Caffe's padded 3x3/1 average divides by 9 everywhere (the padding is counted).
+    return F.avg_pool2d(x, 3, 1, 1)
 
 
-class InceptionA(nn.Module):
-    """35x35 module (Mixed_5b-d)."""
-
-    def __init__(self, cin, pool_features, c):
-        super().__init__()
-        self.b1 = _cbr3(cin, c(64), 1)
-        self.b5 = nn.Sequential(_cbr3(cin, c(48), 1), _cbr3(c(48), c(64), 5, padding=2))
-        self.bd = nn.Sequential(_cbr3(cin, c(64), 1), _cbr3(c(64), c(96), 3, padding=1),
-                                _cbr3(c(96), c(96), 3, padding=1))
-        self.bp = _cbr3(cin, pool_features, 1)
-        self.out_channels = c(64) + c(64) + c(96) + pool_features
-
-    def forward(self, x):
-        return torch.cat([self.b1(x), self.b5(x), self.bd(x), self.bp(_avg3(x))], 1)
+def _fac(cin, mid, cout, pairs):
+    """1x1 to `mid`, then `pairs` of (1x7, 7x1) convolutions; the last one outputs `cout`."""
+    layers, ch = [_cbr3(cin, mid, 1)], mid
+    for i in range(pairs):
+        out = cout if i == pairs - 1 else mid
+        layers += [_cbr3(ch, mid, (1, 7), padding=(0, 3)), _cbr3(mid, out, (7, 1), padding=(3, 0))]
+        ch = out
+    return nn.Sequential(*layers)
 
 
-class ReductionA(nn.Module):
-    """35x35 -> 17x17 (Mixed_6a)."""
+class InceptionFig5(nn.Module):
+    """35x35 module 3A-3C: 1x1 64 | 1x1 64 -> 3x3 96 | 1x1 48 -> 3x3 64 -> 3x3 64 | avg -> 1x1 64."""
 
     def __init__(self, cin, c):
         super().__init__()
-        self.b3 = _cbr3(cin, c(384), 3, stride=2)
-        self.bd = nn.Sequential(_cbr3(cin, c(64), 1), _cbr3(c(64), c(96), 3, padding=1),
-                                _cbr3(c(96), c(96), 3, stride=2))
-        self.out_channels = c(384) + c(96) + cin
+        self.p1 = _cbr3(cin, c(64), 1)
+        self.p2 = nn.Sequential(_cbr3(cin, c(64), 1), _cbr3(c(64), c(96), 3, padding=1))
+        self.p3 = nn.Sequential(_cbr3(cin, c(48), 1), _cbr3(c(48), c(64), 3, padding=1),
+                                _cbr3(c(64), c(64), 3, padding=1))
+        self.p4 = _cbr3(cin, c(64), 1)
+        self.out_channels = c(64) + c(96) + c(64) + c(64)
 
     def forward(self, x):
-        return torch.cat([self.b3(x), self.bd(x), F.max_pool2d(x, 3, 2)], 1)
+        return torch.cat([self.p1(x), self.p2(x), self.p3(x), self.p4(_avg3(x))], 1)
 
 
-class InceptionC(nn.Module):
-    """17x17 module with factorised 7x7 convolutions (Mixed_6b-e)."""
+class Reduction3R(nn.Module):
+    """35x35 -> 17x17: 1x1 64 -> 3x3 96 -> 3x3/2 96 | 3x3/2 384 | max 3x3/2."""
+
+    def __init__(self, cin, c):
+        super().__init__()
+        self.p1 = nn.Sequential(_cbr3(cin, c(64), 1), _cbr3(c(64), c(96), 3, padding=1),
+                                _cbr3(c(96), c(96), 3, stride=2))
+        self.p2 = _cbr3(cin, c(384), 3, stride=2)
+        self.out_channels = c(96) + c(384) + cin
+
+    def forward(self, x):
+        return torch.cat([self.p1(x), self.p2(x), F.max_pool2d(x, 3, 2)], 1)
+
+
+class InceptionFig6(nn.Module):
+    """17x17 module 4A-4E with factorised 7x7s (c7 = 128, 160, 160, 192, 192):
+    1x1 192 | 1x1 c7 -> 1x7 -> 7x1 192 | 1x1 c7 -> (1x7 -> 7x1) x 2 -> 192 | avg -> 1x1 192."""
 
     def __init__(self, cin, c7, c):
         super().__init__()
-        o = c(192)
-        self.b1 = _cbr3(cin, o, 1)
-        self.b7 = nn.Sequential(_cbr3(cin, c7, 1), _cbr3(c7, c7, (1, 7), padding=(0, 3)),
-                                _cbr3(c7, o, (7, 1), padding=(3, 0)))
-        self.bd = nn.Sequential(_cbr3(cin, c7, 1),
-                                _cbr3(c7, c7, (7, 1), padding=(3, 0)), _cbr3(c7, c7, (1, 7), padding=(0, 3)),
-                                _cbr3(c7, c7, (7, 1), padding=(3, 0)), _cbr3(c7, o, (1, 7), padding=(0, 3)))
-        self.bp = _cbr3(cin, o, 1)
-        self.out_channels = 4 * o
+        self.p1 = _cbr3(cin, c(192), 1)
+        self.p2 = _fac(cin, c7, c(192), pairs=1)
+        self.p3 = _fac(cin, c7, c(192), pairs=2)
+        self.p4 = _cbr3(cin, c(192), 1)
+        self.out_channels = 4 * c(192)
 
     def forward(self, x):
-        return torch.cat([self.b1(x), self.b7(x), self.bd(x), self.bp(_avg3(x))], 1)
+        return torch.cat([self.p1(x), self.p2(x), self.p3(x), self.p4(_avg3(x))], 1)
 
 
-class ReductionB(nn.Module):
-    """17x17 -> 8x8 (Mixed_7a)."""
+class Reduction4R(nn.Module):
+    """17x17 -> 8x8: 1x1 192 -> 3x3/2 320 | 1x1 192 -> 1x7 -> 7x1 -> 3x3/2 192 | max 3x3/2."""
 
     def __init__(self, cin, c):
         super().__init__()
-        self.b3 = nn.Sequential(_cbr3(cin, c(192), 1), _cbr3(c(192), c(320), 3, stride=2))
-        self.b7 = nn.Sequential(_cbr3(cin, c(192), 1), _cbr3(c(192), c(192), (1, 7), padding=(0, 3)),
-                                _cbr3(c(192), c(192), (7, 1), padding=(3, 0)),
-                                _cbr3(c(192), c(192), 3, stride=2))
+        self.p1 = nn.Sequential(_cbr3(cin, c(192), 1), _cbr3(c(192), c(320), 3, stride=2))
+        self.p2 = nn.Sequential(_fac(cin, c(192), c(192), pairs=1), _cbr3(c(192), c(192), 3, stride=2))
         self.out_channels = c(320) + c(192) + cin
 
     def forward(self, x):
-        return torch.cat([self.b3(x), self.b7(x), F.max_pool2d(x, 3, 2)], 1)
+        return torch.cat([self.p1(x), self.p2(x), F.max_pool2d(x, 3, 2)], 1)
 
 
-class InceptionE(nn.Module):
-    """8x8 module with expanded 1x3/3x1 outputs (Mixed_7b-c)."""
+class InceptionFig7(nn.Module):
+    """8x8 module 5A-5B with expanded outputs: 1x1 320 | 1x1 384 -> (1x3 | 3x1) 384 |
+    1x1 448 -> 3x3 384 -> (1x3 | 3x1) 384 | avg -> 1x1 192."""
 
     def __init__(self, cin, c):
         super().__init__()
-        self.b1 = _cbr3(cin, c(320), 1)
-        self.b3 = _cbr3(cin, c(384), 1)
-        self.b3a = _cbr3(c(384), c(384), (1, 3), padding=(0, 1))
-        self.b3b = _cbr3(c(384), c(384), (3, 1), padding=(1, 0))
-        self.bd = nn.Sequential(_cbr3(cin, c(448), 1), _cbr3(c(448), c(384), 3, padding=1))
-        self.bda = _cbr3(c(384), c(384), (1, 3), padding=(0, 1))
-        self.bdb = _cbr3(c(384), c(384), (3, 1), padding=(1, 0))
-        self.bp = _cbr3(cin, c(192), 1)
+        self.p1 = _cbr3(cin, c(320), 1)
+        self.p2 = _cbr3(cin, c(384), 1)
+        self.p2a = _cbr3(c(384), c(384), (1, 3), padding=(0, 1))
+        self.p2b = _cbr3(c(384), c(384), (3, 1), padding=(1, 0))
+        self.p3 = nn.Sequential(_cbr3(cin, c(448), 1), _cbr3(c(448), c(384), 3, padding=1))
+        self.p3a = _cbr3(c(384), c(384), (1, 3), padding=(0, 1))
+        self.p3b = _cbr3(c(384), c(384), (3, 1), padding=(1, 0))
+        self.p4 = _cbr3(cin, c(192), 1)
         self.out_channels = c(320) + 4 * c(384) + c(192)
 
     def forward(self, x):
-        b3, bd = self.b3(x), self.bd(x)
-        return torch.cat([self.b1(x), self.b3a(b3), self.b3b(b3), self.bda(bd), self.bdb(bd),
-                          self.bp(_avg3(x))], 1)
+        p2, p3 = self.p2(x), self.p3(x)
+        return torch.cat([self.p1(x), self.p2a(p2), self.p2b(p2), self.p3a(p3), self.p3b(p3),
+                          self.p4(_avg3(x))], 1)
 
 
 class InceptionV3Aux(nn.Module):
-    """Auxiliary head on the 17x17 grid: 5x5/3 avg-pool (17 -> 5), 1x1 conv 128, 5x5 conv 768,
-    classifier (the BN-auxiliary of Szegedy et al. 2016, section 7)."""
+    """loss1 (after 3R, 17x17) / loss2 (after 4R, 8x8) head: 5x5/3 average pool (to 5x5 / 2x2),
+    1x1 conv 128 + BN + ReLU, fc 1024 + ReLU, classifier; no dropout."""
 
-    def __init__(self, cin, num_classes, c):
+    def __init__(self, cin, num_classes, c, ref_size, grid):
         super().__init__()
-        self.conv0 = _cbr3(cin, c(128), 1)
-        self.conv1 = _cbr3(c(128), c(768), 5)
-        self.fc = nn.Linear(c(768), num_classes)
+        self.ref_size, self.grid = ref_size, grid
+        self.conv = _cbr3(cin, c(128), 1)
+        self.fc = nn.Linear(c(128) * grid * grid, c(1024))
+        self.classifier = nn.Linear(c(1024), num_classes)
 
     def forward(self, x):
-        x = self.conv1(self.conv0(_pool_to(x, 5, 3, ref_size=17, out=5)))
-        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+        x = self.conv(_pool_to(x, 5, 3, ref_size=self.ref_size, out=self.grid))
+        return self.classifier(F.relu(self.fc(torch.flatten(x, 1)), inplace=True))
 
 
 class InceptionV3(nn.Module):
@@ -544,40 +564,46 @@ class InceptionV3(nn.Module):
         self.stem = nn.Sequential(
             _cbr3(3, c(32), 3, stride=2), _cbr3(c(32), c(32), 3), _cbr3(c(32), c(64), 3, padding=1),
             nn.MaxPool2d(3, 2),
-            _cbr3(c(64), c(80), 1), _cbr3(c(80), c(192), 3),
-            nn.MaxPool2d(3, 2),
+            _cbr3(c(64), c(80), 3), _cbr3(c(80), c(192), 3, stride=2), _cbr3(c(192), c(288), 3, padding=1),
         )
-        m5b = InceptionA(c(192), c(32), c)
-        m5c = InceptionA(m5b.out_channels, c(64), c)
-        m5d = InceptionA(m5c.out_channels, c(64), c)
-        m6a = ReductionA(m5d.out_channels, c)
-        cin = m6a.out_channels
-        m6 = [InceptionC(cin, c(c7), c) for c7 in (128, 160, 160, 192)]
-        self.mixed_5_6 = nn.Sequential(m5b, m5c, m5d, m6a, *m6)
+        blocks, cin = [], c(288)
+        for _ in range(3):
+            blocks.append(InceptionFig5(cin, c))
+            cin = blocks[-1].out_channels
+        blocks.append(Reduction3R(cin, c))
+        self.mixed_3 = nn.Sequential(*blocks)
+        cin = blocks[-1].out_channels
         if aux_logits:
-            self.aux = InceptionV3Aux(cin, num_classes, c)
-        m7a = ReductionB(cin, c)
-        m7b = InceptionE(m7a.out_channels, c)
-        m7c = InceptionE(m7b.out_channels, c)
-        self.mixed_7 = nn.Sequential(m7a, m7b, m7c)
-        self.pool = nn.AdaptiveAvgPool2d(1)
-        self.drop = nn.Dropout(0.5)
-        self.fc = nn.Linear(m7c.out_channels, num_classes)
-        # torchvision's initialisation: truncated normal (+-2 std) weights, BN gamma 1 / beta 0.
+            self.aux1 = InceptionV3Aux(cin, num_classes, c, ref_size=17, grid=5)
+        blocks = []
+        for c7 in (128, 160, 160, 192, 192):
+            blocks.append(InceptionFig6(cin, c(c7), c))
+            cin = blocks[-1].out_channels
+        blocks.append(Reduction4R(cin, c))
+        self.mixed_4 = nn.Sequential(*blocks)
+        cin = blocks[-1].out_channels
+        if aux_logits:
+            self.aux2 = InceptionV3Aux(cin, num_classes, c, ref_size=8, grid=2)
+        m5a = InceptionFig7(cin, c)
+        m5b = InceptionFig7(m5a.out_channels, c)
+        self.mixed_5 = nn.Sequential(m5a, m5b)
+        # The reference pools the 8x8 map with a 7x7/1 window, leaving 2x2: the classifier sees
+        # 4 x 2048 features (8,192), not the 2,048 of the v3 paper's 8x8 pool.
+        self.fc = nn.Linear(m5b.out_channels * 4, num_classes)
         for m in self.modules():
             if isinstance(m, (nn.Conv2d, nn.Linear)):
-                nn.init.trunc_normal_(m.weight, 0.0, 0.1, -0.2, 0.2)
+                _caffe_xavier_(m.weight)
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
-        if aux_logits:
-            nn.init.trunc_normal_(self.aux.conv1[0].weight, 0.0, 0.01, -0.02, 0.02)
-            nn.init.trunc_normal_(self.aux.fc.weight, 0.0, 0.001, -0.002, 0.002)
 
     def forward(self, x):
-        x = self.mixed_5_6(self.stem(x))
-        aux = [self.aux(x)] if (self.training and self.aux_logits) else []
-        x = self.mixed_7(x)
-        logits = self.fc(self.drop(torch.flatten(self.pool(x), 1)))
+        x = self.mixed_3(self.stem(x))
+        aux = [self.aux1(x)] if (self.training and self.aux_logits) else []
+        x = self.mixed_4(x)
+        if self.training and self.aux_logits:
+            aux.append(self.aux2(x))
+        x = _pool_to(self.mixed_5(x), 7, 1, ref_size=8, out=2)
+        logits = self.fc(torch.flatten(x, 1))
         return _aux_output(self, logits, aux)
 
 

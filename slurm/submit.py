@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import io
 import os
 import pathlib
@@ -219,8 +220,36 @@ def plan(g: G.Grid, force: bool, queue_needed: bool) -> tuple[list[G.Cell], dict
             todo.append(c)
             note = "submit" if st.state == "not submitted" else f"submit ({st.state}: resumes)"
         b = c.cfg.train.batch_size
-        lines.append(f"  {c.run_name:<{width}}  {c.label:<{lwidth}}  batch {b} = {world} x {b // world}  {note}")
+        lines.append(f"  {c.run_name:<{width}}  {c.label:<{lwidth}}  batch {b} = {world} x {b // world}"
+                     f"{bn_batch_note(c.cfg, world, 'GPU' if g.resources.gpus else 'rank')}  {note}")
     return todo, skipped, lines
+
+
+@functools.lru_cache(maxsize=None)
+def has_batchnorm(model: str) -> bool:
+    """Whether the registered model has batch-norm layers. Built at 1/64 width on the CPU: cheap, and
+    the meta device would first import half of torch (tens of seconds on a loaded machine)."""
+    import torch
+
+    import models
+
+    try:
+        m = models.build(model, width=1 / 64)
+    except Exception:  # not a registry model, or one that needs other arguments: nothing to say
+        return False
+    return any(isinstance(x, torch.nn.modules.batchnorm._BatchNorm) for x in m.modules())
+
+
+def bn_batch_note(cfg, world: int, unit: str = "GPU") -> str:
+    """", BN batch N ..." -- the images each batch-norm layer normalises over in one step on a run of
+    several ranks: the per-rank micro-batch, or all ranks' with task.sync_bn (SyncBatchNorm). Empty for
+    one-rank runs (the BN batch is the batch; and no need to import torch for them)."""
+    if world <= 1 or not has_batchnorm(cfg.model):
+        return ""
+    per_rank = cfg.train.batch_size // world // max(cfg.train.accum_steps, 1)
+    if getattr(cfg.task, "sync_bn", False):
+        return f", BN batch {per_rank * world} (synced over {world})"
+    return f", BN batch {per_rank} per {unit}"
 
 
 def print_plan(g: G.Grid, todo, skipped, lines, backend: str, cluster: clusters.Cluster | None, full: bool) -> None:

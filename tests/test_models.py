@@ -14,9 +14,8 @@ MODELS = ["alexnet", "vgg16", "googlenet", "inception_v2", "inception_v3", "resn
 
 # Full size (width=1, 1000 classes). Where a model has auxiliary heads: (with aux, without aux).
 PARAM_COUNTS = {
-    # torchvision.models.alexnet (single tower, Krizhevsky 2014). Caffe's grouped bvlc_alexnet,
-    # which the paper trained, has 60,965,224.
-    "alexnet": 61_100_840,
+    # Caffe models/bvlc_alexnet (two-group conv2/4/5, 96-256-384-384-256): 60,965,224.
+    "alexnet": 60_965_224,
     # torchvision.models.vgg16 = VGG configuration D (Simonyan & Zisserman 2015: "138M").
     "vgg16": 138_357_544,
     # Caffe bvlc_googlenet: 6,998,552 in deploy.prototxt (main tower), plus the two loss1/loss2
@@ -26,8 +25,11 @@ PARAM_COUNTS = {
     # the bias of the Caffe model it was converted from (10,016 of them, redundant before BN);
     # ours (and Caffe models/default_googlenet_v2) have bias_term: false.
     "inception_v2": 11_285_224,
-    # torchvision.models.inception_v3(aux_logits=True / False).
-    "inception_v3": (27_161_264, 23_834_568),
+    # NVCaffe 0.16 models/inception_v3/train_val.prototxt, counted layer by layer (conv weights,
+    # BN scale + bias, FC weights + biases): 32,410,760 without the loss1/loss2 heads, plus
+    # 3,709,928 (loss1: 1x1 conv 128, fc 3200->1024, fc 1000) + 2,405,864 (loss2: fc 512->1024).
+    # The 7x7/1 final pool leaves 2x2 x 2048, so its classifier alone has 8,193,000.
+    "inception_v3": (38_526_552, 32_410_760),
     # timm resnetv2_50 (pre-activation ResNet-50 with final BN) has the same count; computed:
     # torchvision resnet50 (25,557,032) minus the projection-shortcut BNs, plus the final BN.
     "resnet50_preact": 25_549_352,
@@ -41,7 +43,7 @@ def _count(model):
 def test_registry_has_all_six():
     assert set(MODELS) <= set(names())
     assert set(INPUT_SIZE) == set(MODELS)
-    assert set(AUX_WEIGHTS) == {"googlenet", "inception_v3"}
+    assert AUX_WEIGHTS == {"googlenet": 0.3, "inception_v3": 0.3}  # both prototxts: loss_weight 0.3
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -66,7 +68,7 @@ def test_tiny_forward_backward(name):
     out = model(x)
     if name in AUX_WEIGHTS:
         logits, aux = out
-        assert len(aux) == (2 if name == "googlenet" else 1)
+        assert len(aux) == 2  # GoogLeNet and NVCaffe's Inception v3: loss1 and loss2
         assert all(a.shape == (2, 10) for a in aux)
         loss = F.cross_entropy(logits, y) + AUX_WEIGHTS[name] * sum(F.cross_entropy(a, y) for a in aux)
     else:
@@ -101,6 +103,20 @@ def test_aux_off_returns_plain_logits_in_training():
     assert isinstance(out, torch.Tensor) and out.shape == (2, 3)
 
 
+def test_alexnet_grouped_convolutions_at_every_width():
+    """bvlc_alexnet's conv2/4/5 have group 2, so channel counts stay even at any width."""
+    for w in (1 / 8, 1 / 32, 0.3):
+        convs = [m for m in build("alexnet", num_classes=3, width=w).features if isinstance(m, torch.nn.Conv2d)]
+        assert [m.groups for m in convs] == [1, 2, 1, 2, 2]
+        assert all(m.out_channels % 2 == 0 for m in convs)
+    with torch.device("meta"):
+        full = build("alexnet")
+    assert [m.out_channels for m in full.features if isinstance(m, torch.nn.Conv2d)] == [96, 256, 384, 384, 256]
+    # dropout after fc6 and fc7 (drop6 / drop7), none before fc6
+    kinds = [type(m).__name__ for m in full.classifier]
+    assert kinds == ["Linear", "ReLU", "Dropout", "Linear", "ReLU", "Dropout", "Linear"]
+
+
 def test_width_scales_channels():
     small, smaller = (_count(build("resnet50_preact", num_classes=10, width=w)) for w in (1 / 16, 1 / 32))
     assert smaller < small < 200_000
@@ -125,3 +141,29 @@ def test_lrn_matches_torch_and_survives_fp16():
     big = torch.full((1, 8, 3, 3), 1000.0, dtype=torch.float16)  # 1000^2 overflows FP16
     out = LRN()(big)
     assert out.dtype == torch.float16 and torch.isfinite(out).all() and (out > 0).all()
+
+
+def test_sync_bn_switch_converts_batch_norm_on_multi_gpu_runs(monkeypatch):
+    """task.sync_bn (issue 19 item 1): SyncBatchNorm when a run has several ranks and GPUs; a one-line
+    error on a multi-process CPU run; nothing in a one-process run."""
+    from experiments.ilsvrc_cnns.task import Task
+    from mpt.config import resolve
+
+    cfg = resolve("ilsvrc_cnns", ["model=inception_v2", "width=0.03125", "task.sync_bn=true"])
+    task = Task()
+    task.num_classes = 10
+
+    def n_sync(model):
+        return sum(isinstance(m, torch.nn.SyncBatchNorm) for m in model.modules())
+
+    assert n_sync(task.build_model(cfg)) == 0  # one process: plain BN
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a: 8)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError, match="task.sync_bn=true needs GPUs"):
+        task.build_model(cfg)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    model = task.build_model(cfg)
+    assert n_sync(model) > 0 and not any(type(m) is torch.nn.BatchNorm2d for m in model.modules())
+    cfg.task.sync_bn = False
+    assert n_sync(task.build_model(cfg)) == 0

@@ -177,6 +177,21 @@ def test_dry_run_prints_cells_batch_split_and_gpu_hours(tmp_path, capsys):
     assert not (tmp_path / "ilsvrc_cnns" / state.MANIFEST).exists()  # nothing submitted
 
 
+def test_dry_run_prints_batch_norm_batch_per_gpu(tmp_path, capsys):
+    """Issue 19 item 1: BN-Inception's reference normalises over 32 images; split over 8 GPUs it would
+    see 4, so its recipe synchronises BN and the dry run says so. Nets without BN print no BN batch."""
+    submit.main([str(GRID), "--profile", "paper", "--backend", "slurm", "--cluster", "example_gpu", "--dry-run",
+                 "--set", f"out_dir={tmp_path}", "--only", "precision=fp32",
+                 "model=inception_v2", "model=resnet50_preact", "model=alexnet"])
+    lines = {ln.split()[0].split("-")[0]: ln for ln in capsys.readouterr().out.splitlines() if "-fp32-s" in ln}
+    assert "batch 32 = 8 x 4, BN batch 32 (synced over 8)" in lines["inception_v2"]
+    assert "batch 256 = 8 x 32, BN batch 32 per GPU" in lines["resnet50_preact"]
+    assert "BN batch" not in lines["alexnet"]
+    submit.main([str(GRID), "--profile", "paper", "--backend", "slurm", "--cluster", "example_gpu", "--dry-run",
+                 "--set", f"out_dir={tmp_path}", "task.sync_bn=false", "--only", "precision=fp32", "model=inception_v2"])
+    assert "batch 32 = 8 x 4, BN batch 4 per GPU" in capsys.readouterr().out
+
+
 def test_slurm_backend_without_sbatch_is_one_line_error(tmp_path):
     env = {**os.environ, "PATH": str(tmp_path)}  # no sbatch, srun, git ...
     r = subprocess.run([sys.executable, "-m", "slurm.submit", str(GRID), "--profile", "tiny", "--backend", "slurm",

@@ -32,6 +32,11 @@ class TaskCfg:
     # biases -- for the tiny profile, where the Caffe models' fixed-std Gaussians (std 0.01, designed
     # for full width) shrink the signal of a 1/16-width net to nothing and it never leaves chance.
     init: str = "reference"
+    # Batch-norm statistics over the whole global batch (torch SyncBatchNorm) instead of each GPU's
+    # share. On for a BN model whose per-GPU batch in the grid is below its reference's BN batch
+    # (BN-Inception: 32 images on one device, our paper grid 32 over 8 GPUs = 4 each). Needs GPUs
+    # with more than one rank; a no-op in a one-process run.
+    sync_bn: bool = False
 
 
 def transforms(c: TaskCfg, train: bool):
@@ -78,6 +83,11 @@ class Task:
                         torch.nn.init.zeros_(m.bias)
         elif cfg.task.init != "reference":
             raise UserError(f"unknown task.init={cfg.task.init!r}; choose one of: reference, kaiming")
+        if cfg.task.sync_bn and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            if not torch.cuda.is_available():
+                raise UserError("task.sync_bn=true needs GPUs (SyncBatchNorm syncs CUDA tensors only); "
+                                "set task.sync_bn=false for a CPU run")
+            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
         if cfg.task.dropout >= 0:
             for m in model.modules():
                 if isinstance(m, torch.nn.Dropout):
