@@ -50,15 +50,27 @@ def _scaler(width: float):
     return lambda ch: max(1, int(round(ch * width)))
 
 
-def vgg16_features(width: float) -> nn.Sequential:
+def vgg16_features(width: float, batch_norm: bool = False) -> nn.Sequential:
+    """VGG-16's convolutional layers (torchvision's vgg16 / vgg16_bn layout)."""
     c, layers, cin = _scaler(width), [], 3
     for v in _VGG_D:
         if v == "M":
             layers.append(nn.MaxPool2d(2, 2))
         else:
-            layers += [nn.Conv2d(cin, c(v), 3, padding=1), nn.ReLU(inplace=True)]
+            layers += [nn.Conv2d(cin, c(v), 3, padding=1), *([nn.BatchNorm2d(c(v))] if batch_norm else []),
+                       nn.ReLU(inplace=True)]
             cin = c(v)
     return nn.Sequential(*layers)
+
+
+def _pools(feats: nn.Sequential) -> list[int]:
+    return [i for i, m in enumerate(feats) if isinstance(m, nn.MaxPool2d)]
+
+
+def _check_init(backbone: str, batch_norm: bool) -> None:
+    if backbone != "scratch" and batch_norm:
+        raise UserError("batch_norm=true is the tiny profile's from-scratch variant; ImageNet weights "
+                        "(task.backbone) load into the paper's plain VGG-16 (task.batch_norm=false)")
 
 
 def read_vgg16_weights(path, features: nn.Sequential, fc_shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
@@ -91,10 +103,13 @@ def read_vgg16_weights(path, features: nn.Sequential, fc_shapes: dict[str, tuple
     return out
 
 
-def _xavier(module: nn.Module) -> None:
+def _he_init(module: nn.Module) -> None:
+    """He et al. 2015 initialisation of a ReLU body trained from scratch (backbone=scratch): without
+    batch norm, Xavier's variance halves at every ReLU and 15 layers deep the gradients vanish. (Both
+    recipes start their VGG layers from ImageNet weights instead, and SSD's new layers from Xavier.)"""
     for m in module.modules():
         if isinstance(m, nn.Conv2d):
-            nn.init.xavier_uniform_(m.weight)
+            nn.init.kaiming_normal_(m.weight, nonlinearity="relu")
             nn.init.zeros_(m.bias)
 
 
@@ -142,15 +157,16 @@ class SSDVGG(nn.Module):
     # (1x1 channels, 3x3 channels, stride, padding) of the extra blocks conv8 .. conv11 (Liu et al. Fig. 2)
     EXTRAS = ((256, 512, 2, 1), (128, 256, 2, 1), (128, 256, 1, 0), (128, 256, 1, 0))
 
-    def __init__(self, width: float, size: int):
+    def __init__(self, width: float, size: int, batch_norm: bool = False):
         super().__init__()
         c = _scaler(width)
-        feats = vgg16_features(width)
-        feats[16].ceil_mode = True  # pool3: 75 -> 38 at 300 px
-        self.vgg = feats[:23]  # conv1_1 .. relu4_3
+        feats = vgg16_features(width, batch_norm)
+        p = _pools(feats)
+        feats[p[2]].ceil_mode = True  # pool3: 75 -> 38 at 300 px
+        self.vgg = feats[:p[3]]  # conv1_1 .. relu4_3
         self.l2_scale = nn.Parameter(torch.full((c(512),), 20.0))  # conv4_3's L2 norm, scale 20 (Liu et al. 3.1)
         self.conv5 = nn.Sequential(
-            *feats[23:30],  # pool4, conv5_1 .. relu5_3
+            *feats[p[3]:p[4]],  # pool4, conv5_1 .. relu5_3
             nn.MaxPool2d(3, 1, 1),  # pool5
             nn.Conv2d(c(512), c(1024), 3, padding=6, dilation=6), nn.ReLU(inplace=True),  # conv6 (atrous fc6)
             nn.Conv2d(c(1024), c(1024), 1), nn.ReLU(inplace=True))  # conv7 (fc7)
@@ -162,7 +178,7 @@ class SSDVGG(nn.Module):
             cin = c(cout)
         self.extras = nn.ModuleList(extras)
         self.out_channels = [c(512), c(1024)] + [c(e[1]) for e in self.EXTRAS[: self.n_maps - 2]]
-        _xavier(self)
+        _he_init(self)
 
     def load_imagenet(self, path, width: float) -> None:
         """VGG-16 convolutions as they are; fc6/fc7 subsampled into conv6/conv7 as SSD's
@@ -224,11 +240,14 @@ def ssd_anchors(size: int, n_maps: int) -> DefaultBoxGenerator:
 
 
 @register("ssd300_vgg16")
-def ssd300_vgg16(num_classes: int = 21, width: float = 1.0, size: int = 300, backbone: str = "scratch") -> nn.Module:
-    """num_classes counts the background (VOC: 21)."""
+def ssd300_vgg16(num_classes: int = 21, width: float = 1.0, size: int = 300, backbone: str = "scratch",
+                 batch_norm: bool = False) -> nn.Module:
+    """num_classes counts the background (VOC: 21). batch_norm: VGG-16-BN layers (not the paper's model:
+    the tiny profile's from-scratch variant, see experiments/voc_detection/README.md)."""
     if size < 32:
         raise UserError(f"ssd300_vgg16: size={size} is too small (>= 32 px)")
-    body = SSDVGG(width, size)
+    _check_init(backbone, batch_norm)
+    body = SSDVGG(width, size, batch_norm)
     if backbone != "scratch":
         body.load_imagenet(backbone, width)
     anchors = ssd_anchors(size, body.n_maps)
@@ -245,11 +264,12 @@ def ssd300_vgg16(num_classes: int = 21, width: float = 1.0, size: int = 300, bac
 class VGGConv5(nn.Module):
     """VGG-16 through relu5_3 (stride 16), the feature map shared by the RPN and the RoI head."""
 
-    def __init__(self, width: float):
+    def __init__(self, width: float, batch_norm: bool = False):
         super().__init__()
-        self.body = vgg16_features(width)[:30]
+        feats = vgg16_features(width, batch_norm)
+        self.body = feats[:_pools(feats)[4]]
         self.out_channels = _scaler(width)(512)
-        _xavier(self)
+        _he_init(self)
 
     def forward(self, x):
         return OrderedDict([("0", self.body(x))])
@@ -271,11 +291,12 @@ class RoIPool7(nn.Module):
 
 @register("faster_rcnn_vgg16")
 def faster_rcnn_vgg16(num_classes: int = 21, width: float = 1.0, size: int = 600, backbone: str = "scratch",
-                      max_size: int = 1000) -> nn.Module:
+                      max_size: int = 1000, batch_norm: bool = False) -> nn.Module:
     """num_classes counts the background. `size` is the shorter image side (600 in py-faster-rcnn);
     anchors are 128, 256, 512 px at 600 and scale with it (a 128-px tiny image gets 27, 55, 109)."""
     c = _scaler(width)
-    body = VGGConv5(width)
+    _check_init(backbone, batch_norm)
+    body = VGGConv5(width, batch_norm)
     fc = nn.Sequential(nn.Flatten(), nn.Linear(c(512) * 49, c(4096)), nn.ReLU(inplace=True), nn.Dropout(0.5),
                        nn.Linear(c(4096), c(4096)), nn.ReLU(inplace=True), nn.Dropout(0.5))
     if backbone != "scratch":
