@@ -214,20 +214,69 @@ def run_overrides(root, out_dir, *extra):
             "train.progress=false", *extra]
 
 
-@pytest.mark.parametrize("model", ["ssd300_vgg16", "faster_rcnn_vgg16"])
-@pytest.mark.parametrize("prec", ["fp32", "fp16", "mixed"])
-def test_tiny_run_finishes_with_map(tiny_voc, tmp_path, model, prec):
+CELLS = [(m, p) for m in ("ssd300_vgg16", "faster_rcnn_vgg16") for p in ("fp32", "fp16", "mixed")]
+
+
+@pytest.fixture(scope="module")
+def tiny_runs(tiny_voc, tmp_path_factory):
+    """Every Table 2 cell once, minimal: FP16 on a CPU is slow, so 64-px images, 1/16 width, one step,
+    4 test images."""
     from experiments.voc_detection import main
 
-    # FP16 on a CPU is slow: 64-px images, 1/16 width, one step, 4 test images.
-    extra = ["loss_scale=8"] if prec == "mixed" else []
-    s = main(run_overrides(tiny_voc, tmp_path, f"model={model}", f"precision={prec}", *extra, "width=0.0625",
-                           "task.image_size=64", "task.max_size=64", "train.batch_size=2", "train.max_steps=1",
-                           "task.eval_max_images=4", "train.log_every=1"))
-    assert s["status"] == "completed", s["error"]
-    assert 0 <= s["metrics"]["mAP"] <= 100 and "detections" in s["metrics"]
-    if prec == "mixed":
-        assert s["final_loss_scale"] == 8
+    out = tmp_path_factory.mktemp("voc_runs")
+    summaries = {}
+    for model, prec in CELLS:
+        extra = ["loss_scale=8"] if prec == "mixed" else []
+        summaries[(model, prec)] = main(run_overrides(
+            tiny_voc, out, f"model={model}", f"precision={prec}", *extra, "train.batch_size=2", "train.max_steps=1",
+            "task.eval_max_images=4", "train.log_every=1", "numerics.every=1"))
+    return out, summaries
+
+
+def test_tiny_runs_finish_with_map(tiny_runs):
+    out, summaries = tiny_runs
+    for (model, prec), s in summaries.items():
+        assert s["status"] == "completed", (model, prec, s["error"])
+        assert 0 <= s["metrics"]["mAP"] <= 100 and s["metrics"]["detections"] >= 0
+        assert s["final_loss_scale"] == (8 if prec == "mixed" else 1)
+    # Figure 3's input: activation-gradient histograms sampled from SSD's FP32 run
+    d = out / "voc_detection" / summaries[("ssd300_vgg16", "fp32")]["run_name"]
+    lines = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+    assert any(k.startswith("numerics/") and "act" in k for x in lines if x["kind"] == "numerics" for k in x)
+
+
+def test_table2_and_figure3_tiny_regenerated(tiny_runs, tmp_path):
+    out, _ = tiny_runs
+    from paper_tables import __main__ as tables_cli
+
+    assert tables_cli.main(["--runs", str(out), "--out", str(tmp_path / "t")]) == 0
+    md = (tmp_path / "t" / "table2_tiny.md").read_text()
+    assert "TINY" in md.upper()
+    for row in ("Faster R-CNN", "SSD"):
+        line = next(ln for ln in md.splitlines() if row in ln)
+        assert "missing" not in line and line.count("(n=1)") == 3, line
+    assert (tmp_path / "t" / "figure3.png").is_file() or (tmp_path / "t" / "figure3_tiny.png").is_file()
+
+
+@pytest.fixture(scope="module")
+def learnable_voc(tmp_path_factory):
+    a = tmp_path_factory.mktemp("voc_learn_archives")
+    generate(a, size=64, trainval=160, test=48, trainval12=0)
+    out = tmp_path_factory.mktemp("voc_learn")
+    prep.prepare(a, out, log=lambda *x: None)
+    return out
+
+
+@pytest.mark.slow
+def test_trained_ssd_beats_untrained(learnable_voc, tmp_path):
+    """Real learning: the tiny profile's SSD after 200 steps against the same network untrained (lr 0),
+    on the same held-out scenes."""
+    from experiments.voc_detection import main
+
+    trained = main(run_overrides(learnable_voc, tmp_path))
+    untrained = main(run_overrides(learnable_voc, tmp_path, "optim.lr=0.0", "train.max_steps=1"))
+    assert trained["status"] == untrained["status"] == "completed"
+    assert trained["metrics"]["mAP"] > untrained["metrics"]["mAP"] + 3, (trained["metrics"], untrained["metrics"])
 
 
 def test_fp16_without_scaling_can_end_diverged(tiny_voc, tmp_path):

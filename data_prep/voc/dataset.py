@@ -10,10 +10,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
+from PIL import Image
 from torch.utils.data import Dataset
 from torchvision import tv_tensors
-from torchvision.io import ImageReadMode, decode_jpeg, read_file
 
 from mpt.errors import UserError
 
@@ -63,8 +64,9 @@ class VOCDetectionSet(Dataset):
     def __getitem__(self, i):
         path, boxes, labels, difficult = self.items[i]
         try:
-            img = decode_jpeg(read_file(path), mode=ImageReadMode.RGB)
-        except (RuntimeError, OSError) as e:
+            with Image.open(path) as im:
+                img = torch.from_numpy(np.asarray(im.convert("RGB")).copy()).permute(2, 0, 1)
+        except OSError as e:
             raise UserError(f"cannot read {path} ({e}); prepare the data again") from None
         h, w = img.shape[-2:]
         target = {"boxes": tv_tensors.BoundingBoxes(boxes.clone(), format="XYXY", canvas_size=(h, w)),
