@@ -261,7 +261,7 @@ def test_table2_and_figure3_tiny_regenerated(tiny_runs, tmp_path):
 @pytest.fixture(scope="module")
 def learnable_voc(tmp_path_factory):
     a = tmp_path_factory.mktemp("voc_learn_archives")
-    generate(a, size=64, trainval=160, test=48, trainval12=0)
+    generate(a, trainval12=0)  # the generator's defaults: 240 trainval and 120 test scenes of 128 px
     out = tmp_path_factory.mktemp("voc_learn")
     prep.prepare(a, out, log=lambda *x: None)
     return out
@@ -276,7 +276,8 @@ def test_trained_ssd_beats_untrained(learnable_voc, tmp_path):
     trained = main(run_overrides(learnable_voc, tmp_path))
     untrained = main(run_overrides(learnable_voc, tmp_path, "optim.lr=0.0", "train.max_steps=1"))
     assert trained["status"] == untrained["status"] == "completed"
-    assert trained["metrics"]["mAP"] > untrained["metrics"]["mAP"] + 3, (trained["metrics"], untrained["metrics"])
+    # measured (seed 0): 8.5 trained against 0.03 untrained (experiments/voc_detection/README.md)
+    assert trained["metrics"]["mAP"] > untrained["metrics"]["mAP"] + 4, (trained["metrics"], untrained["metrics"])
 
 
 def test_fp16_without_scaling_can_end_diverged(tiny_voc, tmp_path):
