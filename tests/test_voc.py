@@ -290,3 +290,20 @@ def test_fp16_without_scaling_can_end_diverged(tiny_voc, tmp_path):
                            "train.batch_size=2", "train.max_steps=6", "train.diverge_after=2", "optim.name=sgd",
                            "optim.lr=1.0e+12", "optim.momentum=0.0", "task.eval_max_images=2", "train.log_every=1"))
     assert s["status"] == "diverged" and "non-finite" in s["error"]
+
+
+def test_ssd_augmentation_keeps_boxes_labels_and_difficult_aligned(tiny_voc):
+    """The paper profile's SSD augmentation (zoom out, IoU crop, flip) drops boxes; their labels and
+    difficult flags go with them, and every box stays inside its image."""
+    from data_prep.voc.dataset import VOCDetectionSet
+    from experiments.voc_detection.task import train_transform
+
+    ds = VOCDetectionSet(tiny_voc, ["2007_trainval"], ["circle", "square", "triangle"], train_transform("ssd"))
+    torch.manual_seed(0)
+    for i in range(len(ds)):
+        img, t = ds[i]
+        n = len(t["boxes"])
+        assert img.dtype == torch.float32 and len(t["labels"]) == len(t["difficult"]) == n
+        h, w = img.shape[-2:]
+        b = t["boxes"]
+        assert n == 0 or (b[:, 0].min() >= 0 and b[:, 2].max() <= w and b[:, 3].max() <= h and (b[:, 2] > b[:, 0]).all())

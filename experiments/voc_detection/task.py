@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torchvision import tv_tensors
 from torchvision.transforms import v2
 
 from experiments.voc_detection.voc_eval import voc07_map
@@ -48,19 +49,14 @@ def train_transform(augment: str):
     if augment == "ssd":
         # SSD's data augmentation (Liu et al. 2016, 2.2): photometric distortions, zoom out ("expand",
         # filled with the mean), a random crop whose IoU with some object is >= 0.1..0.9, a flip.
-        steps += [v2.RandomPhotometricDistort(p=0.5), v2.RandomZoomOut(fill={tv_image(): (123, 117, 104), "others": 0},
-                                                                       side_range=(1.0, 4.0), p=0.5),
+        # The zoom-out fill is the ImageNet mean in 0..255 (the image is still uint8 here).
+        steps += [v2.RandomPhotometricDistort(p=0.5),
+                  v2.RandomZoomOut(fill={tv_tensors.Image: (124, 116, 104), "others": 0}, side_range=(1.0, 4.0), p=0.5),
                   v2.RandomIoUCrop()]
     if augment in ("ssd", "flip"):
         steps.append(v2.RandomHorizontalFlip(0.5))  # py-faster-rcnn: TRAIN.USE_FLIPPED
     steps += [v2.SanitizeBoundingBoxes(labels_getter=_difficult_too), v2.ToDtype(torch.float32, scale=True)]
     return v2.Compose(steps)
-
-
-def tv_image():
-    from torchvision import tv_tensors
-
-    return tv_tensors.Image
 
 
 def collate(samples):
