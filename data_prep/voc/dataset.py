@@ -1,0 +1,77 @@
+"""PASCAL VOC detection sets read from the tree data_prep.voc writes (the VOCdevkit layout).
+
+A sample is (image, target): the image a tv_tensors.Image (uint8, 3 x H x W), the target
+{"boxes": BoundingBoxes (N, 4) XYXY in pixels, "labels": int64 (N,) with 1..C (0 = background),
+"difficult": bool (N,), "index": the sample's index}. VOC's 1-based inclusive pixel coordinates
+(xmin, ymin, xmax, ymax) become the continuous box (xmin - 1, ymin - 1, xmax, ymax), whose IoU is the
+devkit's "+1" IoU exactly."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import Dataset
+from torchvision import tv_tensors
+
+from mpt.errors import UserError
+
+from .prepare import MARKER, parse_annotation
+
+
+def read_marker(root) -> dict:
+    path = Path(root) / MARKER
+    if not path.is_file():
+        raise UserError(f"{root} is not a prepared VOC folder (no {MARKER}); run "
+                        f"python -m data_prep.voc --archives DIR --out {root}")
+    return json.loads(path.read_text())
+
+
+class VOCDetectionSet(Dataset):
+    def __init__(self, root, sets: list[str], classes: list[str], transforms=None, keep_difficult: bool = True):
+        root = Path(root)
+        info = read_marker(root)
+        self.classes = list(classes)
+        index = {c: i + 1 for i, c in enumerate(self.classes)}
+        self.items = []
+        for s in sets:
+            if s not in info["sets"]:
+                raise UserError(f"{root} has no VOC set {s!r} (it has {', '.join(info['sets'])}); add its archive "
+                                f"(e.g. VOCtrainval_11-May-2012.tar for 2012_trainval) and prepare again")
+            year, split = s.split("_", 1)
+            base = root / "VOCdevkit" / f"VOC{year}"
+            ids = (base / "ImageSets" / "Main" / f"{split}.txt").read_text().split()
+            for i in ids:
+                objs = parse_annotation((base / "Annotations" / f"{i}.xml").read_bytes(), base / f"{i}.xml")
+                if not keep_difficult:
+                    objs = [o for o in objs if not o["difficult"]]
+                unknown = {o["name"] for o in objs} - set(index)
+                if unknown:
+                    raise UserError(f"{base}/Annotations/{i}.xml names {sorted(unknown)}, not in the class list "
+                                    f"of {root / MARKER}; prepare the data again")
+                boxes = torch.tensor([[x0 - 1, y0 - 1, x1, y1] for x0, y0, x1, y1 in (o["bbox"] for o in objs)],
+                                     dtype=torch.float32).reshape(-1, 4)
+                self.items.append((str(base / "JPEGImages" / f"{i}.jpg"), boxes,
+                                   torch.tensor([index[o["name"]] for o in objs], dtype=torch.int64),
+                                   torch.tensor([bool(o["difficult"]) for o in objs], dtype=torch.bool)))
+        self.transforms = transforms
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i):
+        path, boxes, labels, difficult = self.items[i]
+        try:
+            with Image.open(path) as im:
+                img = torch.from_numpy(np.asarray(im.convert("RGB")).copy()).permute(2, 0, 1)
+        except OSError as e:
+            raise UserError(f"cannot read {path} ({e}); prepare the data again") from None
+        h, w = img.shape[-2:]
+        target = {"boxes": tv_tensors.BoundingBoxes(boxes.clone(), format="XYXY", canvas_size=(h, w)),
+                  "labels": labels.clone(), "difficult": difficult.clone(), "index": i}
+        img = tv_tensors.Image(img)
+        if self.transforms is not None:
+            img, target = self.transforms(img, target)
+        return img, target

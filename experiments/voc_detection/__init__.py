@@ -1,0 +1,8 @@
+"""Table 2: PASCAL VOC detection with SSD300 and Faster R-CNN (VGG-16), paper section 4.2."""
+from experiments.voc_detection.task import Task, TaskCfg  # noqa: F401
+
+
+def main(overrides: list[str]) -> dict:
+    from mpt.engine import main as _main
+
+    return _main("voc_detection", overrides)

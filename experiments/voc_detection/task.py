@@ -1,0 +1,132 @@
+"""Task glue for Table 2 (section 4.2): SSD300 and Faster R-CNN (VGG-16) on PASCAL VOC, VOC2007 test mAP.
+
+Batches are lists (images of any size, targets with any number of boxes): `collate` keeps them as
+lists and the detectors' own transforms resize and normalise. The loss is the detector's sum of its
+losses (SSD: softmax confidence with 3:1 hard negatives + smooth L1; Faster R-CNN: RPN and RoI-head
+classification and box regression). `evaluate` runs the detector over this rank's share of VOC2007
+test, gathers every detection on rank 0 and computes the devkit's 11-point AP (voc_eval.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torchvision import tv_tensors
+from torchvision.transforms import v2
+
+from experiments.voc_detection.voc_eval import voc07_map
+from mpt.config import infra
+from mpt.errors import UserError
+
+AUGMENTS = ("ssd", "flip", "none")
+
+
+@dataclass
+class TaskCfg:
+    data_root: str = infra("data/voc")  # output of `python -m data_prep.voc`
+    train_sets: list[str] = field(default_factory=lambda: ["2007_trainval", "2012_trainval"])
+    test_set: str = "2007_test"
+    image_size: int = 300  # SSD: the square input side; Faster R-CNN: the shorter side
+    max_size: int = 1000  # Faster R-CNN: the longer side's cap (py-faster-rcnn MAX_SIZE)
+    augment: str = "ssd"  # ssd: photometric distortion, zoom out, IoU crop, flip | flip | none
+    train_difficult: bool = True  # SSD trains on difficult boxes (use_difficult_gt), py-faster-rcnn does not
+    backbone: str = "scratch"  # scratch | a VGG-16 weights file (torchvision state dict or our vgg16 checkpoint)
+    batch_norm: bool = False  # VGG-16-BN layers: the tiny profile's from-scratch variant, not the paper's model
+    eval_max_images: int = 0  # 0 = the whole test set
+    num_classes: int = 0  # computed from the prepared data's class list (+ background); never set
+
+
+def _difficult_too(inputs):
+    """SanitizeBoundingBoxes drops the labels and the difficult flags of the boxes it removes."""
+    target = inputs[1]
+    return target["labels"], target["difficult"]
+
+
+def train_transform(augment: str):
+    if augment not in AUGMENTS:
+        raise UserError(f"task.augment={augment!r}; choose one of: {', '.join(AUGMENTS)}")
+    steps = []
+    if augment == "ssd":
+        # SSD's data augmentation (Liu et al. 2016, 2.2): photometric distortions, zoom out ("expand",
+        # filled with the mean), a random crop whose IoU with some object is >= 0.1..0.9, a flip.
+        # The zoom-out fill is the ImageNet mean in 0..255 (the image is still uint8 here).
+        steps += [v2.RandomPhotometricDistort(p=0.5),
+                  v2.RandomZoomOut(fill={tv_tensors.Image: (124, 116, 104), "others": 0}, side_range=(1.0, 4.0), p=0.5),
+                  v2.RandomIoUCrop()]
+    if augment in ("ssd", "flip"):
+        steps.append(v2.RandomHorizontalFlip(0.5))  # py-faster-rcnn: TRAIN.USE_FLIPPED
+    steps += [v2.SanitizeBoundingBoxes(labels_getter=_difficult_too), v2.ToDtype(torch.float32, scale=True)]
+    return v2.Compose(steps)
+
+
+def collate(samples):
+    images, targets = zip(*samples)
+    return list(images), list(targets)
+
+
+class Task:
+    primary_metric = "mAP"  # VOC2007 test, 11-point AP at IoU 0.5, percent
+    higher_is_better = True
+
+    def datasets(self, cfg):
+        from data_prep.voc.dataset import VOCDetectionSet, read_marker
+
+        c = cfg.task
+        if cfg.impl != "autocast":
+            # The paper impl casts every floating input of the model to FP16, the ground-truth boxes too.
+            raise UserError("voc_detection runs impl=autocast only (impl=paper would cast the target boxes to FP16)")
+        classes = read_marker(c.data_root)["classes"]
+        c.num_classes = len(classes) + 1
+        self.cfg = cfg
+        train = VOCDetectionSet(c.data_root, list(c.train_sets), classes, train_transform(c.augment),
+                                keep_difficult=c.train_difficult)
+        val = VOCDetectionSet(c.data_root, [c.test_set], classes, v2.ToDtype(torch.float32, scale=True))
+        if c.eval_max_images:
+            val = torch.utils.data.Subset(val, range(min(c.eval_max_images, len(val))))
+        return train, val
+
+    def build_model(self, cfg):
+        import models
+
+        c = cfg.task
+        kw = {"max_size": c.max_size} if cfg.model == "faster_rcnn_vgg16" else {}
+        return models.build(cfg.model, num_classes=c.num_classes, width=cfg.width, size=c.image_size,
+                            backbone=c.backbone, batch_norm=c.batch_norm, **kw)
+
+    collate = staticmethod(collate)
+
+    def param_groups(self, model, cfg):
+        # Both Caffe recipes: biases at twice the learning rate and without weight decay (lr_mult 2,
+        # decay_mult 0 in SSD's and py-faster-rcnn's prototxts).
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        return [{"params": [p for n, p in named if not n.endswith(".bias")]},
+                {"params": [p for n, p in named if n.endswith(".bias")], "lr": 2 * cfg.optim.lr, "weight_decay": 0.0}]
+
+    def loss(self, model, batch):
+        images, targets = batch
+        losses = model(images, [{"boxes": t["boxes"], "labels": t["labels"]} for t in targets])
+        return sum(losses.values()), len(images)
+
+    def evaluate(self, ev):
+        dets, gts = [], []
+        for images, targets in ev.val_loader:
+            images = [im.to(ev.device) for im in images]
+            with ev.autocast():
+                out = ev.model(images)
+            for o, t in zip(out, targets):
+                dets.append({"image": t["index"], "boxes": o["boxes"].float().cpu().numpy(),
+                             "scores": o["scores"].float().cpu().numpy(), "labels": o["labels"].cpu().numpy()})
+                gts.append({"image": t["index"], "boxes": t["boxes"].cpu().numpy(), "labels": t["labels"].numpy(),
+                            "difficult": t["difficult"].numpy()})
+        if ev.world > 1:  # AP is not additive: every detection goes to one place
+            box = [None] * ev.world
+            dist.all_gather_object(box, (dets, gts))
+            dets = [d for part in box for d in part[0]]
+            gts = [g for part in box for g in part[1]]
+        mAP, aps = voc07_map(dets, gts, self.cfg.task.num_classes - 1)
+        out = {"mAP": round(mAP, 3), "detections": sum(len(d["scores"]) for d in dets)}
+        from data_prep.voc.dataset import read_marker
+
+        names = read_marker(self.cfg.task.data_root)["classes"]
+        out.update({f"AP/{n}": round(a, 3) for n, a in zip(names, aps) if a == a})  # NaN: no box of the class
+        return out
