@@ -54,9 +54,19 @@ def append_jsonl(path, obj) -> None:
         f.write(json.dumps(obj, default=str) + "\n")
 
 
-def read_json(path):
-    with open(path) as f:
-        return json.load(f)
+_RAISE = object()
+
+
+def read_json(path, default=_RAISE):
+    """The JSON in `path`; with `default`, that instead of an error when it is missing or unreadable
+    (a file another process may be writing or may not have written yet)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        if default is _RAISE:
+            raise
+        return default
 
 
 def now() -> str:

@@ -23,20 +23,16 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import pathlib
 import signal
 import socket
 import subprocess
 import sys
-import time
+
+from mpt.rundir import atomic_write_json, now, read_json
 
 JOB_FILE = "job.json"
-
-
-def _now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
 
 
 def _one_line(e: BaseException) -> str:
@@ -47,17 +43,11 @@ def _one_line(e: BaseException) -> str:
 
 
 def read_job_file(run_dir) -> dict | None:
-    p = pathlib.Path(run_dir) / JOB_FILE
-    try:
-        return json.loads(p.read_text())
-    except (OSError, ValueError):
-        return None
+    return read_json(pathlib.Path(run_dir) / JOB_FILE, default=None)
 
 
 def _write_job_file(run_dir: pathlib.Path, rec: dict) -> None:
-    from mpt.rundir import atomic_write_json
-
-    rec["updated"] = _now()
+    rec["updated"] = now()
     atomic_write_json(run_dir / JOB_FILE, rec)
 
 
@@ -161,7 +151,7 @@ def run_cell(experiment: str, overrides: list[str], run_dir: str, backend: str, 
         rec = read_job_file(run_dir) or {"cell_id": C.cell_id(cfg), "attempts": []}
         rec.update(backend=backend, job_id=job_id, state="running", world_size=world, log=log, error=None)
         rec["attempts"].append({"job_id": job_id, "restart": restarts, "host": socket.gethostname(),
-                                "pid": os.getpid(), "start": _now(), "end": None, "outcome": "running"})
+                                "pid": os.getpid(), "start": now(), "end": None, "outcome": "running"})
         run_dir.mkdir(parents=True, exist_ok=True)
         _write_job_file(run_dir, rec)
 
@@ -169,7 +159,7 @@ def run_cell(experiment: str, overrides: list[str], run_dir: str, backend: str, 
         if rec is None:
             return
         rec.update(state=state, error=error)
-        rec["attempts"][-1].update(end=_now(), outcome=state, step=step, signals=sigs.received or None)
+        rec["attempts"][-1].update(end=now(), outcome=state, step=step, signals=sigs.received or None)
         _write_job_file(run_dir, rec)
 
     try:

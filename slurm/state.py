@@ -17,6 +17,7 @@ import socket
 import subprocess
 from dataclasses import dataclass
 
+from mpt.rundir import read_json
 from slurm.job import read_job_file
 
 MANIFEST = "submissions.jsonl"
@@ -96,13 +97,6 @@ def _local_alive(job_id: str) -> bool | None:
     return True
 
 
-def _read_json(p: pathlib.Path):
-    try:
-        return json.loads(p.read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def _last_line(p: pathlib.Path, kind: str) -> dict | None:
     try:
         with open(p, "rb") as f:
@@ -135,7 +129,7 @@ class CellState:
 
 def cell_state(run_dir, cell_id: str, latest: dict | None, queue: dict[str, str] | None) -> CellState:
     run_dir = pathlib.Path(run_dir)
-    summary = _read_json(run_dir / "summary.json") or {}
+    summary = read_json(run_dir / "summary.json", default=None) or {}
     job = read_job_file(run_dir) or {}
     s_status = summary.get("status")
     jid = (latest or {}).get("job_id") or job.get("job_id")

@@ -119,7 +119,7 @@ def test_kernel_timeline_summary():
     (["models=resnet51"], "unknown model 'resnet51'"),
     (["precisions=fp32,fp8"], "unknown precision 'fp8'"),
     (["impls=apex"], "unknown impl 'apex'"),
-    (["batch=many"], "expected an integer"),
+    (["batch=many"], "option 'batch' expects an integer"),
     (["overhead=vgg19"], "overhead='vgg19'"),
 ])
 def test_bad_input_is_one_line(capsys, argv, msg):

@@ -74,27 +74,31 @@ def measure(prec: str, impl: str, scale: str, shape) -> dict:
     model = recipe.prepare(model, [opt])
     x, y = torch.randint(0, V, (B, T)), torch.randint(0, V, (B, T))
     mask = torch.ones(B, T, dtype=torch.bool)
-    meter = SavedTensorBytes(model)
-    with meter.measure(), recipe.autocast():
-        nll, _ = model(x, y, mask)
-    recipe.backward(nll.sum() / mask.sum() * T)
-    recipe.step(opt)
-    recipe.update()
-    n_params = sum(p.numel() for p in model.parameters())
     params = list(model.parameters())
+    n_params = sum(p.numel() for p in params)
     paper = isinstance(recipe, precision.Paper) and recipe.master
-    masters = [m for _, ms in recipe._pairs for m in ms] if paper else []
-    state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0]
-    return {
-        "params": n_params,
-        "weights": _bytes(params) / n_params,
-        "grads": _bytes(p.grad for p in params) / n_params,
-        "master": _bytes(masters) / n_params,
-        "master_grads": _bytes(m.grad for m in masters) / n_params,
-        "optimizer": _bytes(state) / n_params,
-        "grad_dtype_bytes": next(p.grad for p in params if p.grad is not None).element_size(),
-        "activations": meter.bytes,
-    }
+    masters = recipe.master_params() if paper else []  # the FP32 copies the optimizer updates
+
+    def loss(batch):  # the reference's loss: the window's summed NLL per sequence (task.py)
+        nll, _ = model(*batch)
+        return nll.sum() / mask.sum() * T, B * T
+
+    def step():  # the state after the update, before zero_grad frees the gradients
+        recipe.step(opt)
+        state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0]
+        return {
+            "params": n_params,
+            "weights": _bytes(params) / n_params,
+            "grads": _bytes(p.grad for p in params) / n_params,
+            "master": _bytes(masters) / n_params,
+            "master_grads": _bytes(m.grad for m in masters) / n_params,
+            "optimizer": _bytes(state) / n_params,
+            "grad_dtype_bytes": next(p.grad for p in params if p.grad is not None).element_size(),
+        }
+
+    meter = SavedTensorBytes(model)
+    _, _, out = engine.loss_step(recipe, loss, [(x, y, mask)], step, meter=meter)  # the engine's step order
+    return {**out, "activations": meter.bytes}
 
 
 def analyse(per_gpu_batch: int = 256, gpu_gb: float = 80.0, shapes=SHAPES, log=print) -> dict:

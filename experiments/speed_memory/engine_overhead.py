@@ -1,5 +1,5 @@
-"""Engine overhead: the engine's training step (mpt.engine.Run.train_step through the precision
-recipe) versus a hand-written torch.amp loop, same model, same device-resident batch, one process,
+"""Engine overhead: the engine's training iteration (mpt.engine.Run.iterate: the train step through
+the precision recipe, then the loop's on-device divergence and logging counters) versus a hand-written torch.amp loop, same model, same device-resident batch, one process,
 rotating blocks so drift in machine load hits every loop alike, and a second hand-written loop
 as a control that shows the machine's noise floor. `python -m experiments.speed_memory`
 runs it as its engine-overhead row; alone:
@@ -15,9 +15,11 @@ import tempfile
 
 import torch
 
-from experiments.speed_memory.bench import WORKLOADS, parse_options, pick_device, sync, time_steps
+from experiments.speed_memory.bench import WORKLOADS, sync, time_steps
 from mpt import config as C
 from mpt import engine
+from mpt.config import parse_options
+from mpt.engine import pick_device
 from mpt.errors import UserError, cli
 
 # Precisions the hand-written loop covers: torch.amp's documented recipe, autocast + GradScaler.
@@ -73,16 +75,16 @@ def measure(model: str, precision: str, *, width: float, batch: int, size: int |
         control_step = _hand_loop(task, cfg, precision, run.device, xb, channels_last)
 
         def engine_step():
-            run.train_step([xb])
-            run.step += 1
+            run.iterate([xb])
 
         def block(fn):
             _, wall = time_steps(fn, steps, run.device)
             return wall / steps
 
-        run.act_bytes = 0  # activation memory is measured by the main benchmark, not in these blocks
         loops = [hand_step, engine_step, control_step]
-        for fn in loops:  # warm-up: cudnn.benchmark's search, allocator, loss-scale back-off
+        # Warm-up: cudnn.benchmark's search, the allocator, the loss-scale back-off, and the engine's
+        # one-off activation measurement (its first step only).
+        for fn in loops:
             block(fn)
         times: dict = {fn: [] for fn in loops}
         for r in range(rounds):  # rotate the order so drift in machine load hits every loop alike
@@ -105,7 +107,9 @@ def measure(model: str, precision: str, *, width: float, batch: int, size: int |
 
 
 def _hand_loop(task, cfg, precision, device, xb, channels_last):
-    """The PyTorch AMP recipe written out (autocast + GradScaler), with the engine's optimizer."""
+    """torch.amp's documented recipe written out (autocast + GradScaler), with the engine's optimizer.
+    Nothing in it reads a device value: a per-step loss.item() would stall a GPU's queue every step,
+    and the engine reads its losses only at log steps."""
     torch.manual_seed(0)
     ref = task.build_model(cfg).to(device)
     if channels_last:
@@ -124,7 +128,6 @@ def _hand_loop(task, cfg, precision, device, xb, channels_last):
         scaler.step(opt)
         scaler.update()
         opt.zero_grad(set_to_none=True)
-        return loss.item()  # the engine reads the loss every step too (divergence check)
 
     return hand_step
 
