@@ -10,6 +10,7 @@ with every run (config.yaml in the run directory) and hashed into the run's cont
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import hashlib
@@ -167,8 +168,14 @@ def _coerce(value, tp, key: str, what: str = "config key"):
 
 
 def _field_types(dc) -> dict[str, Any]:
-    hints = typing.get_type_hints(type(dc))
-    return {f.name: hints[f.name] for f in dataclasses.fields(dc)}
+    return _class_field_types(type(dc))
+
+
+@functools.lru_cache(maxsize=None)
+def _class_field_types(cls) -> dict[str, Any]:
+    # get_type_hints is slow, and a grid resolves every cell: once per class.
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
 def set_key(cfg, dotted: str, value, *, where: str = "override") -> None:
@@ -246,12 +253,19 @@ def experiment_module(name: str):
 
 def load_experiment_yaml(name: str) -> dict:
     path = REPO / "experiments" / name / "config.yaml"
-    with open(path) as f:
-        data = yaml.safe_load(f) or {}
+    st = path.stat()
+    # A grid resolves every cell from the same file: parsed once per version of it (a copy each time).
+    data = copy.deepcopy(_parse_yaml(str(path), st.st_mtime_ns, st.st_size))
     unknown = set(data) - {"base", "models", "profiles"}
     if unknown:
         raise UserError(f"{path}: unknown top-level keys {sorted(unknown)}; allowed: base, models, profiles")
     return data
+
+
+@functools.lru_cache(maxsize=32)
+def _parse_yaml(path: str, mtime_ns: int, size: int):
+    with open(path) as f:
+        return yaml.safe_load(f) or {}
 
 
 def resolve(experiment: str, overrides: list[str] | tuple = ()) -> Config:
