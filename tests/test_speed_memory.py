@@ -184,3 +184,28 @@ def test_command_on_cpu_two_tiny_models(tmp_path):
     assert g["activation_ratio_paper"]["measured"] == ", ".join(f"{m} {v:.3f}" for m, v in worst.items())
     assert g["engine_overhead"]["measured"] == ", ".join(f"resnet50_preact {r['precision']} {r['overhead_pct']:+.1f}%"
                                                          for r in eo)
+
+
+@pytest.mark.heavy
+def test_engine_overhead_on_one_threads_cpu_clock():
+    """clock=cpu: blocks timed by this thread's CPU time (a shared machine's waits left out); the
+    engine's iteration and both hand-written loops run, the figures are the rounds' medians."""
+    from experiments.speed_memory import engine_overhead
+    from mpt.errors import UserError
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        r = engine_overhead.measure("resnet50_preact", "fp32", width=0.03125, batch=2, size=32, rounds=1, steps=2,
+                                    device="cpu", clock="cpu")
+        assert r["clock"] == "cpu" and min(r["hand_ms"], r["engine_ms"], r["control_ms"]) > 0
+        assert r["overhead_pct"] == pytest.approx(100 * (r["engine_ms"] / r["hand_ms"] - 1))
+        with pytest.raises(UserError, match="clock='gpu'"):
+            engine_overhead.measure("resnet50_preact", "fp32", width=0.03125, batch=2, size=32, rounds=1, steps=1,
+                                    device="cpu", clock="gpu")
+        torch.set_num_threads(2)
+        with pytest.raises(UserError, match="OMP_NUM_THREADS=1"):
+            engine_overhead.measure("resnet50_preact", "fp32", width=0.03125, batch=2, size=32, rounds=1, steps=1,
+                                    device="cpu", clock="cpu")
+    finally:
+        torch.set_num_threads(threads)

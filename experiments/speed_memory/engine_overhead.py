@@ -5,13 +5,18 @@ as a control that shows the machine's noise floor. `python -m experiments.speed_
 runs it as its engine-overhead row; alone:
 
     python -m experiments.speed_memory.engine_overhead [model=resnet50_preact] [width=0.0625]
-        [batch=32] [size=80] [precisions=fp32,mixed] [rounds=7] [steps=10] [device=auto]
+        [batch=32] [size=80] [precisions=fp32,mixed] [rounds=7] [steps=10] [device=auto] [clock=wall]
+
+clock=cpu (CPU device, one thread) times each block by this thread's CPU time instead of the wall
+clock: on a machine shared with other processes, the time the process waits for a core is then left
+out of both loops alike (cache contention is not).
 """
 from __future__ import annotations
 
 import statistics
 import sys
 import tempfile
+import time
 
 import torch
 
@@ -45,7 +50,7 @@ class _EngineTask:
 
 
 def measure(model: str, precision: str, *, width: float, batch: int, size: int | None, rounds: int, steps: int,
-            device: str = "auto", channels_last: bool = False) -> dict:
+            device: str = "auto", channels_last: bool = False, clock: str = "wall") -> dict:
     """Median ms/step of the engine, a hand-written loop and a second hand-written loop (the
     control) over `rounds` rotating blocks of `steps` steps."""
     if precision not in HAND_DTYPES:
@@ -58,11 +63,19 @@ def measure(model: str, precision: str, *, width: float, batch: int, size: int |
     wl = WORKLOADS[model]
     size = size or wl.default_size
     dev = pick_device(device)
+    if clock not in ("wall", "cpu"):
+        raise UserError(f"clock={clock!r}: choose wall or cpu")
+    if clock == "cpu" and (dev.type != "cpu" or torch.get_num_threads() != 1):
+        raise UserError("clock=cpu times one CPU thread: use it with device=cpu and OMP_NUM_THREADS=1")
     with tempfile.TemporaryDirectory(prefix="engine_overhead_") as tmp:
         cfg = C.resolve(wl.experiment, [
             f"model={model}", f"precision={precision}", "impl=autocast", f"width={width}",
             f"train.batch_size={batch}", "train.num_workers=0", "train.progress=false", "wandb.mode=disabled",
-            f"device={dev}", f"out_dir={tmp}", f"channels_last={str(channels_last).lower()}"])
+            f"device={dev}", f"out_dir={tmp}", f"channels_last={str(channels_last).lower()}",
+            # The hand loop's constant rate: both models then see the same updates (the engine still
+            # steps its schedule every iteration). Each "epoch" here is one batch, so the experiment's
+            # own schedule would cut the engine's rate tenfold every 30 steps.
+            "sched.name=constant", "sched.warmup_epochs=0"])
         torch.manual_seed(0)
         task = _EngineTask(wl.make_task(), batch)
         run = engine.Run(cfg, task)
@@ -78,6 +91,11 @@ def measure(model: str, precision: str, *, width: float, batch: int, size: int |
             run.iterate([xb])
 
         def block(fn):
+            if clock == "cpu":
+                t = time.thread_time()
+                for _ in range(steps):
+                    fn()
+                return (time.thread_time() - t) / steps
             _, wall = time_steps(fn, steps, run.device)
             return wall / steps
 
@@ -99,7 +117,7 @@ def measure(model: str, precision: str, *, width: float, batch: int, size: int |
     per_round = [b / a for a, b in zip(hand, eng)]
     ctl_round = [b / a for a, b in zip(hand, ctl)]
     return {"model": model, "precision": precision, "impl": "autocast", "batch": batch, "size": size, "width": width,
-            "rounds": rounds, "steps": steps, "device": str(dev), "hand_ms": 1e3 * statistics.median(hand),
+            "rounds": rounds, "steps": steps, "device": str(dev), "clock": clock, "hand_ms": 1e3 * statistics.median(hand),
             "engine_ms": 1e3 * statistics.median(eng), "control_ms": 1e3 * statistics.median(ctl),
             "overhead_pct": 100 * (statistics.median(per_round) - 1),
             "control_pct": 100 * (statistics.median(ctl_round) - 1),
@@ -133,7 +151,7 @@ def _hand_loop(task, cfg, precision, device, xb, channels_last):
 
 
 DEFAULTS = {"model": "resnet50_preact", "width": 0.0625, "batch": 32, "size": 80, "precisions": "fp32,mixed",
-            "rounds": 7, "steps": 10, "device": "auto", "channels_last": False}
+            "rounds": 7, "steps": 10, "device": "auto", "channels_last": False, "clock": "wall"}
 
 
 @cli
@@ -142,10 +160,10 @@ def main(argv=None):
     torch.manual_seed(0)
     print(f"engine vs hand-written torch.amp loop: {o['model']} width {o['width']}, batch {o['batch']}, "
           f"{o['size']}px, {o['rounds']} rotating rounds of {o['steps']} steps, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads")
+          f"{torch.get_num_threads()} threads, {o['clock']} clock")
     for prec in [p.strip() for p in o["precisions"].split(",") if p.strip()]:
         r = measure(o["model"], prec, width=o["width"], batch=o["batch"], size=o["size"], rounds=o["rounds"],
-                    steps=o["steps"], device=o["device"], channels_last=o["channels_last"])
+                    steps=o["steps"], device=o["device"], channels_last=o["channels_last"], clock=o["clock"])
         print(f"{prec:6s} {r['device']:6s} hand {r['hand_ms']:8.2f} ms/step   engine {r['engine_ms']:8.2f} ms/step   "
               f"overhead {r['overhead_pct']:+5.1f}%   (per-round ratio {r['ratio_min']:.3f}..{r['ratio_max']:.3f}; "
               f"control hand vs hand {r['control_pct']:+5.1f}%)")
