@@ -1,12 +1,39 @@
-"""What every data_prep shares: names read from an archive are checked before anything is written.
+"""What every data_prep shares: its command line (prep_command), and names read from an archive are
+checked before anything is written.
 
 A member path or a class name taken from a downloaded (or tampered) archive becomes a path under
 --out; an absolute path or a `..` component would write outside it (path traversal)."""
 from __future__ import annotations
 
-from pathlib import PurePosixPath
+import argparse
+from pathlib import Path, PurePosixPath
 
-from mpt.errors import UserError
+from mpt.errors import UserError, cli
+
+
+def prep_command(name: str, description: str, prepare, *, source: str, source_help: str, out_help: str,
+                 workers_help: str | None = None, extra=None):
+    """main(argv) of `python -m data_prep.<name>`: the command line every data_prep shares -- the
+    official release (`source`, e.g. --archives), --out, --force, with `workers_help` --workers, and
+    `extra(parser)` for a set's own options -- then prepare(release, out, **the other options by
+    name); a UserError is one line (mpt.errors.cli)."""
+    p = argparse.ArgumentParser(prog=f"python -m data_prep.{name}", description=description)
+    p.add_argument(source, required=True, type=Path, help=source_help)
+    p.add_argument("--out", required=True, type=Path, help=out_help)
+    p.add_argument("--force", action="store_true", help="redo a complete output from scratch")
+    if workers_help:
+        p.add_argument("--workers", type=int, default=8, help=workers_help)
+    if extra is not None:
+        extra(p)
+
+    @cli
+    def main(argv: list[str] | None = None) -> dict:
+        a = vars(p.parse_args(argv))
+        if a.get("workers", 1) < 1:
+            raise UserError("--workers must be at least 1")
+        return prepare(a.pop(source.lstrip("-")), a.pop("out"), **a)
+
+    return main
 
 
 def safe_relpath(name: str, what: str, source) -> str:

@@ -127,6 +127,8 @@ class LRN(nn.Module):
     in the input dtype: it sums squares of activations, and the paper (section 3) keeps such
     reductions in FP32 -- an FP16 square of an activation above 256 overflows."""
 
+    fp32_compute = True  # impl=paper computes it on an FP32 cast of its input (mpt.precision.convert_model)
+
     def __init__(self, size: int = 5, alpha: float = 1e-4, beta: float = 0.75, k: float = 1.0):
         super().__init__()
         self.size, self.alpha, self.beta, self.k = size, alpha, beta, k

@@ -10,6 +10,7 @@ with every run (config.yaml in the run directory) and hashed into the run's cont
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import hashlib
@@ -53,9 +54,8 @@ class SchedCfg:
     warmup_epochs: float = 0.0
     step_epochs: float = 30.0  # step: multiply by gamma every step_epochs
     milestones: list[float] = field(default_factory=list)  # multistep: epochs
-    gamma: float = 0.1
+    gamma: float = 0.1  # step, multistep; exponential: the factor per epoch, applied smoothly (gamma ** epoch)
     power: float = 1.0  # poly
-    min_lr: float = 0.0
 
 
 @dataclass
@@ -136,7 +136,7 @@ def _is_dc(t) -> bool:
     return isinstance(t, type) and dataclasses.is_dataclass(t)
 
 
-def _coerce(value, tp, key: str):
+def _coerce(value, tp, key: str, what: str = "config key"):
     origin = typing.get_origin(tp)
     if tp is Any:
         return value
@@ -144,17 +144,17 @@ def _coerce(value, tp, key: str):
         (item_tp,) = typing.get_args(tp) or (Any,)
         if not isinstance(value, (list, tuple)):
             value = [value]
-        return [_coerce(v, item_tp, key) for v in value]
+        return [_coerce(v, item_tp, key, what) for v in value]
     if tp is bool:
         if isinstance(value, bool):
             return value
-        raise UserError(f"config key {key!r} expects true/false, got {value!r}")
+        raise UserError(f"{what} {key!r} expects true/false, got {value!r}")
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
         if isinstance(value, float) and value.is_integer():
             return int(value)
-        raise UserError(f"config key {key!r} expects an integer, got {value!r}")
+        raise UserError(f"{what} {key!r} expects an integer, got {value!r}")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
@@ -163,17 +163,23 @@ def _coerce(value, tp, key: str):
                 return float(value)
             except ValueError:
                 pass
-        raise UserError(f"config key {key!r} expects a number, got {value!r}")
+        raise UserError(f"{what} {key!r} expects a number, got {value!r}")
     if tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
-        raise UserError(f"config key {key!r} expects a string, got {value!r}")
+        raise UserError(f"{what} {key!r} expects a string, got {value!r}")
     raise TypeError(f"unsupported config type {tp} for {key}")
 
 
 def _field_types(dc) -> dict[str, Any]:
-    hints = typing.get_type_hints(type(dc))
-    return {f.name: hints[f.name] for f in dataclasses.fields(dc)}
+    return _class_field_types(type(dc))
+
+
+@functools.lru_cache(maxsize=None)
+def _class_field_types(cls) -> dict[str, Any]:
+    # get_type_hints is slow, and a grid resolves every cell: once per class.
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
 def set_key(cfg, dotted: str, value, *, where: str = "override") -> None:
@@ -205,17 +211,36 @@ def apply_mapping(cfg, mapping: dict | None, where: str) -> None:
         set_key(cfg, k, v, where=where)
 
 
-def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
+def parse_overrides(overrides: list[str], example: str = "precision=mixed optim.lr=0.1") -> list[tuple[str, Any]]:
+    """`key=value` words -> [(key, value)], each value read as YAML (numbers, true/false, lists)."""
     out = []
     for o in overrides:
         if "=" not in o:
-            raise UserError(f"bad override {o!r}: write key=value, e.g. precision=mixed optim.lr=0.1")
+            raise UserError(f"bad argument {o!r}: write key=value, e.g. {example}")
         k, v = o.split("=", 1)
         try:
             val = yaml.safe_load(v) if v != "" else ""
         except yaml.YAMLError:
             val = v
         out.append((k.strip(), val))
+    return out
+
+
+def parse_options(argv: list[str], defaults: dict[str, Any], prog: str, example: str = "") -> dict[str, Any]:
+    """A command's own `key=value` options (a benchmark's, not a run's config), typed like their
+    defaults and read like config overrides. `-h` lists the keys; an unknown key is a UserError."""
+    if argv and argv[0] in ("-h", "--help"):
+        print(f"usage: python -m {prog} [key=value ...]\nkeys (default):")
+        for k, v in defaults.items():
+            print(f"  {k}={str(v).lower() if isinstance(v, bool) else v}")
+        raise SystemExit(0)
+    out = dict(defaults)
+    for k, v in parse_overrides(argv, example or " ".join(f"{k}={v}" for k, v in list(defaults.items())[:2])):
+        if k not in defaults:
+            raise UserError(f"unknown key {k!r}; valid keys: {', '.join(defaults)}")
+        out[k] = _coerce(v, type(defaults[k]), k, "option")
+        if isinstance(out[k], float) and not math.isfinite(out[k]):
+            raise UserError(f"option {k!r} expects a finite number, got {v!r}")
     return out
 
 
@@ -240,8 +265,9 @@ def yaml_error(e: yaml.YAMLError) -> str:
 def load_experiment_yaml(name: str) -> dict:
     path = REPO / "experiments" / name / "config.yaml"
     try:
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
+        st = path.stat()
+        # A grid resolves every cell from the same file: parsed once per version of it (a copy each time).
+        data = copy.deepcopy(_parse_yaml(str(path), st.st_mtime_ns, st.st_size))
     except yaml.YAMLError as e:
         raise UserError(f"{path} is not valid YAML: {yaml_error(e)}; fix that line") from None
     except OSError as e:
@@ -252,6 +278,12 @@ def load_experiment_yaml(name: str) -> dict:
     if unknown:
         raise UserError(f"{path}: unknown top-level keys {sorted(unknown)}; allowed: base, models, profiles")
     return data
+
+
+@functools.lru_cache(maxsize=32)
+def _parse_yaml(path: str, mtime_ns: int, size: int):
+    with open(path) as f:
+        return yaml.safe_load(f) or {}
 
 
 def resolve(experiment: str, overrides: list[str] | tuple = ()) -> Config:

@@ -200,21 +200,24 @@ def distributed_env() -> tuple[int, int, int]:
     return 0, 1, 0
 
 
-def pick_device(cfg, local_rank: int) -> torch.device:
-    if cfg.device != "auto":
-        try:
-            dev = torch.device(cfg.device)
-        except RuntimeError:
-            raise UserError(f"device={cfg.device!r} is not a torch device; use auto, cpu or cuda:N") from None
-        if dev.type == "cuda":
-            n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            if n == 0:
-                raise UserError(f"device={cfg.device} but CUDA is not available on this machine (torch "
-                                f"{torch.__version__}, CUDA build {torch.version.cuda}); use device=auto or device=cpu")
-            if dev.index is not None and dev.index >= n:
-                raise UserError(f"device={cfg.device} but this machine has {n} GPU(s) (cuda:0..cuda:{n - 1})")
-        return dev
-    return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+def pick_device(name: str, local_rank: int = 0) -> torch.device:
+    """device=auto|cpu|cuda|cuda:N -> a torch device; auto: this process's GPU when there is one."""
+    if name == "auto":
+        return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"device={name!r} is not a torch device; use auto, cpu or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise UserError(f"device={name}: only cpu and cuda devices are supported")
+    if dev.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise UserError(f"device={name} but CUDA is not available on this machine (no CUDA GPU is visible; torch "
+                            f"{torch.__version__}, CUDA build {torch.version.cuda}); use device=auto or device=cpu")
+        if dev.index is not None and dev.index >= n:
+            raise UserError(f"device={name} but this machine has {n} GPU(s) (cuda:0..cuda:{n - 1})")
+    return dev
 
 
 def build_optimizer(o, params) -> torch.optim.Optimizer:
@@ -279,11 +282,40 @@ def lr_factor(s, epoch: float, total_epochs: float) -> float:
         f = max(0.0, 1.0 - epoch / total_epochs) ** s.power
     elif s.name == "cosine":
         f = 0.5 * (1 + math.cos(math.pi * min(epoch, total_epochs) / total_epochs))
+    elif s.name == "exponential":  # annealing by a constant factor per epoch (e.g. Deep Speech 2's)
+        f = s.gamma ** epoch
     else:
-        raise UserError(f"unknown schedule sched.name={s.name!r}; choose one of: constant, step, multistep, poly, cosine")
+        raise UserError(f"unknown schedule sched.name={s.name!r}; "
+                        f"choose one of: constant, step, multistep, poly, cosine, exponential")
     if s.warmup_epochs > 0 and epoch < s.warmup_epochs:
         f *= epoch / s.warmup_epochs
     return f
+
+
+def loss_step(recipe: precision.Recipe, loss_fn, micro_batches: list, step, *, sync=None, meter=None):
+    """The default training iteration, in the one order every caller uses (the engine's loop, the
+    speed/memory benchmark, the bigLSTM memory estimate): for each of the k micro-batches, forward
+    under the recipe's autocast and backward of loss / k (`sync(i)`: DDP all-reduces only on the
+    last); then `step()`, the optimizer step(s) -- its result is returned, so a caller can also read
+    what exists between the update and zero_grad (gradients, optimizer state); then recipe.update()
+    once and recipe.zero_grad(). `meter` (mpt.memory.SavedTensorBytes) measures micro-batch 0.
+
+    loss_fn(batch) -> (mean loss, items). Returns (mean loss over the micro-batches, a float64 device
+    tensor: nothing here reads a device value; items; step()'s result)."""
+    total, n, k = None, 0, len(micro_batches)
+    for i, b in enumerate(micro_batches):
+        with (sync(i) if sync is not None else contextlib.nullcontext()), \
+                (meter.measure() if meter is not None and i == 0 else contextlib.nullcontext()):
+            with recipe.autocast():
+                loss, items = loss_fn(b)
+            recipe.backward(loss / k)
+        part = loss.detach().to(torch.float64) / k  # float64: the Python float sum it replaces
+        total = part if total is None else total + part
+        n += items
+    out = step()
+    recipe.update()  # once per iteration, after every optimizer's step (GradScaler's rule)
+    recipe.zero_grad()
+    return total, n, out
 
 
 def _to_device(batch, device, channels_last: bool):
@@ -307,7 +339,7 @@ class Run:
     def __init__(self, cfg, task: Task):
         self.cfg, self.task = cfg, task
         self.rank, self.world, self.local_rank = distributed_env()
-        self.device = pick_device(cfg, self.local_rank)
+        self.device = pick_device(cfg.device, self.local_rank)
         self.main = self.rank == 0
         self.dir = C.run_dir(cfg)
         self.name = C.run_name(cfg)
@@ -438,6 +470,11 @@ class Run:
             self.numerics = Numerics(self.model, every=cfg.numerics.every, lo=cfg.numerics.hist_lo,
                                      hi=cfg.numerics.hist_hi)
         self.step, self.wall, self.act_bytes = 0, 0.0, None
+        # The divergence rule's counters, kept on the device across log windows (see iterate()).
+        self._zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._bad = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._diverged_at = torch.full((), -1, dtype=torch.int64, device=self.device)
+        self._new_window()
         self.resume()
         self.wandb = WandbLogger(cfg, self.dir, self.cell[:32], self.name, C.to_dict(cfg), self.rank) \
             if self.main else WandbLogger(cfg, self.dir, "", "", {}, rank=self.rank)
@@ -589,41 +626,29 @@ class Run:
         if self._sample:
             self.numerics.begin(self.step)
         ctx = StepContext(self, len(micro_batches))
+        micro = [_to_device(b, self.device, self.cfg.channels_last) for b in micro_batches]
+        meter = SavedTensorBytes(self.model) if self.act_bytes is None else None  # the first step only
         if hasattr(self.task, "train_step"):
-            micro = [_to_device(b, self.device, self.cfg.channels_last) for b in micro_batches]
-            meter = SavedTensorBytes(self.model) if self.act_bytes is None else None
             with meter.measure() if meter is not None else contextlib.nullcontext():
                 logs, n = self.task.train_step(ctx, micro)
-            if meter is not None:
-                self.act_bytes = meter.bytes
+            self._close_phases()
+            recipe.update()  # once per iteration, after every optimizer's step (GradScaler's rule)
+            recipe.zero_grad()
         else:
-            logs, n = self._loss_step(ctx, micro_batches)
-        recipe.update()  # once per iteration, after every optimizer's step (GradScaler's rule)
-        if self._sample and len(self.optimizers) > 1:
-            self.numerics.end([], None)  # drop the hooks of a phase that never stepped
-        recipe.zero_grad()
+            def step():
+                ctx.step(next(iter(self.optimizers)))
+                self._close_phases()
+
+            loss, n, _ = loss_step(recipe, lambda b: self.task.loss(ctx.models, b), micro, step,
+                                   sync=ctx.sync, meter=meter)
+            logs = {"loss": loss}
+        if meter is not None:
+            self.act_bytes = meter.bytes
         return logs, n, self._applied, self._stats
 
-    def _loss_step(self, ctx: StepContext, micro_batches) -> tuple[dict, int]:
-        """The default step: k micro-batches of task.loss accumulated, one optimizer step."""
-        measure = self.act_bytes is None
-        total, n = None, 0
-        k = len(micro_batches)
-        for i, b in enumerate(micro_batches):
-            b = _to_device(b, self.device, self.cfg.channels_last)
-            meter = SavedTensorBytes(self.model) if measure and i == 0 else None
-            with ctx.sync(i), (meter.measure() if meter is not None else contextlib.nullcontext()):
-                with ctx.autocast():
-                    loss, items = self.task.loss(ctx.models, b)
-                ctx.backward(loss / k)
-            if meter is not None:
-                self.act_bytes = meter.bytes
-            # Kept on the device (no sync per micro-batch); float64 as the Python float sum it replaces.
-            part = loss.detach().to(torch.float64) / k
-            total = part if total is None else total + part
-            n += items
-        ctx.step(next(iter(self.optimizers)))
-        return {"loss": total}, n
+    def _close_phases(self) -> None:
+        if self._sample and len(self.optimizers) > 1:
+            self.numerics.end([], None)  # drop the hooks of a phase that never stepped
 
     def optimizer_step(self, name: str, clip: float) -> bool:
         recipe, opt = self.recipe, self.optimizers[name]
@@ -678,15 +703,37 @@ class Run:
         self.model.train()
         return self.task.eval_metrics(sums)
 
-    def read_window(self, win: dict, finite, diverged_at) -> tuple[dict, int, bool, bool]:
-        """The one device read per log step: the window's summed logs, its finite steps, whether
+    def iterate(self, micro_batches) -> dict:
+        """One iteration of the loop: the train step, then, on the device, the divergence rule and the
+        log window (read once per log step by read_window). Returns the numerics stats (sampled steps)."""
+        logs, n, _, stats = self.train_step(micro_batches)
+        self.step += 1
+        ok = torch.isfinite(logs["loss"])
+        # Consecutive non-finite losses and the step at which they reached train.diverge_after.
+        self._bad = torch.where(ok, 0, self._bad + 1)
+        self._diverged_at = torch.where((self._diverged_at < 0) & (self._bad >= self.cfg.train.diverge_after),
+                                        self.step, self._diverged_at)
+        zero = self._zero
+        for k, v in logs.items():
+            self._win[k] = self._win.get(k, zero) + torch.where(ok, v.detach().to(torch.float64), zero)
+        self._finite = self._finite + ok
+        self._win_items += n
+        return stats
+
+    def _new_window(self) -> None:
+        self._win, self._win_items, self._win_t = {}, 0, time.time()
+        self._finite = torch.zeros((), dtype=torch.int64, device=self.device)
+
+    def read_window(self) -> tuple[dict, int, bool, bool]:
+        """The one device read per log step: the window's mean logs, its finite steps, whether
         the divergence rule fired and whether to stop. With DDP every rank gets the same answer
         (the logged loss is the global batch's; a stop signal reaches ranks at different steps and a
         rank leaving early would hang the others in all-reduce): one small all-reduce."""
-        keys = sorted(win)
+        keys = sorted(self._win)
         stop = STOP.reason is not None
-        t = torch.stack([win[k] for k in keys] + [finite.to(torch.float64), (diverged_at >= 0).to(torch.float64),
-                                                  torch.tensor(float(stop), dtype=torch.float64, device=self.device)])
+        t = torch.stack([self._win[k] for k in keys] + [
+            self._finite.to(torch.float64), (self._diverged_at >= 0).to(torch.float64),
+            torch.tensor(float(stop), dtype=torch.float64, device=self.device)])
         if self.world > 1:
             dist.all_reduce(t)
         v = t.tolist()
@@ -704,27 +751,11 @@ class Run:
 
             bar = tqdm(total=self.total_steps, initial=self.step, desc=self.name, unit="step",
                        dynamic_ncols=True, file=sys.stderr, mininterval=2.0)
-        dev = self.device
-        zero = torch.zeros((), dtype=torch.float64, device=dev)
-        win, finite = {}, torch.zeros((), dtype=torch.int64, device=dev)
-        # Consecutive non-finite losses and the step at which they reached train.diverge_after,
-        # counted on the device and read at log steps (no sync per step).
-        bad = torch.zeros((), dtype=torch.int64, device=dev)
-        diverged_at = torch.full((), -1, dtype=torch.int64, device=dev)
-        win_n, win_t = 0, time.time()
+        self._new_window()
         metrics, last_eval, throughput = {}, -1, None
         it = self.batches()
         while self.step < self.total_steps:
-            micro = [next(it)[1] for _ in range(t.accum_steps)]
-            logs, n, applied, stats = self.train_step(micro)
-            self.step += 1
-            ok = torch.isfinite(logs["loss"])
-            bad = torch.where(ok, 0, bad + 1)
-            diverged_at = torch.where((diverged_at < 0) & (bad >= t.diverge_after), self.step, diverged_at)
-            for k, v in logs.items():
-                win[k] = win.get(k, zero) + torch.where(ok, v.detach().to(torch.float64), zero)
-            finite = finite + ok
-            win_n += n
+            stats = self.iterate([next(it)[1] for _ in range(t.accum_steps)])
             if stats:
                 self.log({"kind": "numerics", "step": self.step, **stats})
             if bar is not None:
@@ -732,11 +763,11 @@ class Run:
             at_log = self.step % t.log_every == 0 or self.step == self.total_steps
             stop = diverged = False
             if at_log:
-                means, nf, diverged, stop = self.read_window(win, finite, diverged_at)
+                means, nf, diverged, stop = self.read_window()
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
-                dt = time.time() - win_t
-                throughput = win_n * self.world / dt if dt > 0 else None
+                dt = time.time() - self._win_t
+                throughput = self._win_items * self.world / dt if dt > 0 else None
                 line = {"kind": "train", "step": self.step, "epoch": self.step / self.steps_per_epoch, **means,
                         "lr": self.optimizer.param_groups[0]["lr"], "loss_scale": self.recipe.loss_scale,
                         "skipped_steps": self.recipe.skipped_steps, "throughput": throughput,
@@ -748,12 +779,12 @@ class Run:
                 if bar is not None:
                     bar.set_postfix(loss=f"{means['loss']:.3f}", S=f"{self.recipe.loss_scale:g}",
                                     ips=f"{throughput or 0:.0f}", refresh=False)
-                win, finite, win_n, win_t = {}, torch.zeros_like(finite), 0, time.time()
+                self._new_window()
             if self.world == 1:  # a single process acts on a stop request at once; DDP ranks agree at log steps
                 stop = STOP.reason is not None
             if diverged:
                 # The paper's "diverges" cells: stop instead of burning GPU hours on NaNs.
-                at = int(diverged_at.item())
+                at = int(self._diverged_at.item())
                 at = at if at >= 0 else self.step  # another rank's loss diverged
                 return self.finish("diverged", metrics, throughput,
                                    error=f"loss non-finite for {t.diverge_after} consecutive steps at step {at}")

@@ -56,7 +56,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from mpt import torch_private as TP
 from mpt.errors import UserError
+from mpt.numerics import first_nonfinite
 
 PRECISIONS = ("fp32", "fp16", "mixed", "bf16", "fp16_pure", "fp16_storage")
 # Precisions that store the model in FP16 whatever cfg.impl says (see the module docstring).
@@ -64,8 +66,9 @@ _PAPER_ONLY = ("fp16_pure", "fp16_storage")
 IMPLS = ("autocast", "paper")
 # Norm layers keep FP32 parameters and statistics; their kernels read FP16 input with FP32
 # parameters and reduce in FP32 (section 3.3), so no FP32 copy of the activation is made or saved.
-_NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm)
-# Layers with no FP16 kernel on some devices: computed in FP32 on a cast of their input.
+_NORMS = (TP.NormBase, nn.LayerNorm, nn.GroupNorm)
+# Layers with no FP16 kernel on some devices, or whose reduction must stay in FP32 (a sum of squares,
+# 3.3): computed in FP32 on a cast of their input. A model's own layer opts in with `fp32_compute = True`.
 _FP32_COMPUTE = (nn.LocalResponseNorm,)
 # Optimizers whose step needs a closure or sparse gradients: the master-weight swap cannot wrap them.
 _UNWRAPPABLE = (torch.optim.LBFGS, torch.optim.SparseAdam)
@@ -273,21 +276,13 @@ class Recipe:
 
     def _note_overflow(self) -> None:
         self.skipped_steps += 1
-        self.last_overflow = None
-        if self.model is not None:
-            for name, p in self.model.named_parameters():
-                if p.grad is not None and not torch.isfinite(p.grad).all():
-                    self.last_overflow = name
-                    break
+        self.last_overflow = first_nonfinite(self.model.named_parameters()) if self.model is not None else None
 
     def state_dict(self) -> dict:
         return {"skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, sd: dict) -> None:
         self.skipped_steps = int(sd["skipped_steps"])
-
-    def describe(self) -> dict:
-        return {"precision": self.name, "impl": self.impl, "compute_dtype": str(self.compute_dtype).replace("torch.", "")}
 
 
 class FP32(Recipe):
@@ -326,7 +321,7 @@ class Autocast(Recipe):
         if self.scaler is None:
             return super().step(optimizer, clip_grad_norm)
         self.scaler.unscale_(optimizer)  # clipping and weight decay see unscaled gradients
-        found = sum(v.item() for v in self.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
+        found = sum(v.item() for v in TP.scaler_found_inf(self.scaler, optimizer))
         if found:
             self._found_inf = True
             self._note_overflow()
@@ -382,7 +377,7 @@ def convert_model(model: nn.Module, dtype: torch.dtype) -> list:
             handles.append(m.register_forward_pre_hook(
                 lambda mod, args, kwargs: (_cast_floats(args, torch.float32), _cast_floats(kwargs, torch.float32)),
                 with_kwargs=True))
-        elif isinstance(m, _FP32_COMPUTE):
+        elif isinstance(m, _FP32_COMPUTE) or getattr(m, "fp32_compute", False):
             handles.append(m.register_forward_pre_hook(lambda mod, args: _cast_floats(args, torch.float32)))
             handles.append(m.register_forward_hook(lambda mod, args, out: _cast_floats(out, dtype)))
     # Several named models (a GAN's generator and discriminator) are called one by one, never
@@ -505,7 +500,7 @@ class Paper(Recipe):
                             f"(build embeddings with sparse=False)")
         with torch.no_grad():
             if not self.master:  # fp16_pure: the FP32 copy starts every step from the FP16 weights
-                torch._foreach_copy_([fp32[i] for i in own], [model_p[i] for i in own])
+                TP.foreach_copy_([fp32[i] for i in own], [model_p[i] for i in own])
             for i in own:
                 p, m = model_p[i], fp32[i]
                 if p.grad is None:
@@ -515,14 +510,14 @@ class Paper(Recipe):
             copied = [i for i in own if model_p[i].grad is not None]
             # FP16 -> FP32 first, then unscale: unscaling in FP16 would flush small values again.
             if copied:
-                torch._foreach_copy_([fp32[i].grad for i in copied], [model_p[i].grad for i in copied])
+                TP.foreach_copy_([fp32[i].grad for i in copied], [model_p[i].grad for i in copied])
         live = [i for i, m in enumerate(fp32) if m.grad is not None]
         grads = [fp32[i].grad for i in live]
         found = False
         if self.scaler.mode != "none" and grads:
             found_inf = torch.zeros(1, device=grads[0].device)
             inv = torch.full((1,), 1.0 / self.scaler.scale, device=grads[0].device)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv)
+            TP.unscale_and_check_(grads, found_inf, inv)
             found = bool(found_inf.item())
         if found:  # section 3.2: skip the update when any gradient overflowed
             self._found_inf = True
@@ -533,7 +528,7 @@ class Paper(Recipe):
         optimizer.step()
         if copied:  # round the updated FP32 weights back into the FP16 model (3.1)
             with torch.no_grad():
-                torch._foreach_copy_([model_p[i] for i in copied], [fp32[i] for i in copied])
+                TP.foreach_copy_([model_p[i] for i in copied], [fp32[i] for i in copied])
         return True
 
     def update(self):
@@ -551,7 +546,7 @@ class Paper(Recipe):
         with torch.no_grad():
             for model_p, fp32, own in self._pairs:
                 if own:
-                    torch._foreach_copy_([model_p[i] for i in own], [fp32[i] for i in own])
+                    TP.foreach_copy_([model_p[i] for i in own], [fp32[i] for i in own])
 
     def state_dict(self):
         sd = super().state_dict()

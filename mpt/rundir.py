@@ -127,9 +127,19 @@ def read_jsonl(path) -> tuple[list[dict], int]:
     return good, bad
 
 
-def read_json(path):
-    with open(path) as f:
-        return json.load(f)
+_RAISE = object()
+
+
+def read_json(path, default=_RAISE):
+    """The JSON in `path`; with `default`, that instead of an error when it is missing or unreadable
+    (a file another process may be writing or may not have written yet)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        if default is _RAISE:
+            raise
+        return default
 
 
 def read_json_or_none(path):

@@ -22,21 +22,18 @@ slurm.status reads it, so it needs no SLURM accounting.
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
-import json
 import os
 import pathlib
 import signal
 import socket
 import subprocess
 import sys
-import time
+
+from mpt.rundir import atomic_write_json, now, read_json
 
 JOB_FILE = "job.json"
-
-
-def _now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
 
 
 def _one_line(e: BaseException) -> str:
@@ -47,20 +44,14 @@ def _one_line(e: BaseException) -> str:
 
 def read_job_file(run_dir) -> dict | None:
     """job.json, or None when it is missing or damaged (a new record is started then)."""
-    p = pathlib.Path(run_dir) / JOB_FILE
-    try:
-        rec = json.loads(p.read_text())
-    except (OSError, ValueError):
-        return None
+    rec = read_json(pathlib.Path(run_dir) / JOB_FILE, default=None)
     if not isinstance(rec, dict) or not isinstance(rec.get("attempts", []), list):
         return None
     return rec
 
 
 def _write_job_file(run_dir: pathlib.Path, rec: dict) -> None:
-    from mpt.rundir import atomic_write_json
-
-    rec["updated"] = _now()
+    rec["updated"] = now()
     atomic_write_json(run_dir / JOB_FILE, rec)
 
 
@@ -162,11 +153,11 @@ def run_cell(experiment: str, overrides: list[str], run_dir: str, backend: str, 
         print(f"[slurm.job] {C.run_name(cfg)} job {job_id} attempt {restarts + 1}: {world} rank(s), "
               f"global batch {cfg.train.batch_size} = {world} x {per:g} per rank", file=sys.stderr, flush=True)
         before = read_job_file(run_dir)
-        rec = json.loads(json.dumps(before)) if before else {"cell_id": C.cell_id(cfg)}
+        rec = copy.deepcopy(before) if before else {"cell_id": C.cell_id(cfg)}
         rec.setdefault("attempts", [])
         rec.update(backend=backend, job_id=job_id, state="running", world_size=world, log=log, error=None)
         rec["attempts"].append({"job_id": job_id, "restart": restarts, "host": socket.gethostname(),
-                                "pid": os.getpid(), "start": _now(), "end": None, "outcome": "running"})
+                                "pid": os.getpid(), "start": now(), "end": None, "outcome": "running"})
         run_dir.mkdir(parents=True, exist_ok=True)
         _write_job_file(run_dir, rec)
 
@@ -174,7 +165,7 @@ def run_cell(experiment: str, overrides: list[str], run_dir: str, backend: str, 
         if rec is None:
             return
         rec.update(state=state, error=error)
-        rec["attempts"][-1].update(end=_now(), outcome=state, step=step, signals=sigs.received or None)
+        rec["attempts"][-1].update(end=now(), outcome=state, step=step, signals=sigs.received or None)
         _write_job_file(run_dir, rec)
 
     from mpt.rundir import RunDirBusy

@@ -17,6 +17,7 @@ import socket
 import subprocess
 from dataclasses import dataclass
 
+from mpt.rundir import read_json
 
 MANIFEST = "submissions.jsonl"
 FINAL = ("completed", "diverged")
@@ -95,13 +96,6 @@ def _local_alive(job_id: str) -> bool | None:
     return True
 
 
-def _read_json(p: pathlib.Path):
-    try:
-        return json.loads(p.read_text())
-    except (OSError, ValueError):
-        return None
-
-
 # summary.json / job.json fields slurm.status reads, and their types (None is allowed for each).
 _SUMMARY_TYPES = {"status": str, "step": int, "total_steps": int, "metrics": dict, "primary_metric": str, "error": str}
 _JOB_TYPES = {"job_id": str, "state": str, "error": str, "log": str, "attempts": list}
@@ -116,7 +110,7 @@ def _read_checked(p: pathlib.Path, types: dict) -> tuple[dict, str | None]:
     (naming the file), so one damaged file gives a note in the table instead of a traceback."""
     if not p.exists():
         return {}, None
-    d = _read_json(p)
+    d = read_json(p, default=None)
     if not isinstance(d, dict):
         return {}, f"{p} is unreadable (not a JSON object); running the cell again rewrites it"
     bad = []

@@ -95,6 +95,7 @@ def test_prep_bad_inputs_are_one_line_errors(celeba_archives, tmp_path, damage, 
         assert p.returncode == 2 and len(lines) == 1 and msg in lines[0], p.stderr
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("prec,impl", [("fp32", "autocast"), ("fp16", "autocast"), ("mixed", "autocast"),
                                        ("mixed", "paper")])
 def test_tiny_run_writes_samples_and_metric(tiny_celeba, tmp_path, prec, impl):
@@ -115,6 +116,7 @@ def test_tiny_run_writes_samples_and_metric(tiny_celeba, tmp_path, prec, impl):
     assert {"loss_D", "loss_G", "D_real", "D_fake"} <= set(train[-1])
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("size,steps", [
     (16, 120),  # the default suite: 16-px faces, about 30 s on 2 idle cores
     pytest.param(32, 250, marks=pytest.mark.slow),  # the tiny profile's 32 px, minutes

@@ -10,6 +10,9 @@ import pytest
 
 from conftest import REPO
 
+# Every test here runs real training, subprocesses or a cluster: left out of the fast tier.
+pytestmark = pytest.mark.heavy
+
 CHROMIUM = pathlib.Path("/usr/bin/chromium")
 
 

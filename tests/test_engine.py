@@ -24,6 +24,7 @@ def read_lines(d):
     return [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("prec", ["fp32", "mixed", "bf16"])
 def test_tiny_run_beats_chance(tiny_imagenet, tmp_path, prec):
     s = ilsvrc(tiny_overrides(tiny_imagenet, tmp_path, "model=resnet50_preact", f"precision={prec}"))
@@ -39,6 +40,7 @@ def test_tiny_run_beats_chance(tiny_imagenet, tmp_path, prec):
     assert kinds == {"train", "eval"}
 
 
+@pytest.mark.heavy
 def test_resume_is_bit_identical(tiny_imagenet, tmp_path, monkeypatch):
     args = ["model=resnet50_preact", "train.max_steps=9", "train.num_workers=2", "train.log_every=1"]
     full = ilsvrc(tiny_overrides(tiny_imagenet, tmp_path / "a", *args))
@@ -58,6 +60,7 @@ def test_resume_is_bit_identical(tiny_imagenet, tmp_path, monkeypatch):
     assert again["status"] == "completed" and again["updated"] == resumed["updated"]
 
 
+@pytest.mark.heavy
 def test_divergence_ends_run_with_status(tiny_imagenet, tmp_path):
     s = ilsvrc(tiny_overrides(tiny_imagenet, tmp_path, "model=alexnet", "precision=fp16", "optim.lr=1e6",
                               "train.diverge_after=3", "train.max_steps=40"))
@@ -65,6 +68,7 @@ def test_divergence_ends_run_with_status(tiny_imagenet, tmp_path):
     assert "non-finite" in s["error"]
 
 
+@pytest.mark.heavy
 def test_wandb_offline_run_readable_by_wandb(tiny_imagenet, tmp_path):
     s = ilsvrc(tiny_overrides(tiny_imagenet, tmp_path, "model=alexnet", "train.max_steps=4",
                               "wandb.mode=offline"))
@@ -82,6 +86,7 @@ def test_wandb_offline_run_readable_by_wandb(tiny_imagenet, tmp_path):
                                               + ["model=alexnet", "train.max_steps=4"]))[:32]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("argv,msg", [
     (["foo=1"], "unknown config key 'foo'"),
     (["optim.lr=fast"], "expects a number"),
@@ -97,6 +102,7 @@ def test_user_errors_are_one_line(argv, msg, tmp_path):
     assert len(lines) == 1 and msg in lines[0], p.stderr
 
 
+@pytest.mark.heavy
 def test_corrupt_image_is_one_line_error(tiny_imagenet, tmp_path):
     import shutil
 
@@ -122,6 +128,7 @@ def test_activation_bytes_exact():
     assert meter.bytes == 3 * 4 * 4 + 3 * 8 * 4
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", sorted(INPUT_SIZE))
 def test_every_model_every_precision_forward_backward(name):
     x, y = torch.randn(2, 3, 80, 80), torch.tensor([0, 1])
@@ -220,6 +227,7 @@ def test_two_optimizer_resume_is_bit_identical(tmp_path, monkeypatch):
                 assert torch.equal(v, cb["optimizers"][name]["state"][pid][key]), (name, key)
 
 
+@pytest.mark.heavy
 def test_ddp_ranks_agree_a_run_is_complete(tmp_path):
     """2 gloo ranks: the second start of a completed run returns on every rank (issue 16: rank 0
     alone returned and the other rank waited forever in evaluation's all-reduce)."""

@@ -264,6 +264,7 @@ def test_batch_rows_continue_their_streams(data):
 # training through the engine
 
 
+@pytest.mark.heavy
 def test_tiny_run_beats_unigram_perplexity(data, tmp_path):
     s = lm_main(run_args(data, tmp_path, "train.epochs=2"))
     assert s["status"] == "completed" and s["primary_metric"] == "ppl" and s["higher_is_better"] is False
@@ -275,6 +276,7 @@ def test_tiny_run_beats_unigram_perplexity(data, tmp_path):
     assert math.exp(train[-1]["loss"]) < math.exp(train[0]["loss"])
 
 
+@pytest.mark.heavy
 def test_resume_is_bit_identical(data, tmp_path, monkeypatch):
     args = ["train.max_steps=6", "train.log_every=1", "numerics.every=0"]
     full = lm_main(run_args(data, tmp_path / "a", *args))
@@ -291,6 +293,7 @@ def test_resume_is_bit_identical(data, tmp_path, monkeypatch):
         assert torch.equal(ha, hb) and torch.equal(sa, sb)
 
 
+@pytest.mark.heavy
 def test_loss_scaling_histograms(data, tmp_path):
     """The numerics histograms of FP16 activation gradients: at S = 1 a fifth of the tiny model's lie in
     FP16's subnormal range (the next halving flushes them to zero); S = 128 lifts them into the normal
@@ -308,6 +311,7 @@ def test_loss_scaling_histograms(data, tmp_path):
     assert 0 <= bands["fp32"]["underflow"] < 1
 
 
+@pytest.mark.heavy
 def test_tiny_grid_through_launcher_into_figure5(data, tmp_path):
     out, tables = tmp_path / "runs", tmp_path / "tables"
     common = ["--profile", "tiny", "--backend", "local", "--set", f"out_dir={out}", f"task.data_root={data}",

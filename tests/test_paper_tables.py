@@ -462,6 +462,7 @@ def test_missing_figures_listed_not_drawn(tmp_path):
     assert not (out / "figure5.png").exists() and (out / "table1.md").exists()
 
 
+@pytest.mark.heavy
 @pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium (/usr/bin/chromium): "
                     "apt-get install -y chromium")
 def test_report_renders_in_headless_chromium(full, tmp_path):

@@ -25,6 +25,7 @@ def second_imagenet(tmp_path_factory):
     return out
 
 
+@pytest.mark.heavy
 def test_same_config_on_two_datasets_is_two_runs(tiny_imagenet, second_imagenet, tmp_path):
     a = C.resolve("ilsvrc_cnns", tiny_overrides(tiny_imagenet, tmp_path, *SHORT))
     b = C.resolve("ilsvrc_cnns", tiny_overrides(second_imagenet, tmp_path, *SHORT))
@@ -53,6 +54,7 @@ def test_fingerprint_cannot_be_set(tiny_imagenet, tmp_path):
         C.resolve("ilsvrc_cnns", tiny_overrides(tiny_imagenet, tmp_path, "data_fingerprint=abc"))
 
 
+@pytest.mark.heavy
 def test_resume_with_another_config_is_refused_and_the_run_untouched(tiny_imagenet, tmp_path):
     over = tiny_overrides(tiny_imagenet, tmp_path, *SHORT)
     s = ilsvrc(over)
@@ -68,6 +70,7 @@ def test_resume_with_another_config_is_refused_and_the_run_untouched(tiny_imagen
     assert after == before
 
 
+@pytest.mark.heavy
 def test_a_failed_start_keeps_a_completed_result(tiny_imagenet, tmp_path):
     """Re-running a completed cell with a broken infrastructure key must not mark it failed."""
     over = tiny_overrides(tiny_imagenet, tmp_path, *SHORT)
@@ -83,6 +86,7 @@ def test_a_failed_start_keeps_a_completed_result(tiny_imagenet, tmp_path):
     assert (d / "summary.json").read_bytes() == summary
 
 
+@pytest.mark.heavy
 def test_print_config_shows_the_cell_and_runs_nothing(tiny_imagenet, tmp_path):
     import subprocess
     import sys

@@ -192,6 +192,7 @@ def test_dry_run_prints_batch_norm_batch_per_gpu(tmp_path, capsys):
     assert "batch 32 = 8 x 4, BN batch 4 per GPU" in capsys.readouterr().out
 
 
+@pytest.mark.heavy
 def test_slurm_backend_without_sbatch_is_one_line_error(tmp_path):
     env = {**os.environ, "PATH": str(tmp_path)}  # no sbatch, srun, git ...
     r = subprocess.run([sys.executable, "-m", "slurm.submit", str(GRID), "--profile", "tiny", "--backend", "slurm",
@@ -249,6 +250,7 @@ def test_default_cap_from_cores_and_threads():
     assert submit.default_cap(4 * n, 2, 0) == 1
 
 
+@pytest.mark.heavy
 def test_local_backend_runs_cells_skips_completed_and_isolates_a_failure(tiny_imagenet, tmp_path, capsys):
     """Two real tiny cells, one with a bad override (task.augment): the bad one fails alone with its
     error, the other completes; submitting again skips the completed cell and retries the failed one."""
@@ -361,6 +363,7 @@ def test_job_wrapper_maps_slurm_ranks(monkeypatch):
     assert distributed_env() == (3, 8, 1)
 
 
+@pytest.mark.heavy
 def test_local_process_stops_at_a_step_boundary_on_sigterm(tiny_imagenet, tmp_path):
     """The local backend's stop path: SIGTERM -> checkpoint -> status interrupted -> resume."""
     g = G.load(GRID, "tiny", [f"task.data_root={tiny_imagenet}", f"out_dir={tmp_path}", "train.max_steps=2000"],

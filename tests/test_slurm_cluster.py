@@ -27,6 +27,9 @@ import yaml
 
 from slurm import state, status, submit
 
+# Every test here runs real training, subprocesses or a cluster: left out of the fast tier.
+pytestmark = pytest.mark.heavy
+
 REPO = Path(__file__).resolve().parents[1]
 GRID = REPO / "experiments" / "ilsvrc_cnns" / "grid.yaml"
 SCRIPT = REPO / "slurm" / "local_cluster.sh"

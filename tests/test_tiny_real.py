@@ -12,6 +12,9 @@ import pytest
 from conftest import tiny_overrides
 from experiments.ilsvrc_cnns.tiny_check import MODELS
 
+# Every test here runs real training, subprocesses or a cluster: left out of the fast tier.
+pytestmark = pytest.mark.heavy
+
 TARGET = 90.0  # top-1 %, chance is 10%; a linear classifier on the 8x8 pixels reaches ~96%
 
 

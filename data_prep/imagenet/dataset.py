@@ -46,7 +46,6 @@ class ImageNetFolder(ImageFolder):
         if not (root / MARKER).is_file():
             raise UserError(f"no prepared ImageNet at {root} (missing {MARKER}); run: "
                             f"python -m data_prep.imagenet --archives <dir> --out {root}")
-        self.prepared_root = root
         self.split = split
         self.info = json.loads((root / MARKER).read_text())
         try:
@@ -72,8 +71,3 @@ class ImageNetFolder(ImageFolder):
     @property
     def num_classes(self) -> int:
         return len(self.classes)
-
-    @property
-    def wnid_words(self) -> dict[str, str]:
-        """WNID -> human-readable class names, from the devkit."""
-        return {c["wnid"]: c["words"] for c in json.loads((self.prepared_root / CLASSES).read_text())}

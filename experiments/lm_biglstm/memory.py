@@ -75,18 +75,17 @@ def measure(prec: str, impl: str, scale: str, shape) -> dict:
     model = recipe.prepare(model, [opt])
     x, y = torch.randint(0, V, (B, T)), torch.randint(0, V, (B, T))
     mask = torch.ones(B, T, dtype=torch.bool)
-    meter = SavedTensorBytes(model)
-    with meter.measure(), recipe.autocast():
-        nll, _ = model(x, y, mask)
-    recipe.backward(nll.sum() / mask.sum() * T)
-    recipe.step(opt)
-    recipe.update()
-    n_params = sum(p.numel() for p in model.parameters())
     params = list(model.parameters())
+    n_params = sum(p.numel() for p in params)
     # The optimizer's tensor for each parameter (params_of and model.parameters() follow the same
     # param-group order): a separate FP32 master where the recipe keeps one, else the parameter itself.
     held = recipe.params_of(opt)
     softmax = {id(p) for p in model.softmax.parameters()}
+    assert [p.shape for p in params] == [h.shape for h in held]
+
+    def loss(batch):  # the reference's loss: the window's summed NLL per sequence (task.py)
+        nll, _ = model(*batch)
+        return nll.sum() / mask.sum() * T, B * T
 
     def part(which: str) -> dict:
         pairs = [(p, h) for p, h in zip(params, held) if (id(p) in softmax) == (which == "softmax")]
@@ -97,14 +96,17 @@ def measure(prec: str, impl: str, scale: str, shape) -> dict:
                 "master": _bytes(masters) / n, "master_grads": _bytes(m.grad for m in masters) / n,
                 "optimizer": _bytes(state) / n}
 
-    assert [p.shape for p in params] == [h.shape for h in held]
-    parts = {"softmax": part("softmax"), "rest": part("rest")}
-    total = {k: sum(parts[g][k] * parts[g]["params"] for g in parts) / n_params
-             for k in ("weights", "grads", "master", "master_grads", "optimizer")}
-    return {
-        "params": n_params, **total, "parts": parts,
-        "activations": meter.bytes,
-    }
+    def step():  # the state after the update, before zero_grad frees the gradients
+        recipe.step(opt)
+        parts = {"softmax": part("softmax"), "rest": part("rest")}
+        total = {k: sum(parts[g][k] * parts[g]["params"] for g in parts) / n_params
+                 for k in ("weights", "grads", "master", "master_grads", "optimizer")}
+        return {"params": n_params, **total, "parts": parts,
+                "grad_dtype_bytes": next(p.grad for p in params if p.grad is not None).element_size()}
+
+    meter = SavedTensorBytes(model)
+    _, _, out = engine.loss_step(recipe, loss, [(x, y, mask)], step, meter=meter)  # the engine's step order
+    return {**out, "activations": meter.bytes}
 
 
 def analyse(per_gpu_batch: int = 256, gpu_gb: float = 80.0, shapes=SHAPES, log=print) -> dict:

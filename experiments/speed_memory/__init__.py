@@ -47,9 +47,11 @@ def _check(o: dict) -> None:
 
 def main(overrides: list[str]) -> dict:
     from experiments.speed_memory import bench, engine_overhead, report
+    from mpt.config import parse_options
+    from mpt.engine import pick_device
     from mpt.rundir import now
 
-    o = bench.parse_options(list(overrides), DEFAULTS, "experiments.speed_memory")
+    o = parse_options(list(overrides), DEFAULTS, "experiments.speed_memory")
     _check(o)
     names, skipped_models = bench.resolve_models(o["models"])
     precisions = bench.resolve_list(o["precisions"], bench.PRECISIONS, "precisions")
@@ -57,7 +59,7 @@ def main(overrides: list[str]) -> dict:
     if "fp32" not in precisions:  # every ratio is to FP32 of the same run
         precisions.insert(0, "fp32")
         print("note: fp32 added to precisions: ratios are computed against FP32 of the same run", file=sys.stderr)
-    device = bench.pick_device(o["device"])
+    device = pick_device(o["device"])
     if o["overhead"] not in ("none", *bench.WORKLOADS):
         from mpt.errors import UserError
 

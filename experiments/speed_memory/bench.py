@@ -31,7 +31,7 @@ import torch
 import models
 from mpt import config as C
 from mpt import precision as P
-from mpt.engine import build_optimizer
+from mpt.engine import build_optimizer, loss_step
 from mpt.errors import UserError
 from mpt.memory import SavedTensorBytes
 from mpt.rundir import env_info
@@ -41,60 +41,6 @@ from mpt.rundir import env_info
 PRECISIONS = ("fp32", "tf32", "fp16", "mixed", "bf16", "fp16_pure")
 DATA_NOTE = ("synthetic data: one random batch made on the device before timing, reused every step "
              "(data loading and host-to-device copies are out of every figure)")
-
-
-# ------------------------------------------------------------------------------------------------
-# key=value options (the repository's command-line style)
-
-
-def parse_options(argv: list[str], defaults: dict[str, Any], prog: str) -> dict[str, Any]:
-    """`key=value` words -> {key: value} typed like the defaults; unknown keys are a UserError."""
-    if argv and argv[0] in ("-h", "--help"):
-        print(f"usage: python -m {prog} [key=value ...]\nkeys (default):")
-        for k, v in defaults.items():
-            print(f"  {k}={str(v).lower() if isinstance(v, bool) else v}")
-        raise SystemExit(0)
-    out = dict(defaults)
-    for word in argv:
-        if "=" not in word:
-            raise UserError(f"bad argument {word!r}: write key=value, e.g. models=alexnet precisions=fp32,mixed")
-        k, v = (s.strip() for s in word.split("=", 1))
-        if k not in defaults:
-            raise UserError(f"unknown key {k!r}; valid keys: {', '.join(defaults)}")
-        d = defaults[k]
-        if isinstance(d, bool):
-            if v.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                raise UserError(f"{k}={v!r}: expected true or false")
-            out[k] = v.lower() in ("true", "1", "yes")
-        elif isinstance(d, int):
-            try:
-                out[k] = int(v)
-            except ValueError:
-                raise UserError(f"{k}={v!r}: expected an integer") from None
-        elif isinstance(d, float):
-            try:
-                out[k] = float(v)
-            except ValueError:
-                raise UserError(f"{k}={v!r}: expected a number") from None
-            if not math.isfinite(out[k]):
-                raise UserError(f"{k}={v!r}: expected a finite number")
-        else:
-            out[k] = v
-    return out
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(name)
-    except RuntimeError:
-        raise UserError(f"device={name!r} is not a torch device; use auto, cpu or cuda:N") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"device={name} but no CUDA GPU is visible; use device=cpu or auto")
-    if dev.type not in ("cpu", "cuda"):
-        raise UserError(f"device={name}: this benchmark supports cpu and cuda devices")
-    return dev
 
 
 # ------------------------------------------------------------------------------------------------
@@ -451,19 +397,17 @@ def _measure(wl: Workload, model_name, precision, impl, size, o, device) -> dict
     items = 0
 
     def train_step(m, meter: ActivationMeter | None = None) -> tuple[bool, dict | None]:
-        """The engine's step. With a meter: activation memory as the engine measures it (forward and
-        backward inside the saved-tensor hooks), and the bytes of weights, gradients and optimizer
-        state between the optimizer step and zero_grad."""
+        """The engine's step (mpt.engine.loss_step, one micro-batch). With a meter: activation memory
+        as the engine measures it, and the bytes of weights, gradients and optimizer state between
+        the optimizer step and zero_grad."""
         nonlocal items
-        with meter.measure() if meter is not None else contextlib.nullcontext():
-            with recipe.autocast():
-                loss, items = task.loss(m, batch)
-            recipe.backward(loss)
-        applied = recipe.step(opt)
-        recipe.update()
-        state = state_bytes(net, recipe, opt) if meter is not None else None
-        recipe.zero_grad()
-        return applied, state
+
+        def step():
+            applied = recipe.step(opt)
+            return applied, (state_bytes(net, recipe, opt) if meter is not None else None)
+
+        _, items, out = loss_step(recipe, lambda b: task.loss(m, b), [batch], step, meter=meter)
+        return out
 
     out = dict(step_ms=None, throughput=None, peak_gpu_mem_bytes=None, peak_gpu_reserved_bytes=None,
                gpu_busy_fraction=None, matmul_conv_kernel_fraction=None)

@@ -1,0 +1,29 @@
+"""Every private PyTorch name the project relies on, in one place: a torch upgrade that moves one
+breaks here (and in tests/test_torch_private.py, which checks each against the public behaviour it
+stands for), not somewhere in the precision recipes. Checked with torch 2.14."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+# The base of every layer that keeps running statistics (BatchNorm1d/2d/3d, SyncBatchNorm, the
+# InstanceNorms): the norm layers impl=paper keeps in FP32 (section 3.3). No public name covers them all.
+NormBase = nn.modules.batchnorm._NormBase
+
+
+def scaler_found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """GradScaler's found-inf flags (one per device, 0. or 1.) for `optimizer`, valid after
+    scaler.unscale_(optimizer) and before scaler.update(). GradScaler reads them itself in step();
+    it has no public accessor."""
+    return list(scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
+
+
+def unscale_and_check_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    """grads *= inv_scale in place, and found_inf (a one-element float tensor on the grads' device)
+    set to 1 if any value is inf or nan: the fused kernel GradScaler.unscale_ runs, without a sync."""
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+
+
+def foreach_copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """dst[i].copy_(src[i]) for every i (casting dtypes as copy_ does), in as few kernels as torch can."""
+    torch._foreach_copy_(dst, src)

@@ -1,0 +1,235 @@
+"""Issue 16 items 4 and 5: every option works or is gone, and each shared piece exists once -- the
+training step (engine, speed/memory benchmark, bigLSTM memory estimate), the key=value option
+parser, the device choice, tolerant JSON reads, the data_prep command line."""
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn as nn
+
+from mpt import config as C
+from mpt import engine, precision
+from mpt.config import Config, SchedCfg
+from mpt.errors import UserError
+
+torch.set_num_threads(1)
+
+
+# -- item 4: options that work, options that are gone ------------------------------------------------
+
+@pytest.mark.parametrize("kw,epoch,want", [
+    (dict(name="constant"), 7.3, 1.0),
+    (dict(name="step", step_epochs=2, gamma=0.5), 5.0, 0.5 ** 2),
+    (dict(name="multistep", milestones=[1, 3], gamma=0.1), 3.0, 0.1 ** 2),
+    (dict(name="poly", power=2.0), 2.5, (1 - 2.5 / 10) ** 2),
+    (dict(name="cosine"), 5.0, 0.5),
+    (dict(name="cosine"), 10.0, 0.0),
+    (dict(name="exponential", gamma=0.9), 2.5, 0.9 ** 2.5),  # smooth: between the epochs' factors
+    (dict(name="exponential", gamma=0.9, warmup_epochs=2), 1.0, 0.5 * 0.9),  # warmup multiplies
+])
+def test_every_schedule_gives_its_factor(kw, epoch, want):
+    assert engine.lr_factor(SchedCfg(**kw), epoch, 10.0) == pytest.approx(want, rel=1e-12, abs=1e-15)
+
+
+def test_unknown_schedule_and_removed_keys_are_one_line_errors():
+    with pytest.raises(UserError, match="exponential"):
+        engine.lr_factor(SchedCfg(name="linear"), 0.0, 1.0)
+    with pytest.raises(UserError, match="unknown config key 'sched.min_lr' \\(command line\\)"):
+        C.set_key(Config(), "sched.min_lr", 0.001, where="command line")
+    assert not hasattr(precision.Recipe, "describe")
+
+
+class _SumOfSquares(nn.Module):
+    """A model's own layer that must reduce in FP32 (like Caffe's LRN): it opts in by marker."""
+    fp32_compute = True
+
+    def forward(self, x):
+        self.seen = x.dtype
+        return x * x.pow(2).sum(1, keepdim=True)
+
+
+class _Plain(_SumOfSquares):
+    fp32_compute = False
+
+
+@pytest.mark.parametrize("layer,inside", [(_SumOfSquares, torch.float32), (_Plain, torch.float16),
+                                          (lambda: nn.LocalResponseNorm(3), None)])
+def test_paper_impl_computes_marked_layers_in_fp32(layer, inside):
+    lay = layer()
+    net = nn.Sequential(nn.Linear(5, 5), lay, nn.Linear(5, 2))  # on (N, C, L): LRN wants 3-D
+    r = precision.build(Config(precision="mixed", impl="paper", loss_scale="8"), "cpu")
+    r.prepare(net, [torch.optim.SGD(net.parameters(), lr=0.1)])
+    seen, lrn_in = [], []
+    net[2].register_forward_pre_hook(lambda m, a: seen.append(a[0].dtype))  # what the next layer reads
+    if inside is None:  # torch's LRN: watch its input (after the recipe's cast)
+        lay.register_forward_pre_hook(lambda m, a: lrn_in.append(a[0].dtype))
+    out = net(torch.randn(3, 4, 5))
+    assert out.dtype == torch.float32 and seen == [torch.float16]  # back to FP16 after the layer
+    assert (lrn_in[0] if inside is None else lay.seen) == (torch.float32 if inside is None else inside)
+
+
+def test_overflow_culprit_comes_from_numerics_first_nonfinite(monkeypatch):
+    calls = []
+    monkeypatch.setattr(precision, "first_nonfinite", lambda named: calls.append(1) or "w")
+    net = nn.Linear(2, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    r = precision.build(Config(precision="mixed", impl="paper", loss_scale="8"), "cpu")
+    r.prepare(net, [opt])
+    r.backward(net(torch.tensor([[math.inf, 1.0]])).sum())
+    assert r.step(opt) is False and r.last_overflow == "w" and calls == [1]
+
+
+# -- item 5: one training step -----------------------------------------------------------------------
+
+class _Recorder(precision.FP32):
+    def __init__(self):
+        super().__init__("cpu")
+        self.calls = []
+
+    def autocast(self):
+        self.calls.append("autocast")
+        return super().autocast()
+
+    def backward(self, loss):
+        self.calls.append(("backward", round(loss.item(), 6)))
+        super().backward(loss)
+
+    def update(self):
+        self.calls.append("update")
+
+    def zero_grad(self):
+        self.calls.append("zero_grad")
+        super().zero_grad()
+
+
+def test_loss_step_order_mean_loss_and_what_step_returns():
+    from mpt.memory import SavedTensorBytes
+
+    net = nn.Linear(3, 1, bias=False)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    r = _Recorder()
+    r.prepare(net, [opt])
+    micro = [torch.full((2, 3), float(i + 1)) for i in range(3)]
+    synced, meter = [], SavedTensorBytes(net)
+
+    def sync(i):
+        synced.append(i)
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)  # any context
+
+    def step():
+        r.calls.append("step")
+        return net.weight.grad.clone()  # read between the update and zero_grad
+
+    with torch.no_grad():
+        net.weight.fill_(1.0)
+    loss, n, grad = engine.loss_step(r, lambda b: (net(b).mean(), len(b)), micro, step, sync=sync, meter=meter)
+    assert loss.dtype == torch.float64 and loss.item() == pytest.approx((3 + 6 + 9) / 3) and n == 6
+    assert r.calls == ["autocast", ("backward", 1.0), "autocast", ("backward", 2.0), "autocast",
+                       ("backward", 3.0), "step", "update", "zero_grad"]
+    assert synced == [0, 1, 2] and meter.bytes == 2 * 3 * 4  # micro-batch 0's input, FP32
+    assert torch.allclose(grad, torch.full((1, 3), 2.0))  # mean over micro-batches of d(mean)/dw
+    assert net.weight.grad is None
+
+
+def test_engine_benchmark_and_memory_estimate_share_the_step(monkeypatch, tmp_path):
+    from experiments.lm_biglstm import memory
+    from experiments.speed_memory import DEFAULTS, bench
+
+    used = []
+    orig = engine.loss_step
+
+    def spy(*a, **kw):
+        used.append(1)
+        return orig(*a, **kw)
+
+    monkeypatch.setattr(engine, "loss_step", spy)  # the engine and memory.py look it up here
+    monkeypatch.setattr(bench, "loss_step", spy)
+    memory.measure("fp32", "autocast", "auto", memory.SHAPES[0])
+    assert len(used) == 1
+    known = bench.Workload("none", "items", 4, lambda: SimpleNamespace(
+        build_model=lambda cfg: nn.Linear(4, 2), loss=lambda m, x: (m(x).float().mean(), len(x))),
+        lambda n, size, device, cl, gen: torch.randn(n, size, generator=gen))
+    monkeypatch.setitem(bench.WORKLOADS, "known", known)
+    monkeypatch.setattr(bench, "config_for", lambda *a: Config(model="known"))
+    row = bench.measure("known", "fp32", None, {**DEFAULTS, "batch": 2, "size": "4", "steps": 1, "warmup": 1},
+                        torch.device("cpu"))
+    assert row["status"] == "ok" and len(used) == 1 + 3  # warm-up, timed step, memory step
+    from toy_gan import config
+
+    class Task:
+        primary_metric, higher_is_better = "loss", False
+
+        def datasets(self, cfg):
+            x = torch.randn(16, 2, generator=torch.Generator().manual_seed(0))
+            return torch.utils.data.TensorDataset(x), torch.utils.data.TensorDataset(x[:4])
+
+        def build_model(self, cfg):
+            return nn.Linear(2, 1)
+
+        def loss(self, model, batch):
+            return model(batch[0]).pow(2).mean(), len(batch[0])
+
+        def eval_sums(self, model, batch):
+            return {"l": float(model(batch[0]).pow(2).sum()), "n": len(batch[0])}
+
+        def eval_metrics(self, s):
+            return {"loss": s["l"] / s["n"]}
+
+    s = engine.run(config(tmp_path, train=dict(batch_size=4, max_steps=3)), Task())
+    assert s["status"] == "completed" and len(used) == 4 + 3
+
+
+# -- item 5: one option parser, one device choice, one tolerant JSON read, one data_prep command --------
+
+def test_parse_options_types_like_the_defaults(capsys):
+    d = {"n": 3, "w": 0.5, "flag": False, "name": "auto"}
+    assert C.parse_options(["n=4", "w=1e-3", "flag=true", "name=224"], d, "x") == \
+        {"n": 4, "w": 0.001, "flag": True, "name": "224"}
+    for argv, msg in [(["m=1"], "unknown key 'm'; valid keys: n, w, flag, name"),
+                      (["n=many"], "option 'n' expects an integer"), (["w=inf"], "finite"),
+                      (["flag=maybe"], "option 'flag' expects true/false"), (["n"], "bad argument 'n'")]:
+        with pytest.raises(UserError, match=msg.replace("(", r"\(")):
+            C.parse_options(argv, d, "x")
+    with pytest.raises(SystemExit):
+        C.parse_options(["--help"], d, "prog")
+    assert "n=3" in capsys.readouterr().out
+
+
+def test_pick_device():
+    assert engine.pick_device("cpu") == torch.device("cpu")
+    if not torch.cuda.is_available():
+        assert engine.pick_device("auto", local_rank=1) == torch.device("cpu")
+        with pytest.raises(UserError, match="no CUDA GPU is visible"):
+            engine.pick_device("cuda:0")
+    with pytest.raises(UserError, match="not a torch device"):
+        engine.pick_device("gpu0")
+    with pytest.raises(UserError, match="only cpu and cuda"):
+        engine.pick_device("meta")
+
+
+def test_read_json_default_only_when_asked(tmp_path):
+    from mpt.rundir import read_json
+    from slurm.job import read_job_file
+
+    (tmp_path / "half.json").write_text('{"a": ')
+    assert read_json(tmp_path / "half.json", default=None) is None and read_job_file(tmp_path) is None
+    with pytest.raises(ValueError):
+        read_json(tmp_path / "half.json")
+    (tmp_path / "job.json").write_text('{"attempts": []}')
+    assert read_job_file(tmp_path) == {"attempts": []}
+
+
+def test_data_prep_commands_share_one_command_line(tmp_path, capsys):
+    from data_prep.common import prep_command
+
+    got = {}
+    main = prep_command("x", "test", lambda src, out, **kw: got.update(src=src, out=out, **kw) or got,
+                        source="--archive", source_help="", out_help="", workers_help="w",
+                        extra=lambda p: p.add_argument("--vocab"))
+    main(["--archive", "a", "--out", "o", "--vocab", "v", "--workers", "3"])
+    assert got == {"src": tmp_path.__class__("a"), "out": tmp_path.__class__("o"), "force": False, "workers": 3,
+                   "vocab": "v"}
+    with pytest.raises(SystemExit) as e:
+        main(["--archive", "a", "--out", "o", "--workers", "0"])
+    assert e.value.code == 2 and capsys.readouterr().err.strip() == "error: --workers must be at least 1"

@@ -1,0 +1,54 @@
+"""Each private torch name in mpt/torch_private.py against the public behaviour it stands for: a torch
+upgrade that changes one fails here, by name."""
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+from mpt import torch_private as TP
+
+
+def test_norm_base_covers_every_layer_with_running_statistics():
+    for cls in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, nn.InstanceNorm2d):
+        assert issubclass(cls, TP.NormBase), cls
+    for cls in (nn.LayerNorm, nn.GroupNorm, nn.Conv2d, nn.LocalResponseNorm):
+        assert not issubclass(cls, TP.NormBase), cls
+
+
+@pytest.mark.parametrize("bad", [False, True])
+def test_scaler_found_inf_is_what_scaler_step_acts_on(bad):
+    w = nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([w], lr=1.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    scaler.scale((w * torch.tensor([1.0, 2.0, math.inf if bad else 3.0])).sum()).backward()
+    scaler.unscale_(opt)
+    flags = TP.scaler_found_inf(scaler, opt)
+    assert len(flags) == 1 and flags[0].item() == float(bad)
+    before = w.detach().clone()
+    scaler.step(opt)  # skips exactly when the flag says so
+    assert torch.equal(w.detach(), before) == bad
+    if not bad:
+        assert torch.equal(w.grad, torch.tensor([1.0, 2.0, 3.0]))  # unscaled by 1/4
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_unscale_and_check_multiplies_in_place_and_flags_non_finite(dtype):
+    grads = [torch.tensor([2.0, 4.0], dtype=dtype), torch.tensor([8.0], dtype=dtype)]
+    found, inv = torch.zeros(1), torch.full((1,), 0.25)
+    TP.unscale_and_check_(grads, found, inv)
+    assert found.item() == 0.0
+    assert torch.equal(grads[0], torch.tensor([0.5, 1.0], dtype=dtype)) and grads[1].item() == 2.0
+    for bad in (math.inf, -math.inf, math.nan):
+        g = [torch.tensor([1.0, bad], dtype=dtype)]
+        found.zero_()
+        TP.unscale_and_check_(g, found, inv)
+        assert found.item() == 1.0
+
+
+def test_foreach_copy_equals_copy_including_the_cast():
+    src = [torch.randn(5, dtype=torch.float32) * 1e3, torch.randn(2, 3, dtype=torch.float16)]
+    dst = [torch.empty(5, dtype=torch.float16), torch.empty(2, 3, dtype=torch.float32)]
+    TP.foreach_copy_(dst, src)
+    for d, s in zip(dst, src):
+        assert torch.equal(d, torch.empty_like(d).copy_(s))
