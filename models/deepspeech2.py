@@ -69,11 +69,11 @@ class DeepSpeech2(nn.Module):
                  lookahead: int = LOOKAHEAD, n_freq: int = N_FREQ):
         super().__init__()
         c = conv_channels
-        self.conv = nn.Sequential(
-            nn.Conv2d(1, c, (41, 11), stride=(2, 2), padding=(20, 5), bias=False), nn.BatchNorm2d(c),
-            nn.Hardtanh(0, 20, inplace=True),
-            nn.Conv2d(c, c, (21, 11), stride=(2, 1), padding=(10, 5), bias=False), nn.BatchNorm2d(c),
-            nn.Hardtanh(0, 20, inplace=True))
+        self.conv = nn.ModuleList([
+            nn.Sequential(nn.Conv2d(1, c, (41, 11), stride=(2, 2), padding=(20, 5), bias=False), nn.BatchNorm2d(c),
+                          nn.Hardtanh(0, 20, inplace=True)),
+            nn.Sequential(nn.Conv2d(c, c, (21, 11), stride=(2, 1), padding=(10, 5), bias=False), nn.BatchNorm2d(c),
+                          nn.Hardtanh(0, 20, inplace=True))])
         f = (n_freq + 2 * 20 - 41) // 2 + 1
         f = (f + 2 * 10 - 21) // 2 + 1
         self.grus = nn.ModuleList(nn.GRU(c * f if i == 0 else hidden, hidden, batch_first=True)
@@ -86,11 +86,19 @@ class DeepSpeech2(nn.Module):
 
     def forward(self, spec: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """spec (N, F, T) log spectrogram, lengths (N,) valid frames -> (logits (N, T', V), lengths')."""
-        x = self.conv(spec.unsqueeze(1))  # (N, C, F', T')
+        lengths = out_lengths(lengths)
+        x = spec.unsqueeze(1)
+        for block in self.conv:
+            # Frames past each utterance's end are zeroed after every block, so that a padded
+            # utterance's valid frames see what they would see alone (the time kernels reach 5 frames
+            # into the padding). Batch-norm statistics still include the padding, as in DS2 reproductions.
+            x = block(x)
+            t = x.shape[-1]
+            mask = torch.arange(t, device=x.device)[None, :] < lengths.clamp(max=t)[:, None]
+            x = x * mask[:, None, None, :].to(x.dtype)
         n, c, f, t = x.shape
         x = x.reshape(n, c * f, t).transpose(1, 2)  # (N, T', C*F')
-        lengths = out_lengths(lengths).clamp(max=t)
-        mask = torch.arange(t, device=x.device)[None, :] < lengths[:, None]
+        lengths = lengths.clamp(max=t)
         # Forward-only GRUs: frames past an utterance's end never reach its valid frames, so the
         # padded batch needs no packing; the padding is zeroed before the row convolution looks ahead.
         for i, gru in enumerate(self.grus):
@@ -102,17 +110,17 @@ class DeepSpeech2(nn.Module):
         return self.fc(self.out_norm(x, mask)), lengths
 
 
-def _build(name: str, vocab: int | None, width: float) -> DeepSpeech2:
+def _build(name: str, vocab: int | None, width: float, n_freq: int) -> DeepSpeech2:
     v = vocab or (ENGLISH_VOCAB if name == "english" else MANDARIN_VOCAB)
     return DeepSpeech2(v, hidden=max(8, round(HIDDEN[name] * width)),
-                       conv_channels=max(4, round(CONV_CHANNELS * width)))
+                       conv_channels=max(4, round(CONV_CHANNELS * width)), n_freq=n_freq)
 
 
 @register("english")
-def english(vocab: int | None = None, width: float = 1.0) -> DeepSpeech2:
-    return _build("english", vocab, width)
+def english(vocab: int | None = None, width: float = 1.0, n_freq: int = N_FREQ) -> DeepSpeech2:
+    return _build("english", vocab, width, n_freq)
 
 
 @register("mandarin")
-def mandarin(vocab: int | None = None, width: float = 1.0) -> DeepSpeech2:
-    return _build("mandarin", vocab, width)
+def mandarin(vocab: int | None = None, width: float = 1.0, n_freq: int = N_FREQ) -> DeepSpeech2:
+    return _build("mandarin", vocab, width, n_freq)
