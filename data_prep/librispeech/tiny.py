@@ -7,8 +7,8 @@
 Each speaker is an espeak-ng voice (an English accent + a voice variant); every utterance draws its
 own rate and pitch, gain, silence and room noise. Dev speakers use voices not heard in training (as
 LibriSpeech's dev speakers are not training speakers). --text words: sentences of 3-6 words from a
-40-word vocabulary (learnable in minutes on a CPU); --text python-docs: real English sentences from
-Python's bundled documentation (pydoc_data; thousands of words), to check the recipe is not tuned to
+40-word vocabulary (learnable in minutes on a CPU); --text python-docs: real English from Python's
+bundled documentation (pydoc_data; thousands of words, utterances of 4-8 words), to check the recipe is not tuned to
 the small vocabulary. Deterministic given the arguments and the espeak-ng version.
 """
 from __future__ import annotations
@@ -40,17 +40,20 @@ def word_sentences(rng: np.random.Generator, n: int) -> list[str]:
 
 
 def doc_sentences(rng: np.random.Generator, n: int) -> list[str]:
-    """Short real sentences (4-10 words) of Python's documentation, letters and apostrophes only."""
+    """Real English from Python's documentation: its sentences without punctuation (which is not
+    spoken) and without digits, cut into utterances of 4-8 words."""
     from data_prep.lm1b.real_text import sentences
 
-    out = []
+    out = set()
     for s in sentences():
-        words = [t for t in s.split() if t not in ".,;:!?()\""]  # punctuation is not spoken
-        if 4 <= len(words) <= 10 and all(re.fullmatch(r"[a-z]+(?:'[a-z]+)?", w) for w in words):
-            out.append(" ".join(words))
-    out = sorted(set(out))
+        words = [t for t in s.split() if t not in ".,;:!?()\""]
+        if not all(re.fullmatch(r"[a-z]+(?:'[a-z]+)?", w) for w in words):
+            continue
+        for i in range(0, len(words) - 3, 8):
+            out.add(" ".join(words[i:i + 8]))
+    out = sorted(out)
     if len(out) < n:
-        raise UserError(f"Python's documentation has only {len(out)} short sentences; ask for fewer")
+        raise UserError(f"Python's documentation gives only {len(out)} utterances; ask for fewer")
     return [out[i] for i in rng.permutation(len(out))[:n]]
 
 
