@@ -256,7 +256,7 @@ def test_tiny_run_ends_with_cer(runs, prec):
     s = runs[1][prec]
     assert s["status"] == "completed" and s["step"] == 2, s
     m = s["metrics"]
-    assert 0 <= m["cer"] and 0 <= m["wer"] and m["val_loss"] > 0, m
+    assert 0 <= m["cer"] and 0 <= m["wer"] and m["loss"] > 0, m
 
 
 @needs_espeak
