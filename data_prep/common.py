@@ -4,6 +4,7 @@ A member path or a class name taken from a downloaded (or tampered) archive beco
 --out; an absolute path or a `..` component would write outside it (path traversal)."""
 from __future__ import annotations
 
+import io
 from pathlib import PurePosixPath
 
 from mpt.errors import UserError
@@ -26,3 +27,12 @@ def safe_name(name: str, what: str, source) -> str:
         raise UserError(f"{source}: unsafe {what} {name!r} (must be a plain name); "
                         f"the archive is damaged or tampered with: download it again")
     return name
+
+
+def add_member(tf, name: str, data: bytes) -> None:
+    """Add a file to a tar being written, with fixed times and modes (deterministic archives)."""
+    import tarfile
+
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode = len(data), 0, 0o644
+    tf.addfile(info, io.BytesIO(data))

@@ -95,3 +95,4 @@ def encode(samples: np.ndarray, fmt: str, sample_rate: int = SAMPLE_RATE) -> byt
     buf = io.BytesIO()
     sf.write(buf, samples, sample_rate, format=fmt, subtype="PCM_16")
     return buf.getvalue()
+

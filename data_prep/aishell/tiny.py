@@ -5,7 +5,7 @@ with space-separated words) holding real synthesized Mandarin from espeak-ng (`-
     python -m data_prep.aishell.tiny --out DIR [--train 480 --dev 60 --test 20 --seed 0]
 
 Sentences are 4-9 characters, grouped into words of 1-3 characters like the release's segmentation,
-from a vocabulary of 50 characters that espeak-ng pronounces differently from one another (its
+from a vocabulary of 59 characters that espeak-ng pronounces differently from one another (its
 Debian Mandarin dictionary reads many characters through their pinyin, and several share one
 reading: 的/地/得, 他/她, 是/事/市 -- one of each is kept). Each speaker is a voice variant; every
 utterance draws its own rate and pitch, gain, silence and room noise; dev and test speakers use
@@ -15,12 +15,12 @@ Deterministic given the arguments and the espeak-ng version.
 from __future__ import annotations
 
 import argparse
-import io
 import tarfile
 from pathlib import Path
 
 import numpy as np
 
+from data_prep.common import add_member
 from data_prep.speech import encode, espeak
 from mpt.errors import cli
 from mpt.rundir import atomic_write_bytes
@@ -47,18 +47,12 @@ def sentences(rng: np.random.Generator, n: int) -> list[list[str]]:
     return out
 
 
-def _add(tf: tarfile.TarFile, name: str, data: bytes) -> None:
-    info = tarfile.TarInfo(name)
-    info.size, info.mtime, info.mode = len(data), 0, 0o644
-    tf.addfile(info, io.BytesIO(data))
-
-
 def _speaker(split: str, spk: str, utts: list[tuple[str, list[str]]], variant: str, rng) -> bytes:
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz", format=tarfile.USTAR_FORMAT) as tf:
         for uid, words in utts:
             x = espeak("".join(words), f"cmn+{variant}", int(rng.integers(110, 181)), int(rng.integers(25, 76)), rng)
-            _add(tf, f"{split}/{spk}/{uid}.wav", encode(x, "WAV"))
+            add_member(tf, f"{split}/{spk}/{uid}.wav", encode(x, "WAV"))
     return buf.getvalue()
 
 
@@ -82,8 +76,8 @@ def generate(out: Path, train: int = 480, dev: int = 60, test: int = 20, seed: i
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz", format=tarfile.USTAR_FORMAT) as tf:
         for spk, data in speakers:
-            _add(tf, f"{ROOT}/wav/{spk}.tar.gz", data)
-        _add(tf, TRANSCRIPT, "".join(sorted(lines)).encode())
+            add_member(tf, f"{ROOT}/wav/{spk}.tar.gz", data)
+        add_member(tf, TRANSCRIPT, "".join(sorted(lines)).encode())
     atomic_write_bytes(out / ARCHIVE, buf.getvalue())
     return out / ARCHIVE
 

@@ -14,13 +14,13 @@ the small vocabulary. Deterministic given the arguments and the espeak-ng versio
 from __future__ import annotations
 
 import argparse
-import io
 import re
 import tarfile
 from pathlib import Path
 
 import numpy as np
 
+from data_prep.common import add_member
 from data_prep.speech import encode, espeak
 from mpt.errors import UserError, cli
 from mpt.rundir import atomic_write_bytes
@@ -57,18 +57,12 @@ def doc_sentences(rng: np.random.Generator, n: int) -> list[str]:
     return [out[i] for i in rng.permutation(len(out))[:n]]
 
 
-def _add(tf: tarfile.TarFile, name: str, data: bytes) -> None:
-    info = tarfile.TarInfo(name)
-    info.size, info.mtime, info.mode = len(data), 0, 0o644
-    tf.addfile(info, io.BytesIO(data))
-
-
 def write_subset(path: Path, subset: str, sentences: list[str], variants, rng, first_speaker: int,
                  per_chapter: int = 20) -> None:
     """One <subset>.tar.gz: speakers of `per_chapter`-utterance chapters, one chapter each."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz", format=tarfile.USTAR_FORMAT) as tf:
-        _add(tf, f"{ROOT}/README.TXT", b"Tiny synthetic LibriSpeech (espeak-ng voices); not the corpus.\n")
+        add_member(tf, f"{ROOT}/README.TXT", b"Tiny synthetic LibriSpeech (espeak-ng voices); not the corpus.\n")
         for c, start in enumerate(range(0, len(sentences), per_chapter)):
             spk, ch = str(first_speaker + c), str(100 + c)
             accent, variant = ACCENTS[c % len(ACCENTS)], variants[(c * 3) % len(variants)]
@@ -77,9 +71,9 @@ def write_subset(path: Path, subset: str, sentences: list[str], variants, rng, f
             for u, text in enumerate(sentences[start:start + per_chapter]):
                 uid = f"{spk}-{ch}-{u:04d}"
                 x = espeak(text, f"{accent}+{variant}", int(rng.integers(130, 211)), int(rng.integers(25, 76)), rng)
-                _add(tf, f"{folder}/{uid}.flac", encode(x, "FLAC"))
+                add_member(tf, f"{folder}/{uid}.flac", encode(x, "FLAC"))
                 lines.append(f"{uid} {text.upper()}\n")
-            _add(tf, f"{folder}/{spk}-{ch}.trans.txt", "".join(lines).encode())
+            add_member(tf, f"{folder}/{spk}-{ch}.trans.txt", "".join(lines).encode())
     atomic_write_bytes(path, buf.getvalue())
 
 
