@@ -15,6 +15,7 @@ Deterministic given the arguments and the espeak-ng version.
 from __future__ import annotations
 
 import argparse
+import io
 import tarfile
 from pathlib import Path
 

@@ -14,6 +14,7 @@ the small vocabulary. Deterministic given the arguments and the espeak-ng versio
 from __future__ import annotations
 
 import argparse
+import io
 import re
 import tarfile
 from pathlib import Path
