@@ -6,6 +6,7 @@ A member path or a class name taken from a downloaded (or tampered) archive beco
 from __future__ import annotations
 
 import argparse
+import io
 from pathlib import Path, PurePosixPath
 
 from mpt.errors import UserError, cli
@@ -53,3 +54,12 @@ def safe_name(name: str, what: str, source) -> str:
         raise UserError(f"{source}: unsafe {what} {name!r} (must be a plain name); "
                         f"the archive is damaged or tampered with: download it again")
     return name
+
+
+def add_member(tf, name: str, data: bytes) -> None:
+    """Add a file to a tar being written, with fixed times and modes (deterministic archives)."""
+    import tarfile
+
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode = len(data), 0, 0o644
+    tf.addfile(info, io.BytesIO(data))

@@ -1,0 +1,8 @@
+"""Table 3 and Figure 2: DeepSpeech 2 (English, Mandarin) and the FP32 master-copy ablation (paper sections 3.1, 4.3)."""
+from experiments.deepspeech2.task import Task, TaskCfg  # noqa: F401
+
+
+def main(overrides: list[str]) -> dict:
+    from mpt.engine import main as _main
+
+    return _main("deepspeech2", overrides)

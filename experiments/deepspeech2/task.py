@@ -1,0 +1,183 @@
+"""Task glue for Table 3 and Figure 2: DeepSpeech 2 with CTC on LibriSpeech (English) and AISHELL-1
+(Mandarin), the public stand-ins for the paper's internal data (section 4.3).
+
+Features: log spectrograms of 20 ms windows with a 10 ms hop, normalised per utterance (Amodei et
+al. 2016, section 3). Batches are padded with their lengths (collate); the first epoch runs
+shortest-first (SortaGrad, Amodei et al. 2016 section 3.1; train_order). CTC runs on FP32
+log-probabilities (section 3.3: reductions in FP32) with zero_infinity off, so an impossible
+alignment or an overflow shows as a non-finite loss instead of being hidden. Evaluation: greedy CTC
+decoding, character error rate (the paper's metric, percent) and word error rate, as additive
+edit-distance sums (exact under DDP).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from data_prep.speech import decode, read_manifest
+from mpt.config import infra
+from mpt.errors import UserError
+
+BLANK = 0
+ENGLISH = " 'abcdefghijklmnopqrstuvwxyz"  # LibriSpeech's alphabet, lower-cased; index 0 is the CTC blank
+SAMPLE_RATE = 16_000
+
+
+@dataclass
+class TaskCfg:
+    data_root: str = infra("data/librispeech")  # output of python -m data_prep.librispeech / data_prep.aishell
+    train_sets: list[str] = field(default_factory=lambda: ["train-clean-100", "train-clean-360", "train-other-500"])
+    val_set: str = "dev-clean"  # the manifest CER is measured on (test-clean / test for final numbers)
+    max_duration: float = 0.0  # seconds; longer training utterances are left out (0 = keep all)
+    sortagrad: bool = True  # epoch 0 shortest-first (Amodei et al. 2016, section 3.1)
+    # Spectrogram windows: 20 ms with a 10 ms hop (Amodei et al. 2016, section 3): 161 frequency bins.
+    window_ms: float = 20.0
+    hop_ms: float = 10.0
+    cache_features: bool = infra(False)  # keep spectrograms in memory (small datasets, num_workers=0)
+
+
+def vocabulary(model: str, root: Path) -> str:
+    """The output characters after the blank: English's fixed alphabet, or the Mandarin training
+    transcripts' characters (data_prep.aishell writes them to vocab.txt)."""
+    if model == "english":
+        return ENGLISH
+    path = root / "vocab.txt"
+    if not path.is_file():
+        raise UserError(f"no {path}; prepare AISHELL-1 first (python -m data_prep.aishell --archives DIR --out {root})")
+    return "".join(line for line in path.read_text(encoding="utf-8").splitlines() if line)
+
+
+class SpeechSet(torch.utils.data.Dataset):
+    """Utterances of one or more manifests (each sorted by duration; the union is re-sorted):
+    (log spectrogram (F, T), target ids, transcript)."""
+
+    def __init__(self, root: Path, names: list[str], chars: str, lower: bool, n_fft: int, hop: int,
+                 max_duration: float = 0.0, cache: bool = False):
+        import torchaudio
+
+        rows = [r for n in names for r in read_manifest(root / "manifests" / f"{n}.jsonl")]
+        if max_duration > 0:
+            rows = [r for r in rows if r["duration"] <= max_duration]
+        if not rows:
+            raise UserError(f"no utterances in {root}/manifests/{{{','.join(names)}}}.jsonl"
+                            + (f" of at most {max_duration} s" if max_duration > 0 else ""))
+        self.rows = sorted(rows, key=lambda r: (r["duration"], r["id"]))
+        self.root, self.lower = root, lower
+        self.index = {c: i + 1 for i, c in enumerate(chars)}
+        self.spec = torchaudio.transforms.Spectrogram(n_fft=n_fft, hop_length=hop, power=2.0)
+        self.cache = {} if cache else None
+
+    def __len__(self):
+        return len(self.rows)
+
+    def text(self, i: int) -> str:
+        t = self.rows[i]["text"]
+        return t.lower() if self.lower else t
+
+    def features(self, i: int) -> torch.Tensor:
+        if self.cache is not None and i in self.cache:
+            return self.cache[i]
+        x, _ = decode(self.root / self.rows[i]["audio"], str(self.root / self.rows[i]["audio"]))
+        s = torch.log1p(self.spec(torch.from_numpy(x)))
+        s = (s - s.mean()) / (s.std() + 1e-5)  # per-utterance normalisation
+        if self.cache is not None:
+            self.cache[i] = s
+        return s
+
+    def __getitem__(self, i: int):
+        text = self.text(i)
+        # Characters the model cannot output (a Mandarin character absent from the training
+        # transcripts) are left out of the CTC target; CER still counts them against the output.
+        target = torch.tensor([self.index[c] for c in text if c in self.index], dtype=torch.long)
+        return self.features(i), target, text
+
+
+class Task:
+    primary_metric = "cer"  # percent, the paper's Table 3 metric
+    higher_is_better = False
+
+    def datasets(self, cfg):
+        c = cfg.task
+        root = Path(c.data_root)
+        if not (root / "prepared.json").is_file():
+            prep = "librispeech" if cfg.model == "english" else "aishell"
+            raise UserError(f"{root} is not a prepared dataset (no prepared.json); run "
+                            f"python -m data_prep.{prep} --archives DIR --out {root}")
+        self.chars = vocabulary(cfg.model, root)
+        lower = cfg.model == "english"
+        self.n_fft, hop = round(SAMPLE_RATE * c.window_ms / 1000), round(SAMPLE_RATE * c.hop_ms / 1000)
+        if not (0 < hop <= self.n_fft):
+            raise UserError(f"task.hop_ms={c.hop_ms} must be > 0 and at most task.window_ms={c.window_ms}")
+        train = SpeechSet(root, list(c.train_sets), self.chars, lower, self.n_fft, hop, c.max_duration,
+                          c.cache_features)
+        val = SpeechSet(root, [c.val_set], self.chars, lower, self.n_fft, hop, cache=c.cache_features)
+        self.sortagrad, self.n_train = c.sortagrad, len(train)
+        return train, val
+
+    def build_model(self, cfg):
+        import models
+
+        return models.build(cfg.model, vocab=len(self.chars) + 1, width=cfg.width, n_freq=self.n_fft // 2 + 1)
+
+    @staticmethod
+    def collate(samples):
+        feats, targets, texts = zip(*samples)
+        lengths = torch.tensor([f.shape[1] for f in feats])
+        x = feats[0].new_zeros(len(feats), feats[0].shape[0], int(lengths.max()))
+        for i, f in enumerate(feats):
+            x[i, :, : f.shape[1]] = f
+        return {"x": x, "lengths": lengths, "targets": torch.cat(targets),
+                "target_lengths": torch.tensor([len(t) for t in targets]), "texts": list(texts)}
+
+    def train_order(self, epoch: int, generator: torch.Generator):
+        if epoch == 0 and self.sortagrad:
+            return range(self.n_train)  # the dataset is sorted by duration: shortest first
+        return torch.randperm(self.n_train, generator=generator).tolist()
+
+    def ctc(self, model, batch):
+        logits, out_lengths = model(batch["x"], batch["lengths"])
+        # FP32 log-softmax and CTC (section 3.3): outside autocast, on an FP32 copy of the logits.
+        with torch.autocast(logits.device.type, enabled=False):
+            log_probs = logits.float().log_softmax(-1)
+            # Sum over each utterance, mean over the batch (the DS2 reproductions' normalisation).
+            loss = F.ctc_loss(log_probs.transpose(0, 1), batch["targets"], out_lengths, batch["target_lengths"],
+                              blank=BLANK, reduction="sum", zero_infinity=False) / logits.shape[0]
+        return loss, log_probs, out_lengths
+
+    def loss(self, model, batch):
+        loss, _, _ = self.ctc(model, batch)
+        return loss, batch["x"].shape[0]
+
+    def greedy(self, log_probs: torch.Tensor, lengths: torch.Tensor) -> list[str]:
+        """Best path: the most likely symbol per frame, repeats merged, blanks dropped."""
+        out = []
+        for best, n in zip(log_probs.argmax(-1).tolist(), lengths.tolist()):
+            prev, s = BLANK, []
+            for k in best[:n]:
+                if k != prev and k != BLANK:
+                    s.append(self.chars[k - 1])
+                prev = k
+            out.append("".join(s))
+        return out
+
+    def eval_sums(self, model, batch):
+        from torchaudio.functional import edit_distance
+
+        loss, log_probs, lengths = self.ctc(model, batch)
+        n = len(batch["texts"])
+        sums = {"loss_sum": float(loss) * n, "n": n, "char_err": 0, "chars": 0, "word_err": 0, "words": 0}
+        for hyp, ref in zip(self.greedy(log_probs, lengths), batch["texts"]):
+            sums["char_err"] += edit_distance(ref, hyp)
+            sums["chars"] += len(ref)
+            sums["word_err"] += edit_distance(ref.split(), hyp.split())
+            sums["words"] += len(ref.split())
+        return sums
+
+    def eval_metrics(self, s):
+        # Mandarin transcripts have no spaces: its WER is the sentence error rate (one "word" each).
+        return {"cer": round(100 * s["char_err"] / max(s["chars"], 1), 3),
+                "wer": round(100 * s["word_err"] / max(s["words"], 1), 3),
+                "loss": round(s["loss_sum"] / max(s["n"], 1), 4)}  # CTC per utterance: Figure 2a's eval curve

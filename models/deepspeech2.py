@@ -1,0 +1,126 @@
+"""DeepSpeech 2 (Amodei et al. 2016) as the mixed-precision paper trained it (section 4.3): two 2D
+convolutions over the spectrogram, three GRU layers, one row-convolution (lookahead) layer, a fully
+connected output layer and CTC; about 115M parameters (English) and 215M (Mandarin).
+
+Unidirectional GRUs: a row convolution exists to give a *forward-only* RNN a little future context
+(Amodei et al. 2016, section 3.5 "Lookahead Convolution and Unidirectional Models"); a bidirectional
+RNN already sees the whole utterance and would not need one. The paper's "3 GRU layers + 1 row
+convolution" is therefore DS2's deployable unidirectional model.
+
+Layer sizes (Amodei et al. 2016, Table 2/section 3.5, and the public deepspeech.pytorch
+reproduction): 32 filters of 41x11 (frequency x time), stride 2x2, then 32 of 21x11, stride 2x1,
+each with batch norm and the clipped ReLU min(max(x, 0), 20); 20 future frames of row convolution.
+Sequence-wise batch norm (section 3.2) normalises the vertical input of GRU layers 2-3 and of the
+output layer over every *valid* frame of the batch (padding frames never enter the statistics). The
+paper gives only the parameter counts, not the GRU width: the widths below are the ones that match
+them (tests/test_deepspeech2.py checks the counts within 5%).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from models import register
+
+N_FREQ = 161  # 20 ms windows of 16 kHz audio (n_fft 320): Amodei et al. 2016, section 3
+ENGLISH_VOCAB = 29  # CTC blank, space, apostrophe, a-z
+# AISHELL-1's transcripts use about 4.2K distinct characters (ESPnet's AISHELL token list: 4,231 +
+# blank/unk); the prepared data's own vocabulary is used at run time, this only sizes the default.
+MANDARIN_VOCAB = 4233
+HIDDEN = {"english": 2624, "mandarin": 3520}  # GRU width that gives ~115M / ~215M parameters
+CONV_CHANNELS = 32
+LOOKAHEAD = 20
+
+
+def out_lengths(lengths: torch.Tensor) -> torch.Tensor:
+    """Frames after the convolutions: only the first one strides in time (2), kernel 11, padding 5."""
+    return torch.div(lengths + 2 * 5 - 11, 2, rounding_mode="floor") + 1
+
+
+class SequenceBatchNorm(nn.Module):
+    """Batch norm over every valid (n, t) frame of a padded (N, T, C) batch; padding stays zero."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(channels)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        out[mask] = self.bn(x[mask]).to(x.dtype)
+        return out
+
+
+class RowConv(nn.Module):
+    """Lookahead convolution (Amodei et al. 2016, section 3.5): each feature is a learned weighted
+    sum of itself over the current and the next `context` frames (a depthwise convolution in time)."""
+
+    def __init__(self, channels: int, context: int):
+        super().__init__()
+        self.context = context
+        self.conv = nn.Conv1d(channels, channels, context + 1, groups=channels, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (N, T, C)
+        return self.conv(F.pad(x.transpose(1, 2), (0, self.context))).transpose(1, 2)
+
+
+class DeepSpeech2(nn.Module):
+    def __init__(self, vocab: int, hidden: int, conv_channels: int = CONV_CHANNELS, gru_layers: int = 3,
+                 lookahead: int = LOOKAHEAD, n_freq: int = N_FREQ):
+        super().__init__()
+        c = conv_channels
+        self.conv = nn.ModuleList([
+            nn.Sequential(nn.Conv2d(1, c, (41, 11), stride=(2, 2), padding=(20, 5), bias=False), nn.BatchNorm2d(c),
+                          nn.Hardtanh(0, 20, inplace=True)),
+            nn.Sequential(nn.Conv2d(c, c, (21, 11), stride=(2, 1), padding=(10, 5), bias=False), nn.BatchNorm2d(c),
+                          nn.Hardtanh(0, 20, inplace=True))])
+        f = (n_freq + 2 * 20 - 41) // 2 + 1
+        f = (f + 2 * 10 - 21) // 2 + 1
+        self.grus = nn.ModuleList(nn.GRU(c * f if i == 0 else hidden, hidden, batch_first=True)
+                                  for i in range(gru_layers))
+        # The first GRU reads the convolutions' batch-normed output; the others get their own.
+        self.norms = nn.ModuleList(SequenceBatchNorm(hidden) for _ in range(gru_layers - 1))
+        self.lookahead = RowConv(hidden, lookahead)
+        self.out_norm = SequenceBatchNorm(hidden)
+        self.fc = nn.Linear(hidden, vocab)
+
+    def forward(self, spec: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """spec (N, F, T) log spectrogram, lengths (N,) valid frames -> (logits (N, T', V), lengths')."""
+        lengths = out_lengths(lengths)
+        x = spec.unsqueeze(1)
+        for block in self.conv:
+            # Frames past each utterance's end are zeroed after every block, so that a padded
+            # utterance's valid frames see what they would see alone (the time kernels reach 5 frames
+            # into the padding). Batch-norm statistics still include the padding, as in DS2 reproductions.
+            x = block(x)
+            t = x.shape[-1]
+            mask = torch.arange(t, device=x.device)[None, :] < lengths.clamp(max=t)[:, None]
+            x = x * mask[:, None, None, :].to(x.dtype)
+        n, c, f, t = x.shape
+        x = x.reshape(n, c * f, t).transpose(1, 2)  # (N, T', C*F')
+        lengths = lengths.clamp(max=t)
+        # Forward-only GRUs: frames past an utterance's end never reach its valid frames, so the
+        # padded batch needs no packing; the padding is zeroed before the row convolution looks ahead.
+        for i, gru in enumerate(self.grus):
+            if i > 0:
+                x = self.norms[i - 1](x, mask)
+            x = gru(x)[0]
+        x = x * mask.unsqueeze(-1).to(x.dtype)
+        x = F.hardtanh(self.lookahead(x), 0, 20)
+        return self.fc(self.out_norm(x, mask)), lengths
+
+
+def _build(name: str, vocab: int | None, width: float, n_freq: int) -> DeepSpeech2:
+    v = vocab or (ENGLISH_VOCAB if name == "english" else MANDARIN_VOCAB)
+    return DeepSpeech2(v, hidden=max(8, round(HIDDEN[name] * width)),
+                       conv_channels=max(4, round(CONV_CHANNELS * width)), n_freq=n_freq)
+
+
+@register("english")
+def english(vocab: int | None = None, width: float = 1.0, n_freq: int = N_FREQ) -> DeepSpeech2:
+    return _build("english", vocab, width, n_freq)
+
+
+@register("mandarin")
+def mandarin(vocab: int | None = None, width: float = 1.0, n_freq: int = N_FREQ) -> DeepSpeech2:
+    return _build("mandarin", vocab, width, n_freq)
