@@ -17,6 +17,8 @@ need=()
 command -v sbatch >/dev/null 2>&1 || need+=(slurm-wlm)
 command -v munged >/dev/null 2>&1 || [ -x /usr/sbin/munged ] || need+=(munge)
 command -v chromium >/dev/null 2>&1 || need+=(chromium)
+# espeak-ng: the real-data check of the translation recipe (data_prep.wmt15.real_g2p: English -> phonemes).
+command -v espeak-ng >/dev/null 2>&1 || need+=(espeak-ng)
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "setup: installing ${need[*]} (apt)"

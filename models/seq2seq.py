@@ -34,6 +34,13 @@ from models import register
 FULL = {"src_vocab": 40_000, "tgt_vocab": 40_000, "hidden": 1024}  # translate.py's vocabularies, size 1024
 
 
+def _autocast_input(x: torch.Tensor) -> torch.Tensor:
+    """Embeddings are not autocast (they stay FP32); torch's CPU LSTM under FP16 autocast fails in
+    oneDNN on FP32 inputs, so hand it the autocast dtype (on CUDA autocast casts it the same way)."""
+    dev = x.device.type
+    return x.to(torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else x
+
+
 class AttentionSeq2Seq(nn.Module):
     def __init__(self, src_vocab: int, tgt_vocab: int, hidden: int, num_layers: int, dropout: float = 0.0,
                  pad_id: int = 0, init: float = 0.1):
@@ -56,12 +63,12 @@ class AttentionSeq2Seq(nn.Module):
     def encode(self, src: torch.Tensor):
         """src [B, S]: reversed source ids, padding first (translate.py's layout), so the final state
         the decoder starts from is the one after the first source word."""
-        mem, state = self.encoder(self.drop(self.src_emb(src)))
+        mem, state = self.encoder(_autocast_input(self.drop(self.src_emb(src))))
         return mem, state
 
     def decode(self, tgt_in: torch.Tensor, mem: torch.Tensor, src_mask: torch.Tensor, state):
         """Logits [B, T, V] (the model's dtype) for decoder inputs tgt_in [B, T]."""
-        h, state = self.decoder(self.drop(self.tgt_emb(tgt_in)), state)
+        h, state = self.decoder(_autocast_input(self.drop(self.tgt_emb(tgt_in))), state)
         scores = torch.bmm(self.attn(h), mem.transpose(1, 2)).float()  # [B, T, S]; softmax in FP32 (3.3)
         scores = scores.masked_fill(~src_mask[:, None, :], float("-inf"))
         ctx = torch.bmm(F.softmax(scores, dim=-1).to(mem.dtype), mem)
