@@ -107,9 +107,9 @@ def param_count(src_vocab: int, tgt_vocab: int, hidden: int, num_layers: int) ->
 
 
 def _build(num_layers: int, src_vocab: int = FULL["src_vocab"], tgt_vocab: int = FULL["tgt_vocab"],
-           width: float = 1.0, dropout: float = 0.0, pad_id: int = 0) -> AttentionSeq2Seq:
+           width: float = 1.0, dropout: float = 0.0, pad_id: int = 0, init: float = 0.1) -> AttentionSeq2Seq:
     hidden = max(4, round(FULL["hidden"] * width))
-    return AttentionSeq2Seq(src_vocab, tgt_vocab, hidden, num_layers, dropout=dropout, pad_id=pad_id)
+    return AttentionSeq2Seq(src_vocab, tgt_vocab, hidden, num_layers, dropout=dropout, pad_id=pad_id, init=init)
 
 
 @register("nmt_lstm3")

@@ -57,7 +57,7 @@ def _np(rng: np.random.Generator) -> tuple[list[str], list[str], bool]:
     noun = NOUNS[rng.integers(len(NOUNS))]
     plural = bool(rng.random() < 0.4)
     definite = bool(rng.random() < 0.6)
-    adjs = [ADJS[i] for i in rng.choice(len(ADJS), size=int(rng.choice(3, p=[0.4, 0.4, 0.2])), replace=False)]
+    adjs = [ADJS[i] for i in rng.choice(len(ADJS), size=int(rng.choice(3, p=[0.5, 0.35, 0.15])), replace=False)]
     en_art = "the" if definite else ("a" if not plural else "some")
     en = [en_art] + [a[0] for a in adjs] + [noun[1] if plural else noun[0]]
     fr = [_ART[("the" if definite else "a", noun[4], plural)], noun[3] if plural else noun[2]]
@@ -71,7 +71,7 @@ def sentence(rng: np.random.Generator) -> tuple[str, str]:
     o_en, o_fr, _ = _np(rng)
     en = s_en + [verb[1] if s_pl else verb[0]] + o_en
     fr = s_fr + [verb[3] if s_pl else verb[2]] + o_fr
-    if rng.random() < 0.4:
+    if rng.random() < 0.25:
         prep = PREPS[rng.integers(len(PREPS))]
         p_en, p_fr, _ = _np(rng)
         en += [prep[0]] + p_en

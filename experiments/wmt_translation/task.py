@@ -28,6 +28,7 @@ class TaskCfg:
     # translate.py's _buckets: (source, target) lengths; pairs beyond the last are not trained on.
     buckets: list[list[int]] = field(default_factory=lambda: [[5, 10], [10, 15], [20, 25], [40, 50]])
     dropout: float = 0.0  # translate.py: none
+    init_scale: float = 0.1  # uniform(-x, x) for every weight (tensorflow/nmt's init_weight)
     bleu: bool = True  # BLEU on the test set at every evaluation
     bleu_max_sentences: int = 0  # 0 = the whole test set (newstest2014: 3,003)
     decode_batch: int = 64
@@ -71,7 +72,7 @@ class Task:
 
         v = self.data.vocab
         return models.build(cfg.model, src_vocab=v["en"], tgt_vocab=v["fr"], width=cfg.width,
-                            dropout=cfg.task.dropout, pad_id=self.pad)
+                            dropout=cfg.task.dropout, pad_id=self.pad, init=cfg.task.init_scale)
 
     # -- batches ------------------------------------------------------------------------------------
     def train_order(self, epoch, g):
