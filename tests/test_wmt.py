@@ -198,15 +198,18 @@ def test_tiny_runs_write_perplexity_and_bleu(tiny_runs):
 
 
 def test_figure4_tiny_regenerated(tiny_runs):
-    from paper_tables import __main__ as tables
+    """Figure 4 drawn by paper_tables from the runs' metrics (what `python -m paper_tables` does per
+    figure): both FP32 seeds as one band, FP16 and MP beside it."""
+    from paper_tables import figures, results, specs
 
     root, _ = tiny_runs
-    out = root.parent / "tables"
-    assert tables.main(["--runs", str(root), "--out", str(out)]) == 0
-    png = next(out.glob("figure4*tiny*.png"))
-    assert png.read_bytes().startswith(b"\x89PNG")
-    md = next(out.glob("figure4*tiny*.md")).read_text()
-    assert "wmt_translation/nmt_lstm3" in md and "min-max band" in md  # the two FP32 seeds as a band
+    runs, problems = results.collect_dir(root)
+    spec = next(s for s in specs.FIGURES if s.id == "figure4")
+    f = figures.build_figure(spec, runs, "tiny", problems)
+    assert f.missing is None and f.png.startswith(b"\x89PNG")
+    notes = "\n".join(f.notes)
+    assert "wmt_translation/nmt_lstm3" in notes and "min-max band" in notes and "(s0, s1" in notes
+    assert "not run yet" not in notes  # fp32, fp16 and mixed all drawn
 
 
 @pytest.mark.slow
