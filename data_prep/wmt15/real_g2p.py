@@ -4,7 +4,7 @@ the synthetic grammar: English -> English phonemes.
     python -m data_prep.wmt15.real_g2p --out DIR [--seed 0]
 
 Source: real English prose, the documentation that ships with every Python (pydoc_data.topics, as
-data_prep.lm1b.real_text extracts it), cut at punctuation into clauses of 3 to 12 words.
+data_prep.lm1b.real_text extracts it), cut at punctuation into clauses of 3 to 6 words.
 Target: what espeak-ng's English rules and pronunciation dictionary say (`espeak-ng -q -x`, its
 phoneme mnemonics with stress marks), e.g. "the value of x is returned" -> "D@ v'alju: 0v 'Eks Iz
 rI2t'3:nd". Grapheme-to-phoneme conversion is a real sequence transduction with reordering-free but
@@ -28,7 +28,7 @@ from mpt.errors import UserError, cli
 from .tiny import write_release
 
 
-def clauses(min_words: int = 3, max_words: int = 12) -> list[str]:
+def clauses(min_words: int = 3, max_words: int = 6) -> list[str]:
     """The documentation's prose as clauses: word tokens between punctuation, in chunks of at most
     max_words, unique, in a fixed order."""
     from data_prep.lm1b.real_text import sentences
