@@ -57,7 +57,7 @@ class Task:
             if len(ds) == 0:
                 raise UserError(f"no {name} pair of {c.data_root} fits task.buckets={c.buckets}")
         self.train_bucket = self._bucket(train)
-        self.batch = cfg.train.batch_size
+        self.batch, self.eval_max = cfg.train.batch_size, cfg.train.eval_max_batches
         self.cfg = c
         return train, dev
 
@@ -118,7 +118,7 @@ class Task:
 
     def evaluate(self, ev) -> dict[str, float]:
         """Validation perplexity (per target subword, newstest2013) and test BLEU (newstest2014)."""
-        limit = ev._run.cfg.train.eval_max_batches
+        limit = self.eval_max
         t = torch.zeros(2, dtype=torch.float64, device=ev.device)
         for i, b in enumerate(ev.val_loader):
             if limit and i >= limit:
