@@ -30,13 +30,16 @@ def _ms(xs: list[float]) -> str:
 def _at(r, problems, step: int | None):
     """(train ppl, eval line) of a run: at its end, or at `step` (None when it did not get there)."""
     lines = r.lines(problems)
+    reached = max((x for x in lines.train_step if x is not None), default=-1)
     pts = [(x, v) for x, v in zip(lines.train_step, lines.train_loss)
            if x is not None and v is not None and math.isfinite(v) and (step is None or x <= step)]
     if step is None:
-        ev = r.metrics if r.status == "completed" else None
+        if r.status != "completed":
+            return None, None
+        ev = r.metrics
     else:
         ev = next((e for e in lines.eval if e.get("step") == step), None)
-        if not pts or pts[-1][0] < step:
+        if reached < step:
             return None, None
     train = math.exp(statistics.mean(v for _, v in pts[-3:])) if pts else None
     return train, ev
