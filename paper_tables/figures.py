@@ -145,6 +145,10 @@ def _curves(spec, runs, profile, problems, notes):
         for i, v in enumerate(variants):
             color = COLORS.get(v[0]) if sum(w[0] == v[0] for w in variants) == 1 else f"C{i}"
             vr = [r for r in rs if r.variant == v]
+            if spec.param("band") and len(vr) > 1 and _band(ax, vr, ykind, color, variant_label(v), problems):
+                notes.append(f"{key[0]}/{key[1]}: {variant_label(v)} from {len(vr)} run(s) ({_seeds(vr)}; "
+                             f"status {', '.join(sorted({r.status for r in vr}))}): mean line, min-max band")
+                continue
             for j, r in enumerate(vr):
                 lines = r.lines(problems)
                 x, y = _float_array(lines.train_step), _float_array(lines.train_loss)
@@ -181,6 +185,25 @@ def _curves(spec, runs, profile, problems, notes):
     if any(r.status == "diverged" for k in keys for r in groups[k]):
         notes.append("x marks the last finite point of a diverged run")
     return fig, None
+
+
+def _band(ax, vr, ykind: str, color, label: str, problems) -> bool:
+    """Seeds of one variant as their mean curve and a min-max band (the paper's Figure 4 shows three
+    FP32 runs because FP32 runs varied), over the steps every seed logged. False when they share none."""
+    curves = []
+    for r in vr:
+        lines = r.lines(problems)
+        x, y = _float_array(lines.train_step), _float_array(lines.train_loss)
+        curves.append(dict(zip(x.tolist(), (np.exp(np.minimum(y, 700.0)) if ykind == "perplexity" else y).tolist())))
+    steps = sorted(set.intersection(*(set(c) for c in curves)))
+    if not steps:
+        return False
+    ys = np.array([[c[s] for s in steps] for c in curves])
+    x = np.array(steps, dtype=float)
+    ax.fill_between(x, np.nanmin(ys, 0), np.nanmax(ys, 0), color=color, alpha=0.25, lw=0)
+    ax.plot(*_thin(x, np.nanmean(ys, 0)), color=color, lw=1.0, alpha=0.9, label=f"{label} (mean of {len(vr)} seeds, "
+                                                                              f"band: min-max)")
+    return True
 
 
 # ----------------------------------------------------------------------------- exponent histograms

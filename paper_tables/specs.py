@@ -70,8 +70,9 @@ FIGURES: tuple[FigureSpec, ...] = (
     FigureSpec("figure3", "exponent_hist", experiments=("voc_detection",), any_experiment=True,
                models=("ssd300_vgg16",), precisions=("fp32",),
                params=(("role", "act_grad"), ("with_loss_scale", True), ("mark", (-27,)))),
+    # Figure 4 shows three FP32 runs "because FP32 runs varied": several seeds of a precision as a band.
     FigureSpec("figure4", "curves", experiments=("wmt_translation",), precisions=("fp32", "fp16", "mixed"),
-               params=(("y", "perplexity"),)),
+               params=(("y", "perplexity"), ("band", True))),
     FigureSpec("figure5", "curves", experiments=("lm_biglstm",), precisions=("fp32", "fp16", "mixed"),
                params=(("y", "perplexity"), ("expect", (("fp32", None), ("fp16", None), ("mixed", 128))))),
     # Figure 6 is qualitative; the number beside each grid is ours: the multi-scale sliced

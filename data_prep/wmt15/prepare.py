@@ -1,0 +1,368 @@
+"""WMT15 English-French (the paper's Figure 4 data) as subword-id files.
+
+Input (--archives DIR): the official WMT15 downloads (statmt.org/wmt15/translation-task.html), as
+fairseq's prepare-wmt14en2fr.sh and the TensorFlow translate.py tutorial read them:
+
+    training-parallel-europarl-v7.tgz   training/europarl-v7.fr-en.{en,fr}
+    training-parallel-commoncrawl.tgz   commoncrawl.fr-en.{en,fr}
+    training-parallel-un.tgz            un/undoc.2000.fr-en.{en,fr}
+    training-parallel-nc-v10.tgz        news-commentary-v10.fr-en.{en,fr} (under training/ in some copies)
+    training-giga-fren.tar              giga-fren.release2.fixed.{en,fr}.gz   (the 10^9 French-English corpus)
+    dev.tgz                             dev/newstest2013.{en,fr}              (validation: translate.py's dev set)
+    test-full.tgz                       test-full/newstest2014-fren-src.en.sgm, -ref.fr.sgm (test, SGML)
+
+A member is found by its file name (any folder above it, checked by data_prep.common.safe_relpath).
+A subset of the training corpora is allowed (--corpora, default: every corpus whose archive is there);
+the dev and test archives are required.
+
+Output (--out OUT):
+    OUT/spm.en.model, spm.fr.model   SentencePiece BPE models, one per language (--vocab, default 40,000
+                                     each: translate.py's en_vocab_size / fr_vocab_size); ids 0 <pad>,
+                                     1 <s> (translate.py's _GO), 2 </s>, 3 <unk>
+    OUT/{train,dev,test}.{en,fr}.bin the ids of every sentence, concatenated (uint16, or uint32 for a
+                                     vocabulary above 65,535), no <s> / </s>
+    OUT/{train,dev,test}.{en,fr}.idx int64 offsets: sentence i is bin[idx[i]:idx[i+1]]
+    OUT/{dev,test}.{en,fr}.txt       the raw sentences (sacrebleu's references are test.fr.txt)
+    OUT/prepared.json                counts, sizes, digests; written last (the completion marker)
+
+Checks: every wanted member is in its archive (a missing one is a one-line error naming the archive);
+a truncated tar or gzip is a one-line error; the two sides of every corpus have the same line count
+(misaligned files are an error naming both counts); the SGML test files hold the same segment ids.
+Pairs with an empty side are dropped (counted in the marker). Re-running is safe: a complete output
+is left alone (--force redoes it); an interrupted run resumes from its finished stages in
+OUT/.partial unless the archives or the options changed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import gzip
+import html
+import json
+import os
+import re
+import shutil
+import tarfile
+import time
+import zlib
+from pathlib import Path, PurePosixPath
+
+import numpy as np
+
+from data_prep.common import safe_relpath
+from mpt.errors import UserError
+from mpt.rundir import atomic_write, atomic_write_json, sampled_digest
+
+URL = "https://www.statmt.org/wmt15/translation-task.html"
+SRC, TGT = "en", "fr"  # Figure 4: English to French
+MARKER, PARTIAL, STATE = "prepared.json", ".partial", "state.json"
+PAD, BOS, EOS, UNK = 0, 1, 2, 3
+VOCAB = 40_000  # translate.py: --en_vocab_size 40000 --fr_vocab_size 40000
+SPM_SENTENCES = 2_000_000  # sentences per language the subword model is trained on (a spread sample)
+
+
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    archive: str
+    stem: str  # member file name = <stem>.<lang>[.gz]
+    gz: bool = False
+
+
+CORPORA = {
+    "europarl": Corpus("training-parallel-europarl-v7.tgz", "europarl-v7.fr-en"),
+    "commoncrawl": Corpus("training-parallel-commoncrawl.tgz", "commoncrawl.fr-en"),
+    "un": Corpus("training-parallel-un.tgz", "undoc.2000.fr-en"),
+    "news_commentary": Corpus("training-parallel-nc-v10.tgz", "news-commentary-v10.fr-en"),
+    "giga": Corpus("training-giga-fren.tar", "giga-fren.release2.fixed", gz=True),
+}
+DEV = Corpus("dev.tgz", "newstest2013")
+TEST_ARCHIVE = "test-full.tgz"
+TEST_FILES = {SRC: "newstest2014-fren-src.en.sgm", TGT: "newstest2014-fren-ref.fr.sgm"}
+
+
+def _fetch(what: str) -> str:
+    return f"{what}; download it again from {URL}"
+
+
+# ------------------------------------------------------------------ reading archives
+
+
+def extract(archive: Path, wanted: dict[str, Path]) -> None:
+    """Copy the members named (by file name) in `wanted` out of `archive` to their paths, in one
+    sequential pass. One-line errors for a missing archive, a truncated one, a missing member."""
+    if not archive.is_file():
+        raise UserError(_fetch(f"no {archive.name} in {archive.parent}"))
+    left = dict(wanted)
+    try:
+        with tarfile.open(archive, mode="r|*") as tar:
+            for m in tar:
+                base = PurePosixPath(safe_relpath(m.name, "member path", archive)).name
+                if not m.isfile() or base not in left:
+                    continue
+                src = tar.extractfile(m)
+                atomic_write(left.pop(base), lambda f: shutil.copyfileobj(src, f, 1 << 20))
+                if not left:
+                    break
+    except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile, OSError) as e:
+        raise UserError(_fetch(f"{archive} is truncated or corrupt ({type(e).__name__}: {e})")) from None
+    if left:
+        raise UserError(_fetch(f"{archive} lacks {', '.join(sorted(left))}"))
+
+
+def _open_lines(path: Path, gz: bool, source: str):
+    """The lines of a text file ('\\n' only: the corpora hold other Unicode separators inside
+    sentences), decoded as UTF-8 (undecodable bytes replaced), whitespace collapsed."""
+    try:
+        with (gzip.open(path, "rb") if gz else open(path, "rb")) as f:
+            for raw in f:
+                yield " ".join(raw.decode("utf-8", errors="replace").split())
+    except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+        raise UserError(_fetch(f"{source} is truncated or corrupt ({type(e).__name__}: {e})")) from None
+
+
+def pair_lines(src: Path, tgt: Path, gz: bool, name: str, out_src: Path, out_tgt: Path) -> dict:
+    """Write the aligned, non-empty pairs of two parallel files; the files must have equal line counts."""
+    n = kept = 0
+    a, b = _open_lines(src, gz, f"{name} ({src.name})"), _open_lines(tgt, gz, f"{name} ({tgt.name})")
+    with open(str(out_src) + ".tmp", "w", encoding="utf-8") as fs, open(str(out_tgt) + ".tmp", "w", encoding="utf-8") as ft:
+        while True:
+            x, y = next(a, None), next(b, None)
+            if x is None or y is None:
+                if x is not None or y is not None:
+                    na = n + (x is not None) + sum(1 for _ in a)
+                    nb = n + (y is not None) + sum(1 for _ in b)
+                    raise UserError(_fetch(f"{name}: {src.name} has {na:,} lines but {tgt.name} has {nb:,}; "
+                                           f"the parallel files are misaligned"))
+                break
+            n += 1
+            if x and y:
+                fs.write(x + "\n")
+                ft.write(y + "\n")
+                kept += 1
+    os.replace(str(out_src) + ".tmp", out_src)
+    os.replace(str(out_tgt) + ".tmp", out_tgt)
+    return {"lines": n, "pairs": kept, "dropped_empty": n - kept}
+
+
+_SEG = re.compile(r"<seg\s+id=\"?([^\">\s]+)\"?[^>]*>(.*?)</seg>", re.S)
+
+
+def read_sgm(path: Path) -> tuple[list[str], list[str]]:
+    """(segment ids, texts) of a WMT SGML file (<seg id="N">text</seg>), entities unescaped."""
+    text = path.read_bytes().decode("utf-8", errors="replace")
+    segs = _SEG.findall(text)
+    if not segs:
+        raise UserError(_fetch(f"{path.name} holds no <seg id=...> segments; it is not a WMT SGML file"))
+    return [i for i, _ in segs], [" ".join(html.unescape(t).split()) for _, t in segs]
+
+
+# ------------------------------------------------------------------ subword ids
+
+
+def train_spm(text: Path, prefix: Path, vocab: int, sentences: int, seed: int = 0) -> None:
+    import sentencepiece as spm
+
+    spm.set_random_generator_seed(seed)  # the sentence sample: the same pieces on every run
+    spm.SentencePieceTrainer.train(
+        input=str(text), model_prefix=str(prefix), vocab_size=vocab, model_type="bpe",
+        character_coverage=1.0, pad_id=PAD, bos_id=BOS, eos_id=EOS, unk_id=UNK,
+        input_sentence_size=sentences, shuffle_input_sentence=True, seed_sentencepiece_size=1_000_000,
+        hard_vocab_limit=False,  # a small corpus (the tiny set) may not have `vocab` pieces
+        num_threads=max(1, min(8, os.cpu_count() or 1)), minloglevel=2)
+
+
+def encode_file(sp, text: Path, out_bin: Path, out_idx: Path, dtype, chunk: int = 100_000) -> int:
+    """Encode one sentence per line into concatenated ids + offsets (each file written atomically)."""
+    offsets = [0]
+
+    def write(f):
+        buf = []
+        with open(text, encoding="utf-8") as t:
+            for line in t:
+                buf.append(line.rstrip("\n"))
+                if len(buf) == chunk:
+                    _emit(f, buf)
+                    buf.clear()
+        _emit(f, buf)
+
+    def _emit(f, lines):
+        if not lines:
+            return
+        for ids in sp.encode(lines):
+            offsets.append(offsets[-1] + len(ids))
+            f.write(np.asarray(ids, dtype=dtype).tobytes())
+
+    atomic_write(out_bin, write)
+    atomic_write(out_idx, lambda f: f.write(np.asarray(offsets, dtype=np.int64).tobytes()))
+    return len(offsets) - 1
+
+
+# ------------------------------------------------------------------ the pipeline
+
+
+class _State:
+    """Finished stages of an interrupted run (OUT/.partial/state.json), valid for one fingerprint."""
+
+    def __init__(self, part: Path, fingerprint: dict):
+        self.path = part / STATE
+        old = json.loads(self.path.read_text()) if self.path.is_file() else None
+        if old is None or old.get("fingerprint") != fingerprint:
+            shutil.rmtree(part, ignore_errors=True)
+            old = {"fingerprint": fingerprint, "done": {}}
+        part.mkdir(parents=True, exist_ok=True)
+        self.data = old
+
+    def get(self, stage: str):
+        return self.data["done"].get(stage)
+
+    def set(self, stage: str, value) -> None:
+        self.data["done"][stage] = value
+        atomic_write_json(self.path, self.data)
+
+
+def _choose(archives: Path, corpora: list[str] | None) -> list[str]:
+    if corpora:
+        unknown = [c for c in corpora if c not in CORPORA]
+        if unknown:
+            raise UserError(f"unknown corpus {unknown[0]!r}; choose from: {', '.join(CORPORA)}")
+        for c in corpora:
+            if not (archives / CORPORA[c].archive).is_file():
+                raise UserError(_fetch(f"--corpora names {c} but {archives} has no {CORPORA[c].archive}"))
+        return [c for c in CORPORA if c in corpora]
+    found = [c for c, k in CORPORA.items() if (archives / k.archive).is_file()]
+    if not found:
+        raise UserError(_fetch(f"{archives} holds none of the WMT15 training archives "
+                               f"({', '.join(k.archive for k in CORPORA.values())})"))
+    return found
+
+
+def prepare(archives: Path, out: Path, corpora: list[str] | None = None, vocab: int = VOCAB,
+            spm_sentences: int = SPM_SENTENCES, force: bool = False, log=print) -> dict:
+    archives, out = Path(archives), Path(out)
+    if not archives.is_dir():
+        raise UserError(f"--archives {archives} is not a folder; give the folder holding the WMT15 downloads")
+    marker = out / MARKER
+    if marker.exists() and not force:
+        log(f"{out} is already prepared ({MARKER}); pass --force to redo it")
+        return json.loads(marker.read_text())
+    if vocab < 8:
+        raise UserError(f"--vocab {vocab} is too small")
+    t0 = time.time()
+    chosen = _choose(archives, corpora)
+    for name in (DEV.archive, TEST_ARCHIVE):
+        if not (archives / name).is_file():
+            raise UserError(_fetch(f"no {name} in {archives} (the dev/test sets)"))
+    used = [CORPORA[c].archive for c in chosen] + [DEV.archive, TEST_ARCHIVE]
+    sources = {a: {"bytes": (archives / a).stat().st_size, "digest": sampled_digest(archives / a)} for a in used}
+    fingerprint = {"sources": sources, "corpora": chosen, "vocab": vocab, "spm_sentences": spm_sentences}
+    if force:
+        shutil.rmtree(out / PARTIAL, ignore_errors=True)
+    marker.unlink(missing_ok=True)
+    part = out / PARTIAL
+    state = _State(part, fingerprint)
+    raw, text = part / "raw", part / "text"
+    raw.mkdir(exist_ok=True)
+    text.mkdir(exist_ok=True)
+
+    # 1. each training corpus: extract its two members, keep aligned non-empty pairs
+    counts = {}
+    for c in chosen:
+        k = CORPORA[c]
+        got = state.get(f"pairs/{c}")
+        if got is None:
+            suffix = ".gz" if k.gz else ""
+            files = {lang: raw / f"{k.stem}.{lang}{suffix}" for lang in (SRC, TGT)}
+            log(f"  {k.archive}: extracting {k.stem}.{{{SRC},{TGT}}}{suffix}")
+            extract(archives / k.archive, {p.name: p for p in files.values()})
+            got = pair_lines(files[SRC], files[TGT], k.gz, f"{k.archive}", text / f"{c}.{SRC}", text / f"{c}.{TGT}")
+            for p in files.values():
+                p.unlink()
+            state.set(f"pairs/{c}", got)
+        counts[c] = got
+        log(f"  {c}: {got['pairs']:,} pairs ({got['dropped_empty']:,} with an empty side dropped)")
+
+    # 2. dev (plain text) and test (SGML)
+    if state.get("dev") is None:
+        files = {lang: raw / f"{DEV.stem}.{lang}" for lang in (SRC, TGT)}
+        extract(archives / DEV.archive, {p.name: p for p in files.values()})
+        state.set("dev", pair_lines(files[SRC], files[TGT], False, DEV.archive, text / f"dev.{SRC}",
+                                    text / f"dev.{TGT}"))
+    if state.get("test") is None:
+        files = {lang: raw / f for lang, f in TEST_FILES.items()}
+        extract(archives / TEST_ARCHIVE, {p.name: p for p in files.values()})
+        (ids_s, src), (ids_t, tgt) = read_sgm(files[SRC]), read_sgm(files[TGT])
+        if ids_s != ids_t:
+            raise UserError(_fetch(f"{TEST_ARCHIVE}: {TEST_FILES[SRC]} has {len(ids_s):,} segments, "
+                                   f"{TEST_FILES[TGT]} {len(ids_t):,} (or other ids); the test set is misaligned"))
+        # Every test sentence is kept (BLEU is over the whole set); an empty one stays empty.
+        for lang, lines in ((SRC, src), (TGT, tgt)):
+            atomic_write(text / f"test.{lang}", lambda f, lines=lines: f.write("".join(s + "\n" for s in lines).encode()))
+        state.set("test", {"lines": len(src), "pairs": len(src), "dropped_empty": 0})
+    counts["dev"], counts["test"] = state.get("dev"), state.get("test")
+
+    # 3. one SentencePiece model per language, trained on the training text
+    import sentencepiece as spm
+
+    for lang in (SRC, TGT):
+        if state.get(f"spm/{lang}") is None:
+            cat = part / f"spm_input.{lang}"
+            with open(cat, "wb") as f:
+                for c in chosen:
+                    with open(text / f"{c}.{lang}", "rb") as g:
+                        shutil.copyfileobj(g, f, 1 << 20)
+            log(f"  training the {lang} subword model ({vocab:,} pieces)")
+            train_spm(cat, part / f"spm.{lang}", vocab, spm_sentences)
+            cat.unlink()
+            state.set(f"spm/{lang}", True)
+    sps = {lang: spm.SentencePieceProcessor(model_file=str(part / f"spm.{lang}.model")) for lang in (SRC, TGT)}
+    sizes = {lang: sps[lang].get_piece_size() for lang in (SRC, TGT)}
+    dtype = np.uint16 if max(sizes.values()) <= 65536 else np.uint32
+
+    # 4. ids: each corpus on its own (resumable), then the training set as their concatenation
+    ids = part / "ids"
+    ids.mkdir(exist_ok=True)
+    for name in chosen + ["dev", "test"]:
+        for lang in (SRC, TGT):
+            if state.get(f"ids/{name}.{lang}") is None:
+                n = encode_file(sps[lang], text / f"{name}.{lang}", ids / f"{name}.{lang}.bin",
+                                ids / f"{name}.{lang}.idx", dtype)
+                state.set(f"ids/{name}.{lang}", n)
+    out.mkdir(parents=True, exist_ok=True)
+    tokens = {}
+    for lang in (SRC, TGT):
+        offs, total = [np.zeros(1, dtype=np.int64)], 0
+        with open(part / f"train.{lang}.bin.tmp", "wb") as f:
+            for c in chosen:
+                with open(ids / f"{c}.{lang}.bin", "rb") as g:
+                    shutil.copyfileobj(g, f, 1 << 20)
+                o = np.fromfile(ids / f"{c}.{lang}.idx", dtype=np.int64)
+                offs.append(o[1:] + total)
+                total += int(o[-1])
+        os.replace(part / f"train.{lang}.bin.tmp", out / f"train.{lang}.bin")
+        atomic_write(out / f"train.{lang}.idx", lambda f, o=np.concatenate(offs): f.write(o.tobytes()))
+        tokens[f"train.{lang}"] = total
+        for split in ("dev", "test"):
+            for ext in ("bin", "idx"):
+                shutil.copyfile(ids / f"{split}.{lang}.{ext}", out / f"{split}.{lang}.{ext}")
+            shutil.copyfile(text / f"{split}.{lang}", out / f"{split}.{lang}.txt")
+            tokens[f"{split}.{lang}"] = int(np.fromfile(out / f"{split}.{lang}.idx", dtype=np.int64)[-1])
+        shutil.copyfile(part / f"spm.{lang}.model", out / f"spm.{lang}.model")
+    pairs = {"train": sum(counts[c]["pairs"] for c in chosen), "dev": counts["dev"]["pairs"],
+             "test": counts["test"]["pairs"]}
+    for split, n in pairs.items():  # the count check of what was written against what was read
+        for lang in (SRC, TGT):
+            got = np.fromfile(out / f"{split}.{lang}.idx", dtype=np.int64).size - 1
+            if got != n:
+                raise RuntimeError(f"wrote {got} {split}.{lang} sentences, expected {n}")
+    info = {"dataset": "wmt15-fren", "src": SRC, "tgt": TGT, "corpora": chosen,
+            "missing_corpora": [c for c in CORPORA if c not in chosen], "counts": counts, "pairs": pairs,
+            "tokens": tokens, "vocab": sizes, "vocab_requested": vocab, "dtype": np.dtype(dtype).name,
+            "special_ids": {"pad": PAD, "bos": BOS, "eos": EOS, "unk": UNK},
+            "spm_digest": {lang: sampled_digest(out / f"spm.{lang}.model") for lang in (SRC, TGT)},
+            "archives": sources, "seconds": round(time.time() - t0, 1),
+            "prepared_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    atomic_write_json(marker, info)
+    shutil.rmtree(part, ignore_errors=True)
+    log(f"prepared WMT15 {SRC}-{TGT} in {out}: {pairs['train']:,} training pairs from {', '.join(chosen)}, "
+        f"dev {pairs['dev']:,}, test {pairs['test']:,}; vocabularies {sizes}")
+    return info

@@ -1,0 +1,9 @@
+"""Figure 4: WMT15 English-French attention LSTM translation, FP32 vs mixed precision with and without
+loss scaling (paper section 4.4)."""
+from experiments.wmt_translation.task import Task, TaskCfg  # noqa: F401
+
+
+def main(overrides: list[str]) -> dict:
+    from mpt.engine import main as _main
+
+    return _main("wmt_translation", overrides)

@@ -1,0 +1,170 @@
+"""Task glue for Figure 4: WMT15 English->French sentence pairs in length buckets, the attention
+LSTM (models/seq2seq.py), training perplexity per target token, validation perplexity on
+newstest2013 and BLEU on newstest2014 (sacrebleu, greedy decoding; beyond the paper).
+
+Batches follow translate.py (TensorFlow's seq2seq tutorial, the paper's model): a pair goes to the
+first bucket (source, target) it fits -- (5, 10), (10, 15), (20, 25), (40, 50) subword tokens, the
+target counted with its </s> -- and longer pairs are left out of training and of the validation
+perplexity; every batch is drawn from one bucket, so it pads little. The source is reversed and
+left-padded, the decoder reads <s> + target and predicts target + </s>.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from mpt.config import infra
+from mpt.errors import UserError
+
+
+@dataclass
+class TaskCfg:
+    data_root: str = infra("data/wmt15")  # output of `python -m data_prep.wmt15`
+    # translate.py's _buckets: (source, target) lengths; pairs beyond the last are not trained on.
+    buckets: list[list[int]] = field(default_factory=lambda: [[5, 10], [10, 15], [20, 25], [40, 50]])
+    dropout: float = 0.0  # translate.py: none
+    init_scale: float = 0.1  # uniform(-x, x) for every weight (tensorflow/nmt's init_weight)
+    bleu: bool = True  # BLEU on the test set at every evaluation
+    bleu_max_sentences: int = 0  # 0 = the whole test set (newstest2014: 3,003)
+    decode_batch: int = 64
+    decode_extra: int = 10  # greedy decoding stops at 2 x source length + this many tokens
+
+
+class Task:
+    primary_metric = "perplexity"
+    higher_is_better = False
+
+    # -- data and model -----------------------------------------------------------------------------
+    def datasets(self, cfg):
+        from data_prep.wmt15.dataset import Prepared
+
+        c = cfg.task
+        b = [tuple(x) for x in c.buckets]
+        if not b or any(len(x) != 2 or min(x) < 1 for x in b) or b != sorted(b):
+            raise UserError(f"task.buckets={c.buckets} must be increasing [source, target] length pairs >= 1")
+        self.buckets = np.array(b)
+        self.data = Prepared(c.data_root)
+        sp = self.data.special
+        self.pad, self.bos, self.eos = sp["pad"], sp["bos"], sp["eos"]
+        train, dev = self.data.split("train"), self.data.split("dev")
+        for ds, name in ((train, "train"), (dev, "dev")):
+            ds.keep(self._bucket(ds) >= 0)
+            if len(ds) == 0:
+                raise UserError(f"no {name} pair of {c.data_root} fits task.buckets={c.buckets}")
+        self.train_bucket = self._bucket(train)
+        self.batch, self.eval_max = cfg.train.batch_size, cfg.train.eval_max_batches
+        self.cfg = c
+        return train, dev
+
+    def _bucket(self, ds) -> np.ndarray:
+        """Index of the first bucket each pair fits (target counted with its </s>), -1 for none."""
+        s, t = ds.lengths("en")[:, None], ds.lengths("fr")[:, None] + 1
+        fits = (s <= self.buckets[None, :, 0]) & (t <= self.buckets[None, :, 1])
+        return np.where(fits.any(1), fits.argmax(1), -1)
+
+    def build_model(self, cfg):
+        import models
+
+        v = self.data.vocab
+        return models.build(cfg.model, src_vocab=v["en"], tgt_vocab=v["fr"], width=cfg.width,
+                            dropout=cfg.task.dropout, pad_id=self.pad, init=cfg.task.init_scale)
+
+    # -- batches ------------------------------------------------------------------------------------
+    def train_order(self, epoch, g):
+        """Each global batch from one bucket (translate.py), batches in random order; the leftovers of
+        every bucket make the last, mixed batches. A function of (epoch, g) only: resume is exact."""
+        B, chunks, rest = self.batch, [], []
+        for k in range(len(self.buckets)):
+            idx = np.flatnonzero(self.train_bucket == k)
+            idx = idx[torch.randperm(len(idx), generator=g).numpy()]
+            full = len(idx) // B * B
+            chunks += [idx[i:i + B] for i in range(0, full, B)]
+            rest.append(idx[full:])
+        order = [chunks[i] for i in torch.randperm(len(chunks), generator=g).tolist()] + rest
+        return np.concatenate(order).tolist() if order else []
+
+    def collate(self, samples):
+        """Source reversed and left-padded (translate.py), decoder input <s> + target, output target + </s>."""
+        B = len(samples)
+        S = max(1, max(len(s) for s, _ in samples))
+        T = max(len(t) for _, t in samples) + 1
+        src = torch.full((B, S), self.pad, dtype=torch.long)
+        tin = torch.full((B, T), self.pad, dtype=torch.long)
+        tout = torch.full((B, T), self.pad, dtype=torch.long)
+        for i, (s, t) in enumerate(samples):
+            if len(s):
+                src[i, S - len(s):] = s.flip(0)
+            tin[i, 0] = self.bos
+            tin[i, 1:len(t) + 1] = t
+            tout[i, :len(t)] = t
+            tout[i, len(t)] = self.eos
+        return {"src": src, "src_mask": src != self.pad, "tgt_in": tin, "tgt_out": tout}
+
+    # -- training and evaluation --------------------------------------------------------------------
+    def _nll(self, model, batch):
+        logits = model(batch["src"], batch["src_mask"], batch["tgt_in"])
+        # Softmax and loss in FP32 whatever the model's dtype (paper section 3.3).
+        return F.cross_entropy(logits.float().flatten(0, 1), batch["tgt_out"].flatten(), ignore_index=self.pad,
+                               reduction="sum")
+
+    def loss(self, model, batch):
+        n = int((batch["tgt_out"] != self.pad).sum())
+        return self._nll(model, batch) / max(n, 1), n  # mean NLL per target token: exp = perplexity
+
+    def evaluate(self, ev) -> dict[str, float]:
+        """Validation perplexity (per target subword, newstest2013) and test BLEU (newstest2014)."""
+        limit = self.eval_max
+        t = torch.zeros(2, dtype=torch.float64, device=ev.device)
+        for i, b in enumerate(ev.val_loader):
+            if limit and i >= limit:
+                break
+            b = {k: v.to(ev.device) for k, v in b.items()}
+            with ev.autocast():
+                t[0] += self._nll(ev.model, b).double()
+            t[1] += (b["tgt_out"] != self.pad).sum()
+        if ev.world > 1:
+            dist.all_reduce(t)
+        nll = float(t[0] / t[1].clamp(min=1))
+        metrics = {"perplexity": math.exp(min(nll, 700.0)), "nll": nll}
+        if self.cfg.bleu:
+            metrics["bleu"] = self.bleu(ev)
+        return metrics
+
+    def translate(self, model, sources: list[torch.Tensor], device, autocast) -> list[list[int]]:
+        """Greedy translations (target ids without </s>) of source id tensors, in their order."""
+        max_src = int(self.buckets[-1, 0])
+        order = sorted(range(len(sources)), key=lambda i: len(sources[i]))  # similar lengths per batch
+        out: list[list[int]] = [[] for _ in sources]
+        for k in range(0, len(order), self.cfg.decode_batch):
+            ids = order[k:k + self.cfg.decode_batch]
+            # Sources beyond the longest bucket are cut to it (the model never saw longer ones).
+            batch = self.collate([(sources[i][:max_src], torch.zeros(0, dtype=torch.long)) for i in ids])
+            src, mask = batch["src"].to(device), batch["src_mask"].to(device)
+            with autocast():
+                hyp = model.greedy(src, mask, self.bos, self.eos, 2 * src.shape[1] + self.cfg.decode_extra)
+            for i, row in zip(ids, hyp.tolist()):
+                out[i] = row[:row.index(self.eos)] if self.eos in row else [x for x in row if x != self.pad]
+        return out
+
+    def bleu(self, ev) -> float:
+        import sacrebleu
+
+        test = self.data.split("test")
+        refs = self.data.text("test", "fr")
+        n = len(test) if not self.cfg.bleu_max_sentences else min(len(test), self.cfg.bleu_max_sentences)
+        mine = list(range(ev.rank, n, ev.world))
+        hyps = self.translate(ev.model, [test[i][0] for i in mine], ev.device, ev.autocast)
+        sp = self.data.spm("fr")
+        pairs = list(zip(mine, (sp.decode(h) for h in hyps)))
+        if ev.world > 1:
+            gathered = [None] * ev.world
+            dist.all_gather_object(gathered, pairs)
+            pairs = [p for part in gathered for p in part]
+        text = [h for _, h in sorted(pairs)]
+        # force: the tiny sets are tokenised text (" ."); WMT references are raw text either way.
+        return float(sacrebleu.corpus_bleu(text, [refs[:n]], force=True).score)
