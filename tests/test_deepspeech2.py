@@ -250,6 +250,7 @@ def runs(libri, tmp_path_factory):
     return out, summaries
 
 
+@pytest.mark.heavy
 @needs_espeak
 @pytest.mark.parametrize("prec", ["fp32", "fp16", "mixed", "fp16_pure"])
 def test_tiny_run_ends_with_cer(runs, prec):
@@ -259,6 +260,7 @@ def test_tiny_run_ends_with_cer(runs, prec):
     assert 0 <= m["cer"] and 0 <= m["wer"] and m["loss"] > 0, m
 
 
+@pytest.mark.heavy
 @needs_espeak
 def test_mandarin_run(aishell, tmp_path):
     from experiments.deepspeech2 import main
@@ -267,6 +269,7 @@ def test_mandarin_run(aishell, tmp_path):
     assert s["status"] == "completed" and s["metrics"]["cer"] >= 0
 
 
+@pytest.mark.heavy
 @needs_espeak
 def test_table3_and_figure2_regenerated(runs, tmp_path):
     from paper_tables.__main__ import main as tables

@@ -233,6 +233,7 @@ def tiny_runs(tiny_voc, tmp_path_factory):
     return out, summaries
 
 
+@pytest.mark.heavy
 def test_tiny_runs_finish_with_map(tiny_runs):
     out, summaries = tiny_runs
     for (model, prec), s in summaries.items():
@@ -245,6 +246,7 @@ def test_tiny_runs_finish_with_map(tiny_runs):
     assert any(k.startswith("numerics/") and "act" in k for x in lines if x["kind"] == "numerics" for k in x)
 
 
+@pytest.mark.heavy
 def test_table2_and_figure3_tiny_regenerated(tiny_runs, tmp_path):
     out, _ = tiny_runs
     from paper_tables import __main__ as tables_cli
@@ -280,6 +282,7 @@ def test_trained_ssd_beats_untrained(learnable_voc, tmp_path):
     assert trained["metrics"]["mAP"] > untrained["metrics"]["mAP"] + 4, (trained["metrics"], untrained["metrics"])
 
 
+@pytest.mark.heavy
 def test_fp16_without_scaling_can_end_diverged(tiny_voc, tmp_path):
     """The paper's SSD cell: a non-finite loss for train.diverge_after steps ends the run as
     `diverged` through the engine, not as a crash (an lr that blows FP16 up stands in for SSD's

@@ -187,6 +187,7 @@ def tiny_runs(tiny_wmt, tmp_path_factory):
     return out, summaries
 
 
+@pytest.mark.heavy
 def test_tiny_runs_write_perplexity_and_bleu(tiny_runs):
     _, summaries = tiny_runs
     for key, s in summaries.items():
@@ -197,6 +198,7 @@ def test_tiny_runs_write_perplexity_and_bleu(tiny_runs):
     assert summaries[("fp16", 0)]["final_loss_scale"] == 1.0
 
 
+@pytest.mark.heavy
 def test_figure4_tiny_regenerated(tiny_runs):
     """Figure 4 drawn by paper_tables from the runs' metrics (what `python -m paper_tables` does per
     figure): both FP32 seeds as one band, FP16 and MP beside it."""
