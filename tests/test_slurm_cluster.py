@@ -179,7 +179,8 @@ def scenarios(slurm_cluster, tiny_imagenet, tmp_path_factory):
     spec["profiles"]["tiny"]["axes"] = {"precision": ["fp32", "fp16", "mixed"], "seed": [0]}
     grid18 = root / "grid18.yaml"
     grid18.write_text(yaml.safe_dump(spec))
-    sc["grid"] = Scenario("grid", grid18, "tiny", [*common, f"out_dir={root / 'grid'}", f"train.max_steps={GRID_STEPS}"],
+    sc["grid"] = Scenario("grid", grid18, "tiny", [*common, f"out_dir={root / 'grid'}", f"train.max_steps={GRID_STEPS}",
+                                                 "train.eval_max_batches=1"],
                           str(arrays_of_10))
     long_grid = _write(root / "long.yaml", f"""\
         experiment: ilsvrc_cnns
