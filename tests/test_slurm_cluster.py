@@ -163,8 +163,13 @@ def _preempt_when_running(sc: Scenario, min_step: int, done: dict):
 
 
 @pytest.fixture(scope="module")
-def scenarios(slurm_cluster, tiny_imagenet, tmp_path_factory):
+def scenarios(slurm_cluster, tiny_imagenet, tmp_path_factory, request):
     root = tmp_path_factory.mktemp("grids")
+    # The time-limit scenario (two 1200-step runs: the requeued one and its uninterrupted reference)
+    # is in the slow tier; it is submitted only when one of its tests was selected.
+    selected = {item.originalname for item in request.session.items}
+    time_limit = bool(selected & {"test_time_limit_signal_checkpoints_requeues_and_finishes",
+                                  "test_time_limit_run_matches_uninterrupted_run"})
     common = [f"task.data_root={tiny_imagenet}"]
     sc = {}
     # The repository's local profile, with an array limit below the grid's size: 18 cells -> 10 + 8.
@@ -219,19 +224,22 @@ def scenarios(slurm_cluster, tiny_imagenet, tmp_path_factory):
     """)
     sc["ddp"] = Scenario("ddp", ddp_grid, "tiny", [*common, f"out_dir={root / 'ddp'}"], "local")
 
-    for name in ("timeout", "preempt", "grid", "bad", "ddp"):
+    for name in ("timeout", "preempt", "grid", "bad", "ddp") if time_limit else ("preempt", "grid", "bad", "ddp"):
         submit.main(sc[name].argv())
-    # The uninterrupted reference: the same cell on the local backend, next to the cluster's jobs.
-    ref = subprocess.Popen([sys.executable, "-m", "slurm.submit", *sc["reference"].argv(), "--backend", "local"],
-                           cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ref = None
+    if time_limit:
+        # The uninterrupted reference: the same cell on the local backend, next to the cluster's jobs.
+        ref = subprocess.Popen([sys.executable, "-m", "slurm.submit", *sc["reference"].argv(), "--backend", "local"],
+                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     preempted: dict = {}
     t = threading.Thread(target=_preempt_when_running, args=(sc["preempt"], 60, preempted), daemon=True)
     t.start()
     extended: dict = {}
-    threading.Thread(target=_extend_after_first_requeue, args=(sc["timeout"], extended), daemon=True).start()
+    if time_limit:
+        threading.Thread(target=_extend_after_first_requeue, args=(sc["timeout"], extended), daemon=True).start()
     sc["_ref_proc"], sc["_preempted"], sc["_thread"], sc["_extended"] = ref, preempted, t, extended
     yield sc
-    if ref.poll() is None:
+    if ref is not None and ref.poll() is None:
         ref.terminate()
         ref.wait(60)
 
@@ -273,6 +281,7 @@ def test_status_needs_no_accounting(scenarios):
     assert not no_queue and all(st.state == "completed" for _, st in rows)
 
 
+@pytest.mark.slow  # about two minutes of SLURM time limits and requeues
 def test_time_limit_signal_checkpoints_requeues_and_finishes(scenarios):
     (cell, st), = scenarios["timeout"].wait()
     assert st.state == "completed", st.error
@@ -287,6 +296,7 @@ def test_time_limit_signal_checkpoints_requeues_and_finishes(scenarios):
     assert f"resuming {cell.run_name} at step {requeued[-1]['step']}/{LONG_STEPS}" in log
 
 
+@pytest.mark.slow  # about two minutes of SLURM time limits and requeues
 def test_time_limit_run_matches_uninterrupted_run(scenarios):
     (cell, st), = scenarios["timeout"].wait()
     ref_out, _ = scenarios["_ref_proc"].communicate(timeout=WAIT_S)
