@@ -295,7 +295,7 @@ def test_unprepared_data_is_one_line(tmp_path, capsys):
 @pytest.mark.slow
 @needs_espeak
 def test_trained_cer_below_untrained(tmp_path_factory):
-    """Real learning: the tiny profile (120 steps) against the same network untrained, on unseen voices."""
+    """Real learning: the tiny profile (360 steps) against the same network untrained, on unseen voices."""
     from data_prep.librispeech import prepare as prep
     from data_prep.librispeech.tiny import generate
     from experiments.deepspeech2 import main
@@ -306,5 +306,6 @@ def test_trained_cer_below_untrained(tmp_path_factory):
     out = tmp_path_factory.mktemp("ds2_trained")
     untrained = main(run_overrides("english", root, out, "train.max_steps=1", "optim.lr=0"))
     trained = main(run_overrides("english", root, out))
-    # Measured on the shared CPU (README "Measured"): 70.0% after the profile's 120 steps, 94.9% untrained.
-    assert trained["metrics"]["cer"] < 0.85 * untrained["metrics"]["cer"], (trained["metrics"], untrained["metrics"])
+    # Measured (experiments/deepspeech2/README.md "Measured"): FP32 seeds 0-2 end at 32-50% CER after the
+    # profile's 360 steps; the untrained network is at ~95%.
+    assert trained["metrics"]["cer"] < 0.7 * untrained["metrics"]["cer"], (trained["metrics"], untrained["metrics"])
