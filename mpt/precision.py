@@ -321,14 +321,19 @@ class Autocast(Recipe):
         if self.scaler is None:
             return super().step(optimizer, clip_grad_norm)
         self.scaler.unscale_(optimizer)  # clipping and weight decay see unscaled gradients
-        found = sum(v.item() for v in TP.scaler_found_inf(self.scaler, optimizer))
+        # The one host sync of the step: the skip decision (3.2), which the engine needs on the host
+        # (the LR schedule advances only on applied steps). GradScaler.step would read the same flag
+        # again (another sync), so the optimizer is stepped here directly; scaler.update() still
+        # consumes the flag recorded by unscale_() for the scale's backoff/growth.
+        found = sum(v.item() for v in TP.scaler_found_inf(self.scaler, optimizer))  # one per device
         if found:
             self._found_inf = True
             self._note_overflow()
-        elif clip_grad_norm > 0:
+            return False
+        if clip_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(self.params_of(optimizer), clip_grad_norm, foreach=True)
-        self.scaler.step(optimizer)  # skips optimizer.step() itself when found
-        return not found
+        optimizer.step()
+        return True
 
     def update(self):
         if self.scaler is not None:
@@ -518,6 +523,8 @@ class Paper(Recipe):
             found_inf = torch.zeros(1, device=grads[0].device)
             inv = torch.full((1,), 1.0 / self.scaler.scale, device=grads[0].device)
             TP.unscale_and_check_(grads, found_inf, inv)
+            # The one host sync of the step, as in Autocast: the skip (3.2) must be known on the host
+            # to leave optimizer.step(), the FP16 weight copy-back and the LR schedule out.
             found = bool(found_inf.item())
         if found:  # section 3.2: skip the update when any gradient overflowed
             self._found_inf = True

@@ -29,6 +29,22 @@ def tiny_overrides(root, out_dir, *extra):
             "train.progress=false", *extra]
 
 
+def check_run_dir(out_dir: Path, summary: dict) -> None:
+    """What a completed ILSVRC tiny run leaves behind: its files, env.json (TF32 off, this torch), the
+    measured activation bytes and throughput, and train + eval lines in metrics.jsonl."""
+    import json
+
+    import torch
+
+    d = out_dir / "ilsvrc_cnns" / summary["run_name"]
+    for f in ("config.yaml", "env.json", "metrics.jsonl", "summary.json", "checkpoint.pt"):
+        assert (d / f).exists(), f
+    env = json.loads((d / "env.json").read_text())
+    assert env["tf32_matmul"] is False and env["torch"] == torch.__version__
+    assert summary["activation_bytes"] > 0 and summary["throughput"] > 0
+    assert {json.loads(x)["kind"] for x in (d / "metrics.jsonl").read_text().splitlines()} == {"train", "eval"}
+
+
 def run_interrupted(monkeypatch, main, overrides, at_step: int) -> dict:
     """Run `main(overrides)` with the engine asked to stop (as a SLURM signal would) while step
     `at_step` trains: the run checkpoints after that step and returns status "interrupted"."""

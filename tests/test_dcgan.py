@@ -2,14 +2,13 @@
 paper precision writing sample grids and the SWD, and real learning (trained beats untrained)."""
 import json
 import shutil
-import subprocess
-import sys
 import zipfile
 
 import pytest
 import torch
 
-from conftest import REPO
+from bad_input import assert_command_fails_in_one_line
+from conftest import REPO  # noqa: F401  (puts the repository on sys.path)
 from data_prep.celeba import prepare as prep
 from data_prep.celeba.tiny import generate
 from mpt.errors import UserError
@@ -89,10 +88,7 @@ def test_prep_bad_inputs_are_one_line_errors(celeba_archives, tmp_path, damage, 
     with pytest.raises(UserError, match=msg):
         prep.prepare(a, tmp_path / "out", log=lambda *x: None)
     if damage == "truncated":  # and from the command line: one line, exit code 2
-        p = subprocess.run([sys.executable, "-m", "data_prep.celeba", "--archives", str(a), "--out",
-                            str(tmp_path / "out2")], capture_output=True, text=True, cwd=REPO, timeout=60)
-        lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
-        assert p.returncode == 2 and len(lines) == 1 and msg in lines[0], p.stderr
+        assert_command_fails_in_one_line("data_prep.celeba", a, tmp_path / "out2", msg)
 
 
 @pytest.mark.heavy

@@ -4,14 +4,13 @@ real learning (trained CER far below untrained), and Table 3 / Figure 2 regenera
 import io
 import json
 import shutil
-import subprocess
-import sys
 import tarfile
 
 import pytest
 import torch
 
-from conftest import REPO
+from bad_input import assert_command_fails_in_one_line, retar, rewrite_tar
+from conftest import REPO  # noqa: F401  (puts the repository on sys.path)
 from data_prep.speech import have_espeak
 from mpt.errors import UserError
 
@@ -132,21 +131,6 @@ def test_aishell_layout_counts_vocab(aishell):
     assert all(" " not in r["text"] and (aishell / r["audio"]).is_file() for r in rows)
 
 
-def _rewrite_tgz(src, dst, change):
-    """Copy a tar.gz, passing each (name, bytes) through change(); None drops the member."""
-    buf = io.BytesIO()
-    with tarfile.open(src, "r:gz") as tin, tarfile.open(fileobj=buf, mode="w:gz") as tout:
-        for m in tin:
-            data = tin.extractfile(m).read() if m.isfile() else None
-            new = change(m.name, data)
-            if new is None:
-                continue
-            info = tarfile.TarInfo(m.name)
-            info.size = len(new)
-            tout.addfile(info, io.BytesIO(new))
-    dst.write_bytes(buf.getvalue())
-
-
 @needs_espeak
 @pytest.mark.parametrize("damage,msg", [
     ("missing", "no LibriSpeech archive"),
@@ -168,9 +152,9 @@ def test_librispeech_bad_inputs(libri_archives, tmp_path, damage, msg):
     elif damage == "truncated":
         z.write_bytes(z.read_bytes()[: z.stat().st_size // 2])
     elif damage == "bad_audio":
-        _rewrite_tgz(z, z, lambda n, d: b"not a flac file" * 10 if first(n) else d)
+        rewrite_tar(z, lambda n, d: (n, b"not a flac file" * 10 if first(n) else d))
     elif damage == "no_audio":
-        _rewrite_tgz(z, z, lambda n, d: None if first(n) else d)
+        rewrite_tar(z, lambda n, d: None if first(n) else (n, d))
     else:  # a member path leaving the output folder
         with tarfile.open(z, "r:gz") as t:
             members = [(m, t.extractfile(m).read()) for m in t if m.isfile()]
@@ -183,10 +167,7 @@ def test_librispeech_bad_inputs(libri_archives, tmp_path, damage, msg):
     with pytest.raises(UserError, match=msg):
         prep.prepare(a, tmp_path / "out", **QUIET)
     if damage == "truncated":  # and from the command line: one line, exit code 2
-        p = subprocess.run([sys.executable, "-m", "data_prep.librispeech", "--archives", str(a), "--out",
-                            str(tmp_path / "out2")], capture_output=True, text=True, cwd=REPO, timeout=600)
-        lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
-        assert p.returncode == 2 and len(lines) == 1 and msg in lines[0], p.stderr
+        assert_command_fails_in_one_line("data_prep.librispeech", a, tmp_path / "out2", msg)
 
 
 @needs_espeak
@@ -204,23 +185,16 @@ def test_aishell_bad_inputs(aishell_archives, tmp_path, damage, msg):
     z = a / prep.ARCHIVE
     src = aishell_archives / prep.ARCHIVE
 
-    def speaker(change):  # rewrite the first speaker's inner archive
-        def outer(n, d):
-            if n != f"{prep.ROOT}/wav/S0002.tar.gz":
-                return d
-            inner_src, inner_dst = tmp_path / "in.tgz", tmp_path / "out.tgz"
-            inner_src.write_bytes(d)
-            _rewrite_tgz(inner_src, inner_dst, change)
-            return inner_dst.read_bytes()
-        return outer
+    def speaker(edit):  # rewrite the first speaker's inner archive
+        return lambda n, d: (n, retar(d, edit) if n == f"{prep.ROOT}/wav/S0002.tar.gz" else d)
 
     first = lambda n: n.endswith("W0001.wav")  # noqa: E731
     if damage == "truncated":
         z.write_bytes(src.read_bytes()[: src.stat().st_size // 2])
     elif damage == "bad_audio":
-        _rewrite_tgz(src, z, speaker(lambda n, d: b"RIFF but not really" if first(n) else d))
+        rewrite_tar(src, speaker(lambda n, d: (n, b"RIFF but not really" if first(n) else d)), dst=z)
     elif damage == "no_audio":
-        _rewrite_tgz(src, z, speaker(lambda n, d: None if first(n) else d))
+        rewrite_tar(src, speaker(lambda n, d: None if first(n) else (n, d)), dst=z)
     with pytest.raises(UserError, match=msg):
         prep.prepare(a, tmp_path / "out", **QUIET)
 

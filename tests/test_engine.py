@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 import models
-from conftest import REPO, run_interrupted, tiny_overrides
+from conftest import REPO, check_run_dir, run_interrupted, tiny_overrides
 from experiments.ilsvrc_cnns import main as ilsvrc
 from mpt import config as C
 from mpt import precision
@@ -25,20 +25,18 @@ def read_lines(d):
 
 
 @pytest.mark.heavy
-# bf16 (about a minute on this CPU, which emulates it) is in the slow tier; fp32 and mixed stay here.
-@pytest.mark.parametrize("prec", ["fp32", "mixed", pytest.param("bf16", marks=pytest.mark.slow)])
+# mixed stays in the default tier. fp32 is in the slow tier: the default tier trains the same model in
+# fp32 with this recipe on real digits (test_tiny_real.py), with this test's checks of the run
+# directory; bf16 (about a minute on this CPU, which emulates it) too.
+@pytest.mark.parametrize("prec", [pytest.param("fp32", marks=pytest.mark.slow), "mixed",
+                                  pytest.param("bf16", marks=pytest.mark.slow)])
 def test_tiny_run_beats_chance(tiny_imagenet, tmp_path, prec):
-    s = ilsvrc(tiny_overrides(tiny_imagenet, tmp_path, "model=resnet50_preact", f"precision={prec}"))
+    # 4 of the tiny profile's 6 epochs (mixed, seed 0: 92.5% top-1 at 4 epochs, 61% at 3).
+    s = ilsvrc(tiny_overrides(tiny_imagenet, tmp_path, "model=resnet50_preact", f"precision={prec}",
+                              "train.epochs=4"))
     assert s["status"] == "completed"
     assert s["metrics"]["top1"] > 40.0, s["metrics"]  # chance is 10% (10 classes)
-    d = tmp_path / "ilsvrc_cnns" / s["run_name"]
-    for f in ("config.yaml", "env.json", "metrics.jsonl", "summary.json", "checkpoint.pt"):
-        assert (d / f).exists(), f
-    env = json.loads((d / "env.json").read_text())
-    assert env["tf32_matmul"] is False and env["torch"] == torch.__version__
-    assert s["activation_bytes"] > 0 and s["throughput"] > 0
-    kinds = {ln["kind"] for ln in read_lines(d)}
-    assert kinds == {"train", "eval"}
+    check_run_dir(tmp_path, s)
 
 
 @pytest.mark.heavy

@@ -149,6 +149,38 @@ def test_overflow_skips_step_and_reports_culprit(impl, scale):
 
 
 @pytest.mark.parametrize("impl", precision.IMPLS)
+@pytest.mark.parametrize("scale", ["dynamic", "128"])
+def test_one_host_read_per_step_and_training_goes_on_after_a_skip(impl, scale, monkeypatch):
+    """A clean step reads the device once (the skip decision the engine needs on the host; GradScaler
+    would read it a second time in scaler.step); a skipped step changes nothing, the next ones apply."""
+    x, y = data()
+    m = tiny_net()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    r = recipe_for(m, opt, "mixed", impl, scale, init_scale=128.0)
+    reads = []
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
+        orig = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda t, *a, _orig=orig, _name=name: reads.append(_name) or _orig(t, *a))
+    for overflow in (False, True, False, False):
+        with r.autocast():
+            loss = nn.functional.cross_entropy(m(x).float(), y)
+        r.backward(loss)
+        if overflow:
+            m[5].weight.grad[0, 0] = float("inf")
+        before = [p.detach().clone() for p in r.master_params()]
+        reads.clear()
+        applied = r.step(opt, clip_grad_norm=1.0)
+        n = len(reads)
+        r.update()
+        r.zero_grad()
+        changed = any(not torch.equal(b, a) for b, a in zip(before, r.master_params()))
+        assert applied is (not overflow) and changed is applied
+        if not overflow:  # (an overflow also reads the gradients to name the culprit)
+            assert n == 1, reads
+    assert r.skipped_steps == 1 and r.last_overflow == "5.weight"
+
+
+@pytest.mark.parametrize("impl", precision.IMPLS)
 def test_dynamic_scale_grows_after_interval(impl):
     x, y = data()
     m = tiny_net()

@@ -2,14 +2,15 @@
 as official ILSVRC2012 archives by data_prep.imagenet.digits and prepared by data_prep.imagenet like
 the real ImageNet, reach >= 90% top-1 with the unchanged tiny recipe of each Table 1 model.
 
-The default suite checks one model (pre-activation ResNet-50, fp32, one seed: ~20 s); the full check
+The default suite checks one model (pre-activation ResNet-50, fp32, one seed), and what its
+run leaves behind (the files, env.json, the metric kinds); the full check
 (every model in fp32, fp16 and mixed) is `pytest -m slow tests/test_tiny_real.py` (several minutes;
 the seed statistics: python -m experiments.ilsvrc_cnns.tiny_check)."""
 from pathlib import Path
 
 import pytest
 
-from conftest import tiny_overrides
+from conftest import check_run_dir, tiny_overrides
 from experiments.ilsvrc_cnns.tiny_check import MODELS
 
 # Every test here runs real training, subprocesses or a cluster: left out of the fast tier.
@@ -56,6 +57,7 @@ def test_digits_archives_are_deterministic_and_stratified(tmp_path):
 def test_tiny_resnet_learns_real_digits(digits, tmp_path):
     s = _top1(digits, tmp_path, "resnet50_preact", "fp32")
     assert s["metrics"]["top1"] >= TARGET, s["metrics"]
+    check_run_dir(tmp_path, s)  # the default tier's fp32 tiny run (test_engine.py checks mixed)
 
 
 @pytest.mark.slow

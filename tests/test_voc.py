@@ -1,18 +1,15 @@
 """Table 2 (VOC detection): the devkit's VOC2007 AP on hand-worked cases, VOC prep of the tiny archives
 and its bad inputs, tiny SSD and Faster R-CNN runs in fp32/fp16/mixed, real learning (trained SSD
 beats untrained), parameter counts of the paper-size detectors, and Table 2 regenerated."""
-import io
 import json
 import shutil
-import subprocess
-import sys
-import tarfile
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import REPO
+from bad_input import assert_command_fails_in_one_line, rewrite_tar
+from conftest import REPO  # noqa: F401  (puts the repository on sys.path)
 from data_prep.voc import prepare as prep
 from data_prep.voc.tiny import generate
 from experiments.voc_detection.voc_eval import ap_11point, voc07_map
@@ -128,22 +125,6 @@ def test_prep_layout_counts_and_resume(voc_archives, tiny_voc, tmp_path):
     assert prep.prepare(voc_archives, out, log=lambda *a: None)["sets"] == info["sets"]
 
 
-def _rewrite_tar(path, edit):
-    """Rewrite a tar member by member through edit(name, data) -> (name, data) | None."""
-    with tarfile.open(path) as tf:
-        members = [(m.name, tf.extractfile(m).read()) for m in tf if m.isfile()]
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tf:
-        for name, data in members:
-            e = edit(name, data)
-            if e is None:
-                continue
-            info = tarfile.TarInfo(e[0])
-            info.size = len(e[1])
-            tf.addfile(info, io.BytesIO(e[1]))
-    path.write_bytes(buf.getvalue())
-
-
 @pytest.mark.parametrize("damage,msg", [
     ("missing", "no VOCtest_06-Nov-2007.tar"),
     ("truncated", "is truncated or not a tar"),
@@ -161,22 +142,19 @@ def test_prep_bad_inputs_are_one_line_errors(voc_archives, tmp_path, damage, msg
     elif damage == "truncated":
         test_tar.write_bytes(test_tar.read_bytes()[: test_tar.stat().st_size // 2 + 100])
     elif damage == "xml":
-        _rewrite_tar(test_tar, lambda n, d: (n, d[:-30]) if n.endswith("100002.xml") else (n, d))
+        rewrite_tar(test_tar, lambda n, d: (n, d[:-30]) if n.endswith("100002.xml") else (n, d))
     elif damage == "box":
-        _rewrite_tar(test_tar, lambda n, d: (n, d.replace(b"<xmin>", b"<xmin>9")) if n.endswith("100002.xml")
+        rewrite_tar(test_tar, lambda n, d: (n, d.replace(b"<xmin>", b"<xmin>9")) if n.endswith("100002.xml")
                      else (n, d))
     elif damage == "no_jpeg":
-        _rewrite_tar(test_tar, lambda n, d: None if n.endswith("100002.jpg") else (n, d))
+        rewrite_tar(test_tar, lambda n, d: None if n.endswith("100002.jpg") else (n, d))
     else:
-        _rewrite_tar(test_tar, lambda n, d: ("../evil.txt", d) if n.endswith("100002.jpg") else (n, d))
+        rewrite_tar(test_tar, lambda n, d: ("../evil.txt", d) if n.endswith("100002.jpg") else (n, d))
     with pytest.raises(UserError, match=msg):
         prep.prepare(a, tmp_path / "out", log=lambda *x: None)
     assert not (tmp_path / "evil.txt").exists()
     if damage == "truncated":  # and from the command line: one line, exit code 2
-        p = subprocess.run([sys.executable, "-m", "data_prep.voc", "--archives", str(a), "--out",
-                            str(tmp_path / "out2")], capture_output=True, text=True, cwd=REPO, timeout=60)
-        lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
-        assert p.returncode == 2 and len(lines) == 1 and msg in lines[0], p.stderr
+        assert_command_fails_in_one_line("data_prep.voc", a, tmp_path / "out2", msg)
 
 
 # ----------------------------------------------------------------------------- models

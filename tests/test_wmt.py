@@ -1,16 +1,14 @@
 """WMT15 translation (Figure 4): prep of the tiny archives and its bad-input errors, the model's
 full-size parameter count, tiny runs in fp32/fp16/mixed writing perplexity and BLEU, Figure 4
 regenerated from them, and real learning (a trained model's BLEU far above an untrained one's)."""
-import gzip
-import io
 import json
 import math
 import shutil
-import tarfile
 
 import pytest
 import torch
 
+from bad_input import rewrite_tar
 from conftest import REPO  # noqa: F401  (puts the repository on sys.path)
 from data_prep.wmt15 import prepare as prep
 from data_prep.wmt15.tiny import generate
@@ -87,21 +85,6 @@ def test_prep_resumes_finished_stages(wmt_archives, tmp_path, monkeypatch):
     assert len(logs) == 1 and "already prepared" in logs[0]
 
 
-def _retar(path, edit):
-    """Rewrite a .tgz with edit(name, data) -> (name, data) applied to each member."""
-    members = []
-    with tarfile.open(path) as t:
-        for m in t.getmembers():
-            members.append(edit(m.name, t.extractfile(m).read()))
-    raw = io.BytesIO()
-    with tarfile.open(fileobj=raw, mode="w") as t:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            t.addfile(info, io.BytesIO(data))
-    path.write_bytes(gzip.compress(raw.getvalue()))
-
-
 @pytest.mark.parametrize("damage,msg", [
     ("missing_dev", "no dev.tgz in"),
     ("truncated", "is truncated or corrupt"),
@@ -120,16 +103,16 @@ def test_prep_bad_inputs_are_one_line_errors(wmt_archives, tmp_path, damage, msg
     elif damage == "truncated":
         euro.write_bytes(euro.read_bytes()[: euro.stat().st_size // 2])
     elif damage == "misaligned":  # one more English line than French
-        _retar(euro, lambda n, d: (n, d + b"one line too many .\n" if n.endswith(".en") else d))
+        rewrite_tar(euro, lambda n, d: (n, d + b"one line too many .\n" if n.endswith(".en") else d))
     elif damage == "member":
-        _retar(euro, lambda n, d: (n.replace(".fr-en.fr", ".fr-en.fr.bak"), d))
+        rewrite_tar(euro, lambda n, d: (n.replace(".fr-en.fr", ".fr-en.fr.bak"), d))
     elif damage == "unsafe":
-        _retar(euro, lambda n, d: ("../" + n if n.endswith(".en") else n, d))
+        rewrite_tar(euro, lambda n, d: ("../" + n if n.endswith(".en") else n, d))
     elif damage == "corpora":
         corpora = ["europarl", "giga"]
     elif damage == "test_ids":
         test = a / prep.TEST_ARCHIVE
-        _retar(test, lambda n, d: (n, d.replace(b'<seg id="3">', b'<seg id="33">') if n.endswith("ref.fr.sgm") else d))
+        rewrite_tar(test, lambda n, d: (n, d.replace(b'<seg id="3">', b'<seg id="33">') if n.endswith("ref.fr.sgm") else d))
     with pytest.raises(UserError, match=msg) as e:
         prep.prepare(a, tmp_path / "out", corpora=corpora, vocab=120, log=lambda *x: None)
     assert "\n" not in str(e.value)

@@ -21,14 +21,13 @@ marker is written last.
 from __future__ import annotations
 
 import datetime
-import json
 import re
 import tarfile
 import time
 import zlib
 from pathlib import Path
 
-from data_prep.common import safe_name, safe_relpath
+from data_prep.common import MARKER, already_prepared, safe_name, safe_relpath
 from data_prep.speech import SAMPLE_RATE, decode, write_manifest
 from mpt.errors import UserError
 from mpt.rundir import atomic_write_bytes, atomic_write_json, atomic_write_text, sampled_digest
@@ -36,7 +35,6 @@ from mpt.rundir import atomic_write_bytes, atomic_write_json, atomic_write_text,
 ARCHIVE = "data_aishell.tgz"
 ROOT = "data_aishell"
 TRANSCRIPT = f"{ROOT}/transcript/aishell_transcript_v0.8.txt"
-MARKER = "prepared.json"
 SPLITS = ("train", "dev", "test")
 OFFICIAL = {"train": 120_098, "dev": 14_326, "test": 7_176}
 _WHERE = "download data_aishell.tgz again from openslr.org/33"
@@ -97,10 +95,9 @@ def _speaker_tar(fileobj, name: str, out: Path, audio: dict) -> int:
 
 def prepare(archives: Path, out: Path, force: bool = False, log=print) -> dict:
     archives, out = Path(archives), Path(out)
+    if (info := already_prepared(out, force, log)) is not None:
+        return info
     marker = out / MARKER
-    if marker.exists() and not force:
-        log(f"{out} is already prepared ({MARKER}); pass --force to redo it")
-        return json.loads(marker.read_text())
     path = archives / ARCHIVE
     if not path.is_file():
         raise UserError(f"no {ARCHIVE} in {archives}; download it from openslr.org/33")

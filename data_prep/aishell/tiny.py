@@ -14,16 +14,14 @@ Deterministic given the arguments and the espeak-ng version.
 """
 from __future__ import annotations
 
-import argparse
 import io
 import tarfile
 from pathlib import Path
 
 import numpy as np
 
-from data_prep.common import add_member
+from data_prep.common import add_member, generator_command
 from data_prep.speech import encode, espeak
-from mpt.errors import cli
 from mpt.rundir import atomic_write_bytes
 
 from .prepare import ARCHIVE, ROOT, TRANSCRIPT
@@ -83,18 +81,9 @@ def generate(out: Path, train: int = 480, dev: int = 60, test: int = 20, seed: i
     return out / ARCHIVE
 
 
-@cli
-def main(argv: list[str] | None = None) -> Path:
-    p = argparse.ArgumentParser(prog="python -m data_prep.aishell.tiny", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, type=Path, help="folder for data_aishell.tgz")
-    p.add_argument("--train", type=int, default=480)
-    p.add_argument("--dev", type=int, default=60)
-    p.add_argument("--test", type=int, default=20)
-    p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args(argv)
-    path = generate(a.out, a.train, a.dev, a.test, a.seed)
-    print(f"wrote {path}")
-    return path
+main = generator_command(
+    "aishell.tiny", __doc__.split("\n\n")[0], generate, out_help="folder for data_aishell.tgz",
+    options=[("--train", 480), ("--dev", 60), ("--test", 20)])
 
 
 if __name__ == "__main__":

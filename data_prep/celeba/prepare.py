@@ -27,7 +27,7 @@ import zipfile
 import zlib
 from pathlib import Path
 
-from data_prep.common import safe_relpath
+from data_prep.common import MARKER, already_prepared, safe_relpath
 from mpt.errors import UserError
 from mpt.rundir import atomic_write_bytes, atomic_write_json, remove_stale_temp_files, sampled_digest
 
@@ -35,7 +35,6 @@ ZIP = "img_align_celeba.zip"
 PARTITION = "list_eval_partition.txt"
 ATTR = "list_attr_celeba.txt"
 FOLDER = "img_align_celeba"
-MARKER = "prepared.json"
 OFFICIAL = {"images": 202_599, "train": 162_770, "valid": 19_867, "test": 19_962}
 SPLITS = {"0": "train", "1": "valid", "2": "test"}
 _WHERE = "download it from the CelebA page (mmlab.ie.cuhk.edu.hk/projects/CelebA.html, Align&Cropped Images)"
@@ -101,12 +100,9 @@ def _members(zf: zipfile.ZipFile, path: Path) -> dict[str, zipfile.ZipInfo]:
 
 def prepare(archives: Path, out: Path, force: bool = False, log=print) -> dict:
     archives, out = Path(archives), Path(out)
+    if (info := already_prepared(out, force, log)) is not None:
+        return info
     marker = out / MARKER
-    if marker.exists() and not force:
-        import json
-
-        log(f"{out} is already prepared ({MARKER}); pass --force to redo it")
-        return json.loads(marker.read_text())
     t0 = time.time()
     zpath, ppath, apath = archives / ZIP, archives / PARTITION, archives / ATTR
     if not ppath.is_file():

@@ -12,7 +12,6 @@ arguments (fixed zip times, seeded drawing).
 """
 from __future__ import annotations
 
-import argparse
 import io
 import zipfile
 from pathlib import Path
@@ -20,9 +19,10 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
-from mpt.errors import UserError, cli
+from mpt.errors import UserError
 from mpt.rundir import atomic_write_bytes, atomic_write_text
 
+from ..common import generator_command
 from .prepare import ATTR, FOLDER, PARTITION, ZIP
 
 W, H = 178, 218
@@ -112,18 +112,11 @@ def generate(out: Path, train: int = 2000, valid: int = 200, test: int = 200, se
     return out
 
 
-@cli
-def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m data_prep.celeba.tiny",
-                                description="Write a tiny CelebA release (procedural faces) in the official format.")
-    p.add_argument("--out", required=True, type=Path)
-    p.add_argument("--train", type=int, default=2000)
-    p.add_argument("--valid", type=int, default=200)
-    p.add_argument("--test", type=int, default=200)
-    p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args(argv)
-    generate(a.out, a.train, a.valid, a.test, a.seed)
-    print(f"wrote {a.out / ZIP}, {PARTITION} and {ATTR}; next: python -m data_prep.celeba --archives {a.out} --out DIR")
+main = generator_command(
+    "celeba.tiny", "Write a tiny CelebA release (procedural faces) in the official format.", generate,
+    options=[("--train", 2000), ("--valid", 200), ("--test", 200)],
+    done=lambda a, _, s: (f"wrote {a.out / ZIP}, {PARTITION} and {ATTR}; "
+                          f"next: python -m data_prep.celeba --archives {a.out} --out DIR"))
 
 
 if __name__ == "__main__":

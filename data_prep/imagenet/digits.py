@@ -16,15 +16,14 @@ are a fixed permutation, as in the real devkit. The output is byte-for-byte dete
 """
 from __future__ import annotations
 
-import argparse
-import time
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
-from mpt.errors import UserError, cli
+from mpt.errors import UserError
 
+from ..common import generator_command
 from .tiny import jpeg, wnid, write_archives
 
 SOURCE = "data_prep.imagenet.digits"
@@ -66,20 +65,12 @@ def generate(out: Path, size: int = 96, val_fraction: float = 0.2, seed: int = 0
         labels[val], (jpeg(images[i]) for i in val), source=SOURCE)
 
 
-@cli
-def main(argv: list[str] | None = None) -> dict[str, Path]:
-    p = argparse.ArgumentParser(prog="python -m data_prep.imagenet.digits",
-                                description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, type=Path, help="folder for the three archives")
-    p.add_argument("--size", type=int, default=96, help="image side in pixels")
-    p.add_argument("--val-fraction", type=float, default=0.2)
-    p.add_argument("--seed", type=int, default=0, help="seed of the stratified split")
-    a = p.parse_args(argv)
-    start = time.time()
-    paths = generate(a.out, a.size, a.val_fraction, a.seed)
-    print(f"wrote scikit-learn's digits as an ILSVRC2012 ({a.size}x{a.size}) to {a.out} in "
-          f"{time.time() - start:.1f} s; next: python -m data_prep.imagenet --archives {a.out} --out DIR")
-    return paths
+main = generator_command(
+    "imagenet.digits", __doc__.split("\n\n")[0], generate, out_help="folder for the three archives",
+    options=[("--size", 96, "image side in pixels"), ("--val-fraction", 0.2)],
+    seed_help="seed of the stratified split",
+    done=lambda a, _, s: (f"wrote scikit-learn's digits as an ILSVRC2012 ({a.size}x{a.size}) to {a.out} in "
+                          f"{s:.1f} s; next: python -m data_prep.imagenet --archives {a.out} --out DIR"))
 
 
 if __name__ == "__main__":

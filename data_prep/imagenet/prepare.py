@@ -30,7 +30,7 @@ import time
 import zlib
 from pathlib import Path, PurePosixPath
 
-from data_prep.common import safe_name, safe_relpath
+from data_prep.common import MARKER, already_prepared, safe_name, safe_relpath
 from mpt.errors import UserError
 from mpt.rundir import sampled_digest, atomic_write_json
 
@@ -42,7 +42,6 @@ ARCHIVES = (TRAIN_TAR, VAL_TAR, DEVKIT)
 DEVKIT_META = "data/meta.mat"
 DEVKIT_GT = "data/ILSVRC2012_validation_ground_truth.txt"
 
-MARKER = "prepared.json"
 CLASSES = "classes.json"
 PARTIAL = ".partial"  # in-progress work; outside train/ and val/ so ImageFolder never sees it
 STATE = "archives.json"  # inside PARTIAL: which archives the partial work came from
@@ -404,16 +403,18 @@ def prepare(archives_dir: Path, out: Path, force: bool = False, workers: int = 8
     """
     archives_dir, out = Path(archives_dir), Path(out)
     marker = out / MARKER
-    if marker.is_file() and not force:
-        info = json.loads(marker.read_text())
+
+    def same_archives(info):
         present = [n for n in ARCHIVES if (archives_dir / n).is_file()]
         changed = [n for n in present if (archives_dir / n).stat().st_size != info["archives"].get(n)]
         if changed:
             raise UserError(f"{out} was prepared from a different {changed[0]} (size differs from "
                             f"{marker}); pass --force to prepare it again")
         shutil.rmtree(out / PARTIAL, ignore_errors=True)  # a crash right after the marker
-        log(f"{out} is already prepared ({info['train_images']:,} train, {info['val_images']:,} val "
-            f"images, {info['num_classes']} classes); pass --force to redo it")
+
+    info = already_prepared(out, force, log, check=same_archives, describe=lambda i: (
+        f"{i['train_images']:,} train, {i['val_images']:,} val images, {i['num_classes']} classes"))
+    if info is not None:
         return {**info, "skipped": True}
 
     archives = find_archives(archives_dir)

@@ -19,21 +19,20 @@ The output is byte-for-byte deterministic given the arguments.
 """
 from __future__ import annotations
 
-import argparse
 import colorsys
 import gzip
 import io
 import tarfile
-import time
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
 from PIL import Image
 
-from mpt.errors import UserError, cli
+from mpt.errors import UserError
 from mpt.rundir import atomic_write
 
+from ..common import generator_command
 from .prepare import DEVKIT, TRAIN_TAR, VAL_TAR
 
 MTIME = 1_325_376_000  # 2012-01-01: a fixed time in every archive header makes the output reproducible
@@ -207,22 +206,13 @@ def generate(out: Path, classes: int = 10, train_per_class: int = 64, val_per_cl
                           (next(per_class[int(k)]) for k in val_labels))
 
 
-@cli
-def main(argv: list[str] | None = None) -> dict[str, Path]:
-    p = argparse.ArgumentParser(prog="python -m data_prep.imagenet.tiny", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, type=Path, help="folder for the three archives")
-    p.add_argument("--classes", type=int, default=10)
-    p.add_argument("--train-per-class", type=int, default=64)
-    p.add_argument("--val-per-class", type=int, default=16)
-    p.add_argument("--size", type=int, default=96, help="image side in pixels")
-    p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args(argv)
-    start = time.time()
-    paths = generate(a.out, a.classes, a.train_per_class, a.val_per_class, a.size, a.seed)
-    print(f"wrote a tiny ILSVRC2012 ({a.classes} classes, {a.classes * a.train_per_class} train, "
-          f"{a.classes * a.val_per_class} val images of {a.size}x{a.size}) to {a.out} in "
-          f"{time.time() - start:.1f} s; next: python -m data_prep.imagenet --archives {a.out} --out DIR")
-    return paths
+main = generator_command(
+    "imagenet.tiny", __doc__.split("\n\n")[0], generate, out_help="folder for the three archives",
+    options=[("--classes", 10), ("--train-per-class", 64), ("--val-per-class", 16),
+             ("--size", 96, "image side in pixels")],
+    done=lambda a, _, s: (f"wrote a tiny ILSVRC2012 ({a.classes} classes, {a.classes * a.train_per_class} train, "
+                          f"{a.classes * a.val_per_class} val images of {a.size}x{a.size}) to {a.out} in {s:.1f} s; "
+                          f"next: python -m data_prep.imagenet --archives {a.out} --out DIR"))
 
 
 if __name__ == "__main__":

@@ -29,12 +29,11 @@ import time
 import zlib
 from pathlib import Path
 
-from data_prep.common import safe_name, safe_relpath
+from data_prep.common import MARKER, already_prepared, safe_name, safe_relpath
 from data_prep.speech import SAMPLE_RATE, decode, write_manifest
 from mpt.errors import UserError
 from mpt.rundir import atomic_write_bytes, atomic_write_json, sampled_digest
 
-MARKER = "prepared.json"
 ROOT = "LibriSpeech"
 # openslr.org/12: utterances per subset.
 OFFICIAL = {"train-clean-100": 28_539, "train-clean-360": 104_014, "train-other-500": 148_688,
@@ -122,10 +121,9 @@ def prepare_subset(archive: Path, subset: str, out: Path, log=print) -> dict:
 
 def prepare(archives: Path, out: Path, force: bool = False, log=print) -> dict:
     archives, out = Path(archives), Path(out)
+    if (info := already_prepared(out, force, log)) is not None:
+        return info
     marker = out / MARKER
-    if marker.exists() and not force:
-        log(f"{out} is already prepared ({MARKER}); pass --force to redo it")
-        return json.loads(marker.read_text())
     if not archives.is_dir():
         raise UserError(f"--archives {archives} is not a folder")
     found = {s: archives / f"{s}.tar.gz" for s in OFFICIAL if (archives / f"{s}.tar.gz").is_file()}

@@ -13,7 +13,6 @@ the small vocabulary. Deterministic given the arguments and the espeak-ng versio
 """
 from __future__ import annotations
 
-import argparse
 import io
 import re
 import tarfile
@@ -21,9 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-from data_prep.common import add_member
+from data_prep.common import add_member, generator_command
 from data_prep.speech import encode, espeak
-from mpt.errors import UserError, cli
+from mpt.errors import UserError
 from mpt.rundir import atomic_write_bytes
 
 from .prepare import ROOT
@@ -89,18 +88,11 @@ def generate(out: Path, train: int = 480, dev: int = 60, text: str = "words", se
     return out
 
 
-@cli
-def main(argv: list[str] | None = None) -> Path:
-    p = argparse.ArgumentParser(prog="python -m data_prep.librispeech.tiny", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, type=Path, help="folder for the archives")
-    p.add_argument("--train", type=int, default=480)
-    p.add_argument("--dev", type=int, default=60)
-    p.add_argument("--text", default="words", help="words (small vocabulary) or python-docs (real English)")
-    p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args(argv)
-    path = generate(a.out, a.train, a.dev, a.text, a.seed)
-    print(f"wrote {path}/train-clean-100.tar.gz and dev-clean.tar.gz")
-    return path
+main = generator_command(
+    "librispeech.tiny", __doc__.split("\n\n")[0], generate, out_help="folder for the archives",
+    options=[("--train", 480), ("--dev", 60),
+             ("--text", "words", "words (small vocabulary) or python-docs (real English)")],
+    done=lambda a, path, s: f"wrote {path}/train-clean-100.tar.gz and dev-clean.tar.gz")
 
 
 if __name__ == "__main__":

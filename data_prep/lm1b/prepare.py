@@ -45,7 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data_prep.common import safe_relpath
+from data_prep.common import MARKER, already_prepared, safe_relpath
 from mpt.errors import UserError
 from mpt.rundir import atomic_write_bytes, atomic_write_json, remove_stale_temp_files
 
@@ -66,7 +66,6 @@ OFFICIAL = {"train_sentences": 30_301_028, "vocab_size": 793_471}
 # A training set this large is taken to be meant as the official release and checked against it.
 _OFFICIAL_ABOVE = 10_000_000
 
-MARKER = "prepared.json"
 VOCAB = "vocab.txt"
 PARTIAL = ".partial"
 STATE = "state.json"
@@ -294,10 +293,9 @@ def prepare(archive: Path, out: Path, vocab: Path | None = None, force: bool = F
     """Prepare OUT from the release at `archive` (file or folder); return prepared.json's content
     (with "skipped": True when OUT was already complete and force is False)."""
     out = Path(out)
-    if (out / MARKER).is_file() and not force:
-        info = json.loads((out / MARKER).read_text())
-        log(f"{out} is already prepared ({info['vocab_size']:,} words, {info['totals']['train_tokens']:,} training "
-            f"tokens); pass --force to redo it")
+    info = already_prepared(out, force, log, describe=lambda i: (
+        f"{i['vocab_size']:,} words, {i['totals']['train_tokens']:,} training tokens"))
+    if info is not None:
         return {**info, "skipped": True}
     if min_count < 1:
         raise UserError(f"--min-count {min_count} must be at least 1")

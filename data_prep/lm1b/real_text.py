@@ -13,14 +13,13 @@ each. Byte-for-byte deterministic given --seed and the Python version.
 """
 from __future__ import annotations
 
-import argparse
 import re
 from pathlib import Path
 
 import numpy as np
 
-from mpt.errors import cli
 
+from ..common import generator_command
 from .prepare import HELDOUT, TRAIN
 from .tiny import write_release
 
@@ -60,15 +59,8 @@ def generate(out: Path, seed: int = 0) -> Path:
                                                b"not the benchmark.\n")
 
 
-@cli
-def main(argv: list[str] | None = None) -> Path:
-    p = argparse.ArgumentParser(prog="python -m data_prep.lm1b.real_text", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, type=Path, help="folder for the archive")
-    p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args(argv)
-    path = generate(a.out, a.seed)
-    print(f"wrote {path}")
-    return path
+main = generator_command("lm1b.real_text", __doc__.split("\n\n")[0], generate,
+                         out_help="folder for the archive")
 
 
 if __name__ == "__main__":

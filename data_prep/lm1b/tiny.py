@@ -16,18 +16,17 @@ Every shard also holds a few one-off words ("rare017") so that the vocabulary's 
 """
 from __future__ import annotations
 
-import argparse
 import gzip
 import io
 import tarfile
-import time
 from pathlib import Path
 
 import numpy as np
 
-from mpt.errors import UserError, cli
+from mpt.errors import UserError
 from mpt.rundir import atomic_write_bytes
 
+from ..common import generator_command
 from .prepare import ARCHIVE, HELDOUT, HELDOUT_DIR, TOP, TRAIN, TRAIN_DIR
 
 MTIME = 1_325_376_000  # fixed archive times: reproducible bytes
@@ -135,20 +134,13 @@ def write_release(out: Path, train: list[bytes], heldout: list[bytes], readme: b
     return path
 
 
-@cli
-def main(argv: list[str] | None = None) -> Path:
-    p = argparse.ArgumentParser(prog="python -m data_prep.lm1b.tiny", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, type=Path, help="folder for the archive")
-    p.add_argument("--train-per-shard", type=int, default=40, help="sentences in each of the 99 training shards")
-    p.add_argument("--heldout-per-shard", type=int, default=40, help="sentences in each of the 50 held-out shards")
-    p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args(argv)
-    start = time.time()
-    path = generate(a.out, a.train_per_shard, a.heldout_per_shard, a.seed)
-    print(f"wrote a tiny One Billion Word release ({99 * a.train_per_shard} training, {50 * a.heldout_per_shard} "
-          f"held-out sentences) to {path} in {time.time() - start:.1f} s; next: "
-          f"python -m data_prep.lm1b --archive {path} --out DIR")
-    return path
+main = generator_command(
+    "lm1b.tiny", __doc__.split("\n\n")[0], generate, out_help="folder for the archive",
+    options=[("--train-per-shard", 40, "sentences in each of the 99 training shards"),
+             ("--heldout-per-shard", 40, "sentences in each of the 50 held-out shards")],
+    done=lambda a, path, s: (f"wrote a tiny One Billion Word release ({99 * a.train_per_shard} training, "
+                             f"{50 * a.heldout_per_shard} held-out sentences) to {path} in {s:.1f} s; next: "
+                             f"python -m data_prep.lm1b --archive {path} --out DIR"))
 
 
 if __name__ == "__main__":

@@ -24,13 +24,12 @@ complete output is skipped.
 from __future__ import annotations
 
 import datetime
-import json
 import tarfile
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from data_prep.common import safe_name, safe_relpath
+from data_prep.common import MARKER, already_prepared, safe_name, safe_relpath
 from mpt.errors import UserError
 from mpt.rundir import atomic_write_bytes, atomic_write_json, sampled_digest
 
@@ -41,7 +40,6 @@ ARCHIVES = {
     "VOCtrainval_11-May-2012.tar": ("2012", "trainval", 11540),
 }
 REQUIRED = ("VOCtrainval_06-Nov-2007.tar", "VOCtest_06-Nov-2007.tar")
-MARKER = "prepared.json"
 KEEP = ("JPEGImages", "Annotations", "ImageSets/Main")
 OFFICIAL_MIN = 1000  # an archive listing more images than this is held to the official count
 VOC_CLASSES = ("aeroplane", "bicycle", "bird", "boat", "bottle", "bus", "car", "cat", "chair", "cow",
@@ -147,10 +145,9 @@ def check_split(out: Path, year: str, split: str, archive: str, expected: int) -
 
 def prepare(archives: Path, out: Path, force: bool = False, log=print) -> dict:
     archives, out = Path(archives), Path(out)
+    if (info := already_prepared(out, force, log)) is not None:
+        return info
     marker = out / MARKER
-    if marker.exists() and not force:
-        log(f"{out} is already prepared ({MARKER}); pass --force to redo it")
-        return json.loads(marker.read_text())
     t0 = time.time()
     for name in REQUIRED:
         if not (archives / name).is_file():

@@ -14,14 +14,14 @@ exactly as the official archives. Deterministic given the arguments.
 """
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
-from mpt.errors import UserError, cli
+from mpt.errors import UserError
 
+from ..common import generator_command
 from .prepare import ARCHIVES
 from .tiny import finish_object, place, write_release
 
@@ -85,19 +85,9 @@ def generate(out: Path, size: int = 128, trainval: int = 240, test: int = 120, s
     return write_release(Path(out), DigitScenes(), CLASSES, {names[0]: trainval, names[1]: test}, size, seed)
 
 
-@cli
-def main(argv: list[str] | None = None) -> dict[str, Path]:
-    p = argparse.ArgumentParser(prog="python -m data_prep.voc.real_digits",
-                                description="Write a VOC release of real digits on real photographs (official tar format).")
-    p.add_argument("--out", required=True, type=Path)
-    p.add_argument("--size", type=int, default=128)
-    p.add_argument("--trainval", type=int, default=240)
-    p.add_argument("--test", type=int, default=120)
-    p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args(argv)
-    paths = generate(a.out, a.size, a.trainval, a.test, a.seed)
-    print(f"wrote {', '.join(str(p) for p in paths.values())}")
-    return paths
+main = generator_command(
+    "voc.real_digits", "Write a VOC release of real digits on real photographs (official tar format).", generate,
+    options=[("--size", 128), ("--trainval", 240), ("--test", 120)])
 
 
 if __name__ == "__main__":

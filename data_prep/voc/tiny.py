@@ -12,7 +12,6 @@ VOC, an object cut by the image border is `truncated`, and very small objects (u
 """
 from __future__ import annotations
 
-import argparse
 import io
 import tarfile
 from pathlib import Path
@@ -21,9 +20,10 @@ from typing import Callable
 import numpy as np
 from PIL import Image, ImageDraw
 
-from mpt.errors import UserError, cli
+from mpt.errors import UserError
 from mpt.rundir import atomic_write_bytes
 
+from ..common import generator_command
 from .prepare import ARCHIVES
 
 CLASSES = ("circle", "square", "triangle")
@@ -162,20 +162,11 @@ def generate(out: Path, size: int = 128, trainval: int = 240, test: int = 120, t
                          {names[0]: trainval, names[1]: test, names[2]: trainval12}, size, seed)
 
 
-@cli
-def main(argv: list[str] | None = None) -> dict[str, Path]:
-    p = argparse.ArgumentParser(prog="python -m data_prep.voc.tiny",
-                                description="Write a tiny PASCAL VOC release (the official tar format).")
-    p.add_argument("--out", required=True, type=Path)
-    p.add_argument("--size", type=int, default=128, help="image side in pixels")
-    p.add_argument("--trainval", type=int, default=240, help="VOC2007 trainval images")
-    p.add_argument("--test", type=int, default=120, help="VOC2007 test images")
-    p.add_argument("--trainval12", type=int, default=240, help="VOC2012 trainval images (0: no 2012 archive)")
-    p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args(argv)
-    paths = generate(a.out, a.size, a.trainval, a.test, a.trainval12, a.seed)
-    print(f"wrote {', '.join(str(p) for p in paths.values())}")
-    return paths
+main = generator_command(
+    "voc.tiny", "Write a tiny PASCAL VOC release (the official tar format).", generate,
+    options=[("--size", 128, "image side in pixels"), ("--trainval", 240, "VOC2007 trainval images"),
+             ("--test", 120, "VOC2007 test images"),
+             ("--trainval12", 240, "VOC2012 trainval images (0: no 2012 archive)")])
 
 
 if __name__ == "__main__":

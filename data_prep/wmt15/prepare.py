@@ -49,13 +49,13 @@ from pathlib import Path, PurePosixPath
 
 import numpy as np
 
-from data_prep.common import safe_relpath
+from data_prep.common import MARKER, already_prepared, safe_relpath
 from mpt.errors import UserError
 from mpt.rundir import atomic_write, atomic_write_json, sampled_digest
 
 URL = "https://www.statmt.org/wmt15/translation-task.html"
 SRC, TGT = "en", "fr"  # Figure 4: English to French
-MARKER, PARTIAL, STATE = "prepared.json", ".partial", "state.json"
+PARTIAL, STATE = ".partial", "state.json"
 PAD, BOS, EOS, UNK = 0, 1, 2, 3
 VOCAB = 40_000  # translate.py: --en_vocab_size 40000 --fr_vocab_size 40000
 SPM_SENTENCES = 2_000_000  # sentences per language the subword model is trained on (a spread sample)
@@ -241,10 +241,9 @@ def prepare(archives: Path, out: Path, corpora: list[str] | None = None, vocab: 
     archives, out = Path(archives), Path(out)
     if not archives.is_dir():
         raise UserError(f"--archives {archives} is not a folder; give the folder holding the WMT15 downloads")
+    if (info := already_prepared(out, force, log)) is not None:
+        return info
     marker = out / MARKER
-    if marker.exists() and not force:
-        log(f"{out} is already prepared ({MARKER}); pass --force to redo it")
-        return json.loads(marker.read_text())
     if vocab < 8:
         raise UserError(f"--vocab {vocab} is too small")
     t0 = time.time()

@@ -16,15 +16,15 @@ like data_prep.wmt15.tiny (Europarl + News Commentary archives, dev.tgz, SGML te
 """
 from __future__ import annotations
 
-import argparse
 import shutil
 import subprocess
 from pathlib import Path
 
 import numpy as np
 
-from mpt.errors import UserError, cli
+from mpt.errors import UserError
 
+from ..common import generator_command
 from .tiny import write_release
 
 
@@ -84,15 +84,8 @@ def generate(out: Path, seed: int = 0, dev: int = 200, test: int = 300) -> Path:
                          b"bundled documentation -> espeak-ng phoneme transcriptions; not WMT15.\n")
 
 
-@cli
-def main(argv: list[str] | None = None) -> Path:
-    p = argparse.ArgumentParser(prog="python -m data_prep.wmt15.real_g2p", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, type=Path, help="folder for the archives")
-    p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args(argv)
-    path = generate(a.out, a.seed)
-    print(f"wrote {path}")
-    return path
+main = generator_command("wmt15.real_g2p", __doc__.split("\n\n")[0], generate,
+                         out_help="folder for the archives")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ with dev.tgz and the SGML test-full.tgz. Byte-for-byte deterministic given the a
 """
 from __future__ import annotations
 
-import argparse
 import io
 import tarfile
 from pathlib import Path
@@ -21,9 +20,10 @@ from xml.sax.saxutils import escape
 
 import numpy as np
 
-from mpt.errors import UserError, cli
+from mpt.errors import UserError
 from mpt.rundir import atomic_write_bytes
 
+from ..common import generator_command
 from .prepare import CORPORA, DEV, SRC, TEST_ARCHIVE, TEST_FILES, TGT
 
 # (English singular, English plural, French singular, French plural, gender)
@@ -156,18 +156,9 @@ def generate(out: Path, train: int = 6000, dev: int = 300, test: int = 300, seed
                                               b"(data_prep.wmt15.tiny); not WMT15.\n")
 
 
-@cli
-def main(argv: list[str] | None = None) -> Path:
-    p = argparse.ArgumentParser(prog="python -m data_prep.wmt15.tiny", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, type=Path, help="folder for the archives")
-    p.add_argument("--train", type=int, default=6000)
-    p.add_argument("--dev", type=int, default=300)
-    p.add_argument("--test", type=int, default=300)
-    p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args(argv)
-    path = generate(a.out, a.train, a.dev, a.test, a.seed)
-    print(f"wrote {path}")
-    return path
+main = generator_command(
+    "wmt15.tiny", __doc__.split("\n\n")[0], generate, out_help="folder for the archives",
+    options=[("--train", 6000), ("--dev", 300), ("--test", 300)])
 
 
 if __name__ == "__main__":
