@@ -31,9 +31,9 @@ def read_lines(d):
 @pytest.mark.parametrize("prec", [pytest.param("fp32", marks=pytest.mark.slow), "mixed",
                                   pytest.param("bf16", marks=pytest.mark.slow)])
 def test_tiny_run_beats_chance(tiny_imagenet, tmp_path, prec):
-    # 4 of the tiny profile's 6 epochs (mixed, seed 0: 92.5% top-1 at 4 epochs, 61% at 3).
+    # 3 of the tiny profile's 6 epochs, the schedule completed in them (mixed, seed 0: see the README's test tiers).
     s = ilsvrc(tiny_overrides(tiny_imagenet, tmp_path, "model=resnet50_preact", f"precision={prec}",
-                              "train.epochs=4"))
+                              "train.epochs=3"))
     assert s["status"] == "completed"
     assert s["metrics"]["top1"] > 40.0, s["metrics"]  # chance is 10% (10 classes)
     check_run_dir(tmp_path, s)
