@@ -23,6 +23,19 @@ def tiny_imagenet(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture
+def one_thread():
+    """Torch on one thread for the test: the small networks of the experiment tests run ~50x faster
+    on one thread than on two when another process holds a core (OpenMP threads spin-wait on each
+    other). A test module opts in with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def tiny_overrides(root, out_dir, *extra):
     """A tiny-profile ILSVRC run that writes under out_dir and logs nothing online."""
     return ["profile=tiny", f"task.data_root={root}", f"out_dir={out_dir}", "wandb.mode=disabled",

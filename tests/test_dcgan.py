@@ -15,14 +15,8 @@ from mpt.errors import UserError
 
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """These small networks run ~50x faster on one thread than on two when another process holds a
-    core (OpenMP threads spin-wait on each other); restored after each test."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# The small networks here run far faster on one thread (conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

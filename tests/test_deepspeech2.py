@@ -20,12 +20,8 @@ needs_espeak = pytest.mark.skipif(not have_espeak(), reason="espeak-ng is not in
 QUIET = dict(log=lambda *a: None)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# The small networks here run far faster on one thread (conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("name,paper", [("english", 115e6), ("mandarin", 215e6)])
