@@ -82,6 +82,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--threads", type=int, default=0, help="torch threads per run (0: torch's default)")
     p.add_argument("--json", type=Path, help="also write every cell's summary here")
     a, extra = p.parse_known_args(argv)
+    # key=value overrides written after a list option (--precisions fp32 optim.lr=0.1) land in that list
+    for name in ("models", "precisions"):
+        vals = getattr(a, name)
+        extra += [v for v in vals if "=" in v]
+        setattr(a, name, [v for v in vals if "=" not in v])
     bad = [x for x in extra if "=" not in x]
     if bad:
         p.error(f"unrecognized arguments: {' '.join(bad)}")
@@ -109,4 +114,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from mpt.errors import cli
+
+    cli(main)()
