@@ -228,3 +228,18 @@ def test_engine_overhead_on_one_threads_cpu_clock():
                                     device="cpu", clock="cpu")
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("model,most", [("english", 0.6), ("mandarin", 0.8)])
+def test_speech_workloads_measure_a_ctc_step(model, most, one_thread):
+    """Table 3's models have rows (issue 12): one DeepSpeech 2 training step on synthetic spectrograms,
+    counted in utterances; FP16 storage (impl=paper) keeps fewer activation bytes than FP32 (Mandarin
+    less so at this width: the FP32 log-softmax of its 4.2K-character output is a large share, 3.3)."""
+    o = opts(batch=2, size="32", width=0.03, steps=1, warmup=1)
+    rows = {p: bench.measure(model, p, None if p == "fp32" else "paper", o, torch.device("cpu"))
+            for p in ("fp32", "mixed")}
+    for r in rows.values():
+        assert r["status"] == "ok" and r["unit"] == "utterances" and r["items_per_step"] == 2, r
+        assert r["optimizer_state_bytes"] > 0 and r["step_ms"]["n"] == 1
+    assert bench.WORKLOADS[model].default_size == 1000  # frames: 10 s of audio
+    assert rows["mixed"]["activation_only_bytes"] < most * rows["fp32"]["activation_only_bytes"]

@@ -40,7 +40,8 @@ def _check(o: dict) -> None:
         except ValueError:
             ok = False
         if not ok:
-            raise UserError(f"size={o['size']!r}: give an input size in pixels (>= 32) or auto (each model's own)")
+            raise UserError(f"size={o['size']!r}: give an input size (>= 32: pixels, or spectrogram frames "
+                            f"for the speech models) or auto (each model's own)")
     if o["tag"] and not o["tag"].replace("-", "").replace("_", "").isalnum():
         raise UserError(f"tag={o['tag']!r}: use letters, digits, - and _ only (it becomes part of a file name)")
 

@@ -71,17 +71,53 @@ def _imagenet_batch(n, size, device, channels_last, gen):
     return x, torch.randint(0, 1000, (n,), generator=gen).to(device)
 
 
+def _speech_task(model: str):
+    """DeepSpeech 2 (Table 3) as Task.datasets() would set it up from prepared data: the output
+    characters (English's alphabet; AISHELL-1's ~4.2K characters, sized as models.deepspeech2 sizes
+    the full model) and 20 ms windows (161 frequency bins)."""
+    def make():
+        from experiments.deepspeech2.task import ENGLISH, Task
+        from models.deepspeech2 import MANDARIN_VOCAB, N_FREQ
+
+        t = Task()
+        t.chars = ENGLISH if model == "english" else "\u4e00" * (MANDARIN_VOCAB - 1)  # only its length is used
+        t.n_fft = 2 * (N_FREQ - 1)
+        return t
+    return make
+
+
+def _speech_batch(vocab: int):
+    """`size` spectrogram frames (10 ms each) per utterance, all of one length, and random targets of
+    size/8 characters (read speech runs at ~15 characters per second; CTC needs at most size/2, the
+    frames left after the stride-2 convolution)."""
+    def make(n, frames, device, channels_last, gen):
+        from models.deepspeech2 import N_FREQ
+
+        k = max(1, frames // 8)
+        return {"x": torch.randn(n, N_FREQ, frames, generator=gen).to(device),
+                "lengths": torch.full((n,), frames, device=device),
+                "targets": torch.randint(1, vocab, (n * k,), generator=gen).to(device),
+                "target_lengths": torch.full((n,), k, device=device), "texts": [""] * n}
+    return make
+
+
 def _workloads() -> dict[str, Workload]:
+    from models.deepspeech2 import ENGLISH_VOCAB, MANDARIN_VOCAB
     from models.imagenet_cnns import INPUT_SIZE
 
-    return {name: Workload("ilsvrc_cnns", "images", size, _imagenet_task, _imagenet_batch)
-            for name, size in INPUT_SIZE.items()}
+    w = {name: Workload("ilsvrc_cnns", "images", size, _imagenet_task, _imagenet_batch)
+         for name, size in INPUT_SIZE.items()}
+    # Speech: `size` is frames; 1,000 = 10 s of audio, about the mean LibriSpeech training utterance (12 s).
+    for name, vocab in (("english", ENGLISH_VOCAB), ("mandarin", MANDARIN_VOCAB)):
+        w[name] = Workload("deepspeech2", "utterances", 1000, _speech_task(name), _speech_batch(vocab))
+    return w
 
 
 WORKLOADS = _workloads()
-# The paper's models that have a benchmark workload (Table 1; the other tables' models join here
-# when they are added to the registry and to WORKLOADS).
-PAPER_MODELS = ("alexnet", "vgg16", "googlenet", "inception_v2", "inception_v3", "resnet50_preact")
+# The paper's models that have a benchmark workload (Tables 1 and 3; the other tables' models join
+# here when they are added to WORKLOADS).
+PAPER_MODELS = ("alexnet", "vgg16", "googlenet", "inception_v2", "inception_v3", "resnet50_preact",
+                "english", "mandarin")
 
 
 def resolve_models(spec: str) -> tuple[list[str], dict[str, str]]:
