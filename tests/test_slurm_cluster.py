@@ -406,7 +406,12 @@ def test_ddp_loss_curve_matches_one_process(scenarios):
         a = [m[key] for m in _metrics(cell.run_dir) if m["kind"] == kind]
         b = [m[key] for m in _metrics(single.run_dir) if m["kind"] == kind]
         assert len(a) == len(b) > 1
-        assert a == pytest.approx(b, rel=1e-4, abs=1e-5), kind
+        # The first logged value comes from (nearly) untouched weights: the two runs differ only by
+        # float summation order there. Later values drift by that rounding amplified through
+        # training (CI measured 1.07e-4 relative at the 10th eval), so they get 1e-3; logging rank
+        # 0's half batch instead of the global mean would be off by percents, not 1e-3.
+        assert a[0] == pytest.approx(b[0], rel=1e-5), kind
+        assert a == pytest.approx(b, rel=1e-3, abs=1e-5), kind
 
 
 def test_paper_table1_from_the_tiny_grid(scenarios, tmp_path):
