@@ -64,6 +64,27 @@ def test_fp32_bit_identical_to_hand_written_loop():
         assert torch.equal(pa, pb)
 
 
+@pytest.mark.parametrize("prec,impl", ALL)
+def test_zero_grad_frees_every_model_gradient(prec, impl):
+    """zero_grad lists the model's parameters once (Recipe._free_model_grads, instead of walking the
+    module tree every step): every parameter's gradient, one held by no optimizer included, must
+    still be freed after each step, the first and the later ones."""
+    model = tiny_net()
+    head = list(model[-1].parameters())
+    opt = torch.optim.SGD([p for p in model.parameters() if all(p is not h for h in head)], lr=0.1)
+    r = recipe_for(model, opt, prec, impl)
+    x, y = data()
+    for _ in range(2):
+        with r.autocast():
+            loss = nn.functional.cross_entropy(model(x).float(), y)
+        r.backward(loss)
+        assert all(p.grad is not None for p in model.parameters())
+        r.step(opt, 0.0)
+        r.update()
+        r.zero_grad()
+        assert all(p.grad is None for p in model.parameters()), (prec, impl)
+
+
 def _big_weight_step(prec, impl, scale="auto"):
     """A weight 4096x its update (section 3.1: updates 2048x smaller are lost in FP16)."""
     m = nn.Linear(1, 1, bias=False)
