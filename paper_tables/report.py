@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import collections
 import dataclasses
 import html
 import json
@@ -33,9 +34,12 @@ class Report:
 def build(runs: list[RunResult], problems: list[Problem], source: str) -> Report:
     """Paper-profile tables always (missing cells say so); other profiles only where runs exist, each
     in its own section so that tiny numbers never sit in a paper table."""
-    # The report opens with the profiles that have results; the paper profile is always there (its
-    # empty cells are the to-do list) but comes last when no paper-profile run exists.
-    others = sorted({r.profile for r in runs} - {"paper"})
+    # The report opens with the profiles that have results, the one with the most runs first (runs of
+    # one profile on several datasets split into tiny-<data> sections, and the plain `tiny` left may
+    # hold only another experiment's runs); the paper profile is always there (its empty cells are
+    # the to-do list) but comes last when no paper-profile run exists.
+    count = collections.Counter(r.profile for r in runs if r.profile != "paper")
+    others = sorted(count, key=lambda p: (-count[p], p))
     profiles = ["paper", *others] if any(r.profile == "paper" for r in runs) else [*others, "paper"]
     sections = []
     for prof in profiles:

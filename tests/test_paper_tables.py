@@ -170,6 +170,21 @@ def test_two_datasets_of_one_profile_never_averaged(tmp_path):
         [c.id for c in table_of(rep, "table1", "tiny-digits").columns]
 
 
+def test_report_opens_with_the_profile_holding_most_runs(tmp_path):
+    """The demo's tiny runs beside tiny_check's on the digits: Table 1's tiny runs split by dataset and
+    the plain `tiny` keeps only the LM's run. The report must not open with that near-empty section."""
+    for seed, (fp, root) in enumerate([("aaaa", "data/tiny_imagenet"), ("bbbb", "data/digits"),
+                                       ("bbbb", "data/digits"), ("bbbb", "data/digits")]):
+        d = write_run(tmp_path, "ilsvrc_cnns", "alexnet", "fp32", seed, profile="tiny", metrics={"top1": 90.0},
+                      name=f"alexnet-fp32-s{seed}-{fp}")
+        cfg = yaml.safe_load((d / "config.yaml").read_text())
+        cfg.update(data_fingerprint=fp, task={"data_root": root})
+        (d / "config.yaml").write_text(yaml.safe_dump(cfg))
+    write_run(tmp_path, "lm_biglstm", "biglstm", "fp32", 0, profile="tiny", metrics={"ppl": 50.0})
+    _, _, rep = build(tmp_path)
+    assert [s.profile for s in rep.sections] == ["tiny-digits", "tiny", "tiny-tiny_imagenet", "paper"]
+
+
 def test_tiny_cells_compared_with_fp32_within_seed_noise(tmp_path):
     for seed, (a, b, c) in enumerate([(80.0, 81.0, 60.0), (82.0, 80.0, 61.0), (81.0, 82.5, 59.0)]):
         write_run(tmp_path, "ilsvrc_cnns", "alexnet", "fp32", seed, profile="tiny", metrics={"top1": a})
