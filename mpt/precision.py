@@ -258,8 +258,8 @@ class Recipe:
 
     def _free_model_grads(self) -> None:
         """model.zero_grad(set_to_none=True) without its module walk: nn.Module.zero_grad walks the
-        module tree every call, 0.22 ms for ResNet-50 on a CPU -- the whole engine overhead at a 7 ms
-        step (experiments/speed_memory/engine_overhead.py). The parameters are fixed once training
+        module tree every call, 0.22 ms for ResNet-50 on a CPU -- most of the engine's ~0.25 ms overhead
+        per step (experiments/speed_memory/engine_overhead.py). The parameters are fixed once training
         runs, so they are listed once, at the first call (after the first forward)."""
         if self.model is None:
             return
