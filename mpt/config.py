@@ -73,6 +73,13 @@ class TrainCfg:
     ckpt_every_minutes: float = infra(30.0)
     num_workers: int = infra(4)
     progress: bool = infra(True)
+    # cuDNN autotuning: a win for fixed input shapes; a task whose shapes change every batch (Faster
+    # R-CNN's rescaled images) re-tunes at each new shape, so its config turns it off.
+    cudnn_benchmark: bool = infra(True)
+    # How long a rank waits in a collective (DDP all-reduce, checkpoint gather) before the process group
+    # fails: a rank that died or hangs must end the job, not keep the others waiting for hours. Longer
+    # than the slowest thing one rank does alone (an evaluation, rank 0 writing a checkpoint).
+    dist_timeout_min: float = infra(20.0)
 
 
 @dataclass

@@ -3,7 +3,11 @@
 `EpochSampler` draws each epoch's permutation from (seed, epoch) alone and can start mid-epoch, so
 a resumed run sees exactly the samples an uninterrupted run would. `SeededDataset` seeds the
 augmentation of each sample from (seed, epoch, index), so random crops and flips do not depend on
-which worker loads the sample or on what ran before -- resume is bit-identical."""
+which worker loads the sample or on what ran before -- resume is bit-identical.
+
+The epoch travels with each index (`with_epoch=True`: the sampler yields (epoch, index) pairs), not
+through an attribute set in the main process: persistent DataLoader workers hold their own copy of the
+dataset, made once, and would never see a `set_epoch` called after they started."""
 from __future__ import annotations
 
 import torch
@@ -22,8 +26,9 @@ class EpochSampler(Sampler[int]):
     Drops the tail so every rank gets the same number of samples (DDP)."""
 
     def __init__(self, n: int, seed: int, shuffle: bool = True, rank: int = 0, world: int = 1, batch_size: int = 1,
-                 drop_last: bool = True, order=None):
+                 drop_last: bool = True, order=None, with_epoch: bool = False):
         self.n, self.seed, self.shuffle, self.rank, self.world = n, seed, shuffle, rank, world
+        self.with_epoch = with_epoch  # yield (epoch, index): for a SeededDataset in persistent workers
         # order(epoch, generator) -> a permutation of range(n) (Task.train_order): a task's own
         # epoch order, e.g. SortaGrad. Seeded from (seed, epoch) like the default shuffle.
         self.order = order
@@ -48,8 +53,10 @@ class EpochSampler(Sampler[int]):
             perm = torch.randperm(self.n, generator=g)
         else:
             perm = torch.arange(self.n)
-        mine = perm[self.rank::self.world][: self.per_rank]
-        return iter(mine[self.start:].tolist())
+        mine = perm[self.rank::self.world][: self.per_rank][self.start:].tolist()
+        if self.with_epoch:
+            return iter([(self.epoch, i) for i in mine])
+        return iter(mine)
 
     def __len__(self):
         return self.per_rank - self.start
@@ -60,12 +67,20 @@ class SeededDataset(Dataset):
         self.base, self.seed, self.epoch = base, seed, 0
 
     def set_epoch(self, epoch: int) -> None:
+        """This process's copy (the main process, or one worker's): the seed of each sample's
+        augmentation, and the base dataset's own layout for the epoch where it has one (a language
+        model's token streams with the shard order reshuffled every pass)."""
         self.epoch = epoch
+        getattr(self.base, "set_epoch", lambda e: None)(epoch)
 
     def __len__(self):
         return len(self.base)
 
     def __getitem__(self, i):
+        if isinstance(i, tuple):  # (epoch, index) from EpochSampler(with_epoch=True)
+            epoch, i = i
+            if epoch != self.epoch:
+                self.set_epoch(epoch)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(_mix(self.seed, self.epoch, i))
             return self.base[i]

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 
 from mpt import config as C
 from mpt import precision
-from mpt.data import EpochSampler, SeededDataset
+from mpt.data import EpochSampler, SeededDataset, _mix
 from mpt.errors import UserError, cli, one_line
 from mpt.memory import SavedTensorBytes
 from mpt.rundir import (RunLock, append_jsonl, atomic_torch_save, atomic_write_bytes, atomic_write_json,
@@ -183,13 +183,63 @@ def install_stop_handlers(signals=STOP_SIGNALS) -> None:
 
 
 def _worker_init(worker_id: int) -> None:
-    """DataLoader workers share the terminal's process group: a Ctrl-C would kill them mid-batch and
-    fail the run, so they ignore it and the main process stops the run at a step boundary."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    """DataLoader workers get the stop signals meant for the main process: Ctrl-C reaches the whole
+    process group, and SLURM signals every process of a job step (USR2 before the time limit, SIGTERM
+    at preemption, requeue and scancel). A worker killed by one fails the run mid-step ("DataLoader
+    worker exited unexpectedly", no checkpoint), so workers ignore them and the main process stops
+    the run at a step boundary with a checkpoint.
+
+    SIGTERM from the main process itself must still end a worker: torch's DataLoader terminate()s a
+    worker that did not exit when asked, and at interpreter exit multiprocessing terminate()s and then
+    joins (no timeout) the workers of a loader still referenced, e.g. by an exception's traceback,
+    which would hang forever on a worker ignoring SIGTERM. A Python handler cannot see the sender,
+    so SIGTERM is blocked here and a thread takes it with sigwaitinfo, which can: it exits like
+    torch's own worker handler when the sender is the main process (or the main process is gone),
+    and drops it otherwise. A worker whose main process died also exits by torch's watchdog (it
+    polls the parent every 5 s)."""
+    for name in ("SIGINT", "SIGUSR1", "SIGUSR2"):
+        if hasattr(signal, name):  # no SIGUSR* on Windows
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
+    if not hasattr(signal, "sigwaitinfo"):  # macOS, Windows: SIGTERM keeps torch's handling
+        return
+    import threading
+
+    parent = os.getppid()
+
+    def take_sigterm() -> None:
+        while True:
+            info = signal.sigwaitinfo({signal.SIGTERM})
+            if info.si_pid == parent or os.getppid() != parent:
+                os._exit(0)  # exit status 0, as torch's handler: the main process does not report it
+
+    # Blocked before the thread starts, so it and every later thread of the worker inherit the mask
+    # and a SIGTERM can only be taken by sigwaitinfo, not by torch's default-action handler.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    threading.Thread(target=take_sigterm, name="pt_worker_sigterm", daemon=True).start()
 
 
 # ------------------------------------------------------------------------------------------------
 # setup helpers
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """The seed of rank `rank`'s random stream after model initialisation (rank 0 keeps `seed`)."""
+    return seed if rank == 0 else _mix(seed, rank, 0x52414E4B) % (2 ** 63)
+
+
+def rng_state(device: torch.device) -> dict:
+    """This process's random state: the CPU generator and, on a GPU, its generator (both CPU uint8)."""
+    return {"cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+
+
+def set_rng_state(st: dict, device: torch.device) -> None:
+    """Restore rng_state()'s result. torch wants CPU ByteTensors here, on any device: a checkpoint loaded
+    with map_location=<a GPU> would hand over CUDA tensors and fail ("RNG state must be a
+    torch.ByteTensor"), so the states are brought to the CPU first whatever they arrived as."""
+    torch.set_rng_state(st["cpu"].to("cpu", torch.uint8))
+    if st.get("cuda") is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(st["cuda"].to("cpu", torch.uint8), device)
 
 
 def distributed_env() -> tuple[int, int, int]:
@@ -201,11 +251,17 @@ def distributed_env() -> tuple[int, int, int]:
 
 
 def pick_device(name: str, local_rank: int = 0) -> torch.device:
-    """device=auto|cpu|cuda|cuda:N -> a torch device; auto: this process's GPU when there is one."""
-    if name == "auto":
-        return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    """device=auto|cpu|cuda|cuda:N -> a torch device with an index.
+
+    auto: this process's GPU when there is one, else the CPU. `cuda` (no index) means the same GPU
+    as auto: under DDP each rank must own one GPU, and a bare "cuda" would put every rank on GPU 0.
+    Which GPU is this process's: with one visible GPU, that one -- a cluster that binds one GPU to
+    each task (CUDA_VISIBLE_DEVICES per task, `--gpus-per-task`, `--gpu-bind`) shows every rank a
+    single cuda:0, whatever its local rank; with several visible, the local rank's."""
+    if name == "auto" and not torch.cuda.is_available():
+        return torch.device("cpu")
     try:
-        dev = torch.device(name)
+        dev = torch.device("cuda" if name == "auto" else name)
     except RuntimeError:
         raise UserError(f"device={name!r} is not a torch device; use auto, cpu or cuda:N") from None
     if dev.type not in ("cpu", "cuda"):
@@ -215,7 +271,12 @@ def pick_device(name: str, local_rank: int = 0) -> torch.device:
         if n == 0:
             raise UserError(f"device={name} but CUDA is not available on this machine (no CUDA GPU is visible; torch "
                             f"{torch.__version__}, CUDA build {torch.version.cuda}); use device=auto or device=cpu")
-        if dev.index is not None and dev.index >= n:
+        if dev.index is None:
+            if n > 1 and local_rank >= n:
+                raise UserError(f"local rank {local_rank} but this node shows {n} GPUs (CUDA_VISIBLE_DEVICES="
+                                f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): start at most one task per GPU")
+            dev = torch.device("cuda", 0 if n == 1 else local_rank)
+        elif dev.index >= n:
             raise UserError(f"device={name} but this machine has {n} GPU(s) (cuda:0..cuda:{n - 1})")
     return dev
 
@@ -318,6 +379,17 @@ def loss_step(recipe: precision.Recipe, loss_fn, micro_batches: list, step, *, s
     return total, n, out
 
 
+def _to_cpu(obj):
+    """Tensors anywhere in nested dicts/lists/tuples, moved to the CPU (to pickle them across ranks)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
 def _to_device(batch, device, channels_last: bool):
     if isinstance(batch, torch.Tensor):
         batch = batch.to(device, non_blocking=True)
@@ -344,6 +416,7 @@ class Run:
         self.dir = C.run_dir(cfg)
         self.name = C.run_name(cfg)
         self.cell = C.cell_id(cfg)
+        self.created = time.time()
         self.lock: RunLock | None = None  # held by rank 0 from setup to the end of run()
         self.prev_summary: dict | None = None  # the summary an earlier invocation left (read under the lock)
 
@@ -377,11 +450,17 @@ class Run:
     # -- setup --------------------------------------------------------------------------------
     def setup(self):
         cfg = self.cfg
-        if self.world > 1 and not dist.is_initialized():
-            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
         if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-            torch.backends.cudnn.benchmark = True
+            torch.cuda.set_device(self.device)  # before NCCL starts: its communicator binds to this GPU
+            torch.backends.cudnn.benchmark = cfg.train.cudnn_benchmark
+        if self.world > 1 and not dist.is_initialized():
+            # An explicit timeout: a rank that died (an OOM on rank 3) must fail the others' collectives
+            # in minutes, so the job ends and its failure is recorded, instead of rank 0 waiting on.
+            import datetime
+
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
+                                    timeout=datetime.timedelta(minutes=cfg.train.dist_timeout_min),
+                                    device_id=self.device if self.device.type == "cuda" else None)
         # TF32 is a separate baseline: off unless asked, and recorded in env.json (paper notes).
         torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
         torch.backends.cudnn.allow_tf32 = cfg.tf32
@@ -397,7 +476,7 @@ class Run:
             box = [None if claim_error is None else str(claim_error)]
             dist.broadcast_object_list(box, src=0)
             if box[0] is not None and claim_error is None:
-                raise UserError(box[0])
+                raise RankZeroRefused(box[0])
         if claim_error is not None:
             raise claim_error
         if self.main:
@@ -420,7 +499,7 @@ class Run:
         # batches) sets shuffle_train = False.
         shuffle = getattr(self.task, "shuffle_train", True)
         self.sampler = EpochSampler(len(train_ds), cfg.seed, shuffle, self.rank, self.world, self.per_rank,
-                                    order=getattr(self.task, "train_order", None))
+                                    order=getattr(self.task, "train_order", None), with_epoch=True)
         self.steps_per_epoch = len(self.sampler) // self.per_rank
         if self.steps_per_epoch == 0:
             raise UserError(f"train.batch_size={t.batch_size} is larger than the training set ({len(train_ds)})")
@@ -429,9 +508,13 @@ class Run:
         self.eval_every = max(1, round(t.eval_every_epochs * self.steps_per_epoch))
         # Each DataLoader iterator draws a worker seed when created (every epoch, every evaluation, at
         # resume); from its own generator, not the global RNG that dropout uses, so resume stays exact.
+        # Persistent workers: a paper run would otherwise start t.num_workers processes (imports, dataset
+        # copies) at every epoch and every evaluation. The epoch reaches them with each index
+        # (EpochSampler(with_epoch=True)), never through state set after they started.
         lkw = dict(num_workers=t.num_workers, pin_memory=self.device.type == "cuda",
                    generator=torch.Generator().manual_seed(cfg.seed), collate_fn=getattr(self.task, "collate", None),
-                   worker_init_fn=_worker_init if t.num_workers > 0 else None)
+                   worker_init_fn=_worker_init if t.num_workers > 0 else None,
+                   persistent_workers=t.num_workers > 0)
         self.train_loader = DataLoader(self.train_ds, batch_size=self.micro, sampler=self.sampler, drop_last=True, **lkw)
         self.val_loader = DataLoader(val_ds, batch_size=max(self.micro, 1), shuffle=False,
                                      sampler=EpochSampler(len(val_ds), 0, False, self.rank, self.world, drop_last=False), **lkw)
@@ -452,17 +535,29 @@ class Run:
         self.skipped = {k: 0 for k in self.optimizers}  # overflow-skipped updates per optimizer
         self.ddp = self.model
         if self.world > 1:
-            ids = [self.device.index] if self.device.type == "cuda" else None
+            # gradient_as_bucket_view: the gradients are views into DDP's all-reduce buckets instead of
+            # a second copy of every gradient (one model's worth of memory; 4 x 0.8 B parameters for the
+            # bigLSTM's embedding alone in FP32).
+            kw = dict(device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                      gradient_as_bucket_view=True)
             if isinstance(self.model, nn.ModuleDict):
                 # Each model wrapped on its own; in a phase that leaves one model without gradients
                 # (a GAN's generator while the discriminator trains) DDP must not wait for them.
                 self.ddp = nn.ModuleDict({k: nn.parallel.DistributedDataParallel(
-                    m, device_ids=ids, find_unused_parameters=len(self.optimizers) > 1)
+                    m, find_unused_parameters=len(self.optimizers) > 1, **kw)
                     for k, m in self.model.items()})
             else:
-                self.ddp = nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
+                self.ddp = nn.parallel.DistributedDataParallel(self.model, **kw)
             # DDP broadcast rank 0's model; the recipe's FP32 masters (impl=paper) must follow it.
             self.recipe.broadcast_masters()
+        # The model starts identical on every rank (seeded with cfg.seed, then DDP's broadcast); what is
+        # drawn from here on -- dropout masks, a sampled softmax's negatives, a GAN's noise -- must
+        # differ between ranks, or N GPUs draw the same numbers N times (the bigLSTM's 8,192 negatives
+        # would be the same on every GPU). Rank 0 keeps cfg.seed's stream, so a one-process run is
+        # unchanged; each other rank gets its own stream. Data augmentation is seeded per sample
+        # (SeededDataset), not here.
+        if self.rank > 0:
+            torch.manual_seed(rank_seed(cfg.seed, self.rank))
         self.numerics = None
         if cfg.numerics.every > 0:
             from mpt.numerics import Numerics
@@ -521,8 +616,19 @@ class Run:
         stale = remove_stale_temp_files(self.dir)
         if stale:
             print(f"removed {len(stale)} temp file(s) of an interrupted write in {self.dir}", file=sys.stderr)
+        # A rank's failure record from an earlier attempt is history once this attempt starts (ranks
+        # start within seconds of each other: a record older than a minute before us is not this one's).
+        for f in self.dir.glob(f"{RANK_FAILURE}*"):
+            with contextlib.suppress(OSError):
+                if f.stat().st_mtime < self.created - 60:
+                    f.unlink()
 
     def release(self) -> None:
+        from mpt.torch_private import shutdown_loader_workers
+
+        for loader in (getattr(self, "train_loader", None), getattr(self, "val_loader", None)):
+            if loader is not None:  # persistent workers inherited the lock's descriptor: stop them first
+                shutdown_loader_workers(loader)
         if self.lock is not None:
             self.lock.release()
             self.lock = None
@@ -545,7 +651,23 @@ class Run:
                             "or delete that directory to start over")
 
     # -- checkpoints ----------------------------------------------------------------------------
-    def state(self) -> dict:
+    def rank_state(self) -> dict:
+        """What differs between ranks and must survive a restart: the random streams (dropout, sampled
+        negatives) and the task's state (the bigLSTM's recurrent state of this rank's streams)."""
+        return {"rng": rng_state(self.device),
+                "task": self.task.state_dict() if hasattr(self.task, "state_dict") else None}
+
+    def gather_rank_states(self) -> list[dict] | None:
+        """Every rank's rank_state(), on rank 0 (None elsewhere). A collective: every rank calls it at
+        the same step (checkpoints are taken at steps all ranks agree on, see loop())."""
+        mine = _to_cpu(self.rank_state())
+        if self.world == 1:
+            return [mine]
+        out = [None] * self.world if self.main else None
+        dist.gather_object(mine, out, dst=0)
+        return out
+
+    def state(self, ranks: list[dict]) -> dict:
         return {
             # Every model (one state_dict; a ModuleDict's keys carry the model names), every named
             # optimizer and schedule, the recipe (scaler, FP32 masters) and per-optimizer skip counts.
@@ -553,17 +675,39 @@ class Run:
             "recipe": self.recipe.state_dict(), "scheds": {k: v.state_dict() for k, v in self.scheds.items()},
             "skipped": dict(self.skipped), "step": self.step,
             "wall": self.wall + (time.time() - self.t_start), "act_bytes": self.act_bytes,
-            "rng_cpu": torch.get_rng_state(),
-            "rng_cuda": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
-            "cell_id": self.cell,
-            # Task state that must survive a restart (e.g. recurrent state carried across batches).
-            "task": self.task.state_dict() if hasattr(self.task, "state_dict") else None,
+            "cell_id": self.cell, "world": self.world,
+            # Per rank (index = rank): random state and task state (e.g. recurrent state carried
+            # across batches), so that every rank, not only rank 0, continues where it stopped.
+            "ranks": ranks,
         }
 
     def save(self) -> None:
+        ranks = self.gather_rank_states()  # every rank takes part
         if self.main:
-            atomic_torch_save(self.dir / "checkpoint.pt", self.state())
+            atomic_torch_save(self.dir / "checkpoint.pt", self.state(ranks))
         self.last_ckpt = time.time()
+
+    def _restore_rank(self, sd: dict, path) -> None:
+        """This rank's random and task state from the checkpoint (older checkpoints: rank 0's only)."""
+        ranks = sd.get("ranks")
+        if ranks is None:  # written before per-rank state (one process's rng_cpu / rng_cuda / task)
+            ranks = [{"rng": {"cpu": sd["rng_cpu"], "cuda": sd["rng_cuda"]}, "task": sd.get("task")}]
+        if len(ranks) == self.world:
+            mine = ranks[self.rank]
+        else:
+            # Another world size than the run was checkpointed with: the data split differs anyway, so
+            # the continuation cannot equal an uninterrupted run. Each rank gets a stream of its own
+            # (from the step, so it is not a replay of the first one) and rank 0's task state.
+            if self.main:
+                print(f"warning: {path} was written by {len(ranks)} rank(s), this run has {self.world}: the "
+                      "continuation is not the uninterrupted run's (other data split, new random streams)",
+                      file=sys.stderr)
+            mine = {"rng": None, "task": ranks[0].get("task")}
+            torch.manual_seed(_mix(rank_seed(self.cfg.seed, self.rank), sd["step"]) % (2 ** 63))
+        if mine.get("task") is not None and hasattr(self.task, "load_state_dict"):
+            self.task.load_state_dict(mine["task"])
+        if mine.get("rng") is not None:
+            set_rng_state(mine["rng"], self.device)
 
     def resume(self) -> None:
         path = self.dir / "checkpoint.pt"
@@ -573,7 +717,11 @@ class Run:
                 (self.dir / "metrics.jsonl").unlink()  # a run that died before its first checkpoint
             return
         try:
-            sd = torch.load(path, map_location=self.device, weights_only=True)
+            # To the CPU, whatever device wrote it and whatever device this is: load_state_dict copies
+            # model, master and optimizer tensors onto their parameters' devices (torch.optim keeps a
+            # non-capturable optimizer's `step` on the CPU, where it expects it), and the RNG states
+            # must stay CPU ByteTensors (set_rng_state).
+            sd = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001
             raise UserError(f"checkpoint {path} is unreadable ({type(e).__name__}); delete it to restart the run") from None
         if sd.get("cell_id") != self.cell:
@@ -585,11 +733,7 @@ class Run:
         self.recipe.load_state_dict(sd["recipe"])
         self.skipped.update(sd.get("skipped", {}))
         self.step, self.wall, self.act_bytes = sd["step"], sd["wall"], sd["act_bytes"]
-        if sd.get("task") is not None and hasattr(self.task, "load_state_dict"):
-            self.task.load_state_dict(sd["task"])
-        torch.set_rng_state(sd["rng_cpu"])
-        if sd["rng_cuda"] is not None and self.device.type == "cuda":
-            torch.cuda.set_rng_state(sd["rng_cuda"], self.device)
+        self._restore_rank(sd, path)
         if self.main:  # drop metric lines written after the checkpoint by the interrupted process
             mp = self.dir / "metrics.jsonl"
             if mp.exists():
@@ -724,22 +868,27 @@ class Run:
         self._win, self._win_items, self._win_t = {}, 0, time.time()
         self._finite = torch.zeros((), dtype=torch.int64, device=self.device)
 
-    def read_window(self) -> tuple[dict, int, bool, bool]:
+    def read_window(self) -> tuple[dict, int, bool, bool, bool]:
         """The one device read per log step: the window's mean logs, its finite steps, whether
-        the divergence rule fired and whether to stop. With DDP every rank gets the same answer
-        (the logged loss is the global batch's; a stop signal reaches ranks at different steps and a
-        rank leaving early would hang the others in all-reduce): one small all-reduce."""
+        the divergence rule fired, whether to stop and whether a timed checkpoint is due. With DDP
+        every rank gets the same answer (the logged loss is the global batch's; a stop signal reaches
+        ranks at different steps, clocks differ, and a rank leaving early or checkpointing alone would
+        hang the others in a collective): one small all-reduce."""
         keys = sorted(self._win)
-        stop = STOP.reason is not None
-        t = torch.stack([self._win[k] for k in keys] + [
-            self._finite.to(torch.float64), (self._diverged_at >= 0).to(torch.float64),
-            torch.tensor(float(stop), dtype=torch.float64, device=self.device)])
+        flags = [STOP.reason is not None, self.ckpt_due_by_time()]
+        t = torch.cat([torch.stack([self._win[k] for k in keys] + [
+            self._finite.to(torch.float64), (self._diverged_at >= 0).to(torch.float64)]),
+            torch.tensor(flags, dtype=torch.float64, device=self.device)])
         if self.world > 1:
             dist.all_reduce(t)
         v = t.tolist()
         nf = int(round(v[len(keys)]))
         means = {k: (v[i] / nf if nf > 0 else float("nan")) for i, k in enumerate(keys)}
-        return means, nf, v[len(keys) + 1] > 0, v[len(keys) + 2] > 0
+        return means, nf, v[len(keys) + 1] > 0, v[len(keys) + 2] > 0, v[len(keys) + 3] > 0
+
+    def ckpt_due_by_time(self) -> bool:
+        m = self.cfg.train.ckpt_every_minutes
+        return m > 0 and time.time() - self.last_ckpt > 60 * m
 
     def loop(self) -> dict:
         t = self.cfg.train
@@ -761,9 +910,9 @@ class Run:
             if bar is not None:
                 bar.update(1)
             at_log = self.step % t.log_every == 0 or self.step == self.total_steps
-            stop = diverged = False
+            stop = diverged = due_time = False
             if at_log:
-                means, nf, diverged, stop = self.read_window()
+                means, nf, diverged, stop, due_time = self.read_window()
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 dt = time.time() - self._win_t
@@ -780,8 +929,8 @@ class Run:
                     bar.set_postfix(loss=f"{means['loss']:.3f}", S=f"{self.recipe.loss_scale:g}",
                                     ips=f"{throughput or 0:.0f}", refresh=False)
                 self._new_window()
-            if self.world == 1:  # a single process acts on a stop request at once; DDP ranks agree at log steps
-                stop = STOP.reason is not None
+            if self.world == 1:  # a single process acts at once; DDP ranks agree at log steps (read_window)
+                stop, due_time = STOP.reason is not None, self.ckpt_due_by_time()
             if diverged:
                 # The paper's "diverges" cells: stop instead of burning GPU hours on NaNs.
                 at = int(self._diverged_at.item())
@@ -792,7 +941,6 @@ class Run:
                 metrics = self.evaluate()
                 last_eval = self.step
                 self.log({"kind": "eval", "step": self.step, "epoch": self.step / self.steps_per_epoch, **metrics})
-            due_time = t.ckpt_every_minutes > 0 and time.time() - self.last_ckpt > 60 * t.ckpt_every_minutes
             due_step = t.ckpt_every_steps > 0 and self.step % t.ckpt_every_steps == 0
             if (due_time or due_step or self.step % self.eval_every == 0) and self.step < self.total_steps:
                 self.save()
@@ -842,6 +990,8 @@ def _run(r: Run) -> dict:
         # "failed". Nothing is written without the directory's lock (another copy may be running).
         if r.main and r.lock is not None and r.prev_summary is None:
             _record_failure(r, e, traceback_file=False)
+        elif not r.main:
+            _record_rank_failure(r, e)
         raise
     # Every rank must agree that the run is already complete: a rank that returned alone would
     # leave the others waiting in the first all-reduce. Rank 0 reads the summary and tells them.
@@ -861,21 +1011,76 @@ def _run(r: Run) -> dict:
         if r.main:
             _record_failure(r, e, traceback_file=True)
             r.wandb.finish(1)
+        else:
+            _record_rank_failure(r, e)
         raise
+
+
+class RankZeroRefused(UserError):
+    """Rank 0 could not claim the run directory (told to the other ranks): rank 0's error, not theirs."""
+
+
+RANK_FAILURE = "failure.rank"  # <run dir>/failure.rank<r>.json: why rank r > 0 ended (error.rank<r>.txt: traceback)
+
+
+def _record_rank_failure(r: Run, e: BaseException) -> None:
+    """Rank r > 0 failed (an OOM on rank 3): only rank 0 writes summary.json, and rank 0 may be waiting
+    in a collective that will never complete (until the process group's timeout), so the failing rank
+    leaves its own record: failure.rank<r>.json (one line of cause, host, step) and error.rank<r>.txt.
+    Rank 0 names it in summary.json when it fails in turn; slurm.status reads it in any case."""
+    if isinstance(e, (KeyboardInterrupt, SystemExit, RankZeroRefused)):
+        return
+    try:
+        import socket
+
+        r.dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(r.dir / f"error.rank{r.rank}.txt", traceback.format_exc())
+        atomic_write_json(r.dir / f"{RANK_FAILURE}{r.rank}.json",
+                          {"rank": r.rank, "world": r.world, "host": socket.gethostname(), "pid": os.getpid(),
+                           "step": getattr(r, "step", 0), "error": one_line(e), "time": now()})
+    except Exception as e2:  # noqa: BLE001 -- the error being reported matters more
+        print(f"rank {r.rank}: could not record its failure in {r.dir}: {one_line(e2)}", file=sys.stderr)
+
+
+def rank_failures(run_dir, wait_s: float = 0.0) -> dict[int, dict]:
+    """The failure records other ranks left in run_dir ({rank: record}); waits up to wait_s for one to
+    appear (a peer's collective error can reach rank 0 a moment before the peer's file does)."""
+    import pathlib
+
+    run_dir = pathlib.Path(run_dir)
+    deadline = time.time() + wait_s
+    while True:
+        out = {}
+        for f in sorted(run_dir.glob(f"{RANK_FAILURE}*.json")):
+            rec = read_json_or_none(f)
+            if isinstance(rec, dict) and isinstance(rec.get("rank"), int):
+                out[rec["rank"]] = rec
+        if out or time.time() >= deadline:
+            return out
+        time.sleep(0.2)
 
 
 def _record_failure(r: Run, e: BaseException, traceback_file: bool) -> None:
     """summary.json says why the run ended ("failed" with the error's one-line cause, or
     "interrupted" after a second Ctrl-C); error.txt keeps the traceback. A failure to write these
     (the disk that just filled up) must not hide the error being reported."""
+    extra = {}
     if isinstance(e, KeyboardInterrupt):
         status, error = "interrupted", "aborted by a second Ctrl-C; resumes from the last checkpoint"
     else:
         status, error = "failed", one_line(e)
+        if r.world > 1:
+            # Rank 0's own error is often only the consequence (a collective whose peer died): name the
+            # rank that failed first, with its cause.
+            others = {k: v for k, v in rank_failures(r.dir, wait_s=5.0).items() if k != r.rank}
+            if others:
+                k = min(others)
+                error = f"rank {k} failed on {others[k].get('host')}: {others[k].get('error')} (rank 0: {error})"
+                extra["rank_errors"] = {str(k): v.get("error") for k, v in others.items()}
     try:
         if traceback_file:
             atomic_write_text(r.dir / "error.txt", traceback.format_exc())
-        r.write_summary(status=status, error=error, step=getattr(r, "step", 0))
+        r.write_summary(status=status, error=error, step=getattr(r, "step", 0), **extra)
     except Exception as e2:  # noqa: BLE001
         print(f"could not record the failure in {r.dir}: {one_line(e2)}", file=sys.stderr)
 

@@ -27,3 +27,13 @@ def unscale_and_check_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_s
 def foreach_copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     """dst[i].copy_(src[i]) for every i (casting dtypes as copy_ does), in as few kernels as torch can."""
     torch._foreach_copy_(dst, src)
+
+
+def shutdown_loader_workers(loader: torch.utils.data.DataLoader) -> None:
+    """Stop a DataLoader's persistent worker processes now. They otherwise live until the loader is
+    garbage-collected -- and forked workers hold every file descriptor of their parent, the run
+    directory's flock included, so a run that returned would still look busy to the next start."""
+    it = getattr(loader, "_iterator", None)
+    if it is not None:
+        it._shutdown_workers()
+        loader._iterator = None
