@@ -38,6 +38,44 @@ def out_lengths(lengths: torch.Tensor) -> torch.Tensor:
     return torch.div(lengths + 2 * 5 - 11, 2, rounding_mode="floor") + 1
 
 
+def masked_batch_norm(x: torch.Tensor, mask: torch.Tensor, bn: nn.modules.batchnorm._BatchNorm, dim: int) -> torch.Tensor:
+    """`bn` (a BatchNorm layer over channel dimension `dim` of x) with its statistics over the positions
+    where `mask` (broadcastable to x without the channel dimension kept as size 1) is True only.
+
+    Masked sums instead of selecting the positions (x[mask]): a boolean index has a data-dependent
+    size, a host read (GPU sync) per layer per step, forward and backward. The same formula as
+    F.batch_norm on the selected positions: biased variance to normalise, the unbiased one into the
+    running average; reductions in FP32 on FP16 inputs (paper section 3.3), output in x's dtype.
+    Positions outside the mask get bias only (callers zero them). In eval mode, the running
+    statistics (no reduction, no mask needed)."""
+    dims = [d for d in range(x.dim()) if d != dim]
+    shape = [1] * x.dim()
+    shape[dim] = x.shape[dim]
+    if not (bn.training or bn.running_mean is None):
+        return F.batch_norm(x.movedim(dim, 1), bn.running_mean, bn.running_var, bn.weight, bn.bias, False, 0.0,
+                            bn.eps).movedim(1, dim).to(x.dtype)
+    xf = x.float()
+    m = mask.to(xf.dtype)
+    n = (m.expand([s if d != dim else 1 for d, s in enumerate(x.shape)]).sum()).clamp(min=1)
+    mean = (xf * m).sum(dims) / n
+    xc = (xf - mean.view(shape)) * m
+    var = (xc * xc).sum(dims) / n
+    scale = torch.rsqrt(var + bn.eps)
+    if bn.weight is not None:
+        scale = scale * bn.weight.float()
+    y = xc * scale.view(shape)
+    if bn.bias is not None:
+        y = y + bn.bias.float().view(shape)
+    if bn.training and bn.running_mean is not None:
+        with torch.no_grad():
+            bn.num_batches_tracked.add_(1)
+            mom = bn.momentum if bn.momentum is not None else 1.0 / bn.num_batches_tracked
+            bn.running_mean.mul_(1 - mom).add_(mom * mean.to(bn.running_mean.dtype))
+            unbiased = var * n / (n - 1).clamp(min=1)
+            bn.running_var.mul_(1 - mom).add_(mom * unbiased.to(bn.running_var.dtype))
+    return y.to(x.dtype)
+
+
 class SequenceBatchNorm(nn.Module):
     """Batch norm over every valid (n, t) frame of a padded (N, T, C) batch; padding stays zero."""
 
@@ -46,9 +84,7 @@ class SequenceBatchNorm(nn.Module):
         self.bn = nn.BatchNorm1d(channels)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        out[mask] = self.bn(x[mask]).to(x.dtype)
-        return out
+        return masked_batch_norm(x, mask[..., None], self.bn, dim=2) * mask[..., None].to(x.dtype)
 
 
 class RowConv(nn.Module):
@@ -88,13 +124,18 @@ class DeepSpeech2(nn.Module):
         """spec (N, F, T) log spectrogram, lengths (N,) valid frames -> (logits (N, T', V), lengths')."""
         lengths = out_lengths(lengths)
         x = spec.unsqueeze(1)
-        for block in self.conv:
+        for conv, bn, act in self.conv:
             # Frames past each utterance's end are zeroed after every block, so that a padded
             # utterance's valid frames see what they would see alone (the time kernels reach 5 frames
-            # into the padding). Batch-norm statistics still include the padding, as in DS2 reproductions.
-            x = block(x)
+            # into the padding). Batch-norm statistics include the padding up to the batch's longest
+            # utterance, as in DS2 reproductions (which pad to it), but not the frames beyond it that
+            # the task's collate adds to round the length up (task.pad_to_multiple): the result does
+            # not depend on that rounding.
+            x = conv(x)
             t = x.shape[-1]
-            mask = torch.arange(t, device=x.device)[None, :] < lengths.clamp(max=t)[:, None]
+            frames = torch.arange(t, device=x.device)
+            x = act(masked_batch_norm(x, frames < lengths.max(), bn, dim=1))
+            mask = frames[None, :] < lengths.clamp(max=t)[:, None]
             x = x * mask[:, None, None, :].to(x.dtype)
         n, c, f, t = x.shape
         x = x.reshape(n, c * f, t).transpose(1, 2)  # (N, T', C*F')

@@ -279,3 +279,103 @@ def test_trained_cer_below_untrained(tmp_path_factory):
     # Measured (experiments/deepspeech2/README.md "Measured"): FP32 seeds 0-2 end at 32-50% CER after the
     # profile's 360 steps; the untrained network is at ~95%.
     assert trained["metrics"]["cer"] < 0.7 * untrained["metrics"]["cer"], (trained["metrics"], untrained["metrics"])
+
+
+# ------------------------------------------------------------------------------------------------
+# batch norm over the valid frames, and padding to a multiple (no host reads on a GPU)
+
+
+def _old_sequence_bn(bn, x, mask):
+    """SequenceBatchNorm as it was: batch norm of the selected frames (a host read on a GPU)."""
+    out = torch.zeros_like(x)
+    out[mask] = bn(x[mask]).to(x.dtype)
+    return out
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_masked_batch_norm_equals_batch_norm_of_the_selected_frames(train):
+    """masked_batch_norm (masked sums) against torch's batch norm of x[mask]: output, gradients of the
+    input, weight and bias, running statistics; padding rows stay zero. Sequence (N, T, C) and the
+    convolutions' (N, C, F, T) layout, whose mask keeps every frame before the longest utterance."""
+    import copy
+
+    from models.deepspeech2 import SequenceBatchNorm, masked_batch_norm
+
+    torch.manual_seed(0)
+    N, T, C = 4, 9, 5
+    lengths = torch.tensor([9, 5, 1, 7])
+    mask = torch.arange(T)[None, :] < lengths[:, None]
+    new = SequenceBatchNorm(C)
+    torch.nn.init.normal_(new.bn.weight)
+    torch.nn.init.normal_(new.bn.bias)
+    new.bn.running_mean.normal_()
+    new.bn.running_var.uniform_(0.5, 2)
+    old = copy.deepcopy(new)
+    new.train(train)
+    old.train(train)
+    x0 = torch.randn(N, T, C) * 3 + 1
+    x0[~mask] = torch.randn(int((~mask).sum()), C) * 100  # what padding holds must not matter
+    w = torch.randn(N, T, C)
+    outs = []
+    for m, f in ((old, lambda x: _old_sequence_bn(m.bn, x, mask)), (new, lambda x: m(x, mask))):
+        x = x0.clone().requires_grad_()
+        y = f(x)
+        (y * w).sum().backward()
+        outs.append((y.detach(), x.grad, m.bn.weight.grad, m.bn.bias.grad, m.bn.running_mean, m.bn.running_var))
+    assert (outs[1][0][~mask] == 0).all() and (outs[1][1][~mask] == 0).all()
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert int(new.bn.num_batches_tracked) == int(old.bn.num_batches_tracked)
+
+    # The convolutions' layout: statistics over frames t < t_max of every utterance (padding of
+    # the shorter ones included, as exact-length padding had them), not the frames beyond.
+    bn_old = torch.nn.BatchNorm2d(3).train(train)
+    bn_old.running_var.fill_(1.5)
+    bn_new = copy.deepcopy(bn_old)
+    t_max, pad = 6, 4
+    z0 = torch.randn(2, 3, 5, t_max + pad)
+    v = torch.randn(2, 3, 5, t_max)
+    z_old, z_new = z0[..., :t_max].clone().requires_grad_(), z0.clone().requires_grad_()
+    y_old = bn_old(z_old)
+    (y_old * v).sum().backward()
+    y = masked_batch_norm(z_new, torch.arange(t_max + pad) < torch.tensor(t_max), bn_new, dim=1)
+    (y[..., :t_max] * v).sum().backward()
+    torch.testing.assert_close(y[..., :t_max], y_old, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(z_new.grad[..., :t_max], z_old.grad, rtol=1e-5, atol=1e-5)
+    assert (z_new.grad[..., t_max:] == 0).all()
+    for a, b in ((bn_new.weight.grad, bn_old.weight.grad), (bn_new.bias.grad, bn_old.bias.grad),
+                 (bn_new.running_mean, bn_old.running_mean), (bn_new.running_var, bn_old.running_var)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_padding_to_a_multiple_changes_nothing():
+    """task.pad_to_multiple: a batch padded to 64 frames gives the loss, the gradients and the
+    batch-norm running statistics of the same batch padded to its longest utterance; the host
+    lengths CTC reads are the model's output lengths."""
+    import copy
+
+    from experiments.deepspeech2.task import ENGLISH, Task
+
+    torch.manual_seed(0)
+    task = Task()
+    task.chars, task.n_fft = ENGLISH, 160
+    cfg = type("Cfg", (), {"model": "english", "width": 0.05})()
+    model = task.build_model(cfg).train().double()  # FP64: what is left is rounding of the CTC's FP32
+    samples = [(torch.randn(81, n, dtype=torch.float64), torch.randint(1, 29, (k,)), "x" * k)
+               for n, k in ((37, 5), (50, 9), (12, 2))]
+    res = []
+    for k in (1, 64):
+        task.pad_to_multiple = k
+        b = task.collate(samples)
+        assert b["x"].shape[-1] == (50 if k == 1 else 64)
+        m = copy.deepcopy(model)
+        loss, log_probs, lengths = task.ctc(m, b)
+        assert b["host_lengths"] == [lengths.tolist(), b["target_lengths"].tolist()]
+        loss.backward()
+        bns = [t for name, t in m.named_buffers() if "running" in name]
+        res.append((loss.detach(), [p.grad for p in m.parameters()], bns, log_probs.detach(), lengths))
+    torch.testing.assert_close(res[0][0], res[1][0], rtol=1e-5, atol=1e-5)
+    for a, b in zip(res[0][1] + res[0][2], res[1][1] + res[1][2]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    for i, n in enumerate(res[0][4].tolist()):  # every valid frame's output
+        torch.testing.assert_close(res[0][3][i, :n], res[1][3][i, :n], rtol=1e-5, atol=1e-5)

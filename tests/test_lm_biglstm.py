@@ -21,7 +21,7 @@ from data_prep.lm1b.dataset import Prepared, StreamWindows, TokenStream
 from data_prep.lm1b.tiny import generate
 from experiments.lm_biglstm import main as lm_main
 from experiments.lm_biglstm.task import Task, TaskCfg
-from models.lm import FULL, Softmax, expected_count, parameter_count, sample_log_uniform
+from models.lm import FULL, Softmax, expected_count, log_uniform_prob, parameter_count, sample_log_uniform
 from mpt import engine, precision
 from mpt.config import Config, OptimCfg
 from mpt.data import EpochSampler
@@ -138,6 +138,89 @@ def test_sampler_expected_counts_are_unbiased():
         assert ids.unique().numel() == 64 and tries >= 64
         est.append(float((f[ids] / expected_count(ids, tries, V)).sum()))
     assert np.mean(est) / float(f.sum()) == pytest.approx(1.0, abs=0.02)
+
+
+def _sample_log_uniform_drawwise(num_sampled, vocab_size):
+    """The sampler as it was before it ran without host reads: TensorFlow's procedure literally, draws
+    in blocks until num_sampled distinct ids appeared (torch.unique + a Python loop), first
+    appearances in draw order, num_tries = the draw that brought the last one."""
+    log_range = math.log(vocab_size + 1.0)
+    draws = torch.empty(0, dtype=torch.long)
+    block = 2 * num_sampled + 64
+    while True:
+        u = torch.rand(block, dtype=torch.float64)
+        draws = torch.cat([draws, (torch.exp(u * log_range).floor_().long() - 1).clamp_(0, vocab_size - 1)])
+        uniq, inverse = torch.unique(draws, return_inverse=True)
+        if uniq.numel() >= num_sampled:
+            pos = torch.arange(draws.numel())
+            first = torch.full_like(uniq, draws.numel()).scatter_reduce_(0, inverse, pos, "amin")
+            first = first.sort().values[:num_sampled]
+            return draws[first], first[-1] + 1
+        block = draws.numel()
+
+
+@pytest.mark.parametrize("V,k", [(30, 8), (12, 10)])
+def test_sampler_matches_drawwise_sampling(V, k):
+    """The exponential-race sampler (no host read) against the draw-by-draw one: the same law of the
+    first id, of each id's inclusion, of the number of draws (its mean and quantiles) and the same
+    expected counts as a function of it; deterministic given the generator. k = 10 of V = 12 needs
+    the rare ids (many blocks in the draw-by-draw loop)."""
+    n = 4000
+    torch.manual_seed(0)
+    old = [_sample_log_uniform_drawwise(k, V) for _ in range(n)]
+    g = torch.Generator().manual_seed(0)
+    new = [sample_log_uniform(k, V, "cpu", generator=g) for _ in range(n)]
+    for ids, tries in new:
+        assert ids.unique().numel() == k and tries.dtype == torch.int64 and int(tries) >= k
+    g = torch.Generator().manual_seed(0)
+    again = sample_log_uniform(k, V, "cpu", generator=g)
+    assert torch.equal(again[0], new[0][0]) and torch.equal(again[1], new[0][1])
+
+    def laws(samples):
+        first = torch.bincount(torch.stack([i[0] for i, _ in samples]), minlength=V).double() / n
+        incl = torch.bincount(torch.cat([i for i, _ in samples]), minlength=V).double() / n
+        tries = torch.stack([t for _, t in samples]).double()
+        return first, incl, tries
+
+    f0, i0, t0 = laws(old)
+    f1, i1, t1 = laws(new)
+    # Two independent samples of n: a difference of frequencies has sd sqrt(2 q (1 - q) / n).
+    for a, b in ((f0, f1), (i0, i1)):
+        q = (a + b) / 2
+        assert ((a - b).abs() <= 5 * (2 * q * (1 - q) / n).sqrt() + 1e-9).all(), (a, b)
+    assert (f1 - log_uniform_prob(torch.arange(V), V)).abs().max() < 0.03  # the first id follows p
+    sd = ((t0.var() + t1.var()) / n).sqrt()
+    assert abs(t0.mean() - t1.mean()) < 5 * sd, (t0.mean(), t1.mean())
+    for q in (0.1, 0.5, 0.9):
+        assert abs(float(t0.quantile(q) - t1.quantile(q))) <= max(1.0, 0.1 * float(t0.quantile(q)))
+
+
+def test_sampled_softmax_on_every_row_equals_on_the_counted_rows():
+    """BigLSTM.forward runs the softmax on every position and zeroes the ones that do not count; it
+    used to select the counted rows first (h[mask], a host read on a GPU). Same sampled ids, same
+    values and gradients for the counted rows, zero elsewhere."""
+    V, P, N = 40, 6, 25
+    sm = Softmax(V, P, num_sampled=9)
+    torch.nn.init.normal_(sm.weight)
+    torch.nn.init.normal_(sm.bias)
+    h0, y = torch.randn(N, P), torch.randint(0, V, (N,))
+    mask = torch.rand(N) < 0.7
+    mask[:2] = torch.tensor([True, False])
+    out, grads = [], []
+    for old in (True, False):
+        h = h0.clone().requires_grad_()
+        sm.zero_grad()
+        torch.manual_seed(3)  # the same sampled ids in both
+        if old:
+            nll = torch.zeros(N).masked_scatter(mask, sm(h[mask], y[mask]))
+        else:
+            nll = torch.where(mask, sm(h, y), 0.0)
+        (nll * torch.linspace(0.5, 2, N)).sum().backward()
+        out.append(nll.detach())
+        grads.append([h.grad, sm.weight.grad, sm.bias.grad])
+    torch.testing.assert_close(out[0], out[1], rtol=1e-6, atol=1e-6)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_sampled_softmax_approaches_full_softmax():

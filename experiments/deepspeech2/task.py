@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from data_prep.speech import decode, read_manifest
+from models.deepspeech2 import out_lengths
 from mpt.config import infra
 from mpt.errors import UserError
 
@@ -37,6 +38,11 @@ class TaskCfg:
     window_ms: float = 20.0
     hop_ms: float = 10.0
     cache_features: bool = infra(False)  # keep spectrograms in memory (small datasets, num_workers=0)
+    # Batches are padded in time to a multiple of this many frames (1 = to the longest utterance).
+    # With cudnn.benchmark on, every new input shape re-runs cuDNN's convolution search; lengths
+    # rounded to 64 frames (0.64 s) give a few dozen shapes instead of one per batch. The masks and
+    # lengths make the result independent of it (models/deepspeech2.py; tests/test_deepspeech2.py).
+    pad_to_multiple: int = 64
 
 
 def vocabulary(model: str, root: Path) -> str:
@@ -115,6 +121,9 @@ class Task:
                           c.cache_features)
         val = SpeechSet(root, [c.val_set], self.chars, lower, self.n_fft, hop, cache=c.cache_features)
         self.sortagrad, self.n_train = c.sortagrad, len(train)
+        if c.pad_to_multiple < 1:
+            raise UserError(f"task.pad_to_multiple={c.pad_to_multiple} must be >= 1 (1: pad to the longest utterance)")
+        self.pad_to_multiple = c.pad_to_multiple
         return train, val
 
     def build_model(self, cfg):
@@ -122,15 +131,20 @@ class Task:
 
         return models.build(cfg.model, vocab=len(self.chars) + 1, width=cfg.width, n_freq=self.n_fft // 2 + 1)
 
-    @staticmethod
-    def collate(samples):
+    pad_to_multiple = 1  # set from task.pad_to_multiple by datasets()
+
+    def collate(self, samples):
         feats, targets, texts = zip(*samples)
         lengths = torch.tensor([f.shape[1] for f in feats])
-        x = feats[0].new_zeros(len(feats), feats[0].shape[0], int(lengths.max()))
+        k = self.pad_to_multiple
+        x = feats[0].new_zeros(len(feats), feats[0].shape[0], -(-int(lengths.max()) // k) * k)
         for i, f in enumerate(feats):
             x[i, :, : f.shape[1]] = f
-        return {"x": x, "lengths": lengths, "targets": torch.cat(targets),
-                "target_lengths": torch.tensor([len(t) for t in targets]), "texts": list(texts)}
+        target_lengths = torch.tensor([len(t) for t in targets])
+        # CTC needs the lengths on the host (torch's CUDA ctc_loss copies them there): computed here,
+        # from the host copies, they cost no device read. A list, which the engine leaves on the host.
+        return {"x": x, "lengths": lengths, "targets": torch.cat(targets), "target_lengths": target_lengths,
+                "host_lengths": [out_lengths(lengths).tolist(), target_lengths.tolist()], "texts": list(texts)}
 
     def train_order(self, epoch: int, generator: torch.Generator):
         if epoch == 0 and self.sortagrad:
@@ -138,14 +152,19 @@ class Task:
         return torch.randperm(self.n_train, generator=generator).tolist()
 
     def ctc(self, model, batch):
-        logits, out_lengths = model(batch["x"], batch["lengths"])
+        logits, lengths = model(batch["x"], batch["lengths"])
+        # Host lengths (collate) when the batch has them: the same numbers as the model's (out_lengths
+        # of the input lengths; the padding never shortens them), without a device read.
+        host = batch.get("host_lengths")
+        in_len, tgt_len = (torch.tensor(host[0]), torch.tensor(host[1])) if host is not None \
+            else (lengths, batch["target_lengths"])
         # FP32 log-softmax and CTC (section 3.3): outside autocast, on an FP32 copy of the logits.
         with torch.autocast(logits.device.type, enabled=False):
             log_probs = logits.float().log_softmax(-1)
             # Sum over each utterance, mean over the batch (the DS2 reproductions' normalisation).
-            loss = F.ctc_loss(log_probs.transpose(0, 1), batch["targets"], out_lengths, batch["target_lengths"],
+            loss = F.ctc_loss(log_probs.transpose(0, 1), batch["targets"], in_len, tgt_len,
                               blank=BLANK, reduction="sum", zero_infinity=False) / logits.shape[0]
-        return loss, log_probs, out_lengths
+        return loss, log_probs, lengths
 
     def loss(self, model, batch):
         loss, _, _ = self.ctc(model, batch)

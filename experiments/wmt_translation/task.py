@@ -103,7 +103,10 @@ class Task:
             tin[i, 1:len(t) + 1] = t
             tout[i, :len(t)] = t
             tout[i, len(t)] = self.eos
-        return {"src": src, "src_mask": src != self.pad, "tgt_in": tin, "tgt_out": tout}
+        # n_tgt: the target tokens that count (each target and its </s>), counted here on the host; a
+        # plain int, which the engine leaves on the host (task.loss divides by it without a device read).
+        return {"src": src, "src_mask": src != self.pad, "tgt_in": tin, "tgt_out": tout,
+                "n_tgt": sum(len(t) + 1 for _, t in samples)}
 
     # -- training and evaluation --------------------------------------------------------------------
     def _nll(self, model, batch):
@@ -113,7 +116,7 @@ class Task:
                                reduction="sum")
 
     def loss(self, model, batch):
-        n = int((batch["tgt_out"] != self.pad).sum())
+        n = batch["n_tgt"]  # = (tgt_out != pad).sum(), from collate: int() of the device count would sync
         return self._nll(model, batch) / max(n, 1), n  # mean NLL per target token: exp = perplexity
 
     def evaluate(self, ev) -> dict[str, float]:
@@ -123,7 +126,7 @@ class Task:
         for i, b in enumerate(ev.val_loader):
             if limit and i >= limit:
                 break
-            b = {k: v.to(ev.device) for k, v in b.items()}
+            b = {k: v.to(ev.device) if torch.is_tensor(v) else v for k, v in b.items()}
             with ev.autocast():
                 t[0] += self._nll(ev.model, b).double()
             t[1] += (b["tgt_out"] != self.pad).sum()
