@@ -6,7 +6,10 @@ slurm/clusters/<name>.yaml (pass --cluster <name> or --cluster path/to/file.yaml
     cpu_partition       partition for runs with gpus: 0 (optional)
     account, qos, constraint          passed to sbatch when set
     gpus_per_node       GPUs on one node; runs needing more span several nodes (one task per GPU)
-    cpus_per_task       CPU cores per task (data-loading workers + 1)
+    gpu_flag            how GPUs are asked for: gpus-per-node (--gpus-per-node=N, the default; needs
+                        select/cons_tres) or gres (--gres=gpu:N: clusters on select/cons_res, or
+                        whose docs say so)
+    cpus_per_task       CPU cores per task (data-loading workers + 1); also passed to srun (below)
     mem_gb_per_task     memory per task in GB
     time_min            time limit of one job in minutes; longer runs checkpoint and requeue
     max_array_size      the cluster's MaxArraySize: larger grids are split into several arrays
@@ -17,6 +20,15 @@ slurm/clusters/<name>.yaml (pass --cluster <name> or --cluster path/to/file.yaml
     setup               shell lines run in the job before srun (module load ..., source venv/bin/activate)
     python              the interpreter on the nodes (default: the one running slurm.submit)
     sbatch              extra sbatch options as a mapping, e.g. {exclusive: true, mail-type: END}
+    kill_on_bad_exit    true (default): when one task of a run exits with an error, srun ends the
+                        others (--kill-on-bad-exit=1) instead of leaving them waiting in a collective
+                        until NCCL's timeout; false passes --kill-on-bad-exit=0
+
+The srun line of every job carries --cpus-per-task=<cpus_per_task>: from SLURM 22.05 to 23.02 srun
+no longer inherits it from sbatch, so without it each task (a DDP rank and its DataLoader workers)
+gets one core. The srun option, rather than exporting SRUN_CPUS_PER_TASK in the job (the variable
+23.11's sbatch sets again), works with every SLURM version: srun older than 22.05 do not read that
+variable, and an explicit option equals what 23.11 sets.
 """
 from __future__ import annotations
 
@@ -50,6 +62,11 @@ class Cluster:
     setup: list[str] = field(default_factory=list)
     python: str | None = None
     sbatch: dict = field(default_factory=dict)
+    gpu_flag: str = "gpus-per-node"
+    kill_on_bad_exit: bool = True
+
+
+GPU_FLAGS = ("gpus-per-node", "gres")
 
 
 _INT = {"gpus_per_node": 0, "cpus_per_task": 1, "time_min": 1, "max_array_size": 1, "array_parallelism": 1,
@@ -90,6 +107,11 @@ def load(name: str) -> Cluster:
         raise UserError(f"cluster profile {path}: setup must be a list of shell lines")
     if not isinstance(c.sbatch, dict):
         raise UserError(f"cluster profile {path}: sbatch must be a mapping of extra sbatch options")
+    if c.gpu_flag not in GPU_FLAGS:
+        raise UserError(f"cluster profile {path}: gpu_flag must be gpus-per-node (--gpus-per-node=N) or gres "
+                        f"(--gres=gpu:N), got {c.gpu_flag!r}")
+    if not isinstance(c.kill_on_bad_exit, bool):
+        raise UserError(f"cluster profile {path}: kill_on_bad_exit must be true or false, got {c.kill_on_bad_exit!r}")
     return c
 
 
@@ -110,9 +132,15 @@ def sbatch_parameters(c: Cluster, *, job_name: str, nodes: int, tasks_per_node: 
         # --requeue: the job may be put back in the queue (by us at the time limit, or by a
         # preemption); --chdir: jobs import this repository's packages.
         "additional_parameters": {"requeue": True, "chdir": chdir, **c.sbatch},
+        # srun options (the module docstring says why): each task gets its cores, and one task's
+        # failure ends the run's other tasks.
+        "srun_args": [f"--cpus-per-task={c.cpus_per_task}", f"--kill-on-bad-exit={int(c.kill_on_bad_exit)}"],
     }
     if gpus > 0:
-        params["gpus_per_node"] = tasks_per_node
+        if c.gpu_flag == "gres":
+            params["gres"] = f"gpu:{tasks_per_node}"
+        else:
+            params["gpus_per_node"] = tasks_per_node
     for k in ("account", "qos", "constraint"):
         if getattr(c, k):
             params[k] = getattr(c, k)

@@ -124,6 +124,8 @@ def test_cluster_profiles_in_repo_load():
     ("time_min: soon\n", "time_min must be an integer"),
     ("mem_gb_per_task: 0\n", "mem_gb_per_task must be a positive"),
     ("setup: module load x\n", "setup must be a list"),
+    ("gpu_flag: gpus\n", "gpu_flag must be gpus-per-node .* or gres .*, got 'gpus'"),
+    ("kill_on_bad_exit: 1\n", "kill_on_bad_exit must be true or false"),
 ])
 def test_bad_cluster_profiles(tmp_path, text, match):
     with pytest.raises(UserError, match=match):
@@ -153,6 +155,46 @@ def test_nodes_tasks_and_sbatch_parameters():
     for line in ("--gpus-per-node=8", "--ntasks-per-node=8", "--signal=USR2@300", "--requeue", "--partition=gpu",
                  "--time=1440", "--chdir=/repo"):
         assert line in text, line
+    assert "--gres" not in text
+
+
+def _srun_line(text: str) -> list[str]:
+    (line,) = [x for x in text.splitlines() if x.startswith("srun ")]
+    return line.split()
+
+
+def test_srun_gets_cpus_per_task_and_kill_on_bad_exit(tmp_path):
+    """srun of SLURM 22.05-23.02 does not inherit --cpus-per-task from sbatch: the job's srun line
+    carries it, and --kill-on-bad-exit=1 (one failed rank ends the others) unless the profile says no."""
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    c = clusters.load("example_gpu")
+    assert c.kill_on_bad_exit is True and c.gpu_flag == "gpus-per-node"
+    for gpus, per_node in ((16, 8), (0, 2)):  # a GPU run and a CPU run
+        p = clusters.sbatch_parameters(c, job_name="x", nodes=1, tasks_per_node=per_node, gpus=gpus, chdir="/repo")
+        text = _make_sbatch_string(command="run", folder="/tmp/x", **p)
+        assert "#SBATCH --cpus-per-task=10" in text
+        assert {"--cpus-per-task=10", "--kill-on-bad-exit=1"} <= set(_srun_line(text)), text
+    off = clusters.load(str(write(tmp_path / "c.yaml", "cpus_per_task: 3\nkill_on_bad_exit: false\n")))
+    p = clusters.sbatch_parameters(off, job_name="x", nodes=1, tasks_per_node=1, gpus=0, chdir="/repo")
+    assert {"--cpus-per-task=3", "--kill-on-bad-exit=0"} <= set(_srun_line(_make_sbatch_string(command="run", folder="/x", **p)))
+    # What submit passes is accepted by submitit's executor as it is.
+    import submitit
+
+    submitit.SlurmExecutor(folder=tmp_path).update_parameters(**p)
+
+
+def test_gpu_flag_gres_asks_for_gpus_with_gres(tmp_path):
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    c = clusters.load(str(write(tmp_path / "c.yaml", "partition: gpu\ngpus_per_node: 4\ngpu_flag: gres\n")))
+    p = clusters.sbatch_parameters(c, job_name="x", nodes=2, tasks_per_node=4, gpus=8, chdir="/repo")
+    text = _make_sbatch_string(command="run", folder="/tmp/x", **p)
+    assert "#SBATCH --gres=gpu:4" in text and "--gpus-per-node" not in text
+    assert "#SBATCH --ntasks-per-node=4" in text and "#SBATCH --nodes=2" in text
+    # A CPU run asks for no GPUs either way.
+    p = clusters.sbatch_parameters(c, job_name="x", nodes=1, tasks_per_node=2, gpus=0, chdir="/repo")
+    assert "gres" not in p and "gpus_per_node" not in p
 
 
 # ------------------------------------------------------------------------------------------------

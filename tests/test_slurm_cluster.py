@@ -7,6 +7,8 @@ then each test waits for its own:
   timeout   a 1-minute job limit: SLURM's USR2 -> checkpoint at a step boundary -> requeue -> finish,
             with the final metrics of the same cell run without interruption (local backend, FP32, CPU)
   preempt   `scontrol requeue` of a running cell: SIGTERM -> checkpoint -> resumes from it, not step 0
+  workers   a cell with DataLoader workers gets USR2 and SIGTERM sent to every process of its job
+            step, as SLURM sends them: the workers survive, the run checkpoints, requeues, finishes
   bad       a cell with a bad override fails alone, with its error; its sibling completes
   ddp       2 tasks (gloo, CPU), and their loss curve against one process on the same global batch
 Skipped with the reason when SLURM is not installed (CI: apt-get install -y slurm-wlm munge).
@@ -46,6 +48,10 @@ GRID_MODELS = ["alexnet", "googlenet"]
 GRID_CELLS = 3 * len(GRID_MODELS)
 GRID_ARRAY_LIMIT = 4  # below the cell count: the grid goes out as two arrays (4 + 2 tasks)
 GRID_STEPS = 2
+# The DataLoader-workers cell (2 workers, batch 8: 80 steps an epoch): signalled once it has run
+# WORKERS_AT steps and its workers are up.
+WORKERS_STEPS = 240
+WORKERS_AT = 20
 # The DDP cell and its one-process twin. Dropout draws different masks for 2 x 16 samples than for
 # 1 x 32, so the curves can only match without it (task.dropout). A short run at a small learning rate:
 # the two runs sum their gradients in different orders (gloo all-reduce of two halves vs one batch),
@@ -175,6 +181,39 @@ def _preempt_when_running(sc: Scenario, min_step: int, done: dict):
         time.sleep(0.3)
 
 
+def _children(pid: int) -> list[int]:
+    """pid's child processes (this machine is the cluster's only node)."""
+    kids = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        kids += [int(x) for x in (task / "children").read_text().split()]
+    return kids
+
+
+def _signal_step_with_workers(sc: Scenario, min_step: int, done: dict):
+    """Background: once the cell has logged min_step steps and its rank has forked its DataLoader
+    workers, send USR2 (the time limit) and then SIGTERM (preemption) to every process of the job's
+    steps, as SLURM does: `scancel --signal` without --batch signals the step's whole process tree
+    (the rank and its workers), not only the rank."""
+    deadline = time.time() + WAIT_S
+    while time.time() < deadline:
+        try:
+            (cell, st), = sc.rows()
+            m = cell.run_dir / "metrics.jsonl"
+            steps = [x["step"] for x in _metrics(cell.run_dir) if x["kind"] == "train"] if m.exists() else []
+            if st.state == "running" and steps and steps[-1] >= min_step:
+                rank = _job(cell.run_dir)["attempts"][-1]["pid"]
+                workers = _children(rank)
+                if len(workers) >= 2:  # the loader's workers are up
+                    rcs = [subprocess.run(["scancel", f"--signal={s}", st.job_id], capture_output=True,
+                                          text=True) for s in ("USR2", "TERM")]
+                    done.update(job_id=st.job_id, step_seen=steps[-1], rank=rank, workers=workers,
+                                rc=[r.returncode for r in rcs], err=[r.stderr for r in rcs])
+                    return
+        except Exception as e:  # noqa: BLE001 -- files mid-write, a process just gone; try again
+            done["last_error"] = repr(e)
+        time.sleep(0.2)
+
+
 @pytest.fixture(scope="module")
 def scenarios(slurm_cluster, tiny_imagenet, tmp_path_factory, request):
     root = tmp_path_factory.mktemp("grids")
@@ -229,6 +268,14 @@ def scenarios(slurm_cluster, tiny_imagenet, tmp_path_factory, request):
         overrides: [wandb.mode=disabled, train.progress=false, train.epochs=1]
         profiles: {tiny: {}}
     """)
+    workers_grid = _write(root / "workers.yaml", f"""\
+        experiment: ilsvrc_cnns
+        axes: {{model: [alexnet], precision: [fp32]}}
+        overrides: [wandb.mode=disabled, train.progress=false, train.max_steps={WORKERS_STEPS},
+                    train.batch_size=8, train.num_workers=2, train.eval_every_epochs=20]
+        profiles: {{tiny: {{resources: {{threads: 1}}}}}}
+    """)
+    sc["workers"] = Scenario("workers", workers_grid, "tiny", [*common, f"out_dir={root / 'workers'}"], "local")
     sc["bad"] = Scenario("bad", bad_grid, "tiny", [*common, f"out_dir={root / 'bad'}"], "local")
     # 2 gloo ranks x 16 (SLURM, 2 tasks) and the same cell in one process x 32 (the local backend,
     # started beside the cluster's jobs: it fills the time the preempted job waits to be requeued).
@@ -242,7 +289,8 @@ def scenarios(slurm_cluster, tiny_imagenet, tmp_path_factory, request):
     sc["ddp"] = Scenario("ddp", ddp_grid, "tiny", [*common, *DDP_EXACT, f"out_dir={root / 'ddp'}"], "local")
     sc["one"] = Scenario("one", one_grid, "tiny", [*common, *DDP_EXACT, f"out_dir={root / 'one'}"])
 
-    for name in ("timeout", "preempt", "grid", "bad", "ddp") if time_limit else ("preempt", "grid", "bad", "ddp"):
+    for name in ("timeout", "preempt", "workers", "grid", "bad", "ddp") if time_limit else (
+            "preempt", "workers", "grid", "bad", "ddp"):
         submit.main(sc[name].argv())
     one_proc = subprocess.Popen([sys.executable, "-m", "slurm.submit", *sc["one"].argv(), "--backend", "local"],
                                 cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -254,11 +302,14 @@ def scenarios(slurm_cluster, tiny_imagenet, tmp_path_factory, request):
     preempted: dict = {}
     t = threading.Thread(target=_preempt_when_running, args=(sc["preempt"], PREEMPT_AT, preempted), daemon=True)
     t.start()
+    signalled: dict = {}
+    threading.Thread(target=_signal_step_with_workers, args=(sc["workers"], WORKERS_AT, signalled), daemon=True).start()
     extended: dict = {}
     if time_limit:
         threading.Thread(target=_extend_after_first_requeue, args=(sc["timeout"], extended), daemon=True).start()
     sc["_ref_proc"], sc["_preempted"], sc["_thread"], sc["_extended"] = ref, preempted, t, extended
     sc["_one_proc"] = one_proc
+    sc["_signalled"] = signalled
     yield sc
     for proc in (ref, one_proc):
         if proc is not None and proc.poll() is None:
@@ -356,6 +407,35 @@ def test_preemption_resumes_from_its_checkpoint(scenarios):
     assert f"resuming {cell.run_name} at step {first['step']}/{PREEMPT_STEPS}" in log  # not from step 0
     steps = [m["step"] for m in _metrics(cell.run_dir) if m["kind"] == "train"]
     assert steps == sorted(set(steps)) and steps[-1] == PREEMPT_STEPS  # no step logged twice
+
+
+def test_dataloader_workers_survive_slurm_signals(scenarios):
+    """SLURM signals every process of a job step. Workers that die of SIGTERM (or USR2) fail the run
+    mid-step ("DataLoader worker ... killed by signal"); they ignore them, and the rank checkpoints,
+    requeues itself (USR2) and resumes."""
+    (cell, st), = scenarios["workers"].wait()
+    sig = scenarios["_signalled"]
+    assert sig.get("rc") == [0, 0] and len(sig["workers"]) == 2, sig
+    assert st.state == "completed", st.error
+    job = _job(cell.run_dir)
+    first, *rest = job["attempts"]
+    assert first["outcome"] == "requeued" and "SIGUSR2" in first["signals"], job
+    assert WORKERS_STEPS > first["step"] >= sig["step_seen"] >= WORKERS_AT
+    assert rest and rest[-1]["outcome"] == "completed" and rest[-1]["step"] == WORKERS_STEPS
+    log = Path(job["log"].replace("_log.out", "_log.err")).read_text()
+    assert f"resuming {cell.run_name} at step {first['step']}/{WORKERS_STEPS}" in log
+    assert "DataLoader worker" not in log
+
+
+def test_srun_line_carries_cpus_per_task_and_kill_on_bad_exit(scenarios):
+    """srun of SLURM 22.05-23.02 does not inherit --cpus-per-task from sbatch (this cluster is 22.05):
+    the scripts submitit wrote and sbatch ran pass it, and --kill-on-bad-exit=1, to srun."""
+    (cell, st), = scenarios["workers"].wait()
+    scripts = sorted((cell.run_dir.parent / "slurm_logs").rglob("*_submission.sh"))
+    assert scripts
+    for f in scripts:
+        (srun,) = [x.split() for x in f.read_text().splitlines() if x.startswith("srun ")]
+        assert {"--cpus-per-task=1", "--kill-on-bad-exit=1"} <= set(srun), srun
 
 
 def test_bad_override_fails_alone(scenarios):
