@@ -372,7 +372,7 @@ def test_resume_is_bit_identical(data, tmp_path, monkeypatch):
     ca, cb = (torch.load(d / "checkpoint.pt", weights_only=True) for d in (da, db))
     for k in ca["model"]:
         assert torch.equal(ca["model"][k], cb["model"][k]), k
-    for (ha, sa), (hb, sb) in zip(ca["task"]["train"], cb["task"]["train"]):
+    for (ha, sa), (hb, sb) in zip(ca["ranks"][0]["task"]["train"], cb["ranks"][0]["task"]["train"]):
         assert torch.equal(ha, hb) and torch.equal(sa, sb)
 
 
