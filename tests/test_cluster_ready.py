@@ -231,3 +231,31 @@ def test_a_failure_on_rank_1_is_recorded_and_ends_the_run(tmp_path):
     rec = json.loads((d / "failure.rank1.json").read_text())
     assert rec["rank"] == 1 and rec["world"] == 2
     assert "RuntimeError: injected failure" in (d / "error.rank1.txt").read_text()
+
+
+def test_status_names_a_failed_rank_when_rank_0_could_not(tmp_path):
+    """Rank 0 killed while it waited for the failed rank (NCCL's timeout, srun --kill-on-bad-exit):
+    summary.json still says running. slurm.status reads rank 1's record: failed, with its cause, once
+    the job is gone; while the job still runs, the cause is shown beside "running". A record from an
+    earlier attempt is history."""
+    from mpt.rundir import atomic_write_json
+    from slurm import state
+
+    run = tmp_path / "cell"
+    run.mkdir()
+    atomic_write_json(run / "summary.json", {"status": "running", "step": 7})
+    dead = f"local:{socket.gethostname()}:999999999"
+    job = {"job_id": dead, "state": "running", "attempts": [{"start": "2026-11-25T10:00:00+00:00"}]}
+    atomic_write_json(run / "job.json", job)
+    atomic_write_json(run / "failure.rank1.json", {"rank": 1, "world": 2, "host": "node7", "step": 7,
+                                                   "error": "CUDA out of memory", "time": "2026-11-25T10:05:00+00:00"})
+    st = state.cell_state(run, "", None, None)
+    assert st.state == "failed" and st.error.startswith("rank 1 failed on node7 at step 7: CUDA out of memory")
+    running = {**job, "job_id": "123"}
+    atomic_write_json(run / "job.json", running)
+    st = state.cell_state(run, "", {"job_id": "123"}, {"123": "RUNNING"})
+    assert st.state == "running" and "CUDA out of memory" in st.error
+    job["attempts"].append({"start": "2026-11-25T11:00:00+00:00"})  # a later attempt
+    atomic_write_json(run / "job.json", job)
+    st = state.cell_state(run, "", None, None)
+    assert "rank 1" not in (st.error or "")
