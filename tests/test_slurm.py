@@ -19,7 +19,10 @@ GRID = REPO / "experiments" / "ilsvrc_cnns" / "grid.yaml"
 _AXES = __import__("yaml").safe_load(GRID.read_text())["axes"]
 _TINY_AXES = {**_AXES, **__import__("yaml").safe_load(GRID.read_text())["profiles"]["tiny"].get("axes", {})}
 N_MODELS, N_PREC = len(_AXES["model"]), len(_AXES["precision"])
-N_PAPER = N_MODELS * N_PREC * len(_AXES["seed"])  # every model in every precision of the grid
+GRID32 = REPO / "experiments" / "ilsvrc_cnns" / "grid_batch32.yaml"
+# the paper profile: the four batch-256 nets (GoogLeNet and BN-Inception run one GPU each: grid_batch32.yaml)
+_PAPER_AXES = {**_AXES, **__import__("yaml").safe_load(GRID.read_text())["profiles"]["paper"].get("axes", {})}
+N_PAPER = len(_PAPER_AXES["model"]) * N_PREC * len(_AXES["seed"])
 # the tiny profile: its own precisions (+ the fp16_pure ablation) and seeds
 N_TINY_PREC = len(_TINY_AXES["precision"]) * len(_TINY_AXES["seed"])
 N_TINY = len(_TINY_AXES["model"]) * N_TINY_PREC
@@ -77,6 +80,11 @@ def test_paper_profile_uses_gpus_and_estimates(tmp_path):
     g = G.load(GRID, "paper")
     assert len(g.cells) == N_PAPER and g.resources.gpus == 8 and g.resources.world == 8
     assert g.resources.hours_for("vgg16") == 60
+    g32 = G.load(GRID32, "paper")  # the batch-32 nets: one GPU per run
+    assert g32.resources.gpus == 1 and len(g32.cells) == 2 * N_PREC
+    # Together the two grids hold every Table 1 model, each once.
+    m32 = __import__("yaml").safe_load(GRID32.read_text())["axes"]["model"]
+    assert sorted(_PAPER_AXES["model"] + m32) == sorted(_AXES["model"]) and len(_AXES["model"]) == 6
 
 
 @pytest.mark.parametrize("text, match", [
@@ -220,18 +228,18 @@ def test_dry_run_prints_cells_batch_split_and_gpu_hours(tmp_path, capsys):
 
 
 def test_dry_run_prints_batch_norm_batch_per_gpu(tmp_path, capsys):
-    """Issue 19 item 1: BN-Inception's reference normalises over 32 images; split over 8 GPUs it would
-    see 4, so its recipe synchronises BN and the dry run says so. Nets without BN print no BN batch."""
+    """Issue 19 item 1: BN-Inception's reference normalises over 32 images. Its paper grid runs one GPU
+    at batch 32 (grid_batch32.yaml; issue 25: 8 GPUs would get 4 images each); spread over 8 GPUs its
+    recipe synchronises BN and the dry run says so. Nets without BN print no BN batch."""
     submit.main([str(GRID), "--profile", "paper", "--backend", "slurm", "--cluster", "example_gpu", "--dry-run",
-                 "--set", f"out_dir={tmp_path}", "--only", "precision=fp32",
-                 "model=inception_v2", "model=resnet50_preact", "model=alexnet"])
+                 "--set", f"out_dir={tmp_path}", "--only", "precision=fp32", "model=resnet50_preact", "model=alexnet"])
     lines = {ln.split()[0].split("-")[0]: ln for ln in capsys.readouterr().out.splitlines() if "-fp32-s" in ln}
-    assert "batch 32 = 8 x 4, BN batch 32 (synced over 8)" in lines["inception_v2"]
     assert "batch 256 = 8 x 32, BN batch 32 per GPU" in lines["resnet50_preact"]
     assert "BN batch" not in lines["alexnet"]
-    submit.main([str(GRID), "--profile", "paper", "--backend", "slurm", "--cluster", "example_gpu", "--dry-run",
-                 "--set", f"out_dir={tmp_path}", "task.sync_bn=false", "--only", "precision=fp32", "model=inception_v2"])
-    assert "batch 32 = 8 x 4, BN batch 4 per GPU" in capsys.readouterr().out
+    submit.main([str(GRID32), "--profile", "paper", "--backend", "slurm", "--cluster", "example_gpu", "--dry-run",
+                 "--set", f"out_dir={tmp_path}", "--only", "precision=fp32", "model=inception_v2"])
+    out = capsys.readouterr().out
+    assert "batch 32 = 1 x 32" in out and "synced" not in out, out  # one GPU: the BN batch is the batch
 
 
 @pytest.mark.heavy
