@@ -60,7 +60,11 @@ class Task(Protocol):
     cfg.optim over `param_groups(model, cfg)` or all parameters; a group may name its own
     "clip_grad_norm"); `shuffle_train = False` keeps samples in order (the train dataset may then
     define `set_epoch(epoch)`); `state_dict()` / `load_state_dict()` put task state (e.g. recurrent
-    state) into the checkpoint."""
+    state) into the checkpoint, every rank's own (rank r gets back what rank r saved).
+
+    Randomness: the model is built under torch.manual_seed(cfg.seed) on every rank; after that each
+    rank > 0 draws from its own stream (rank_seed), so dropout masks and sampled negatives differ
+    between GPUs. Every rank's random state is checkpointed."""
 
     primary_metric: str  # key of evaluate()'s metrics shown in tables, e.g. "top1"
     higher_is_better: bool
