@@ -23,6 +23,7 @@ import shutil
 import statistics
 import subprocess
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -406,7 +407,9 @@ def measure(model_name: str, precision: str, impl: str | None, o: dict, device: 
     except UserError:
         raise
     except Exception as e:  # noqa: BLE001 -- one failing cell must not lose the others' figures
-        row.update(status="failed", note=f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+        # The traceback too: a failure on a GPU session nobody watched must be diagnosable from the file.
+        row.update(status="failed", note=f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}",
+                   traceback=traceback.format_exc())
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -1,0 +1,603 @@
+"""The first GPU hour in one command: what a GPU tells us that the CPU cannot, in under 10 minutes
+on one H100, into one results file.
+
+    python -m experiments.gpu_check [--out experiments/speed_memory/results] [--parts a,b] [--budget 570]
+    python -m experiments.gpu_check --cpu-smoke [--out DIR]      # the same steps, tiny, on the CPU
+
+Parts (each in its own process, with its own time limit; a failure is recorded and the others run):
+  headline   ResNet-50 (pre-activation) at batch 256: strict FP32, TF32, mixed (autocast), mixed
+             (impl=paper): images/s, step time, peak memory, GPU-busy fraction, the speed_memory goals
+  models     every Table 1 and Table 3 model (6 ILSVRC CNNs, DeepSpeech 2 English and Mandarin) for a
+             few steps in fp32, mixed and fp16_storage at the paper grid's batch per GPU
+  ds2_worst  DeepSpeech 2 at its worst paper batch: the longest utterances, paper batch per GPU: does it fit?
+  resume     a tiny run on the GPU stopped after a few steps (checkpoint), restarted: the engine's
+             resume must load its checkpoint there and finish
+  ddp        a 2-rank DDP run (torchrun) when two GPUs are visible; skipped otherwise (the CPU smoke
+             runs it with 2 gloo ranks, so the path is exercised)
+
+Writes <out>/<device>-<date>-gpu_check.json (cpu-<date>-gpu_check-smoke.json for --cpu-smoke), atomically,
+after every part; prints a summary table. Exit status 1 if any part failed, 2 on bad command-line input.
+Every measurement is the repository's own code: the speed/memory benchmark's step
+(experiments/speed_memory/bench.py, i.e. mpt.engine.loss_step) and the engine's run/resume/DDP paths.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+
+from mpt.errors import UserError, cli, one_line
+
+SCHEMA = "gpu_check/1"
+PARTS = ("headline", "models", "ds2_worst", "resume", "ddp")
+DEFAULT_OUT = "experiments/speed_memory/results"
+# Hard time limits per part on one H100, in seconds (the part's process is killed past it; what it
+# measured until then is kept). Not measured yet (no GPU in the session that wrote this): estimates
+# from FLOP counts (strict-FP32 ResNet-50 ~0.4 s a step at batch 256; DS2 English at 64 x 35 s a few
+# seconds a step) with room for cudnn.benchmark's searches, model builds and the first mixed steps
+# that overflow. Their sum (570 s) plus the environment probe (a few seconds) stays under 10 minutes
+# even if every part runs to its limit.
+GPU_BUDGET_S = {"headline": 120, "models": 210, "ds2_worst": 120, "resume": 60, "ddp": 60}
+# The CPU smoke's limits: generous (a loaded 2-core machine), they only catch a hang.
+SMOKE_BUDGET_S = {"headline": 120, "models": 180, "ds2_worst": 120, "resume": 120, "ddp": 180}
+RN = "resnet50_preact"
+TABLE1 = ("alexnet", "vgg16", "googlenet", "inception_v2", "inception_v3", RN)
+TABLE3 = ("english", "mandarin")
+# DeepSpeech 2's worst batch: the longest training utterances. English: LibriSpeech cuts its training
+# audio into segments of at most 35 s (Panayotov et al. 2015, section 3); Mandarin: AISHELL-1's files
+# run from about 1 to 14 s (LDC2018S14 catalogue entry), 15 s taken to be safe. 100 spectrogram
+# frames a second (10 ms hop, experiments/deepspeech2/task.py), so 3,500 and 1,500 frames.
+DS2_LONGEST_S = {"english": 35.0, "mandarin": 15.0}
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """What each part runs at: the paper's sizes on a GPU, tiny ones for the CPU smoke."""
+    headline_width: float = 1.0
+    headline_batch: int = 256
+    headline_size: str = "auto"  # ResNet-50's own 224 px
+    headline_steps: int = 20
+    headline_warmup: int = 5
+    kernels: bool = True  # the CUDA kernel-timeline profile (GPU-busy fraction)
+    width: float = 1.0  # models and ds2_worst
+    batch: int | None = None  # None: the paper grid's batch per GPU
+    image_size: str = "auto"  # each CNN's own (224; Inception v3 299; AlexNet 227)
+    speech_frames: int = 1000  # 10 s, about LibriSpeech's mean training utterance (bench.py)
+    steps: int = 3
+    warmup: int = 2
+    worst_frames_scale: float = 1.0  # x DS2_LONGEST_S x 100 frames/s
+    worst_steps: int = 1  # the question is whether it fits: one timed step (a 35 s batch may take seconds)
+    worst_warmup: int = 1
+    tiny_batch: int = 16  # resume and ddp: the ILSVRC tiny profile on generated tiny data
+    tiny_steps: int = 6
+    stop_after: int = 3
+
+
+GPU = Sizes()
+# 1/32 width, a few images of 80 px (Inception v3's smallest workable input at this width), 64
+# spectrogram frames (the worst case at 1/25 of its length), one timed step: every code path of the GPU
+# run on a CPU core. FP16 recurrent layers are slow on a CPU (the DS2 cells dominate the smoke's time).
+SMOKE = Sizes(headline_width=0.03125, headline_batch=4, headline_size="64", headline_steps=2, headline_warmup=1,
+              kernels=False, width=0.03125, batch=2, image_size="80", speech_frames=64, steps=1, warmup=1,
+              worst_frames_scale=0.04, worst_steps=1, worst_warmup=1, tiny_batch=8, tiny_steps=4, stop_after=2)
+
+
+# ------------------------------------------------------------------------------------------------
+# parts (each runs in its own process: see run_part)
+
+
+class Ctx:
+    def __init__(self, smoke: bool, work: Path, emit):
+        import torch
+
+        self.smoke, self.work, self.emit = smoke, work, emit
+        self.sizes = SMOKE if smoke else GPU
+        self.device = torch.device("cpu") if smoke else torch.device("cuda", 0)
+        if not smoke and not torch.cuda.is_available():
+            raise UserError("no CUDA GPU is visible to this process; run on a GPU machine or use --cpu-smoke")
+
+
+def _bench_options(ctx: Ctx, **kw) -> dict:
+    """The speed/memory benchmark's options (experiments.speed_memory.DEFAULTS) for one part."""
+    from experiments.speed_memory import DEFAULTS
+
+    return {**DEFAULTS, "device": str(ctx.device), "overhead": "none", **kw}
+
+
+def _measure(model: str, precision: str, impl: str | None, o: dict, ctx: Ctx) -> dict:
+    from experiments.speed_memory import bench
+
+    t0 = time.time()
+    with bench.restored_backend_flags():
+        row = bench.measure(model, precision, impl, o, ctx.device)
+    row["seconds"] = round(time.time() - t0, 1)
+    print(f"{model:16s} {precision:12s} {impl or '-':8s} {row['status']:7s} {_ms(row):>10s} {_mib(row):>12s}"
+          f"  ({row['seconds']:.0f} s){'  ' + row['note'] if row.get('note') else ''}", file=sys.stderr, flush=True)
+    return row
+
+
+def part_headline(ctx: Ctx) -> dict:
+    """ResNet-50 at batch 256 in strict FP32, TF32 and mixed (both impls): the speed/memory headline."""
+    from experiments.speed_memory import bench, report
+
+    s = ctx.sizes
+    o = _bench_options(ctx, models=RN, batch=s.headline_batch, size=s.headline_size, width=s.headline_width,
+                       steps=s.headline_steps, warmup=s.headline_warmup, kernels=s.kernels)
+    out = {"options": o, "rows": [], "gpu_busy_fraction_is": (
+        "over 3 extra profiled steps (torch.profiler, CUDA activity): time with at least one kernel running / "
+        "span from the first kernel's start to the last kernel's end; below ~0.85 the GPU waits on the host")}
+    for prec, impl in (("fp32", None), ("tf32", None), ("mixed", "autocast"), ("mixed", "paper")):
+        out["rows"].append(_measure(RN, prec, impl, o, ctx))
+        ctx.emit(out)
+    report.add_ratios(out["rows"])
+    env = bench.environment(ctx.device)
+    res = {"rows": out["rows"], "env": env, "options": o, "paper_models": [RN], "engine_overhead": []}
+    out["goals"] = [g for g in report.goals(res) if g["id"].startswith("resnet50_")]
+    bad = [r for r in out["rows"] if r["status"] not in ("ok", "skipped")]
+    if bad:
+        out["status"] = "failed"
+        out["error"] = "; ".join(f"{_cell(r)}: {r['status']} {r.get('note') or ''}".strip() for r in bad)
+    return out
+
+
+def paper_batches() -> dict[str, dict]:
+    """Each paper model's batch per GPU and mixed-precision impl, from its experiment's paper grids
+    (slurm/grid.py: the resolved config's global batch / the profile's GPUs). An experiment may split its
+    models over several grid files (ILSVRC: grid.yaml on 8 GPUs, grid_batch32.yaml on one); grid.yaml
+    comes first, the others fill in the models it lacks."""
+    from slurm import grid
+
+    out = {}
+    for exp in ("ilsvrc_cnns", "deepspeech2"):
+        folder = Path(__file__).parent / exp
+        files = [folder / "grid.yaml"] + sorted(p for p in folder.glob("grid*.yaml") if p.name != "grid.yaml")
+        for path in files:
+            if "paper" not in (grid.load_spec(path).get("profiles") or {}):
+                continue
+            g = grid.load(path, "paper")
+            for c in sorted(g.cells, key=lambda c: c.cfg.precision != "mixed"):  # the mixed cell's impl first
+                if c.cfg.model in out:
+                    continue
+                b = c.cfg.train.batch_size
+                out[c.cfg.model] = {"global_batch": b, "gpus": g.resources.world, "per_gpu": b // g.resources.world,
+                                    "mixed_impl": c.cfg.impl, "experiment": exp, "grid": path.name}
+    missing = [m for m in TABLE1 + TABLE3 if m not in out]
+    if missing:
+        raise UserError(f"no paper grid of experiments/{{ilsvrc_cnns,deepspeech2}} runs {', '.join(missing)}")
+    return out
+
+
+def part_models(ctx: Ctx) -> dict:
+    """Every Table 1 and Table 3 model, a few steps in fp32, mixed (the impl its paper grid runs) and
+    fp16_storage (the paper's speech recipe) at the paper grid's batch per GPU."""
+    s = ctx.sizes
+    pb = paper_batches()
+    out = {"paper_batch": pb, "rows": []}
+    for m in TABLE1 + TABLE3:
+        b = s.batch or pb[m]["per_gpu"]
+        size = str(s.speech_frames) if m in TABLE3 else s.image_size
+        o = _bench_options(ctx, models=m, batch=b, size=size, width=s.width, steps=s.steps, warmup=s.warmup,
+                           kernels=False)
+        for prec, impl in (("fp32", None), ("mixed", pb[m]["mixed_impl"]), ("fp16_storage", "paper")):
+            out["rows"].append(_measure(m, prec, impl, o, ctx))
+            ctx.emit(out)
+    bad = [r for r in out["rows"] if r["status"] != "ok"]
+    if bad:
+        out["status"] = "failed"
+        out["error"] = f"{len(bad)} of {len(out['rows'])} cells not ok: " + "; ".join(
+            f"{_cell(r)} {r['status']}" for r in bad)
+    return out
+
+
+def part_ds2_worst(ctx: Ctx) -> dict:
+    """DeepSpeech 2 at the paper batch per GPU with every utterance as long as the longest of its
+    training set: the batch that sets the memory a run needs. A cell that runs out of memory is an
+    answer ("does not fit"), not a failure of this check."""
+    import torch
+
+    s = ctx.sizes
+    pb = paper_batches()
+    total = torch.cuda.get_device_properties(ctx.device).total_memory if ctx.device.type == "cuda" else None
+    out = {"longest_s": DS2_LONGEST_S, "device_memory_bytes": total, "rows": []}
+    for m in TABLE3:
+        frames = max(32, round(DS2_LONGEST_S[m] * 100 * s.worst_frames_scale)) + 1  # + the frame at t = 0
+        o = _bench_options(ctx, models=m, batch=s.batch or pb[m]["per_gpu"], size=str(frames), width=s.width,
+                           steps=s.worst_steps, warmup=s.worst_warmup, kernels=False)
+        for prec, impl in (("fp32", None), ("mixed", pb[m]["mixed_impl"]), ("fp16_storage", "paper")):
+            r = _measure(m, prec, impl, o, ctx)
+            r["fits"] = {"ok": True, "oom": False}.get(r["status"])
+            if total and r.get("peak_gpu_reserved_bytes"):
+                r["reserved_of_device"] = r["peak_gpu_reserved_bytes"] / total
+            out["rows"].append(r)
+            ctx.emit(out)
+    out["fits"] = all(r["fits"] for r in out["rows"])
+    bad = [r for r in out["rows"] if r["fits"] is None]
+    if bad:
+        out["status"] = "failed"
+        out["error"] = "; ".join(f"{_cell(r)}: {r['status']} {r.get('note') or ''}".strip() for r in bad)
+    return out
+
+
+def tiny_data(work: Path) -> Path:
+    """A tiny ILSVRC (4 classes, 64 training images) through the real generator and the real prep,
+    made once per gpu_check invocation and shared by the parts that train."""
+    from data_prep.imagenet import prepare
+    from data_prep.imagenet.tiny import generate
+
+    out = work / "tiny_imagenet"
+    if not (out / "prepared.json").exists():
+        arch = work / "tiny_archives"
+        generate(arch, classes=4, train_per_class=16, val_per_class=4, size=40)
+        prepare.prepare(arch, out, workers=1, log=lambda *a: None)
+    return out
+
+
+def _tiny_overrides(ctx: Ctx, out_dir: Path, device: str, batch: int) -> list[str]:
+    """The ILSVRC tiny profile, ResNet-50 in mixed precision with the paper's FP32 master copy (what a
+    checkpoint and a DDP broadcast must carry besides the model), on the tiny data. Dynamic loss scaling
+    from 2^7, not 2^16: from 2^16 every one of these few steps overflowed and was skipped (measured on the
+    CPU), so the checkpoint would hold no optimizer state and no update would have been applied."""
+    return ["profile=tiny", f"model={RN}", "precision=mixed", "impl=paper", "scaler.init_scale=128",
+            f"task.data_root={tiny_data(ctx.work)}", f"out_dir={out_dir}", f"device={device}", f"train.batch_size={batch}",
+            f"train.max_steps={ctx.sizes.tiny_steps}", "train.progress=false", "wandb.mode=disabled"]
+
+
+def part_resume(ctx: Ctx) -> dict:
+    """The engine's own resume path on the device: a run stopped after a few steps (as a stop signal
+    stops it: checkpoint at the step boundary, status "interrupted"), then the same command again,
+    which must load that checkpoint (model, FP32 masters, optimizer, scaler, RNG) and finish."""
+    from experiments.ilsvrc_cnns.task import Task
+    from mpt import config as C
+    from mpt import engine
+
+    s = ctx.sizes
+
+    class Counting(Task):
+        """The ILSVRC task, counting its training steps; asks the loop to stop after `stop_at`."""
+
+        def __init__(self, stop_at: int | None):
+            super().__init__()
+            self.stop_at, self.steps, self.model = stop_at, 0, None
+
+        def build_model(self, cfg):
+            self.model = super().build_model(cfg)
+            return self.model
+
+        def loss(self, model, batch):
+            self.steps += 1
+            if self.steps == self.stop_at:
+                engine.STOP.request("gpu_check: stop after a few steps")
+            return super().loss(model, batch)
+
+    cfg = C.resolve("ilsvrc_cnns", _tiny_overrides(ctx, ctx.work / "resume_runs", str(ctx.device), s.tiny_batch))
+    first_task = Counting(s.stop_after)
+    try:
+        first = engine.run(cfg, first_task)
+    finally:
+        engine.STOP.clear()
+    out = {"run_dir": str(C.run_dir(cfg)), "first": _brief(first), "steps_first": first_task.steps}
+    ctx.emit(out)
+    if first["status"] != "interrupted" or first["step"] != s.stop_after:
+        raise RuntimeError(f"the first run should stop at step {s.stop_after} with a checkpoint; it ended "
+                           f"{first['status']} at step {first['step']} ({first.get('error')})")
+    if first["skipped_steps"] >= first["step"]:
+        raise RuntimeError(f"every step before the checkpoint overflowed ({first['skipped_steps']} skipped): "
+                           f"it holds no optimizer state to resume")
+    second_task = Counting(None)
+    second = engine.run(cfg, second_task)
+    dev = next(second_task.model.parameters()).device if second_task.model is not None else None
+    out.update(second=_brief(second), steps_second=second_task.steps, model_device=str(dev))
+    ctx.emit(out)
+    if second["status"] != "completed" or second["step"] != s.tiny_steps:
+        raise RuntimeError(f"the resumed run ended {second['status']} at step {second['step']} of {s.tiny_steps} "
+                           f"({second.get('error')})")
+    if second_task.steps != s.tiny_steps - s.stop_after:
+        raise RuntimeError(f"the second run trained {second_task.steps} steps, not the {s.tiny_steps - s.stop_after} "
+                           f"left after its checkpoint: it did not resume")
+    if dev is None or dev.type != ctx.device.type:
+        raise RuntimeError(f"the resumed model is on {dev}, not {ctx.device}")
+    return out
+
+
+def part_ddp(ctx: Ctx) -> dict:
+    """Two DDP ranks through torchrun running the experiment command itself (the engine's DDP path:
+    NCCL on GPUs, gloo for the CPU smoke), a few steps of the tiny profile in mixed precision."""
+    import torch
+
+    from mpt import config as C
+
+    if ctx.device.type == "cuda":
+        n = torch.cuda.device_count()
+        if n < 2:
+            return {"status": "skipped", "note": f"{n} GPU visible; a DDP step needs 2 (run on a 2-GPU machine)"}
+        device = "auto"  # each rank takes cuda:<local rank>
+    else:
+        device = "cpu"
+    ov = _tiny_overrides(ctx, ctx.work / "ddp_runs", device, 2 * ctx.sizes.tiny_batch)  # the same batch per rank
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "experiments.ilsvrc_cnns", *ov]
+    print("$ " + " ".join(cmd), file=sys.stderr, flush=True)
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    cfg = C.resolve("ilsvrc_cnns", ov)
+    d = C.run_dir(cfg)
+    summ = json.loads((d / "summary.json").read_text()) if (d / "summary.json").exists() else None
+    env = json.loads((d / "env.json").read_text()) if (d / "env.json").exists() else {}
+    out = {"command": " ".join(cmd[1:]), "returncode": r.returncode, "summary": _brief(summ) if summ else None,
+           "world_size": env.get("world_size"), "device_name": env.get("device_name")}
+    if summ and summ["status"] == "completed" and summ["skipped_steps"] >= summ["step"]:
+        out.update(status="failed", error=f"every step overflowed ({summ['skipped_steps']} skipped): no update was applied")
+    if r.returncode != 0 or not summ or summ["status"] != "completed" or env.get("world_size") != 2:
+        tail = (r.stdout + r.stderr).strip().splitlines()[-40:]
+        out.update(status="failed", traceback="\n".join(tail),
+                   error=f"torchrun exit {r.returncode}, run "
+                         + (f"{summ['status']} at step {summ['step']}: {summ.get('error')}" if summ else "left no summary"))
+    return out
+
+
+def part_env(ctx: Ctx) -> dict:
+    """The device and library versions (the parent process never touches CUDA: every part gets the
+    whole GPU)."""
+    from experiments.speed_memory import bench
+
+    env = bench.environment(ctx.device)
+    env["gpu_count"] = __import__("torch").cuda.device_count() if ctx.device.type == "cuda" else 0
+    return {"env": env, "slug": bench.device_slug(env)}
+
+
+PART_FNS = {"env": part_env, "headline": part_headline, "models": part_models, "ds2_worst": part_ds2_worst,
+            "resume": part_resume, "ddp": part_ddp}
+
+
+def _brief(s: dict) -> dict:
+    return {k: s.get(k) for k in ("status", "step", "total_steps", "skipped_steps", "final_loss_scale", "metrics",
+                                  "throughput", "peak_gpu_mem_bytes", "wall_time_s", "error")}
+
+
+def _cell(r: dict) -> str:
+    return f"{r['model']} {r['precision']}" + (f" ({r['impl']})" if r.get("impl") else "")
+
+
+def _ms(r: dict) -> str:
+    t = r.get("step_ms")
+    return f"{t['median']:.1f} ms" if t else "-"
+
+
+def _mib(r: dict) -> str:
+    b = r.get("peak_gpu_mem_bytes")
+    return f"{b / 2**20:,.0f} MiB" if b else "-"
+
+
+def child_main(part: str, state: Path, smoke: bool, work: Path) -> int:
+    """Run one part in this process; its result (partial ones as it goes) lands in `state`."""
+    from mpt.rundir import atomic_write_json
+
+    def emit(result: dict, **kw) -> None:
+        atomic_write_json(state, {"result": result, **kw})
+
+    partial: dict = {}
+
+    def emit_partial(r: dict) -> None:
+        partial.clear()
+        partial.update(r)
+        emit(r)
+
+    try:
+        ctx = Ctx(smoke, work, emit_partial)
+        r = PART_FNS[part](ctx)
+        emit(r, status=r.pop("status", "ok"), error=r.pop("error", None), traceback=r.pop("traceback", None),
+             note=r.pop("note", None))
+        return 0
+    except BaseException as e:  # noqa: BLE001 -- the parent records it; the other parts still run
+        emit(dict(partial), status="failed", error=one_line(e), traceback=traceback.format_exc())
+        return 1
+
+
+# ------------------------------------------------------------------------------------------------
+# the parent: one process per part, time limits, the results file, the summary
+
+
+def run_part(part: str, smoke: bool, work: Path, timeout: float) -> dict:
+    """The part in a child process (a CUDA error or a leak cannot reach the next part; a hang is
+    killed at `timeout`); its output is echoed live, indented."""
+    state = work / f"{part}.state.json"
+    state.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "experiments.gpu_check", "--_part", part, "--_state", str(state),
+           "--_work", str(work)] + (["--cpu-smoke"] if smoke else [])
+    env = dict(os.environ)
+    if smoke:
+        env["CUDA_VISIBLE_DEVICES"] = ""  # the smoke is a CPU run even on a GPU machine
+        # One thread: on a shared CPU, OpenMP threads spin-waiting for busy cores made a step 100x
+        # slower (speed_memory README).
+        env.setdefault("OMP_NUM_THREADS", "1")
+    t0 = time.time()
+    tail: collections.deque = collections.deque(maxlen=60)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            cwd=Path(__file__).resolve().parents[1], start_new_session=True)
+
+    def pump():
+        for line in proc.stdout:
+            tail.append(line.rstrip("\n"))
+            print(f"    {line}", end="", file=sys.stderr, flush=True)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    timed_out = False
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        os.killpg(proc.pid, signal.SIGKILL)  # the part's whole process group (torchrun's ranks too)
+        rc = proc.wait()
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    reader.join(timeout=5)
+    seconds = round(time.time() - t0, 1)
+    try:
+        got = json.loads(state.read_text())
+    except (OSError, ValueError):
+        got = {}
+    rec = {"status": got.get("status", "failed"), "seconds": seconds, "budget_s": round(timeout),
+           "error": got.get("error"), "traceback": got.get("traceback"), "note": got.get("note"),
+           "result": got.get("result") or {}}
+    if timed_out:
+        rec.update(status="failed", error=f"timeout: killed after its {timeout:.0f} s budget (what it measured "
+                                          f"until then is kept)", traceback="\n".join(tail))
+    elif rc != 0 and rec["error"] is None:
+        rec.update(status="failed", error=f"the part's process exited with {rc} and left no result",
+                   traceback="\n".join(tail))
+    return rec
+
+
+def summary_text(res: dict) -> str:
+    """The human table: every part's status and time, then its figures."""
+    P = res["parts"]
+    lines = [f"gpu_check on {res['env'].get('device_name', '?')} ({res['mode']}), {res['date']}", "",
+             f"{'part':10s} {'status':8s} {'seconds':>8s} {'budget':>7s}  error / note"]
+    for name, p in P.items():
+        lines.append(f"{name:10s} {p['status']:8s} {p['seconds']:8.1f} {p['budget_s']:7d}  "
+                     + (p.get("error") or p.get("note") or ""))
+    lines.append(f"{'total':10s} {'':8s} {res['wall_s']:8.1f} {res['budget_s']:7d}")
+    h = P.get("headline", {}).get("result", {})
+    if h.get("rows"):
+        lines += ["", f"headline: {RN}, batch {h['options']['batch']}, width {h['options']['width']}, "
+                      f"size {h['rows'][0]['size']}",
+                  f"  {'precision':20s} {'status':8s} {'img/s':>9s} {'ms/step':>9s} {'peak MiB':>9s} {'GPU busy':>8s}"
+                  f" {'speed-up':>8s} {'mem/FP32':>8s}"]
+        for r in h["rows"]:
+            f = (r.get("ratios") or {}).get("vs_fp32") or {}
+            busy = r.get("gpu_busy_fraction")
+            prec = r["precision"] + (f" ({r['impl']})" if r.get("impl") else "")
+            lines.append(f"  {prec:20s} {r['status']:8s} {_num(r.get('throughput'), '{:9.0f}')} "
+                         f"{_num((r.get('step_ms') or {}).get('median'), '{:9.1f}')} "
+                         f"{_num((r.get('peak_gpu_mem_bytes') or 0) / 2**20 or None, '{:9,.0f}')} "
+                         f"{_num(busy, '{:8.2f}')} {_num(f.get('speedup'), '{:7.2f}x')} "
+                         f"{_num(f.get('peak_gpu_mem'), '{:8.2f}')}")
+        lines.append(f"  GPU busy: {h['gpu_busy_fraction_is']}")
+        for g in h.get("goals", []):
+            lines.append(f"  goal {g['id']}: {g['target']} -> {g['measured']} [{g['status']}]")
+    worst = ", ".join(f"{m} {s:g} s" for m, s in DS2_LONGEST_S.items())
+    for name, title in (("models", "models, paper batch per GPU (size: pixels, or spectrogram frames)"),
+                        ("ds2_worst", f"DeepSpeech 2, worst paper batch: paper batch per GPU, longest utterances "
+                                      f"({worst}; size in 10 ms frames)")):
+        m = P.get(name, {}).get("result", {})
+        if m.get("rows"):
+            lines += ["", title, f"  {'model':16s} {'precision':26s} {'batch':>5s} {'size':>5s} {'status':7s} "
+                             f"{'ms/step':>9s} {'peak MiB':>9s}"
+                             + ("  fits (reserved / device)" if name == "ds2_worst" else "")]
+            for r in m["rows"]:
+                lines.append(f"  {r['model']:16s} {(r['precision'] + ' ' + (r.get('impl') or '')).strip():26s} "
+                             f"{r['batch']:5d} {r['size']:5d} {r['status']:7s} "
+                             f"{_num((r.get('step_ms') or {}).get('median'), '{:9.1f}')} "
+                             f"{_num((r.get('peak_gpu_mem_bytes') or 0) / 2**20 or None, '{:9,.0f}')}"
+                             + (f"  {r.get('fits')}" + (f" ({r['reserved_of_device']:.0%})" if r.get("reserved_of_device")
+                                                         else "") if name == "ds2_worst" else ""))
+    for name in ("resume", "ddp"):
+        r = P.get(name, {}).get("result", {})
+        if name == "resume" and r.get("second"):
+            lines += ["", f"resume: stopped at step {r['first']['step']} ({r['first']['status']}), restarted: "
+                          f"{r['second']['status']} at step {r['second']['step']}, {r['steps_second']} steps trained "
+                          f"after the checkpoint, model on {r['model_device']}"]
+        if name == "ddp" and r.get("summary"):
+            lines += ["", f"ddp: world size {r['world_size']}: {r['summary']['status']} at step {r['summary']['step']}"]
+    return "\n".join(lines)
+
+
+def _num(v, fmt: str) -> str:
+    if v is None:
+        return f"{'-':>{len(fmt.format(0.0))}s}"
+    return fmt.format(v)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # bad input is one line and exit 2 (mpt.errors.cli), not argparse's usage block
+        raise UserError(f"{message} (python -m experiments.gpu_check --help)")
+
+
+def _parse(argv):
+    p = _Parser(prog="python -m experiments.gpu_check", description=__doc__.split("\n\n")[0])
+    p.add_argument("--cpu-smoke", action="store_true", help="the same steps at tiny size on the CPU")
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"folder of the results file (default {DEFAULT_OUT})")
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of: {','.join(PARTS)}")
+    p.add_argument("--budget", type=float, default=None,
+                   help="total seconds for all parts (default: the sum of the parts' limits)")
+    p.add_argument("--_part", help=argparse.SUPPRESS)
+    p.add_argument("--_state", help=argparse.SUPPRESS)
+    p.add_argument("--_work", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    a.parts = [x.strip() for x in a.parts.split(",") if x.strip()]
+    unknown = [x for x in a.parts if x not in PARTS]
+    if unknown or not a.parts:
+        raise UserError(f"--parts {','.join(unknown) or '(empty)'}: choose from {','.join(PARTS)}")
+    if a.budget is not None and a.budget <= 0:
+        raise UserError(f"--budget {a.budget:g}: give a positive number of seconds")
+    return a
+
+
+@cli
+def main(argv=None) -> int:
+    a = _parse(sys.argv[1:] if argv is None else argv)
+    if a._part:  # a child: one part
+        return child_main(a._part, Path(a._state), a.cpu_smoke, Path(a._work))
+    from mpt.rundir import atomic_write_json, now
+
+    out = Path(a.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--out {out}: cannot create it ({e.strerror})") from None
+    budgets = SMOKE_BUDGET_S if a.cpu_smoke else GPU_BUDGET_S
+    total = a.budget or sum(budgets[p] for p in a.parts)
+    work = Path(tempfile.mkdtemp(prefix="gpu_check_"))
+    try:
+        probe = run_part("env", a.cpu_smoke, work, 120)
+        t0 = time.time()  # the parts' budgets start here; the probe takes a few seconds
+        if probe["status"] != "ok":
+            if "no CUDA GPU" in (probe["error"] or ""):
+                raise UserError(probe["error"].split(": ", 1)[-1])
+            raise UserError(f"could not read the device: {probe['error']}")
+        env, slug = probe["result"]["env"], probe["result"]["slug"]
+        date = now()
+        path = out / f"{slug}-{date[:10]}-gpu_check{'-smoke' if a.cpu_smoke else ''}.json"
+        res = {"schema": SCHEMA, "command": "python -m experiments.gpu_check " + " ".join(argv or sys.argv[1:]),
+               "mode": "cpu-smoke" if a.cpu_smoke else "gpu", "date": date, "env": env,
+               "sizes": dataclasses.asdict(SMOKE if a.cpu_smoke else GPU), "budget_s": round(total),
+               "part_budgets_s": {p: budgets[p] for p in a.parts}, "parts": {}, "wall_s": None, "exit_code": None}
+        print(f"gpu_check on {env['device_name']}: parts {', '.join(a.parts)}; budget {total:.0f} s; -> {path}",
+              file=sys.stderr, flush=True)
+        for p in a.parts:
+            left = total - (time.time() - t0)
+            if left < 5:
+                res["parts"][p] = {"status": "failed", "seconds": 0.0, "budget_s": 0, "result": {}, "traceback": None,
+                                   "note": None, "error": "not run: the total time budget was spent"}
+            else:
+                print(f"== {p} (limit {min(budgets[p], left):.0f} s)", file=sys.stderr, flush=True)
+                res["parts"][p] = run_part(p, a.cpu_smoke, work, min(budgets[p], left))
+                print(f"== {p}: {res['parts'][p]['status']} in {res['parts'][p]['seconds']:.1f} s"
+                      + (f": {res['parts'][p]['error']}" if res["parts"][p]["error"] else ""), file=sys.stderr, flush=True)
+            res["wall_s"] = round(time.time() - t0, 1)
+            atomic_write_json(path, res)  # after every part: an interrupted check keeps what it measured
+        failed = [p for p, r in res["parts"].items() if r["status"] == "failed"]
+        res["exit_code"] = 1 if failed else 0
+        res["wall_s"] = round(time.time() - t0, 1)
+        atomic_write_json(path, res)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(summary_text(res))
+    print(f"\nwrote {path} ({res['wall_s']:.0f} s)" + (f"; FAILED: {', '.join(failed)}" if failed else "; every part ok"))
+    return res["exit_code"]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
