@@ -118,6 +118,11 @@ class Config:
     seed: int = 0
     precision: str = "fp32"  # fp32 | fp16 | mixed | bf16 | fp16_pure | fp16_storage   (mpt.precision)
     impl: str = "autocast"  # autocast | paper
+    # FP16/BF16 dot products on a CPU: emulated (FP32 math on the FP16 operands, rounded once: section
+    # 3.3's arithmetic) | native (PyTorch's CPU kernels) | auto (emulated; BF16 native where the CPU has
+    # BF16 instructions). A GPU always runs its own kernels. mpt.precision.HalfMath; env.json records
+    # what auto picked.
+    half_math: str = "auto"
     loss_scale: str = "auto"  # auto | dynamic | <number>
     tf32: bool = False  # off by default so FP32 baselines are strict
     channels_last: bool = False
@@ -420,11 +425,19 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
+# Keys added after runs were stored, with the value that reproduces those runs: at that value a key is
+# left out of the content id (the runs keep their ids and directories) and a stored config without it
+# is the same run. Another value is another run.
+_ADDED_KEYS = {"half_math": "auto"}
+
+
 def config_difference(stored: dict, cfg: Config) -> str | None:
     """The first non-infrastructure key whose value differs between a run directory's stored
     config.yaml and cfg, as "key: <stored> stored, <new> now"; None when they are the same run."""
     new = _flat(json.loads(json.dumps(_strip_infra(cfg), default=str)))
     old = _flat(json.loads(json.dumps(stored, default=str))) if isinstance(stored, dict) else {}
+    if isinstance(stored, dict):
+        old = {**_ADDED_KEYS, **old}
     for k in sorted(set(new) | set(old)):
         if k in new and k in old and old[k] != new[k]:
             return f"{k}: {old[k]!r} stored, {new[k]!r} now"
@@ -438,6 +451,9 @@ def cell_id(cfg: Config) -> str:
     resolve() normalises them: a Config built by hand gets the same id as the resolved one)."""
     ident = _strip_infra(cfg)
     ident["loss_scale"] = canonical_loss_scale(ident["loss_scale"])
+    for k, default in _ADDED_KEYS.items():
+        if ident.get(k) == default:
+            del ident[k]
     blob = json.dumps(ident, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 

@@ -44,10 +44,23 @@ Implementations (cfg.impl):
              keeps FP32 parameters and gets FP32 inputs. A parameter kept in FP32 is its own master.
   fp16_pure and fp16_storage are defined by what the model stores, which autocast's FP32 weights
   cannot express, so both impls run them the paper's way.
+
+FP16/BF16 math on a CPU (cfg.half_math: auto | emulated | native; HalfMath below):
+  emulated   every dot product (matmul, convolution and their backward, oneDNN's fused LSTM layer,
+             the embedding's gradient sum) that reads FP16 (BF16) operands runs as FP32 math on exact
+             FP32 copies of them and its result is rounded once to FP16 (BF16): section 3.3's FP16
+             dot product (products accumulated in FP32, rounded on write), what tensor cores do.
+             Point-wise ops and reductions keep PyTorch's kernels (they already compute in FP32 and
+             round once). PyTorch's CPU FP16 GEMM/convolution kernels are 10-170x slower than FP32.
+  native     PyTorch's CPU FP16/BF16 kernels.
+  auto       emulated for FP16; for BF16 native where the processor has BF16 dot-product
+             instructions (AVX512-BF16 or AMX-BF16: oneDNN's BF16 kernels beat FP32 there) and
+             emulated where it has none. A GPU always runs its own kernels (the setting is moot there).
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from typing import Iterable
 
@@ -55,6 +68,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from mpt import torch_private as TP
 from mpt.errors import UserError
@@ -64,6 +78,7 @@ PRECISIONS = ("fp32", "fp16", "mixed", "bf16", "fp16_pure", "fp16_storage")
 # Precisions that store the model in FP16 whatever cfg.impl says (see the module docstring).
 _PAPER_ONLY = ("fp16_pure", "fp16_storage")
 IMPLS = ("autocast", "paper")
+HALF_MATHS = ("auto", "emulated", "native")
 # Norm layers keep FP32 parameters and statistics; their kernels read FP16 input with FP32
 # parameters and reduce in FP32 (section 3.3), so no FP32 copy of the activation is made or saved.
 _NORMS = (TP.NormBase, nn.LayerNorm, nn.GroupNorm)
@@ -112,6 +127,8 @@ def check(cfg) -> None:
         raise UserError(f"unknown precision {cfg.precision!r}; choose one of: {', '.join(PRECISIONS)}")
     if cfg.impl not in IMPLS:
         raise UserError(f"unknown impl {cfg.impl!r}; choose one of: {', '.join(IMPLS)}")
+    if getattr(cfg, "half_math", "auto") not in HALF_MATHS:
+        raise UserError(f"unknown half_math {cfg.half_math!r}; choose one of: {', '.join(HALF_MATHS)}")
     parse_loss_scale(cfg.loss_scale, cfg.precision)
     s = cfg.scaler
     if not (s.init_scale > 0 and s.growth_factor > 1 and 0 < s.backoff_factor < 1 and s.growth_interval >= 1):
@@ -119,57 +136,283 @@ def check(cfg) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# FP16 storage, FP32 math (fp16_storage)
+# FP32 math on FP16 (BF16) values
+#
+# Section 3.3: an FP16 dot product accumulates its partial products in FP32 and rounds the result to
+# FP16 when it is written. That is exactly: cast the FP16 operands to FP32 (exact), run the FP32
+# kernel, round the output to FP16 once (only the summation order can differ from another
+# FP32-accumulating kernel, by an ulp). HalfMath applies that rule to every dot product a model calls
+# (convolutions, linear layers, matmuls, recurrent layers, the embedding's gradient sum), forward
+# and backward; FP32Math (fp16_storage, section 4.3) is the same mode with softmax added.
+#
+# Why at the function level (a TorchFunctionMode, ~270 calls in a tiny ResNet-50 forward) and not
+# below autograd (a TorchDispatchMode would see every aten op of forward and backward, ~820 there,
+# ~9,200 in a 2-layer GRU over 100 frames): measured here, the dispatch mode's Python call costs
+# ~16 us per op -- 13 ms of a 46 ms ResNet-50 step and 63 ms of an 84 ms GRU step before any
+# arithmetic. Convolutions, linear layers and embeddings get autograd Functions that save the FP16
+# tensors (activation memory stays FP16's) and run the FP32 backward kernels themselves; the other
+# dot products are differentiated through their casts, so autograd saves their FP32 copies.
 
 
 def _ops(owner, names):
     return {getattr(owner, n) for n in names if hasattr(owner, n)}
 
 
-# Dot products (section 3.3's first category), recurrent layers and softmax: the operations whose
-# FP16 kernels may round partial results (FP16 GEMM reductions on GPUs, the gates inside an FP16
-# recurrent cell). Point-wise ops and reductions are left to PyTorch's FP16 kernels, which compute
-# in FP32 and round their output once -- the same numbers as FP32 math on FP16 storage.
-_FP32_MATH_OPS = (
-    _ops(torch, ("matmul", "mm", "bmm", "addmm", "addmv", "mv", "baddbmm", "addbmm", "einsum", "dot",
-                 "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
-                 "gru", "lstm", "rnn_tanh", "rnn_relu", "gru_cell", "lstm_cell", "rnn_tanh_cell", "rnn_relu_cell",
-                 "softmax", "log_softmax"))
-    | _ops(torch.Tensor, ("matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "addmm", "addmv", "mv", "baddbmm",
-                          "addbmm", "dot", "softmax", "log_softmax"))
-    | _ops(F, ("linear", "bilinear", "softmax", "log_softmax"))
-)
+def _fp32_call(func, args, kwargs, low: torch.dtype):
+    """func(*args, **kwargs) in FP32 on exact FP32 copies of the `low`-precision tensors, floating
+    results rounded to `low` once. Differentiable: the casts are recorded by autograd, so the
+    backward runs in FP32 too and rounds each gradient to `low` once."""
+    flat, spec = tree_flatten((args, kwargs))
+    flat = [a.float() if isinstance(a, torch.Tensor) and a.dtype == low else a for a in flat]
+    a32, k32 = tree_unflatten(flat, spec)
+    out = func(*a32, **k32)
+    flat, spec = tree_flatten(out)
+    return tree_unflatten([o.to(low) if isinstance(o, torch.Tensor) and o.dtype == torch.float32 else o
+                           for o in flat], spec)
 
 
-def _has_fp16(obj) -> bool:
-    if isinstance(obj, torch.Tensor):
-        return obj.dtype == torch.float16
-    if isinstance(obj, (list, tuple)):
-        return any(_has_fp16(o) for o in obj)
-    return False
+def _round(t, low):
+    return None if t is None else t.to(low)
 
 
-def _fp16_to_fp32(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.float() if obj.dtype == torch.float16 else obj
-    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        return type(obj)(_fp16_to_fp32(o) for o in obj)
-    return obj
+def _no_autocast(device_type: str):
+    return torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) \
+        else contextlib.nullcontext()
 
 
-class FP32Math(TorchFunctionMode):
-    """Within this context, the operations in _FP32_MATH_OPS that read FP16 tensors compute in FP32
-    on exact FP32 copies of them and store their floating results in FP16. The casts are recorded by
-    autograd, so the backward pass computes in FP32 too and stores each gradient in FP16 (the cast's
-    backward rounds it)."""
+class _Conv(torch.autograd.Function):
+    """aten.convolution on FP32 copies of FP16 operands, output rounded; saves the FP16 input and
+    weight; backward = aten.convolution_backward in FP32, each gradient rounded once."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, stride, padding, dilation, transposed, output_padding, groups):
+        # What the backward needs, as PyTorch's own convolution saves it: the input only for the
+        # weight's gradient, the weight only for the input's.
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, w if ctx.needs_input_grad[0] else None)
+        ctx.shapes, ctx.low = (x.shape, w.shape), x.dtype
+        ctx.conf = (stride, padding, dilation, transposed, output_padding, groups)
+        ctx.bias = None if b is None else list(b.shape)
+        y = torch.ops.aten.convolution(x.float(), w.float(), None if b is None else b.float(), *ctx.conf)
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, w = ctx.saved_tensors
+        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.bias is not None and ctx.needs_input_grad[2]]
+        # convolution_backward takes both tensors; the one whose gradient is not asked for is not read
+        x = torch.empty(ctx.shapes[0], device=gy.device) if x is None else x.float()
+        w = torch.empty(ctx.shapes[1], device=gy.device) if w is None else w.float()
+        with _no_autocast(gy.device.type):
+            gx, gw, gb = torch.ops.aten.convolution_backward(gy.float(), x, w, ctx.bias, *ctx.conf, mask)
+        low = ctx.low
+        return (_round(gx, low) if mask[0] else None, _round(gw, low) if mask[1] else None,
+                _round(gb, low) if mask[2] else None, None, None, None, None, None, None)
+
+
+class _Linear(torch.autograd.Function):
+    """F.linear in FP32 on FP16 operands, output rounded; saves the FP16 input and weight."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, w if ctx.needs_input_grad[0] else None)
+        ctx.has_bias, ctx.low = b is not None, x.dtype
+        return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, w = ctx.saved_tensors
+        low, g = ctx.low, gy.float()
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            gx = (g @ w.float()).to(low)
+        g2 = g.reshape(-1, g.shape[-1])
+        if ctx.needs_input_grad[1]:
+            gw = (g2.t() @ x.float().reshape(-1, x.shape[-1])).to(low)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = g2.sum(0).to(low)
+        return gx, gw, gb
+
+
+class _Embedding(torch.autograd.Function):
+    """The lookup is exact in FP16; the gradient sums the rows of repeated tokens (a dot product with
+    a one-hot matrix): in FP32, rounded once, as CUDA's kernel accumulates it."""
+
+    @staticmethod
+    def forward(ctx, idx, w, padding_idx, scale_grad_by_freq):
+        ctx.save_for_backward(idx)
+        ctx.conf = (w.shape[0], padding_idx, scale_grad_by_freq)
+        return torch.embedding(w, idx, padding_idx, scale_grad_by_freq, False)
+
+    @staticmethod
+    def backward(ctx, gy):
+        (idx,) = ctx.saved_tensors
+        n, pad, freq = ctx.conf
+        gw = torch.ops.aten.embedding_dense_backward(gy.float(), idx, n, pad, freq).to(gy.dtype)
+        return None, gw, None, None
+
+
+def _arg(args, kwargs, i, name, default=None):
+    return args[i] if len(args) > i else kwargs.get(name, default)
+
+
+def _conv(transposed: bool, nd: int):
+    from torch.nn.modules.utils import _ntuple
+
+    tup = _ntuple(nd)
+
+    def run(func, args, kwargs, low):
+        x, w, b = args[0], _arg(args, kwargs, 1, "weight"), _arg(args, kwargs, 2, "bias")
+        stride = tup(_arg(args, kwargs, 3, "stride", 1))
+        padding = _arg(args, kwargs, 4, "padding", 0)
+        if isinstance(padding, str) or x.dim() != nd + 2:  # "same"/"valid", unbatched input: via the casts
+            return _fp32_call(func, args, kwargs, low)
+        if transposed:
+            out_pad = tup(_arg(args, kwargs, 5, "output_padding", 0))
+            groups, dilation = _arg(args, kwargs, 6, "groups", 1), tup(_arg(args, kwargs, 7, "dilation", 1))
+        else:
+            out_pad = tup(0)
+            dilation, groups = tup(_arg(args, kwargs, 5, "dilation", 1)), _arg(args, kwargs, 6, "groups", 1)
+        return _Conv.apply(x, w, b, list(stride), list(tup(padding)), list(dilation), transposed, list(out_pad), groups)
+    return run
+
+
+def _linear(func, args, kwargs, low):
+    return _Linear.apply(args[0], _arg(args, kwargs, 1, "weight"), _arg(args, kwargs, 2, "bias"))
+
+
+def _embedding(func, args, kwargs, low):
+    idx, w = args[0], _arg(args, kwargs, 1, "weight")
+    pad = _arg(args, kwargs, 2, "padding_idx")
+    if _arg(args, kwargs, 3, "max_norm") is not None or _arg(args, kwargs, 6, "sparse", False):
+        return func(*args, **kwargs)  # renormalises the table in place / sparse gradients: PyTorch's own
+    if pad is not None and pad < 0:
+        pad += w.shape[0]
+    return _Embedding.apply(idx, w, -1 if pad is None else pad, _arg(args, kwargs, 5, "scale_grad_by_freq", False))
+
+
+# The dot products (section 3.3's first category) and how each runs. Recurrent layers run whole, in
+# FP32, with their outputs rounded: the cell's gates computed in FP32 as cuDNN computes them for FP16
+# data (PyTorch sets its math precision to FP32, mathPrec = CUDNN_DATA_FLOAT); unlike cuDNN, the hidden
+# state is rounded to FP16 only where the layer writes it, not at every time step (README, issue 32).
+_GENERIC = (_ops(torch, ("matmul", "mm", "bmm", "addmm", "baddbmm", "addbmm", "einsum",
+                         "gru", "lstm", "rnn_tanh", "rnn_relu", "gru_cell", "lstm_cell", "rnn_tanh_cell",
+                         "rnn_relu_cell"))
+            | _ops(torch.Tensor, ("matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "addmm", "baddbmm", "addbmm"))
+            | _ops(F, ("bilinear",)))
+_HALF_MATH = {f: (lambda func, args, kwargs, low: _fp32_call(func, args, kwargs, low)) for f in _GENERIC}
+_HALF_MATH.update({F.conv1d: _conv(False, 1), F.conv2d: _conv(False, 2), F.conv3d: _conv(False, 3),
+                   F.conv_transpose1d: _conv(True, 1), F.conv_transpose2d: _conv(True, 2),
+                   F.conv_transpose3d: _conv(True, 3), F.linear: _linear, F.embedding: _embedding})
+# Dot products autocast leaves in FP32 (not in its CPU/CUDA lower-precision lists): matrix-vector
+# products. Under autocast only these read FP32 operands as FP32; the rest are rounded to the autocast
+# dtype first, as autocast's own casts would.
+_NOT_AUTOCAST = _ops(torch, ("mv", "addmv", "dot")) | _ops(torch.Tensor, ("mv", "addmv", "dot")) | {F.embedding}
+_SOFTMAX = _ops(torch, ("softmax", "log_softmax")) | _ops(torch.Tensor, ("softmax", "log_softmax")) \
+    | _ops(F, ("softmax", "log_softmax"))
+
+
+class HalfMath(TorchFunctionMode):
+    """Within this context every dot product (_HALF_MATH) whose floating operands are all of `dtype`
+    computes in FP32 on exact FP32 copies and rounds its floating results to `dtype` once (section
+    3.3), forward and backward. Under torch.autocast of the same dtype, the FP32 operands of the dot
+    products autocast lowers are rounded to `dtype` first (what autocast's casts do), so the result is
+    autocast's with FP32 arithmetic. Anything else -- other ops, FP32 operands (an FP32-kept module),
+    mixed dtypes (which PyTorch rejects), an out= or dtype= call -- runs as it would without the mode.
+
+    Limit: a Python function with its own __torch_function__ dispatch that is not listed (e.g.
+    F.multi_head_attention_forward) runs whole and unseen, its inner dot products on PyTorch's kernels."""
+
+    extra: frozenset = frozenset()
+
+    def __init__(self, dtype: torch.dtype = torch.float16):
+        super().__init__()
+        self.dtype = dtype
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if (func not in _FP32_MATH_OPS or "out" in kwargs or not (_has_fp16(args) or _has_fp16(list(kwargs.values())))
-                or kwargs.get("dtype") is not None or any(isinstance(a, torch.dtype) for a in args)):
-            return func(*args, **kwargs)  # not a dot product, or the caller chose the output's dtype
-        out = func(*_fp16_to_fp32(args), **{k: _fp16_to_fp32(v) for k, v in kwargs.items()})
-        return _cast_floats(out, torch.float16)
+        run = _HALF_MATH.get(func)
+        if run is None:
+            if func not in self.extra:
+                return func(*args, **kwargs)
+            run = _HALF_MATH[torch.matmul]  # the generic rule
+        if "out" in kwargs or kwargs.get("dtype") is not None or any(isinstance(a, torch.dtype) for a in args):
+            return func(*args, **kwargs)  # the caller chose the output's dtype
+        flat = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor) and a.is_floating_point()]
+        if not flat:
+            return func(*args, **kwargs)
+        dev = flat[0].device.type
+        if (func not in _NOT_AUTOCAST and torch.is_autocast_enabled(dev)
+                and torch.get_autocast_dtype(dev) == self.dtype):
+            # autocast's casts, made here: the FP32 operands rounded to the autocast dtype
+            args, kwargs = tree_unflatten(
+                [a.to(self.dtype) if isinstance(a, torch.Tensor) and a.dtype == torch.float32 else a
+                 for a in tree_flatten((args, kwargs))[0]], tree_flatten((args, kwargs))[1])
+            flat = [a.to(self.dtype) if a.dtype == torch.float32 else a for a in flat]
+        if any(a.dtype != self.dtype for a in flat):
+            return func(*args, **kwargs)
+        with _no_autocast(dev):  # the FP32 kernels must not be cast back down
+            return run(func, args, kwargs, self.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_has_fast_bf16() -> tuple[bool, str]:
+    """(whether this CPU has BF16 dot-product instructions, what says so). oneDNN's BF16 kernels use
+    AVX512-BF16 / AMX-BF16 and beat FP32 there; without them BF16 is converted in software (measured
+    ~25x slower than FP32 on an AVX2-only machine, issue 32)."""
+    caps = {}
+    try:
+        caps = torch.cpu.get_capabilities()
+    except Exception:  # noqa: BLE001 -- older torch or an unknown platform: judge by the ISA level
+        pass
+    found = [k for k in ("avx512_bf16", "amx_bf16") if caps.get(k)]
+    if found:
+        return True, "+".join(found)
+    return False, f"no avx512_bf16/amx_bf16 (torch CPU capability {torch.backends.cpu.get_cpu_capability()})"
+
+
+def resolve_half_math(setting: str, dtype: torch.dtype, device) -> str:
+    """What computes `dtype` dot products on `device`: 'device' (a GPU's own kernels, whatever the
+    setting), 'emulated' or 'native' (see the module docstring); 'none' for FP32."""
+    device = torch.device(device)
+    if dtype == torch.float32:
+        return "none"
+    if device.type != "cpu":
+        return "device"
+    if setting in ("emulated", "native"):
+        return setting
+    if dtype == torch.bfloat16 and cpu_has_fast_bf16()[0]:
+        return "native"
+    return "emulated"
+
+
+def half_math_used(cfg, device) -> str:
+    """resolve_half_math for a run's config (what build(cfg, device).half_math will be)."""
+    if cfg.precision == "fp16_storage":
+        return "emulated"  # FP32Math on every device: the precision's definition
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(cfg.precision, torch.float16)
+    return resolve_half_math(getattr(cfg, "half_math", "auto"), dtype, device)
+
+
+def half_math_info(device) -> dict:
+    """What half_math=auto picks on `device` and why (env.json)."""
+    device = torch.device(device)
+    info = {"auto_float16": resolve_half_math("auto", torch.float16, device),
+            "auto_bfloat16": resolve_half_math("auto", torch.bfloat16, device)}
+    if device.type == "cpu":
+        info["bf16_basis"] = cpu_has_fast_bf16()[1]
+    return info
+
+
+class FP32Math(HalfMath):
+    """fp16_storage (section 4.3): HalfMath for FP16 on any device (a GPU too), with softmax and
+    log_softmax also computed in FP32 on the FP16 values and stored in FP16. Point-wise ops and
+    reductions are left to PyTorch's FP16 kernels, which compute in FP32 and round their output
+    once -- the same numbers as FP32 math on FP16 storage."""
+
+    extra = frozenset(_SOFTMAX)
+
+    def __init__(self):
+        super().__init__(torch.float16)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -215,6 +458,7 @@ class Recipe:
     name = "fp32"
     impl = "autocast"
     compute_dtype = torch.float32
+    half_math = "none"  # what computes the FP16/BF16 dot products: emulated | native | device | none
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
@@ -233,6 +477,11 @@ class Recipe:
 
     def autocast(self):
         return contextlib.nullcontext()
+
+    def _math(self):
+        """HalfMath where this recipe's FP16/BF16 dot products are emulated (it builds their backward
+        too: nothing is needed around backward())."""
+        return HalfMath(self.compute_dtype) if self.half_math == "emulated" else contextlib.nullcontext()
 
     # -- per iteration --
     @property
@@ -307,9 +556,10 @@ class Autocast(Recipe):
 
     impl = "autocast"
 
-    def __init__(self, device, name: str, dtype: torch.dtype, scale, scaler_cfg=None):
+    def __init__(self, device, name: str, dtype: torch.dtype, scale, scaler_cfg=None, half_math: str = "auto"):
         super().__init__(device)
         self.name, self.compute_dtype = name, dtype
+        self.half_math = resolve_half_math(half_math, dtype, self.device)
         self.static_scale = scale if isinstance(scale, float) else None
         if scale is None:
             self.scaler = None  # fp16 without loss scaling / bf16: S = 1, nothing skipped
@@ -321,7 +571,9 @@ class Autocast(Recipe):
                 backoff_factor=c.backoff_factor, growth_interval=c.growth_interval)
 
     def autocast(self):
-        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+        if self.half_math != "emulated":
+            return torch.autocast(self.device.type, dtype=self.compute_dtype)
+        return _both(torch.autocast(self.device.type, dtype=self.compute_dtype), HalfMath(self.compute_dtype))
 
     @property
     def loss_scale(self) -> float:
@@ -364,6 +616,12 @@ class Autocast(Recipe):
         super().load_state_dict(sd)
         if self.scaler is not None:
             self.scaler.load_state_dict(sd["scaler"])
+
+
+@contextlib.contextmanager
+def _both(outer, inner):
+    with outer, inner:
+        yield
 
 
 def _cast_floats(obj, dtype):
@@ -430,9 +688,11 @@ class Paper(Recipe):
     impl = "paper"
 
     def __init__(self, device, name: str, dtype: torch.dtype, scale, scaler_cfg=None, master: bool = True,
-                 fp32_math: bool = False):
+                 fp32_math: bool = False, half_math: str = "auto"):
         super().__init__(device)
         self.name, self.compute_dtype, self.master, self.fp32_math = name, dtype, master, fp32_math
+        # fp16_storage is FP32 math on FP16 values on every device, whatever the setting.
+        self.half_math = "emulated" if fp32_math else resolve_half_math(half_math, dtype, self.device)
         c = scaler_cfg
         if scale is None:
             self.scaler = LossScaler("none")
@@ -443,7 +703,8 @@ class Paper(Recipe):
         self._pairs: list[tuple[list[torch.Tensor], list[torch.Tensor], list[int]]] = []
 
     def autocast(self):
-        return FP32Math() if self.fp32_math else contextlib.nullcontext()
+        # fp16_storage is FP32 math by definition, on every device (FP32Math: HalfMath + softmax).
+        return FP32Math() if self.fp32_math else self._math()
 
     @property
     def _what(self) -> str:
@@ -598,8 +859,10 @@ def build(cfg, device) -> Recipe:
     if p == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise UserError(f"precision=bf16 needs a GPU with BF16 (Ampere or newer); "
                         f"{torch.cuda.get_device_name(device)} has none: use precision=mixed")
+    hm = getattr(cfg, "half_math", "auto")
     if p in _PAPER_ONLY:
-        return Paper(device, p, dtype, scale, cfg.scaler, master=p != "fp16_pure", fp32_math=p == "fp16_storage")
+        return Paper(device, p, dtype, scale, cfg.scaler, master=p != "fp16_pure", fp32_math=p == "fp16_storage",
+                     half_math=hm)
     if cfg.impl == "paper":
-        return Paper(device, p, dtype, scale, cfg.scaler, master=True)
-    return Autocast(device, p, dtype, scale, cfg.scaler)
+        return Paper(device, p, dtype, scale, cfg.scaler, master=True, half_math=hm)
+    return Autocast(device, p, dtype, scale, cfg.scaler, half_math=hm)

@@ -232,10 +232,14 @@ def git_info() -> tuple[str, bool]:
         return "unknown", False
 
 
-def env_info(device, world_size: int = 1) -> dict:
-    """What produced a number: code version, libraries, device and the TF32 switches."""
+def env_info(device, world_size: int = 1, cfg=None) -> dict:
+    """What produced a number: code version, libraries, device, the TF32 switches and what computes
+    FP16/BF16 dot products (`half_math`: what auto picks on this device and why; with the run's config,
+    `half_math_used`: emulated | native | device | none)."""
     import torch
     import torchvision
+
+    from mpt import precision
 
     commit, dirty = git_info()
     cuda = device.type == "cuda"
@@ -253,6 +257,8 @@ def env_info(device, world_size: int = 1) -> dict:
         "hostname": socket.gethostname(),
         "world_size": world_size,
         "date": now(),
+        "half_math": precision.half_math_info(device),
+        **({"half_math_used": precision.half_math_used(cfg, device)} if cfg is not None else {}),
     }
 
 

@@ -13,15 +13,15 @@ torch.set_num_threads(1)
 ALL = [(p, i) for p in precision.PRECISIONS for i in precision.IMPLS]
 
 
-def cfg_of(prec="fp32", impl="autocast", loss_scale="auto", **scaler):
-    c = Config(precision=prec, impl=impl, loss_scale=str(loss_scale))
+def cfg_of(prec="fp32", impl="autocast", loss_scale="auto", half_math="auto", **scaler):
+    c = Config(precision=prec, impl=impl, loss_scale=str(loss_scale), half_math=half_math)
     for k, v in scaler.items():
         setattr(c.scaler, k, v)
     return c
 
 
-def recipe_for(model, opt, prec, impl, loss_scale="auto", **scaler):
-    r = precision.build(cfg_of(prec, impl, loss_scale, **scaler), "cpu")
+def recipe_for(model, opt, prec, impl, loss_scale="auto", half_math="auto", **scaler):
+    r = precision.build(cfg_of(prec, impl, loss_scale, half_math, **scaler), "cpu")
     r.prepare(model, [opt])
     return r
 
@@ -489,13 +489,14 @@ def test_fp16_storage_stores_fp16_and_computes_fp32(impl):
 
 
 def test_fp16_storage_differs_from_fp16_math():
-    """A recurrent layer: FP16 math rounds every gate to FP16; FP16 storage with FP32 math keeps the
-    cell's arithmetic in FP32 and rounds its output once."""
-    def gru_output(prec):
+    """A recurrent layer: PyTorch's FP16 kernels (half_math=native) round every gate to FP16; FP16
+    storage with FP32 math keeps the cell's arithmetic in FP32 and rounds its output once. Emulated
+    FP16 math on the CPU (issue 32) runs a recurrent layer the same way as FP16 storage."""
+    def gru_output(prec, half_math="native"):
         torch.manual_seed(0)
         m = nn.GRU(8, 16, batch_first=True)
         ref = copy.deepcopy(m)
-        r = recipe_for(m, torch.optim.SGD(m.parameters(), lr=0.1), prec, "paper")
+        r = recipe_for(m, torch.optim.SGD(m.parameters(), lr=0.1), prec, "paper", half_math=half_math)
         x = torch.randn(4, 12, 8)
         with r.autocast():
             out = m(x)[0]
@@ -506,6 +507,8 @@ def test_fp16_storage_differs_from_fp16_math():
     assert torch.equal(out, fp32_math)
     out16, fp32_math = gru_output("fp16")
     assert (out16 != fp32_math).float().mean() > 0.1
+    out16, fp32_math = gru_output("fp16", "emulated")
+    assert torch.equal(out16, fp32_math)
 
 
 def test_fp16_storage_loss_scale_and_validation():
