@@ -68,7 +68,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from mpt import torch_private as TP
 from mpt.errors import UserError
@@ -158,17 +157,37 @@ def _ops(owner, names):
     return {getattr(owner, n) for n in names if hasattr(owner, n)}
 
 
+def _map(obj, f):
+    """f applied to every tensor in obj (tensors, lists and tuples of them; a torch function's arguments
+    and results). Lighter than torch.utils._pytree, whose cost showed at ~50 calls per step."""
+    if isinstance(obj, torch.Tensor):
+        return f(obj)
+    if isinstance(obj, (list, tuple)):
+        items = [_map(o, f) for o in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    if isinstance(obj, dict):
+        return {k: _map(v, f) for k, v in obj.items()}
+    return obj
+
+
+def _floats(obj, out: list) -> list:
+    """The floating-point tensors in obj, appended to out."""
+    for a in obj:
+        if isinstance(a, torch.Tensor):
+            if a.is_floating_point():
+                out.append(a)
+        elif isinstance(a, (list, tuple)):
+            _floats(a, out)
+    return out
+
+
 def _fp32_call(func, args, kwargs, low: torch.dtype):
     """func(*args, **kwargs) in FP32 on exact FP32 copies of the `low`-precision tensors, floating
     results rounded to `low` once. Differentiable: the casts are recorded by autograd, so the
     backward runs in FP32 too and rounds each gradient to `low` once."""
-    flat, spec = tree_flatten((args, kwargs))
-    flat = [a.float() if isinstance(a, torch.Tensor) and a.dtype == low else a for a in flat]
-    a32, k32 = tree_unflatten(flat, spec)
-    out = func(*a32, **k32)
-    flat, spec = tree_flatten(out)
-    return tree_unflatten([o.to(low) if isinstance(o, torch.Tensor) and o.dtype == torch.float32 else o
-                           for o in flat], spec)
+    up = lambda t: t.float() if t.dtype == low else t  # noqa: E731
+    out = func(*_map(args, up), **_map(kwargs, up))
+    return _map(out, lambda t: t.to(low) if t.dtype == torch.float32 else t)
 
 
 def _round(t, low):
@@ -178,6 +197,9 @@ def _round(t, low):
 def _no_autocast(device_type: str):
     return torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) \
         else contextlib.nullcontext()
+
+
+_CONV_BACKWARD = torch.ops.aten.convolution_backward.default
 
 
 class _Conv(torch.autograd.Function):
@@ -192,8 +214,7 @@ class _Conv(torch.autograd.Function):
         ctx.shapes, ctx.low = (x.shape, w.shape), x.dtype
         ctx.conf = (stride, padding, dilation, transposed, output_padding, groups)
         ctx.bias = None if b is None else list(b.shape)
-        y = torch.ops.aten.convolution(x.float(), w.float(), None if b is None else b.float(), *ctx.conf)
-        return y.to(x.dtype)
+        return torch.convolution(x.float(), w.float(), None if b is None else b.float(), *ctx.conf).to(x.dtype)
 
     @staticmethod
     def backward(ctx, gy):
@@ -203,7 +224,7 @@ class _Conv(torch.autograd.Function):
         x = torch.empty(ctx.shapes[0], device=gy.device) if x is None else x.float()
         w = torch.empty(ctx.shapes[1], device=gy.device) if w is None else w.float()
         with _no_autocast(gy.device.type):
-            gx, gw, gb = torch.ops.aten.convolution_backward(gy.float(), x, w, ctx.bias, *ctx.conf, mask)
+            gx, gw, gb = _CONV_BACKWARD(gy.float(), x, w, ctx.bias, *ctx.conf, mask)
         low = ctx.low
         return (_round(gx, low) if mask[0] else None, _round(gw, low) if mask[1] else None,
                 _round(gb, low) if mask[2] else None, None, None, None, None, None, None)
@@ -337,17 +358,16 @@ class HalfMath(TorchFunctionMode):
             run = _HALF_MATH[torch.matmul]  # the generic rule
         if "out" in kwargs or kwargs.get("dtype") is not None or any(isinstance(a, torch.dtype) for a in args):
             return func(*args, **kwargs)  # the caller chose the output's dtype
-        flat = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor) and a.is_floating_point()]
+        flat = _floats(kwargs.values(), _floats(args, []))
         if not flat:
             return func(*args, **kwargs)
         dev = flat[0].device.type
         if (func not in _NOT_AUTOCAST and torch.is_autocast_enabled(dev)
                 and torch.get_autocast_dtype(dev) == self.dtype):
             # autocast's casts, made here: the FP32 operands rounded to the autocast dtype
-            args, kwargs = tree_unflatten(
-                [a.to(self.dtype) if isinstance(a, torch.Tensor) and a.dtype == torch.float32 else a
-                 for a in tree_flatten((args, kwargs))[0]], tree_flatten((args, kwargs))[1])
-            flat = [a.to(self.dtype) if a.dtype == torch.float32 else a for a in flat]
+            down = lambda t: t.to(self.dtype) if t.dtype == torch.float32 else t  # noqa: E731
+            args, kwargs = _map(args, down), _map(kwargs, down)
+            flat = [down(a) for a in flat]
         if any(a.dtype != self.dtype for a in flat):
             return func(*args, **kwargs)
         with _no_autocast(dev):  # the FP32 kernels must not be cast back down
