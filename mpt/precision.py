@@ -46,12 +46,15 @@ Implementations (cfg.impl):
   cannot express, so both impls run them the paper's way.
 
 FP16/BF16 math on a CPU (cfg.half_math: auto | emulated | native; HalfMath below):
-  emulated   every dot product (matmul, convolution and their backward, oneDNN's fused LSTM layer,
-             the embedding's gradient sum) that reads FP16 (BF16) operands runs as FP32 math on exact
-             FP32 copies of them and its result is rounded once to FP16 (BF16): section 3.3's FP16
-             dot product (products accumulated in FP32, rounded on write), what tensor cores do.
+  emulated   every dot product (linear, matmul, convolution, a recurrent layer as a whole, the
+             embedding's gradient sum; forward and backward) that reads FP16 (BF16) operands runs as
+             FP32 math on exact FP32 copies of them and its result is rounded once to FP16 (BF16):
+             section 3.3's FP16 dot product (products accumulated in FP32, rounded on write), what
+             tensor cores do.
              Point-wise ops and reductions keep PyTorch's kernels (they already compute in FP32 and
-             round once). PyTorch's CPU FP16 GEMM/convolution kernels are 10-170x slower than FP32.
+             round once). With PyTorch's CPU FP16 kernels a training step took 3.5-42x
+             FP32's here (experiments/speed_memory/README.md); emulated, 0.94-1.5x
+             (width 1/16, batch 32).
   native     PyTorch's CPU FP16/BF16 kernels.
   auto       emulated for FP16; for BF16 native where the processor has BF16 dot-product
              instructions (AVX512-BF16 or AMX-BF16: oneDNN's BF16 kernels beat FP32 there) and
