@@ -468,7 +468,7 @@ class Run:
         # TF32 is a separate baseline: off unless asked, and recorded in env.json (paper notes).
         torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
         torch.backends.cudnn.allow_tf32 = cfg.tf32
-        self.env = env_info(self.device, self.world)
+        self.env = env_info(self.device, self.world, cfg)
         self.check_identity()
         claim_error = None
         if self.main:

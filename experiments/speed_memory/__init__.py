@@ -6,6 +6,7 @@ results files; never timed tests.
         [impls=autocast,paper] [batch=256] [size=auto] [width=1.0] [steps=20] [warmup=5] [device=auto]
         [channels_last=false] [compile=false] [fused=false] [cudnn_benchmark=true] [kernels=true]
         [overhead=resnet50_preact] [overhead_rounds=5] [out=experiments/speed_memory/results] [tag=]
+        [half_math=auto|emulated|native|both]
 
 Programmatic: `experiments.speed_memory.main(["models=alexnet", ...]) -> dict` (the JSON written).
 See README.md for what is measured and how, and the results schema.
@@ -22,6 +23,9 @@ DEFAULTS = {
     "batch": 256, "size": "auto", "width": 1.0, "steps": 20, "warmup": 5, "device": "auto",
     "channels_last": False, "compile": False, "fused": False, "cudnn_benchmark": True, "kernels": True,
     "overhead": "resnet50_preact", "overhead_rounds": 5, "out": "experiments/speed_memory/results", "tag": "",
+    # FP16/BF16 dot products on a CPU (mpt.precision.HalfMath): auto | emulated | native | both (every
+    # half-precision cell twice, emulated and native, in one run: their ratios to the same FP32 row)
+    "half_math": "auto",
 }
 
 
@@ -42,6 +46,8 @@ def _check(o: dict) -> None:
         if not ok:
             raise UserError(f"size={o['size']!r}: give an input size (>= 32: pixels, or spectrogram frames "
                             f"for the speech models) or auto (each model's own)")
+    if o["half_math"] not in ("auto", "emulated", "native", "both"):
+        raise UserError(f"half_math={o['half_math']!r}: choose one of auto, emulated, native, both")
     if o["tag"] and not o["tag"].replace("-", "").replace("_", "").isalnum():
         raise UserError(f"tag={o['tag']!r}: use letters, digits, - and _ only (it becomes part of a file name)")
 
@@ -84,10 +90,11 @@ def main(overrides: list[str]) -> dict:
     with bench.restored_backend_flags():
         for m in names:
             for prec, impl in bench.cells(precisions, impls):
-                row = bench.measure(m, prec, impl, o, device)
-                result["rows"].append(row)
-                print(_line(row), file=sys.stderr)
-                save()  # after every row: an interrupted run keeps what it measured
+                for hm in bench.half_maths(prec, o["half_math"]):
+                    row = bench.measure(m, prec, impl, {**o, "half_math": hm}, device)
+                    result["rows"].append(row)
+                    print(_line(row), file=sys.stderr)
+                    save()  # after every row: an interrupted run keeps what it measured
         ov = o["overhead"]
         if ov != "none" and o["steps"] > 0:
             size = None if o["size"] == "auto" else int(o["size"])
@@ -109,7 +116,7 @@ def main(overrides: list[str]) -> dict:
 
 
 def _line(r: dict) -> str:
-    head = f"{r['model']:16s} {r['precision']:9s} {r['impl'] or '-':8s}"
+    head = f"{r['model']:16s} {r['precision']:12s} {r['impl'] or '-':8s} {r.get('half_math') or '-':8s}"
     if r["status"] != "ok":
         return f"{head} {r['status']}: {r['note']}"
     t = r.get("step_ms")

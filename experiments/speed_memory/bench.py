@@ -39,7 +39,7 @@ from mpt.rundir import env_info
 
 # "tf32" is FP32 storage with the TF32 Tensor Core switches on (a baseline the paper predates;
 # see the fact sheet's "later practice"); every other row runs with both switches off.
-PRECISIONS = ("fp32", "tf32", "fp16", "mixed", "bf16", "fp16_pure")
+PRECISIONS = ("fp32", "tf32", "fp16", "mixed", "bf16", "fp16_pure", "fp16_storage")
 DATA_NOTE = ("synthetic data: one random batch made on the device before timing, reused every step "
              "(data loading and host-to-device copies are out of every figure)")
 
@@ -157,7 +157,7 @@ def cells(precisions: list[str], impls: list[str]) -> list[tuple[str, str | None
     for p in precisions:
         if p in ("fp32", "tf32"):
             out.append((p, None))
-        elif p == "fp16_pure":
+        elif p in ("fp16_pure", "fp16_storage"):
             out.append((p, "paper"))
         else:
             out += [(p, i) for i in impls]
@@ -344,7 +344,7 @@ def summarize_kernels(kern: list[tuple[str, float, float]]) -> dict:
 
 def limit_text(row: dict, device: torch.device) -> str:
     if device.type != "cuda":
-        return "CPU run (FP16/BF16 CPU kernels are slow: times say nothing about GPUs)"
+        return "CPU run (times say nothing about GPUs)"
     busy, mm = row.get("gpu_busy_fraction"), row.get("matmul_conv_kernel_fraction")
     if busy is None:
         return "not profiled"
@@ -371,9 +371,18 @@ def make_optimizer(ocfg, params: list, fused: bool) -> torch.optim.Optimizer:
     return opt
 
 
+def half_maths(precision: str, setting: str) -> list[str]:
+    """The half_math settings a cell is measured with: both -> emulated and native for every cell whose
+    math is FP16/BF16 (fp16_storage is FP32 math by definition, tf32/fp32 have none)."""
+    if setting != "both":
+        return [setting]
+    return ["emulated", "native"] if precision in ("fp16", "mixed", "bf16", "fp16_pure") else ["auto"]
+
+
 def config_for(wl: Workload, model: str, precision: str, impl: str | None, o: dict, device) -> C.Config:
     return C.resolve(wl.experiment, [
         f"model={model}", f"precision={'fp32' if precision == 'tf32' else precision}",
+        f"half_math={o.get('half_math', 'auto')}",
         f"impl={impl or 'autocast'}", f"tf32={'true' if precision == 'tf32' else 'false'}",
         f"width={o['width']}", f"train.batch_size={o['batch']}", f"channels_last={str(o['channels_last']).lower()}",
         f"device={device}", "wandb.mode=disabled"])
@@ -432,6 +441,7 @@ def _measure(wl: Workload, model_name, precision, impl, size, o, device) -> dict
     opt = make_optimizer(cfg.optim, list(net.parameters()), o["fused"])
     recipe = P.build(cfg, device)
     net = recipe.prepare(net, [opt])
+    half_math = recipe.half_math  # what computed the FP16/BF16 dot products (emulated | native | device | none)
     batch = wl.make_batch(o["batch"], size, device, o["channels_last"], torch.Generator().manual_seed(0))
     items = 0
 
@@ -487,6 +497,7 @@ def _measure(wl: Workload, model_name, precision, impl, size, o, device) -> dict
         out["optimizer_state_bytes"] = None
         out["note"] = "every measured step overflowed: optimizer-state bytes are missing"
     out["items_per_step"] = items
+    out["half_math"] = half_math
     out["loss_scale"] = recipe.loss_scale
     out["limit"] = limit_text(out, device)
     return out

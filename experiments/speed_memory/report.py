@@ -61,6 +61,12 @@ def ratios(row: dict, base: dict | None) -> dict | None:
     }
 
 
+def _impl(r: dict) -> str:
+    """The impl, and on a CPU how FP16/BF16 dot products ran (half_math: emulated | native)."""
+    hm = r.get("half_math")
+    return (r["impl"] or "-") + (f" ({hm})" if hm in ("emulated", "native") else "")
+
+
 def add_ratios(rows: list[dict]) -> None:
     """Ratios to FP32 (and TF32 where measured) of the same model, from this run's rows only."""
     base = {(r["model"], r["precision"]): r for r in rows
@@ -243,7 +249,7 @@ def markdown(result: dict) -> str:
         sm = r.get("step_ms")
         t = f"{sm['median']:.1f} [{sm['p10']:.1f}-{sm['p90']:.1f}]" if sm else "not timed"
         lines.append(
-            f"| {r['model']} | {r['precision']} | {r['impl'] or '-'} | {t} | {_x(r.get('throughput'), '{:,.1f}')} "
+            f"| {r['model']} | {r['precision']} | {_impl(r)} | {t} | {_x(r.get('throughput'), '{:,.1f}')} "
             f"| {_x(f32.get('speedup'))} | {_x(t32.get('speedup'))} | {_mib(r.get('peak_gpu_mem_bytes'))} "
             f"| {_x(f32.get('peak_gpu_mem'), '{:.3f}')} | {_mib(r['activation_bytes'])} | {_mib(r['activation_only_bytes'])} "
             f"| {_x(f32.get('activation_only'), '{:.3f}')} | {_x(f32.get('activation_float'), '{:.3f}')} "
