@@ -78,9 +78,11 @@ def run_interrupted(monkeypatch, main, overrides, at_step: int) -> dict:
         monkeypatch.setattr(engine.Run, "train_step", orig)
 
 
-def run_gloo_ranks(script: Path, *args: str, world: int = 2, timeout: float = 180) -> None:
+def run_gloo_ranks(script: Path, *args: str, world: int = 2, timeout: float = 180,
+                   check: bool = True) -> list[tuple[int, str]]:
     """Run `script` once per rank as a torchrun-style process group on this machine (gloo, CPU);
-    fails the test with the rank's stderr if one fails, and kills them all if one hangs."""
+    fails the test with the rank's stderr if one fails (check=False: returns every rank's
+    (exit code, stderr) instead), and kills them all if one hangs."""
     import socket
     import subprocess
 
@@ -93,6 +95,7 @@ def run_gloo_ranks(script: Path, *args: str, world: int = 2, timeout: float = 18
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}
         procs.append(subprocess.Popen([sys.executable, str(script), *args], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
+    res = []
     for p in procs:
         try:
             _, err = p.communicate(timeout=timeout)
@@ -100,4 +103,7 @@ def run_gloo_ranks(script: Path, *args: str, world: int = 2, timeout: float = 18
             for q in procs:
                 q.kill()
             pytest.fail("a rank hung")
-        assert p.returncode == 0, err[-2000:]
+        if check:
+            assert p.returncode == 0, err[-2000:]
+        res.append((p.returncode, err))
+    return res

@@ -3,15 +3,12 @@ resume on another device, one random stream per rank, every rank's state in the 
 failure on a rank other than 0, one GPU per rank, persistent DataLoader workers."""
 import json
 import multiprocessing
-import os
 import socket
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import REPO, run_interrupted
+from conftest import REPO, run_gloo_ranks, run_interrupted
 from mpt import engine
 from mpt.errors import UserError
 from toy_mlp import config
@@ -20,34 +17,13 @@ from toy_ranks import RankToy
 WORKER = REPO / "tests" / "ddp_rank_worker.py"
 
 
-def _ports(n):
-    out = []
-    for _ in range(n):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            out.append(str(s.getsockname()[1]))
-    return out
-
-
 def _ranks(out, mode, world=2, timeout=180):
-    """Start `world` gloo ranks of ddp_rank_worker.py; returns their (returncode, stderr)."""
-    port, port2 = _ports(2)
-    procs = []
-    for rank in range(world):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(out), mode, port2], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    res = []
-    for p in procs:
-        try:
-            _, err = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail(f"a rank hung in mode {mode}")
-        res.append((p.returncode, err))
-    return res
+    """Start `world` gloo ranks of ddp_rank_worker.py; returns their (returncode, stderr). The worker
+    gets a second free port for the rendezvous of a resumed run."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port2 = str(s.getsockname()[1])
+    return run_gloo_ranks(WORKER, str(out), mode, port2, world=world, timeout=timeout, check=False)
 
 
 # -- item 1: a checkpoint resumes on any device --------------------------------------------------

@@ -128,18 +128,10 @@ def cpu_overrides(cell: G.Cell, data_root, out_dir, backbone=None) -> list[str]:
     return ov
 
 
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[prefix + k] = v
-    return out
 
 
 def changed_keys(a, b) -> set[str]:
-    fa, fb = _flat(C.to_dict(a)), _flat(C.to_dict(b))
+    fa, fb = C._flat(C.to_dict(a)), C._flat(C.to_dict(b))
     return {k for k in fa.keys() | fb.keys() if fa.get(k) != fb.get(k)}
 
 

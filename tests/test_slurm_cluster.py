@@ -164,21 +164,31 @@ def _extend_after_first_requeue(sc: Scenario, done: dict):
         time.sleep(0.3)
 
 
-def _preempt_when_running(sc: Scenario, min_step: int, done: dict):
-    """Background: once the cell has logged min_step steps, `scontrol requeue` its job (a preemption)."""
+def _when_running(sc: Scenario, min_step: int, done: dict, act, poll_s: float = 0.3):
+    """Background: once the scenario's one cell is running and has logged min_step steps, call
+    act(cell, state, last_step) until it returns True (it records what it did in `done`)."""
     deadline = time.time() + WAIT_S
     while time.time() < deadline:
         try:
             (cell, st), = sc.rows()
             m = cell.run_dir / "metrics.jsonl"
             steps = [x["step"] for x in _metrics(cell.run_dir) if x["kind"] == "train"] if m.exists() else []
-            if st.state == "running" and steps and steps[-1] >= min_step:
-                r = subprocess.run(["scontrol", "requeue", st.job_id], capture_output=True, text=True)
-                done.update(job_id=st.job_id, step_seen=steps[-1], rc=r.returncode, err=r.stderr)
+            if st.state == "running" and steps and steps[-1] >= min_step and act(cell, st, steps[-1]):
                 return
-        except Exception as e:  # noqa: BLE001 -- files mid-write; try again
+        except Exception as e:  # noqa: BLE001 -- files mid-write, a process just gone; try again
             done["last_error"] = repr(e)
-        time.sleep(0.3)
+        time.sleep(poll_s)
+
+
+def _preempt_when_running(sc: Scenario, min_step: int, done: dict):
+    """Background: once the cell has logged min_step steps, `scontrol requeue` its job (a preemption)."""
+
+    def requeue(cell, st, step):
+        r = subprocess.run(["scontrol", "requeue", st.job_id], capture_output=True, text=True)
+        done.update(job_id=st.job_id, step_seen=step, rc=r.returncode, err=r.stderr)
+        return True
+
+    _when_running(sc, min_step, done, requeue)
 
 
 def _children(pid: int) -> list[int]:
@@ -194,24 +204,19 @@ def _signal_step_with_workers(sc: Scenario, min_step: int, done: dict):
     workers, send USR2 (the time limit) and then SIGTERM (preemption) to every process of the job's
     steps, as SLURM does: `scancel --signal` without --batch signals the step's whole process tree
     (the rank and its workers), not only the rank."""
-    deadline = time.time() + WAIT_S
-    while time.time() < deadline:
-        try:
-            (cell, st), = sc.rows()
-            m = cell.run_dir / "metrics.jsonl"
-            steps = [x["step"] for x in _metrics(cell.run_dir) if x["kind"] == "train"] if m.exists() else []
-            if st.state == "running" and steps and steps[-1] >= min_step:
-                rank = _job(cell.run_dir)["attempts"][-1]["pid"]
-                workers = _children(rank)
-                if len(workers) >= 2:  # the loader's workers are up
-                    rcs = [subprocess.run(["scancel", f"--signal={s}", st.job_id], capture_output=True,
-                                          text=True) for s in ("USR2", "TERM")]
-                    done.update(job_id=st.job_id, step_seen=steps[-1], rank=rank, workers=workers,
-                                rc=[r.returncode for r in rcs], err=[r.stderr for r in rcs])
-                    return
-        except Exception as e:  # noqa: BLE001 -- files mid-write, a process just gone; try again
-            done["last_error"] = repr(e)
-        time.sleep(0.2)
+
+    def signal_step(cell, st, step):
+        rank = _job(cell.run_dir)["attempts"][-1]["pid"]
+        workers = _children(rank)
+        if len(workers) < 2:  # the loader's workers are not up yet
+            return False
+        rcs = [subprocess.run(["scancel", f"--signal={s}", st.job_id], capture_output=True,
+                              text=True) for s in ("USR2", "TERM")]
+        done.update(job_id=st.job_id, step_seen=step, rank=rank, workers=workers,
+                    rc=[r.returncode for r in rcs], err=[r.stderr for r in rcs])
+        return True
+
+    _when_running(sc, min_step, done, signal_step, poll_s=0.2)
 
 
 @pytest.fixture(scope="module")
