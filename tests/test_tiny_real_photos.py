@@ -14,9 +14,10 @@ needs_photos = pytest.mark.skipif(
     bool(real_photos.missing()),
     reason=f"Debian's mate-backgrounds photographs not in {real_photos.PHOTOS} (apt-get install mate-backgrounds)")
 
-# The measured floor of the slow test: the tiny ResNet-50's lowest top-1 over seeds 0-4 in fp32 and mixed
-# on the default release (experiments/ilsvrc_cnns/README.md) was above this; chance is 8.3%.
-FLOOR = 60.0
+# The slow test's floor, below what was measured: the tiny ResNet-50 on the default release reached 62.8-76.7%
+# top-1 over seeds 0-4 in fp32 and mixed (seed 0: 70.8 fp32, 70.0 mixed; experiments/ilsvrc_cnns/README.md);
+# chance is 8.3%, colour statistics with a linear classifier 67.2%.
+FLOOR = 55.0
 
 
 def test_missing_photographs_are_one_line_error(tmp_path):
