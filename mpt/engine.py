@@ -26,9 +26,9 @@ from mpt import precision
 from mpt.data import EpochSampler, SeededDataset, _mix
 from mpt.errors import UserError, cli, one_line
 from mpt.memory import SavedTensorBytes
-from mpt.rundir import (RunLock, append_jsonl, atomic_torch_save, atomic_write_bytes, atomic_write_json,
-                        atomic_write_text, env_info, now, read_json_or_none, read_jsonl, remove_stale_temp_files,
-                        storage_error)
+from mpt.rundir import (RANK_FAILURE, RunLock, append_jsonl, atomic_torch_save, atomic_write_bytes,
+                        atomic_write_json, atomic_write_text, env_info, now, read_json_or_none, read_jsonl,
+                        read_rank_failures, remove_stale_temp_files, storage_error)
 from mpt.wandb_log import WandbLogger
 
 
@@ -228,7 +228,7 @@ def _worker_init(worker_id: int) -> None:
 
 def rank_seed(seed: int, rank: int) -> int:
     """The seed of rank `rank`'s random stream after model initialisation (rank 0 keeps `seed`)."""
-    return seed if rank == 0 else _mix(seed, rank, 0x52414E4B) % (2 ** 63)
+    return seed if rank == 0 else _mix(seed, rank, 0x52414E4B)
 
 
 def rng_state(device: torch.device) -> dict:
@@ -679,7 +679,7 @@ class Run:
             "recipe": self.recipe.state_dict(), "scheds": {k: v.state_dict() for k, v in self.scheds.items()},
             "skipped": dict(self.skipped), "step": self.step,
             "wall": self.wall + (time.time() - self.t_start), "act_bytes": self.act_bytes,
-            "cell_id": self.cell, "world": self.world,
+            "cell_id": self.cell,
             # Per rank (index = rank): random state and task state (e.g. recurrent state carried
             # across batches), so that every rank, not only rank 0, continues where it stopped.
             "ranks": ranks,
@@ -707,7 +707,7 @@ class Run:
                       "continuation is not the uninterrupted run's (other data split, new random streams)",
                       file=sys.stderr)
             mine = {"rng": None, "task": ranks[0].get("task")}
-            torch.manual_seed(_mix(rank_seed(self.cfg.seed, self.rank), sd["step"]) % (2 ** 63))
+            torch.manual_seed(_mix(rank_seed(self.cfg.seed, self.rank), sd["step"]))
         if mine.get("task") is not None and hasattr(self.task, "load_state_dict"):
             self.task.load_state_dict(mine["task"])
         if mine.get("rng") is not None:
@@ -757,10 +757,9 @@ class Run:
         while True:
             epoch, within = divmod(self.step, self.steps_per_epoch)
             self.sampler.set_epoch(epoch, start=within * self.per_rank)
+            # The main process's copy (and through it the base dataset's own layout for the epoch);
+            # workers get the epoch with each index (EpochSampler(with_epoch=True)).
             self.train_ds.set_epoch(epoch)
-            # An ordered dataset may lay out its samples differently each epoch (a language model's
-            # token streams with the shard order reshuffled every pass).
-            getattr(self.train_ds.base, "set_epoch", lambda e: None)(epoch)
             for b in self.train_loader:
                 yield epoch, b
 
@@ -1024,9 +1023,6 @@ class RankZeroRefused(UserError):
     """Rank 0 could not claim the run directory (told to the other ranks): rank 0's error, not theirs."""
 
 
-RANK_FAILURE = "failure.rank"  # <run dir>/failure.rank<r>.json: why rank r > 0 ended (error.rank<r>.txt: traceback)
-
-
 def _record_rank_failure(r: Run, e: BaseException) -> None:
     """Rank r > 0 failed (an OOM on rank 3): only rank 0 writes summary.json, and rank 0 may be waiting
     in a collective that will never complete (until the process group's timeout), so the failing rank
@@ -1047,18 +1043,11 @@ def _record_rank_failure(r: Run, e: BaseException) -> None:
 
 
 def rank_failures(run_dir, wait_s: float = 0.0) -> dict[int, dict]:
-    """The failure records other ranks left in run_dir ({rank: record}); waits up to wait_s for one to
-    appear (a peer's collective error can reach rank 0 a moment before the peer's file does)."""
-    import pathlib
-
-    run_dir = pathlib.Path(run_dir)
+    """read_rank_failures, waiting up to wait_s for a record to appear (a peer's collective error can
+    reach rank 0 a moment before the peer's file does)."""
     deadline = time.time() + wait_s
     while True:
-        out = {}
-        for f in sorted(run_dir.glob(f"{RANK_FAILURE}*.json")):
-            rec = read_json_or_none(f)
-            if isinstance(rec, dict) and isinstance(rec.get("rank"), int):
-                out[rec["rank"]] = rec
+        out = read_rank_failures(run_dir)
         if out or time.time() >= deadline:
             return out
         time.sleep(0.2)

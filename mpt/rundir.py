@@ -142,6 +142,20 @@ def read_json(path, default=_RAISE):
         return default
 
 
+RANK_FAILURE = "failure.rank"  # <run dir>/failure.rank<r>.json: why rank r > 0 ended (error.rank<r>.txt: traceback)
+
+
+def read_rank_failures(run_dir) -> dict[int, dict]:
+    """{rank: record} of the failure records ranks other than 0 left in run_dir (mpt.engine writes
+    them; rank 0 and slurm.status read them). Unreadable or malformed records are skipped."""
+    out = {}
+    for f in sorted(pathlib.Path(run_dir).glob(f"{RANK_FAILURE}*.json")):
+        rec = read_json(f, default=None)
+        if isinstance(rec, dict) and isinstance(rec.get("rank"), int):
+            out[rec["rank"]] = rec
+    return out
+
+
 def read_json_or_none(path):
     """A JSON file's content, or None when it is missing, unreadable or not valid JSON (a summary
     cut short by a full disk on an old version, edited by hand, or not written yet)."""

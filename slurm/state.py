@@ -17,7 +17,7 @@ import socket
 import subprocess
 from dataclasses import dataclass
 
-from mpt.rundir import read_json
+from mpt.rundir import read_json, read_rank_failures
 
 MANIFEST = "submissions.jsonl"
 FINAL = ("completed", "diverged")
@@ -159,27 +159,22 @@ class CellState:
     log: str | None = None
 
 
-def rank_failure(run_dir: pathlib.Path, summary: dict, job: dict) -> str | None:
-    """The first failure a rank other than 0 recorded in this attempt (mpt.engine writes
-    failure.rank<r>.json), as one line; None when there is none. Only rank 0 writes summary.json, and
+def rank_failure(run_dir: pathlib.Path, job: dict) -> tuple[int, str] | None:
+    """(rank, one line) of the first failure a rank other than 0 recorded in this attempt
+    (mpt.rundir.read_rank_failures); None when there is none. Only rank 0 writes summary.json, and
     rank 0 may have been killed while it waited for the failed rank (NCCL's timeout, srun's
     --kill-on-bad-exit), leaving a summary that still says "running"."""
     attempts = job.get("attempts") or []
     start = attempts[-1].get("start") if attempts else None
-    recs = []
-    for f in sorted(run_dir.glob("failure.rank*.json")):
-        rec = read_json(f, default=None)
-        if not isinstance(rec, dict) or not isinstance(rec.get("rank"), int):
-            continue
-        # ISO-8601 times of one clock sort as strings; a record from an earlier attempt is history.
-        if isinstance(start, str) and isinstance(rec.get("time"), str) and rec["time"] < start:
-            continue
-        recs.append(rec)
+    # ISO-8601 times of one clock sort as strings; a record from an earlier attempt is history.
+    recs = [r for r in read_rank_failures(run_dir).values()
+            if not (isinstance(start, str) and isinstance(r.get("time"), str) and r["time"] < start)]
     if not recs:
         return None
     rec = min(recs, key=lambda r: r["rank"])
     more = f" (and {len(recs) - 1} more rank(s))" if len(recs) > 1 else ""
-    return f"rank {rec['rank']} failed on {rec.get('host')} at step {rec.get('step')}: {rec.get('error')}{more}"
+    return rec["rank"], (f"rank {rec['rank']} failed on {rec.get('host')} at step {rec.get('step')}: "
+                         f"{rec.get('error')}{more}")
 
 
 def cell_state(run_dir, cell_id: str, latest: dict | None, queue: dict[str, str] | None) -> CellState:
@@ -188,12 +183,13 @@ def cell_state(run_dir, cell_id: str, latest: dict | None, queue: dict[str, str]
     job, j_problem = _read_checked(run_dir / "job.json", _JOB_TYPES)
     st = _cell_state(run_dir, summary, job, latest, queue)
     if st.state not in FINAL and st.state != "not submitted":
-        ranks = rank_failure(run_dir, summary, job)
-        if ranks and ranks.split(" on ", 1)[0] not in (st.error or ""):
+        failed = rank_failure(run_dir, job)
+        # Not when rank 0's own summary already names that rank (mpt.engine._record_failure).
+        if failed and f"rank {failed[0]} failed" not in (st.error or ""):
             if st.state == "running":  # the other ranks are about to time out or be killed
-                st.error = ranks
+                st.error = failed[1]
             else:
-                st.state, st.error = "failed", ranks
+                st.state, st.error = "failed", failed[1]
     problems = "; ".join(x for x in (s_problem, j_problem) if x)
     if problems:
         st.error = f"{st.error}; {problems}" if st.error else problems
