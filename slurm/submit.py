@@ -279,7 +279,7 @@ def print_plan(g: G.Grid, todo, skipped, lines, backend: str, cluster: clusters.
               f"requeue), {n_arrays} array(s) of <= {cluster.max_array_size}, <= {cluster.array_parallelism} at once")
 
 
-def main(argv=None) -> None:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m slurm.submit", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("grid", help="grid file, e.g. experiments/ilsvrc_cnns/grid.yaml")
@@ -295,7 +295,28 @@ def main(argv=None) -> None:
     p.add_argument("--force", action="store_true", help="also resubmit cells that look queued or running")
     p.add_argument("--jobs", type=int, help="local backend: cells at once (default: cores / (threads x ranks))")
     p.add_argument("--threads", type=int, help="local backend: CPU threads per process (default: the grid's)")
-    a = p.parse_args(argv)
+    return p
+
+
+@dataclass
+class Submission:
+    """One parsed and planned submission: its arguments, grid, cluster and the cells to run."""
+
+    args: argparse.Namespace
+    grid: G.Grid
+    cluster: clusters.Cluster | None
+    todo: list[G.Cell]
+    record: dict
+    follow: str
+
+    @property
+    def exp_dir(self) -> pathlib.Path:
+        return self.todo[0].run_dir.parent
+
+
+def prepare(argv) -> Submission:
+    """Parse a submission's arguments, load its grid, check it and print its plan."""
+    a = _parser().parse_args(argv)
     if a.backend == "slurm" and not a.cluster:
         raise UserError("--backend slurm needs --cluster <name> (a profile in slurm/clusters/, e.g. local)")
     if a.backend == "local" and a.cluster:
@@ -317,26 +338,74 @@ def main(argv=None) -> None:
     print_plan(g, todo, skipped, lines, a.backend, cluster, a.dry_run)
     if not todo:
         print("nothing to submit")
-    if a.dry_run or not todo:
-        return
-
-    exp_dir = todo[0].run_dir.parent
     commit, dirty = _git()
     record = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "grid": str(g.path), "profile": g.profile,
               "backend": a.backend, "cluster": cluster.name if cluster else None, "git_commit": commit,
               "git_dirty": dirty, "argv": sys.argv[1:] if argv is None else list(argv)}
     follow = f"python -m slurm.status {g.path} --profile {g.profile}" + (f" --set {' '.join(a.extra)}" if a.extra else "")
-    if a.backend == "slurm":
+    return Submission(a, g, cluster, todo, record, follow)
+
+
+def main(argv=None) -> None:
+    sub = prepare(argv)
+    if sub.args.dry_run or not sub.todo:
+        return
+    if sub.args.backend == "slurm":
         submitted: list[tuple[G.Cell, str]] = []
         try:
-            submit_slurm(g, todo, cluster, exp_dir, submitted)
+            submit_slurm(sub.grid, sub.todo, sub.cluster, sub.exp_dir, submitted)
         finally:
-            manifest = _record(record, submitted)
+            manifest = _record(sub.record, submitted)
         ids = sorted({jid.split("_")[0] for _, jid in submitted})
         print(f"submitted {len(submitted)} cell(s) as job(s) {', '.join(ids)}; manifest {manifest}")
-        print(f"follow: {follow}\nlogs: {exp_dir / 'slurm_logs'}")
+        print(f"follow: {sub.follow}\nlogs: {sub.exp_dir / 'slurm_logs'}")
         return
-    _submit_local(g, todo, a.threads or g.resources.threads, a.jobs, exp_dir, record, follow)
+    run_locally([sub], sub.args.jobs)
+
+
+def run_locally(subs: list[Submission], jobs: int | None = None) -> None:
+    """Run the planned cells of one or several local submissions in one pool of `jobs` processes,
+    the longest first by each grid's `hours`: a pool per grid would leave cores idle at every grid's
+    tail (the demo runs eleven grids). Each submission's manifest records the cells it started."""
+    subs = [s for s in subs if s.todo]
+    if not subs:
+        return
+    entries = []  # (hours, task, submission, cell)
+    for sub in subs:
+        g, threads = sub.grid, sub.args.threads or sub.grid.resources.threads
+        res, log_dir = g.resources, sub.exp_dir / "local_logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        for c in sub.todo:
+            name = c.run_name if len(subs) == 1 else f"{c.experiment}/{c.run_name}"
+            t = LocalTask(name, [sys.executable, "-m", "slurm.job", "--experiment", c.experiment,
+                                 "--run-dir", str(c.run_dir), "--", *c.overrides],
+                          env={"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)},
+                          world=res.world, gpus=res.gpus, log=log_dir / f"{c.run_name}.log")
+            entries.append((res.hours_for(c.axes.get("model", "")), t, sub, c))
+    if len(subs) > 1:
+        entries.sort(key=lambda e: -e[0])  # stable: a grid's own order within equal estimates
+    cap = jobs if jobs is not None else min(
+        default_cap(s.args.threads or s.grid.resources.threads, s.grid.resources.world, s.grid.resources.gpus)
+        for s in subs)
+    by_name = {t.name: (sub, c) for _, t, sub, c in entries}
+    started: list[tuple[Submission, G.Cell, str]] = []
+    threads = sorted({s.args.threads or s.grid.resources.threads for s in subs})
+    logs = sorted({str(s.exp_dir / "local_logs") for s in subs})
+    print(f"running {len(entries)} cell(s), at most {cap} at once, {'/'.join(map(str, threads))} thread(s) each; "
+          f"logs in {', '.join(logs)}")
+    try:
+        results = run_local([t for _, t, _, _ in entries], cap, started=lambda t, pid: started.append(
+            (*by_name[t.name], f"local:{socket.gethostname()}:{pid}")))
+    finally:
+        for sub in subs:
+            _record(sub.record, [(c, jid) for s, c, jid in started if s is sub])
+    bad = [n for n, rc in results.items() if rc != 0]
+    print(f"{len(results) - len(bad)} cell(s) ended normally, {len(bad)} with errors"
+          + (f" ({', '.join(bad)}; see {', '.join(logs)})" if bad else ""))
+    for sub in subs:
+        print(f"status: {sub.follow}")
+    if bad:
+        raise SystemExit(1)
 
 
 def _record(record: dict, pairs: list[tuple[G.Cell, str]]) -> pathlib.Path | None:
@@ -350,32 +419,6 @@ def _record(record: dict, pairs: list[tuple[G.Cell, str]]) -> pathlib.Path | Non
     for d, cells in by_dir.items():
         path = append_manifest(d, {**record, "cells": cells})
     return path
-
-
-def _submit_local(g: G.Grid, todo: list[G.Cell], threads: int, jobs: int | None, exp_dir: pathlib.Path,
-                  record: dict, follow: str) -> None:
-    res = g.resources
-    cap = jobs if jobs is not None else default_cap(threads, res.world, res.gpus)
-    log_dir = exp_dir / "local_logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    tasks = [LocalTask(c.run_name, [sys.executable, "-m", "slurm.job", "--experiment", c.experiment,
-                                    "--run-dir", str(c.run_dir), "--", *c.overrides],
-                       env={"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)},
-                       world=res.world, gpus=res.gpus, log=log_dir / f"{c.run_name}.log") for c in todo]
-    by_name = {c.run_name: c for c in todo}
-    started: list[tuple[G.Cell, str]] = []
-    print(f"running {len(tasks)} cell(s), at most {cap} at once, {threads} thread(s) each; logs in {log_dir}")
-    try:
-        results = run_local(tasks, cap, started=lambda t, pid: started.append(
-            (by_name[t.name], f"local:{socket.gethostname()}:{pid}")))
-    finally:
-        _record(record, started)
-    bad = [n for n, rc in results.items() if rc != 0]
-    print(f"{len(results) - len(bad)} cell(s) ended normally, {len(bad)} with errors"
-          + (f" ({', '.join(bad)}; see {log_dir})" if bad else ""))
-    print(f"status: {follow}")
-    if bad:
-        raise SystemExit(1)
 
 
 if __name__ == "__main__":

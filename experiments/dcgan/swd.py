@@ -15,6 +15,7 @@ distribution give a small positive value.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -61,12 +62,23 @@ def _descriptors(level: torch.Tensor, per_image: int, g: torch.Generator) -> tor
     return d.reshape(d.shape[0], -1)
 
 
+def _sorted_rows(x: torch.Tensor) -> torch.Tensor:
+    # Sorting is nearly all of SWD's cost. Rows, not columns: a contiguous sort is 2x faster, and on a
+    # CPU NumPy's vectorised sort is another 5x faster than torch's (25,600 x 512 floats: 0.14 s
+    # against 0.70 s, and 1.7 s for torch along columns; 2026-11-25, one thread). Sorted values are
+    # unique, so the result is the same whichever sorts them.
+    if x.device.type == "cpu":
+        return torch.from_numpy(np.sort(x.numpy(), axis=1))
+    return x.sort(dim=1).values
+
+
 def sliced_wasserstein(a: torch.Tensor, b: torch.Tensor, g: torch.Generator) -> float:
     out = 0.0
     for _ in range(REPEATS):
         dirs = torch.randn(a.shape[1], DIRECTIONS, generator=g).to(a.device)
         dirs = dirs / dirs.norm(dim=0, keepdim=True)
-        pa, pb = (a @ dirs).sort(dim=0).values, (b @ dirs).sort(dim=0).values
+        # (DIRECTIONS, N): each direction's projections of the whole set, sorted along the row
+        pa, pb = _sorted_rows((dirs.T @ a.T).contiguous()), _sorted_rows((dirs.T @ b.T).contiguous())
         out += (pa - pb).abs().mean().item()
     return out / REPEATS
 
