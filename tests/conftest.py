@@ -37,7 +37,8 @@ def one_thread():
 
 
 def tiny_overrides(root, out_dir, *extra):
-    """A tiny-profile ILSVRC run that writes under out_dir and logs nothing online."""
+    """The overrides of a tiny-profile run of any experiment on the prepared data at `root`: it writes
+    under out_dir and logs nothing online; `extra` key=value pairs come last (they win)."""
     return ["profile=tiny", f"task.data_root={root}", f"out_dir={out_dir}", "wandb.mode=disabled",
             "train.progress=false", *extra]
 

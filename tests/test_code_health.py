@@ -38,7 +38,6 @@ def test_unknown_schedule_and_removed_keys_are_one_line_errors():
         engine.lr_factor(SchedCfg(name="linear"), 0.0, 1.0)
     with pytest.raises(UserError, match="unknown config key 'sched.min_lr' \\(command line\\)"):
         C.set_key(Config(), "sched.min_lr", 0.001, where="command line")
-    assert not hasattr(precision.Recipe, "describe")
 
 
 class _SumOfSquares(nn.Module):
@@ -133,36 +132,25 @@ def test_loss_step_order_mean_loss_and_what_step_returns():
     assert net.weight.grad is None
 
 
-def test_engine_benchmark_and_memory_estimate_share_the_step(monkeypatch, tmp_path):
+def test_engine_benchmark_and_memory_estimate_train_like_a_plain_loop(monkeypatch, tmp_path):
+    """The one training step, by what each caller of it does: the engine's run trains a model to the
+    weights a hand-written torch loop reaches; the benchmark's step and the bigLSTM memory estimate
+    read gradients and optimizer state between the update and zero_grad, and measure the bytes that
+    autograd saves for one hand-written forward and backward."""
     from experiments.lm_biglstm import memory
     from experiments.speed_memory import DEFAULTS, bench
-
-    used = []
-    orig = engine.loss_step
-
-    def spy(*a, **kw):
-        used.append(1)
-        return orig(*a, **kw)
-
-    monkeypatch.setattr(engine, "loss_step", spy)  # the engine and memory.py look it up here
-    monkeypatch.setattr(bench, "loss_step", spy)
-    memory.measure("fp32", "autocast", "auto", memory.SHAPES[0])
-    assert len(used) == 1
-    known = bench.Workload("none", "items", 4, lambda: SimpleNamespace(
-        build_model=lambda cfg: nn.Linear(4, 2), loss=lambda m, x: (m(x).float().mean(), len(x))),
-        lambda n, size, device, cl, gen: torch.randn(n, size, generator=gen))
-    monkeypatch.setitem(bench.WORKLOADS, "known", known)
-    monkeypatch.setattr(bench, "config_for", lambda *a: Config(model="known"))
-    row = bench.measure("known", "fp32", None, {**DEFAULTS, "batch": 2, "size": "4", "steps": 1, "warmup": 1},
-                        torch.device("cpu"))
-    assert row["status"] == "ok" and len(used) == 1 + 3  # warm-up, timed step, memory step
+    from models.lm import BigLSTM
+    from mpt.memory import SavedTensorBytes
     from toy_gan import config
+
+    # The engine: 3 steps on 16 equal rows (every batch is the same, whatever the order), against
+    # SGD with the default optimizer settings by hand.
+    x = torch.tensor([[1.0, -2.0]]).repeat(16, 1)
 
     class Task:
         primary_metric, higher_is_better = "loss", False
 
         def datasets(self, cfg):
-            x = torch.randn(16, 2, generator=torch.Generator().manual_seed(0))
             return torch.utils.data.TensorDataset(x), torch.utils.data.TensorDataset(x[:4])
 
         def build_model(self, cfg):
@@ -177,8 +165,47 @@ def test_engine_benchmark_and_memory_estimate_share_the_step(monkeypatch, tmp_pa
         def eval_metrics(self, s):
             return {"loss": s["l"] / s["n"]}
 
-    s = engine.run(config(tmp_path, train=dict(batch_size=4, max_steps=3)), Task())
-    assert s["status"] == "completed" and len(used) == 4 + 3
+    cfg = config(tmp_path, train=dict(batch_size=4, max_steps=3))
+    s = engine.run(cfg, Task())
+    torch.manual_seed(cfg.seed)  # the engine builds the model under the run's seed
+    ref = nn.Linear(2, 1)
+    opt = torch.optim.SGD(ref.parameters(), lr=cfg.optim.lr, momentum=cfg.optim.momentum)
+    for _ in range(3):
+        ref(x[:4]).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    trained = torch.load(C.run_dir(cfg) / "checkpoint.pt", weights_only=True)["model"]
+    assert s["status"] == "completed" and s["step"] == 3
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(trained[k], v, rtol=1e-6, atol=1e-7)
+
+    # The benchmark's step on a known model: FP32 weights, gradients and SGD momentum of its 10
+    # parameters (4 bytes each), the input it saves for backward (2 x 4 FP32 values), 2 items.
+    known = bench.Workload("none", "items", 4, lambda: SimpleNamespace(
+        build_model=lambda cfg: nn.Linear(4, 2), loss=lambda m, x: (m(x).float().mean(), len(x))),
+        lambda n, size, device, cl, gen: torch.randn(n, size, generator=gen))
+    monkeypatch.setitem(bench.WORKLOADS, "known", known)
+    monkeypatch.setattr(bench, "config_for", lambda *a: Config(model="known"))  # default optimizer: SGD, momentum
+    row = bench.measure("known", "fp32", None, {**DEFAULTS, "batch": 2, "size": "4", "steps": 1, "warmup": 1},
+                        torch.device("cpu"))
+    assert row["status"] == "ok" and row["items_per_step"] == 2, row
+    assert row["param_bytes"] == row["grad_bytes"] == row["optimizer_state_bytes"] == 10 * 4, row
+    assert row["activation_only_bytes"] == 2 * 4 * 4, row
+
+    # The memory estimate: FP32 weights and gradients and Adagrad's FP32 accumulator, 4 bytes per
+    # parameter; the activation bytes of one forward and backward of the same model and batch by hand.
+    shape = memory.SHAPES[0]
+    est = memory.measure("fp32", "autocast", "auto", shape)
+    assert (est["weights"], est["grads"], est["master"], est["optimizer"]) == (4, 4, 0, 4), est
+    B, T, V, E, H, P, K, L = shape
+    torch.manual_seed(0)
+    model = BigLSTM(V, E, H, P, L, num_sampled=K, dropout=0.1)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    meter = SavedTensorBytes(model)
+    with meter.measure():  # the reference's loss: summed NLL per sequence (experiments/lm_biglstm/task.py)
+        nll, _ = model(torch.randint(0, V, (B, T)), torch.randint(0, V, (B, T)), mask)
+        (nll.sum() / mask.sum() * T).backward()
+    assert est["activations"] == meter.bytes > 0
 
 
 # -- item 5: one option parser, one device choice, one tolerant JSON read, one data_prep command --------

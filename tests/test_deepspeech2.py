@@ -204,6 +204,41 @@ def run_overrides(model, root, out_dir, *extra):
             "wandb.mode=disabled", "train.progress=false", *extra]
 
 
+def levenshtein(a, b) -> int:
+    row = list(range(len(b) + 1))
+    for i, x in enumerate(a, 1):
+        prev, row[0] = row[0], i
+        for j, y in enumerate(b, 1):
+            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (x != y))
+    return row[-1]
+
+
+def reference_error_rates(args: list[str]) -> tuple[float, float]:
+    """CER and WER (percent) of a finished FP32 run's saved model on the validation utterances,
+    computed outside the engine: its checkpoint loaded, one utterance at a time, CTC best-path
+    decoding (the most likely symbol per frame, repeats merged, blanks dropped), edit distances by
+    the textbook recurrence, summed over the set."""
+    from experiments.deepspeech2.task import Task
+    from mpt import config as C
+
+    cfg = C.resolve("deepspeech2", args)
+    task = Task()
+    _, val = task.datasets(cfg)
+    model = task.build_model(cfg)
+    model.load_state_dict(torch.load(C.run_dir(cfg) / "checkpoint.pt", weights_only=True)["model"])
+    model.eval()
+    errs = [0, 0, 0, 0]  # char errors, chars, word errors, words
+    with torch.no_grad():
+        for i in range(len(val)):
+            feats, _, text = val[i]
+            logits, lengths = model(feats[None], torch.tensor([feats.shape[1]]))
+            best = logits[0, :int(lengths[0])].argmax(-1).tolist()
+            hyp = "".join(task.chars[k - 1] for j, k in enumerate(best) if k != 0 and (j == 0 or k != best[j - 1]))
+            errs = [errs[0] + levenshtein(text, hyp), errs[1] + len(text),
+                    errs[2] + levenshtein(text.split(), hyp.split()), errs[3] + len(text.split())]
+    return 100 * errs[0] / errs[1], 100 * errs[2] / errs[3]
+
+
 @pytest.fixture(scope="module")
 def runs(libri, tmp_path_factory):
     """Two steps of the tiny English model in the paper's precisions (FP16 on a CPU is slow), the
@@ -211,13 +246,13 @@ def runs(libri, tmp_path_factory):
     from experiments.deepspeech2 import main
 
     out = tmp_path_factory.mktemp("ds2_runs")
-    summaries = {}
+    summaries, args = {}, {}
     for prec in ("fp32", "fp16", "mixed", "fp16_pure"):
         extra = ["numerics.every=1"] if prec == "fp32" else []
-        summaries[prec] = main(run_overrides("english", libri, out, f"precision={prec}", "impl=paper",
-                                             "train.batch_size=4", "train.max_steps=2", "train.log_every=1",
-                                             *extra))
-    return out, summaries
+        args[prec] = run_overrides("english", libri, out, f"precision={prec}", "impl=paper", "train.batch_size=4",
+                                   "train.max_steps=2", "train.log_every=1", *extra)
+        summaries[prec] = main(args[prec])
+    return out, summaries, args
 
 
 @pytest.mark.heavy
@@ -227,7 +262,10 @@ def test_tiny_run_ends_with_cer(runs, prec):
     s = runs[1][prec]
     assert s["status"] == "completed" and s["step"] == 2, s
     m = s["metrics"]
-    assert 0 <= m["cer"] and 0 <= m["wer"] and m["loss"] > 0, m
+    assert {"cer", "wer"} <= set(m) and m["loss"] > 0, m  # CTC: minus a log-probability
+    if prec == "fp32":  # the reported rates are the saved model's (the FP16 runs evaluate in FP16)
+        cer, wer = reference_error_rates(runs[2][prec])
+        assert (m["cer"], m["wer"]) == (pytest.approx(cer, abs=1e-3), pytest.approx(wer, abs=1e-3)), m
 
 
 @pytest.mark.heavy
@@ -235,8 +273,10 @@ def test_tiny_run_ends_with_cer(runs, prec):
 def test_mandarin_run(aishell, tmp_path):
     from experiments.deepspeech2 import main
 
-    s = main(run_overrides("mandarin", aishell, tmp_path, "train.batch_size=4", "train.max_steps=2"))
-    assert s["status"] == "completed" and s["metrics"]["cer"] >= 0
+    args = run_overrides("mandarin", aishell, tmp_path, "train.batch_size=4", "train.max_steps=2")
+    s = main(args)
+    assert s["status"] == "completed" and s["precision"] == "fp32"
+    assert s["metrics"]["cer"] == pytest.approx(reference_error_rates(args)[0], abs=1e-3), s["metrics"]
 
 
 @pytest.mark.heavy

@@ -168,11 +168,7 @@ def test_command_on_cpu_two_tiny_models(tmp_path):
         for impl in ("autocast", "paper"):
             r = rows[(m, "mixed", impl)]
             assert r["status"] == "ok" and r["peak_gpu_mem_bytes"] is None and r["step_ms"]["n"] == 2
-            f = r["ratios"]["vs_fp32"]
-            assert f["activation"] == r["activation_bytes"] / base["activation_bytes"]
-            assert f["activation_only"] == r["activation_only_bytes"] / base["activation_only_bytes"]
-            assert f["speedup"] == base["step_ms"]["median"] / r["step_ms"]["median"]
-            assert r["ratios"]["vs_tf32"] is None
+            assert r["ratios"]["vs_tf32"] is None  # no TF32 row to compare with on a CPU
             # The same activations as in FP32, each now stored in FP16 (half the bytes) or kept in FP32
             # (the loss, FP32 layers); autocast also saves GradScaler's 4-byte scale; max-pool indices
             # stay int64. Exact, so a tensor saved twice or in the wrong dtype shows.
@@ -192,17 +188,19 @@ def test_command_on_cpu_two_tiny_models(tmp_path):
         assert auto["saved_weight_cast_bytes"] > 0 and paper["saved_weight_cast_bytes"] == 0
     eo = res["engine_overhead"]
     assert [r["precision"] for r in eo] == ["fp32", "mixed"]
-    for r in eo:  # one round: the overhead is that round's engine / hand time
+    for r in eo:  # one round of each timed loop: its spread over rounds is none
         assert r["rounds"] == 1 and r["ratio_min"] == r["ratio_max"]
-        assert r["overhead_pct"] == pytest.approx(100 * (r["engine_ms"] / r["hand_ms"] - 1))
-        assert r["control_pct"] == pytest.approx(100 * (r["control_ms"] / r["hand_ms"] - 1))
+        assert min(r["hand_ms"], r["engine_ms"], r["control_ms"]) > 0
     g = {x["id"]: x for x in res["goals"]}
     assert g["resnet50_mixed_throughput"]["status"] == report.NO_GPU
-    worst = {m: rows[(m, "mixed", "paper")]["ratios"]["vs_fp32"]["activation_only"] for m in ("alexnet", "resnet50_preact")}
-    assert g["activation_ratio_paper"]["status"] == ("missed" if max(worst.values()) > 0.52 else "met")
-    assert g["activation_ratio_paper"]["measured"] == ", ".join(f"{m} {v:.3f}" for m, v in worst.items())
-    assert g["engine_overhead"]["measured"] == ", ".join(f"resnet50_preact {r['precision']} {r['overhead_pct']:+.1f}%"
-                                                         for r in eo)
+    # The activation goal judges the paper-impl rows of both models against its own stated target.
+    act = g["activation_ratio_paper"]
+    target = float(act["target"].removeprefix("<="))
+    paper_ratio = {m: rows[(m, "mixed", "paper")]["activation_only_bytes"]
+                   / rows[(m, "fp32", None)]["activation_only_bytes"] for m in ("alexnet", "resnet50_preact")}
+    assert act["status"] == ("met" if all(v <= target for v in paper_ratio.values()) else "missed"), (act, paper_ratio)
+    assert all(m in act["measured"] for m in paper_ratio)
+    assert all(f"resnet50_preact {p}" in g["engine_overhead"]["measured"] for p in ("fp32", "mixed"))
 
 
 @pytest.mark.heavy
@@ -230,11 +228,11 @@ def test_engine_overhead_on_one_threads_cpu_clock():
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("model,most", [("english", 0.6), ("mandarin", 0.8)])
-def test_speech_workloads_measure_a_ctc_step(model, most, one_thread):
+@pytest.mark.parametrize("model", ["english", "mandarin"])
+def test_speech_workloads_measure_a_ctc_step(model, one_thread):
     """Table 3's models have rows (issue 12): one DeepSpeech 2 training step on synthetic spectrograms,
-    counted in utterances; FP16 storage (impl=paper) keeps fewer activation bytes than FP32 (Mandarin
-    less so at this width: the FP32 log-softmax of its 4.2K-character output is a large share, 3.3).
+    counted in utterances; FP16 storage (impl=paper) saves each activation of FP32 training once, in
+    FP16 (half its bytes) or kept in FP32 (the log-softmax and CTC, section 3.3), so fewer bytes.
     half_math=native: emulated FP16 math runs each GRU whole in FP32 and autograd saves its FP32
     internals (mpt.precision.HalfMath), which is not what FP16 storage on a GPU saves."""
     o = opts(batch=2, size="32", width=0.03, steps=1, warmup=1, half_math="native")
@@ -243,5 +241,6 @@ def test_speech_workloads_measure_a_ctc_step(model, most, one_thread):
     for r in rows.values():
         assert r["status"] == "ok" and r["unit"] == "utterances" and r["items_per_step"] == 2, r
         assert r["optimizer_state_bytes"] > 0 and r["step_ms"]["n"] == 1
-    assert bench.WORKLOADS[model].default_size == 1000  # frames: 10 s of audio
-    assert rows["mixed"]["activation_only_bytes"] < most * rows["fp32"]["activation_only_bytes"]
+    d, d32 = rows["mixed"]["activation_only_bytes_by_dtype"], rows["fp32"]["activation_only_bytes_by_dtype"]
+    assert set(d32) == {"float32", "int64"} and d["int64"] == d32["int64"]  # the CTC lengths
+    assert 2 * d["float16"] + d["float32"] == d32["float32"] and d["float16"] > 0, (d, d32)

@@ -1,15 +1,17 @@
 """WMT15 translation (Figure 4): prep of the tiny archives and its bad-input errors, the model's
 full-size parameter count, tiny runs in fp32/fp16/mixed writing perplexity and BLEU, Figure 4
 regenerated from them, and real learning (a trained model's BLEU far above an untrained one's)."""
+import contextlib
 import json
 import math
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from bad_input import rewrite_tar
-from conftest import REPO  # noqa: F401  (puts the repository on sys.path)
+from conftest import tiny_overrides
 from data_prep.wmt15 import prepare as prep
 from data_prep.wmt15.tiny import generate
 from mpt.errors import UserError
@@ -31,9 +33,6 @@ def tiny_wmt(wmt_archives, tmp_path_factory):
     return out
 
 
-def run_overrides(root, out_dir, *extra):
-    return ["profile=tiny", f"task.data_root={root}", f"out_dir={out_dir}", "wandb.mode=disabled",
-            "train.progress=false", *extra]
 
 
 # ----------------------------------------------------------------------------- data prep
@@ -158,23 +157,96 @@ def tiny_runs(tiny_wmt, tmp_path_factory):
     from mpt.engine import main
 
     out = tmp_path_factory.mktemp("wmt_runs")
-    summaries = {}
+    summaries, args = {}, {}
     for prec, seed in (("fp32", 0), ("fp32", 1), ("fp16", 0), ("mixed", 0)):
-        summaries[(prec, seed)] = main("wmt_translation", run_overrides(
+        args[(prec, seed)] = tiny_overrides(
             tiny_wmt, out, f"precision={prec}", f"seed={seed}", "width=0.03125", "train.max_steps=3",
-            "train.log_every=1", "train.batch_size=16", "task.bleu_max_sentences=8"))
-    return out, summaries
+            "train.log_every=1", "train.batch_size=16", "task.bleu_max_sentences=8")
+        summaries[(prec, seed)] = main("wmt_translation", args[(prec, seed)])
+    return out, summaries, args
+
+
+def reference_perplexity(args: list[str]) -> float:
+    """Validation perplexity of a finished run's saved model, computed outside the engine: its
+    checkpoint loaded, the dev pairs in order in batches of train.batch_size (the source side is
+    padded, so batching is part of the model's input), exp of the summed negative log-likelihood
+    (in float64) over every target token and its </s>, counted from the pairs."""
+    import torch.nn.functional as F
+
+    from experiments.wmt_translation.task import Task
+    from mpt import config as C
+
+    cfg = C.resolve("wmt_translation", args)
+    task = Task()
+    _, dev = task.datasets(cfg)
+    model = task.build_model(cfg)
+    model.load_state_dict(torch.load(C.run_dir(cfg) / "checkpoint.pt", weights_only=True)["model"])
+    model.eval()
+    nll, tokens, B = 0.0, 0, cfg.train.batch_size
+    with torch.no_grad():
+        for k in range(0, len(dev), B):
+            pairs = [dev[i] for i in range(k, min(k + B, len(dev)))]
+            b = task.collate(pairs)
+            logits = model(b["src"], b["src_mask"], b["tgt_in"])
+            for row, (_, tgt) in zip(logits, pairs):
+                out = torch.cat([tgt, torch.tensor([task.eos])])
+                nll += float(F.cross_entropy(row[:len(out)].double(), out, reduction="sum"))
+                tokens += len(out)
+    return math.exp(nll / tokens)
 
 
 @pytest.mark.heavy
 def test_tiny_runs_write_perplexity_and_bleu(tiny_runs):
-    _, summaries = tiny_runs
+    from mpt import config as C
+
+    _, summaries, args = tiny_runs
     for key, s in summaries.items():
-        assert s["status"] == "completed", key
-        m = s["metrics"]
-        assert math.isfinite(m["perplexity"]) and m["perplexity"] > 1 and 0 <= m["bleu"] <= 100, key
-    assert summaries[("mixed", 0)]["final_loss_scale"] == 65536.0  # dynamic S, no overflow in 3 steps
+        assert s["status"] == "completed" and {"perplexity", "nll", "bleu"} <= set(s["metrics"]), key
+    # The reported perplexity is the saved model's on the dev set, recomputed sentence by sentence
+    # (the FP32 runs: the FP16 ones evaluate in FP16)
+    for key in (("fp32", 0), ("fp32", 1)):
+        assert summaries[key]["metrics"]["perplexity"] == pytest.approx(reference_perplexity(args[key]), rel=1e-4), key
+    # Dynamic loss scaling (section 3.2, torch.amp's rule): S starts at init_scale and halves on each
+    # skipped (overflowed) step; it cannot grow in 3 steps. FP16 without scaling keeps S = 1.
+    mixed, sc = summaries[("mixed", 0)], C.resolve("wmt_translation", args[("mixed", 0)]).scaler
+    assert sc.growth_interval > mixed["step"]
+    assert mixed["final_loss_scale"] == sc.init_scale * sc.backoff_factor ** mixed["skipped_steps"], mixed
     assert summaries[("fp16", 0)]["final_loss_scale"] == 1.0
+
+
+def test_bleu_is_sacrebleu_of_the_greedy_translations_in_test_order(tiny_wmt):
+    """task.bleu scores what the model's greedy decoder returns, against the test references in
+    their order: a model that returns each source's reference translation scores 100, one that
+    returns the next sentence's reference scores what sacrebleu gives those sentences."""
+    import sacrebleu
+
+    from experiments.wmt_translation.task import Task
+    from mpt import config as C
+
+    cfg = C.resolve("wmt_translation", tiny_overrides(tiny_wmt, "unused", "task.bleu_max_sentences=0"))
+    task = Task()
+    task.datasets(cfg)
+    test, refs = task.data.split("test"), task.data.text("test", "fr")
+    max_src = int(task.buckets[-1, 0])
+    n = len(test)
+
+    class Oracle:
+        def __init__(self, shift):
+            self.answer = {tuple(test[i][0][:max_src].tolist()): test[(i + shift) % n][1].tolist() for i in range(n)}
+
+        def greedy(self, src, mask, bos, eos, max_len):
+            rows = [self.answer[tuple(r[m].flip(0).tolist())] + [eos] for r, m in zip(src, mask)]
+            out = torch.full((len(rows), max(map(len, rows))), task.pad)
+            for k, r in enumerate(rows):
+                out[k, :len(r)] = torch.tensor(r)
+            return out
+
+    assert len({tuple(test[i][0][:max_src].tolist()) for i in range(n)}) == n  # each source once
+    ev = SimpleNamespace(rank=0, world=1, device="cpu", autocast=contextlib.nullcontext)
+    assert task.bleu(SimpleNamespace(**vars(ev), model=Oracle(0))) == pytest.approx(100.0)
+    shifted = task.bleu(SimpleNamespace(**vars(ev), model=Oracle(1)))
+    assert shifted == pytest.approx(sacrebleu.corpus_bleu(refs[1:] + refs[:1], [refs], force=True).score)
+    assert shifted < 50
 
 
 @pytest.mark.heavy
@@ -183,7 +255,7 @@ def test_figure4_tiny_regenerated(tiny_runs):
     figure): both FP32 seeds as one band, FP16 and MP beside it."""
     from paper_tables import figures, results, specs
 
-    root, _ = tiny_runs
+    root, _, _ = tiny_runs
     runs, problems = results.collect_dir(root)
     spec = next(s for s in specs.FIGURES if s.id == "figure4")
     f = figures.build_figure(spec, runs, "tiny", problems)
@@ -199,9 +271,9 @@ def test_trained_bleu_far_above_untrained(tiny_wmt, tmp_path):
     untrained model's (which emits near-random words). Minutes on 2 cores: slow tier."""
     from mpt.engine import main
 
-    untrained = main("wmt_translation", run_overrides(tiny_wmt, tmp_path, "train.max_steps=1", "optim.lr=0.0",
-                                                      "task.bleu_max_sentences=40"))
-    trained = main("wmt_translation", run_overrides(tiny_wmt, tmp_path, "task.bleu_max_sentences=40"))  # 300 steps
+    untrained = main("wmt_translation", tiny_overrides(tiny_wmt, tmp_path, "train.max_steps=1", "optim.lr=0.0",
+                                                       "task.bleu_max_sentences=40"))
+    trained = main("wmt_translation", tiny_overrides(tiny_wmt, tmp_path, "task.bleu_max_sentences=40"))  # 300 steps
     assert untrained["metrics"]["bleu"] < 1
     # 300 CPU steps reach BLEU ~7 on the full tiny set (README "Tiny profile"); untrained ~0.02.
     assert trained["metrics"]["bleu"] > max(4.0, 20 * untrained["metrics"]["bleu"]), (trained["metrics"],
