@@ -258,7 +258,7 @@ def part_resume(ctx: Ctx) -> dict:
     stops it: checkpoint at the step boundary, status "interrupted"), then the same command again,
     which must load that checkpoint (model, FP32 masters, optimizer, scaler, RNG) and finish."""
     from experiments.ilsvrc_cnns.task import Task
-    from mpt import config as C
+    from mpt import config
     from mpt import engine
 
     s = ctx.sizes
@@ -280,13 +280,13 @@ def part_resume(ctx: Ctx) -> dict:
                 engine.STOP.request("gpu_check: stop after a few steps")
             return super().loss(model, batch)
 
-    cfg = C.resolve("ilsvrc_cnns", _tiny_overrides(ctx, ctx.work / "resume_runs", str(ctx.device), s.tiny_batch))
+    cfg = config.resolve("ilsvrc_cnns", _tiny_overrides(ctx, ctx.work / "resume_runs", str(ctx.device), s.tiny_batch))
     first_task = Counting(s.stop_after)
     try:
         first = engine.run(cfg, first_task)
     finally:
         engine.STOP.clear()
-    out = {"run_dir": str(C.run_dir(cfg)), "first": _brief(first), "steps_first": first_task.steps}
+    out = {"run_dir": str(config.run_dir(cfg)), "first": _brief(first), "steps_first": first_task.steps}
     ctx.emit(out)
     if first["status"] != "interrupted" or first["step"] != s.stop_after:
         raise RuntimeError(f"the first run should stop at step {s.stop_after} with a checkpoint; it ended "
@@ -315,7 +315,7 @@ def part_ddp(ctx: Ctx) -> dict:
     NCCL on GPUs, gloo for the CPU smoke), a few steps of the tiny profile in mixed precision."""
     import torch
 
-    from mpt import config as C
+    from mpt import config
 
     if ctx.device.type == "cuda":
         n = torch.cuda.device_count()
@@ -329,8 +329,8 @@ def part_ddp(ctx: Ctx) -> dict:
            "-m", "experiments.ilsvrc_cnns", *ov]
     print("$ " + " ".join(cmd), file=sys.stderr, flush=True)
     r = subprocess.run(cmd, capture_output=True, text=True)
-    cfg = C.resolve("ilsvrc_cnns", ov)
-    d = C.run_dir(cfg)
+    cfg = config.resolve("ilsvrc_cnns", ov)
+    d = config.run_dir(cfg)
     summ = json.loads((d / "summary.json").read_text()) if (d / "summary.json").exists() else None
     env = json.loads((d / "env.json").read_text()) if (d / "env.json").exists() else {}
     out = {"command": " ".join(cmd[1:]), "returncode": r.returncode, "summary": _brief(summ) if summ else None,

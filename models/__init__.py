@@ -29,11 +29,7 @@ def register(name: str):
 
 def _load_all():
     for m in _MODULES:
-        try:
-            importlib.import_module(m)
-        except ModuleNotFoundError as e:  # a model family not written yet
-            if e.name != m:
-                raise
+        importlib.import_module(m)
 
 
 def names() -> list[str]:

@@ -327,7 +327,8 @@ def resolve(experiment: str, overrides: list[str] | tuple = ()) -> Config:
                             "set task.data_root instead")
         set_key(cfg, k, v, where="command line")
     cfg.loss_scale = canonical_loss_scale(cfg.loss_scale)
-    cfg.data_fingerprint = data_fingerprint(getattr(cfg.task, "data_root", None))
+    cfg.data_fingerprint = data_fingerprint(getattr(cfg.task, "data_root", None),
+                                            getattr(getattr(mod, "Task", None), "data_files", ()))
     validate(cfg)
     return cfg
 
@@ -350,11 +351,13 @@ def canonical_loss_scale(value: str) -> str:
 _MARKER_VOLATILE = {"prepared_at", "seconds", "skipped", "source", "vocab_source", "warnings"}
 
 
-def data_fingerprint(root) -> str:
+def data_fingerprint(root, files=()) -> str:
     """A short content id of the prepared dataset at `root`, from what data_prep wrote: its marker
     (counts, class/vocabulary sizes, source-archive sizes and sampled digests, per-shard digests)
-    and its class list -- not the path, so the same data on another cluster is the same run.
-    "unprepared" when there is no marker (the run itself then fails with the prep command)."""
+    and the `files` beside it that the experiment's task declares identify its data (Task.data_files,
+    e.g. a class list or a vocabulary; those present are hashed) -- not the path, so the same data
+    on another cluster is the same run. "unprepared" when there is no marker (the run itself then
+    fails with the prep command)."""
     if not root:
         return "none"
     root = pathlib.Path(root)
@@ -364,11 +367,11 @@ def data_fingerprint(root) -> str:
         return "unprepared"
     # A grid resolves every cell on the same data: hash it once per marker version, not per cell
     # (the full 1B Word vocabulary alone is 10 MB).
-    return _fingerprint(str(root.resolve()), st.st_mtime_ns, st.st_size)
+    return _fingerprint(str(root.resolve()), st.st_mtime_ns, st.st_size, tuple(files))
 
 
 @functools.lru_cache(maxsize=16)
-def _fingerprint(root: str, mtime_ns: int, size: int) -> str:
+def _fingerprint(root: str, mtime_ns: int, size: int, files: tuple[str, ...]) -> str:
     root = pathlib.Path(root)
     try:
         info = json.loads((root / "prepared.json").read_text())
@@ -376,9 +379,9 @@ def _fingerprint(root: str, mtime_ns: int, size: int) -> str:
         return "unprepared"
     blob = {k: v for k, v in info.items() if k not in _MARKER_VOLATILE} if isinstance(info, dict) else info
     h = hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode())
-    for extra in ("classes.json", "vocab.txt"):  # ImageNet's class list; the LM's vocabulary
-        if (root / extra).is_file():
-            h.update((root / extra).read_bytes())
+    for name in files:
+        if (root / name).is_file():
+            h.update((root / name).read_bytes())
     return h.hexdigest()[:16]
 
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.data import DataLoader
 
-from mpt import config as C
+from mpt import config
 from mpt import precision
 from mpt.data import EpochSampler, SeededDataset, _mix
 from mpt.errors import UserError, cli, one_line
@@ -55,6 +55,9 @@ class Task(Protocol):
     training set for that epoch (default: a seeded random permutation), e.g. SortaGrad's
     shortest-first first epoch or length buckets. It must depend only on (epoch, generator) so a
     resumed run sees the same order; every rank then takes its share of it.
+
+    Run identity: `data_files`, names of files under task.data_root that identify the prepared data
+    beside its marker prepared.json (a class list, a vocabulary), hashed into cfg.data_fingerprint.
 
     Optional: `optimizers(model, cfg) -> dict[name, Optimizer]` (default: one optimizer "main" from
     cfg.optim over `param_groups(model, cfg)` or all parameters; a group may name its own
@@ -417,9 +420,9 @@ class Run:
         self.rank, self.world, self.local_rank = distributed_env()
         self.device = pick_device(cfg.device, self.local_rank)
         self.main = self.rank == 0
-        self.dir = C.run_dir(cfg)
-        self.name = C.run_name(cfg)
-        self.cell = C.cell_id(cfg)
+        self.dir = config.run_dir(cfg)
+        self.name = config.run_name(cfg)
+        self.cell = config.cell_id(cfg)
         self.created = time.time()
         self.lock: RunLock | None = None  # held by rank 0 from setup to the end of run()
         self.prev_summary: dict | None = None  # the summary an earlier invocation left (read under the lock)
@@ -484,7 +487,7 @@ class Run:
         if claim_error is not None:
             raise claim_error
         if self.main:
-            atomic_write_text(self.dir / "config.yaml", C.dump_yaml(cfg))
+            atomic_write_text(self.dir / "config.yaml", config.dump_yaml(cfg))
             atomic_write_json(self.dir / "env.json", self.env)
 
         torch.manual_seed(cfg.seed)
@@ -575,7 +578,7 @@ class Run:
         self._diverged_at = torch.full((), -1, dtype=torch.int64, device=self.device)
         self._new_window()
         self.resume()
-        self.wandb = WandbLogger(cfg, self.dir, self.cell[:32], self.name, C.to_dict(cfg), self.rank) \
+        self.wandb = WandbLogger(cfg, self.dir, self.cell[:32], self.name, config.to_dict(cfg), self.rank) \
             if self.main else WandbLogger(cfg, self.dir, "", "", {}, rank=self.rank)
 
     def build_optimizers(self, model) -> dict[str, torch.optim.Optimizer]:
@@ -649,7 +652,7 @@ class Run:
             stored = yaml.safe_load(path.read_text())
         except (OSError, yaml.YAMLError):
             stored = None
-        diff = C.config_difference(stored, self.cfg) if isinstance(stored, dict) else "config.yaml unreadable"
+        diff = config.config_difference(stored, self.cfg) if isinstance(stored, dict) else "config.yaml unreadable"
         if diff:
             raise UserError(f"run directory {self.dir} holds another config ({diff}); use another out_dir "
                             "or delete that directory to start over")
@@ -1079,8 +1082,8 @@ def _record_failure(r: Run, e: BaseException, traceback_file: bool) -> None:
 
 
 def main(experiment: str, overrides: list[str]) -> dict:
-    cfg = C.resolve(experiment, overrides)
-    mod = C.experiment_module(experiment)
+    cfg = config.resolve(experiment, overrides)
+    mod = config.experiment_module(experiment)
     return run(cfg, mod.Task())
 
 
@@ -1109,11 +1112,11 @@ def cli_main(experiment: str, argv: list[str] | None = None) -> None:
         return
     if argv and argv[0] == "--print-config":
         # What a grid cell will do, before it does it (the same resolution as a run).
-        cfg = cli(C.resolve)(experiment, argv[1:])
-        print(C.dump_yaml(cfg), end="")
-        print(f"# run directory: {C.run_dir(cfg)}")
+        cfg = cli(config.resolve)(experiment, argv[1:])
+        print(config.dump_yaml(cfg), end="")
+        print(f"# run directory: {config.run_dir(cfg)}")
         return
-    cli_run(lambda: main(experiment, argv), where=lambda: C.run_dir(C.resolve(experiment, argv)))
+    cli_run(lambda: main(experiment, argv), where=lambda: config.run_dir(config.resolve(experiment, argv)))
 
 
 def cli_run(start, where=None) -> None:

@@ -173,7 +173,7 @@ def load(path, profile: str, extra: list[str] = (), only: list[str] = ()) -> Gri
     (the command's --only; several values of one key are alternatives, different keys must all match).
     Relative out_dir values are made absolute here so that jobs, wherever they start, write where
     slurm.status looks."""
-    from mpt import config as C
+    from mpt import config
 
     path = pathlib.Path(path)
     spec = load_spec(path)
@@ -205,7 +205,7 @@ def load(path, profile: str, extra: list[str] = (), only: list[str] = ()) -> Gri
         point = dict(zip(keys, values))
         overrides = [f"profile={profile}", *fixed, *(f"{k}={fmt_value(v)}" for k, v in point.items()), *extra]
         try:
-            cfg = C.resolve(grid.experiment, overrides)
+            cfg = config.resolve(grid.experiment, overrides)
         except UserError as e:
             label = " ".join(f"{k}={fmt_value(v)}" for k, v in point.items())
             raise UserError(f"{path} profile {profile}, cell {label}: {e}") from None
@@ -214,9 +214,9 @@ def load(path, profile: str, extra: list[str] = (), only: list[str] = ()) -> Gri
             overrides.append(f"out_dir={cfg.out_dir}")
         if filters and not _matches(cfg, point, filters):
             continue
-        cid = C.cell_id(cfg)
+        cid = config.cell_id(cfg)
         cell = Cell(grid.experiment, {k: fmt_value(v) for k, v in point.items()}, overrides, cfg, cid,
-                    C.run_name(cfg), C.run_dir(cfg))
+                    config.run_name(cfg), config.run_dir(cfg))
         if cid in seen:  # e.g. an axis over an infrastructure key: same run twice
             raise UserError(f"{path} profile {profile}: cells {seen[cid].label!r} and {cell.label!r} resolve to the "
                             f"same run {cell.run_name}; an axis varies only infrastructure keys")

@@ -125,7 +125,7 @@ def run_cell(experiment: str, overrides: list[str], run_dir: str, backend: str, 
     if cpus:  # before torch is imported: intra-op threads = the cores SLURM gave this task
         os.environ.setdefault("OMP_NUM_THREADS", cpus)
 
-    from mpt import config as C
+    from mpt import config
     from mpt.engine import STOP
 
     rank = int(os.environ.get("RANK", "0"))
@@ -137,9 +137,9 @@ def run_cell(experiment: str, overrides: list[str], run_dir: str, backend: str, 
         sigs = _Signals(STOP, (), (signal.SIGTERM, signal.SIGINT))
 
     try:
-        cfg = C.resolve(experiment, overrides)
-        if C.run_dir(cfg).resolve() != run_dir.resolve():
-            raise RuntimeError(f"cell resolves to {C.run_dir(cfg)} but was submitted as {run_dir}: the "
+        cfg = config.resolve(experiment, overrides)
+        if config.run_dir(cfg).resolve() != run_dir.resolve():
+            raise RuntimeError(f"cell resolves to {config.run_dir(cfg)} but was submitted as {run_dir}: the "
                                "experiment's config changed since submission; resubmit the grid")
     except Exception as e:
         if rank == 0:
@@ -150,10 +150,10 @@ def run_cell(experiment: str, overrides: list[str], run_dir: str, backend: str, 
     rec = None
     if rank == 0:
         per = cfg.train.batch_size / world
-        print(f"[slurm.job] {C.run_name(cfg)} job {job_id} attempt {restarts + 1}: {world} rank(s), "
+        print(f"[slurm.job] {config.run_name(cfg)} job {job_id} attempt {restarts + 1}: {world} rank(s), "
               f"global batch {cfg.train.batch_size} = {world} x {per:g} per rank", file=sys.stderr, flush=True)
         before = read_job_file(run_dir)
-        rec = copy.deepcopy(before) if before else {"cell_id": C.cell_id(cfg)}
+        rec = copy.deepcopy(before) if before else {"cell_id": config.cell_id(cfg)}
         rec.setdefault("attempts", [])
         rec.update(backend=backend, job_id=job_id, state="running", world_size=world, log=log, error=None)
         rec["attempts"].append({"job_id": job_id, "restart": restarts, "host": socket.gethostname(),

@@ -14,14 +14,14 @@ import argparse
 import json
 
 from mpt.errors import cli
-from slurm import grid as G
+from slurm import grid
 from slurm.state import cell_state, latest_jobs, slurm_queue
 
 ORDER = ["running", "pending", "completed", "diverged", "failed", "interrupted", "not submitted"]
 
 
-def collect(grid_path, profile: str, extra=(), only=()) -> tuple[G.Grid, list[tuple[G.Cell, object]], bool]:
-    g = G.load(grid_path, profile, list(extra), list(only))
+def collect(grid_path, profile: str, extra=(), only=()) -> tuple[grid.Grid, list[tuple[grid.Cell, object]], bool]:
+    g = grid.load(grid_path, profile, list(extra), list(only))
     exp_dirs = sorted({c.run_dir.parent for c in g.cells})
     latest = latest_jobs(exp_dirs)
     needs_queue = any(not str(j["job_id"]).startswith("local:") for j in latest.values())

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torchvision import transforms as T
+from torchvision import transforms
 from torchvision.utils import make_grid
 
 from experiments.dcgan.swd import multiscale_swd
@@ -32,8 +32,8 @@ class TaskCfg:
 def transform(size: int):
     # The 128x128 face crop (data_prep.celeba.dataset.CROP_BOX), resized for other sizes, to [-1, 1]
     # for the generator's tanh (Radford et al. 2016, section 4).
-    resize = [] if size == 128 else [T.Resize(size, antialias=True)]
-    return T.Compose([*resize, T.ToTensor(), T.Normalize((0.5,) * 3, (0.5,) * 3)])
+    resize = [] if size == 128 else [transforms.Resize(size, antialias=True)]
+    return transforms.Compose([*resize, transforms.ToTensor(), transforms.Normalize((0.5,) * 3, (0.5,) * 3)])
 
 
 @torch.no_grad()

@@ -104,6 +104,7 @@ class SpeechSet(torch.utils.data.Dataset):
 class Task:
     primary_metric = "cer"  # percent, the paper's Table 3 metric
     higher_is_better = False
+    data_files = ("vocab.txt",)  # Mandarin's characters (data_prep.aishell): part of the run identity
 
     def datasets(self, cfg):
         c = cfg.task

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torchvision import transforms as T
+from torchvision import transforms as tv_transforms
 
 from mpt.config import infra
 from mpt.errors import UserError
@@ -40,23 +40,25 @@ class TaskCfg:
 
 
 def transforms(c: TaskCfg, train: bool):
-    norm = [T.ToTensor(), T.Normalize(MEAN, STD)]
-    flip = [T.RandomHorizontalFlip()] if c.flip else []
+    norm = [tv_transforms.ToTensor(), tv_transforms.Normalize(MEAN, STD)]
+    flip = [tv_transforms.RandomHorizontalFlip()] if c.flip else []
     if c.augment == "caffe":
-        warp = T.Resize((c.resize, c.resize), antialias=True)
+        warp = tv_transforms.Resize((c.resize, c.resize), antialias=True)
         if train:
-            return T.Compose([warp, T.RandomCrop(c.crop), *flip, *norm])
-        return T.Compose([warp, T.CenterCrop(c.crop), *norm])
+            return tv_transforms.Compose([warp, tv_transforms.RandomCrop(c.crop), *flip, *norm])
+        return tv_transforms.Compose([warp, tv_transforms.CenterCrop(c.crop), *norm])
     if c.augment == "torchvision":
         if train:
-            return T.Compose([T.RandomResizedCrop(c.crop, antialias=True), *flip, *norm])
-        return T.Compose([T.Resize(c.resize, antialias=True), T.CenterCrop(c.crop), *norm])
+            return tv_transforms.Compose([tv_transforms.RandomResizedCrop(c.crop, antialias=True), *flip, *norm])
+        return tv_transforms.Compose([tv_transforms.Resize(c.resize, antialias=True), tv_transforms.CenterCrop(c.crop),
+                                      *norm])
     raise UserError(f"unknown task.augment={c.augment!r}; choose one of: caffe, torchvision")
 
 
 class Task:
     primary_metric = "top1"
     higher_is_better = True
+    data_files = ("classes.json",)  # the class list beside the marker: part of the run identity
 
     def datasets(self, cfg):
         from data_prep.imagenet.dataset import ImageNetFolder

@@ -58,6 +58,7 @@ class _ScaleGrad(torch.autograd.Function):
 class Task:
     primary_metric = "ppl"
     higher_is_better = False
+    data_files = ("vocab.txt",)  # the vocabulary beside the marker: part of the run identity
     # Windows must come in order: batch row r continues stream r (data_prep/lm1b/dataset.py).
     shuffle_train = False
 

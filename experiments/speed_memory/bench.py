@@ -30,8 +30,8 @@ from typing import Any, Callable
 import torch
 
 import models
-from mpt import config as C
-from mpt import precision as P
+from mpt import config
+from mpt import precision as recipes
 from mpt.engine import build_optimizer, loss_step
 from mpt.errors import UserError
 from mpt.memory import SavedTensorBytes
@@ -234,7 +234,7 @@ class ActivationMeter(SavedTensorBytes):
                 "activation_only_bytes_by_dtype": dict(sorted(by_dtype.items()))}
 
 
-def state_bytes(model: torch.nn.Module, recipe: P.Recipe, optimizer: torch.optim.Optimizer) -> dict:
+def state_bytes(model: torch.nn.Module, recipe: recipes.Recipe, optimizer: torch.optim.Optimizer) -> dict:
     """Weights, FP32 master copies, gradients and optimizer state, measured after an optimizer
     step and before zero_grad (when model and master gradients both exist: paper impl, 3.1)."""
     params = list(model.parameters())
@@ -379,8 +379,8 @@ def half_maths(precision: str, setting: str) -> list[str]:
     return ["emulated", "native"] if precision in ("fp16", "mixed", "bf16", "fp16_pure") else ["auto"]
 
 
-def config_for(wl: Workload, model: str, precision: str, impl: str | None, o: dict, device) -> C.Config:
-    return C.resolve(wl.experiment, [
+def config_for(wl: Workload, model: str, precision: str, impl: str | None, o: dict, device) -> config.Config:
+    return config.resolve(wl.experiment, [
         f"model={model}", f"precision={'fp32' if precision == 'tf32' else precision}",
         f"half_math={o.get('half_math', 'auto')}",
         f"impl={impl or 'autocast'}", f"tf32={'true' if precision == 'tf32' else 'false'}",
@@ -439,7 +439,7 @@ def _measure(wl: Workload, model_name, precision, impl, size, o, device) -> dict
     if o["channels_last"]:
         net = net.to(memory_format=torch.channels_last)
     opt = make_optimizer(cfg.optim, list(net.parameters()), o["fused"])
-    recipe = P.build(cfg, device)
+    recipe = recipes.build(cfg, device)
     net = recipe.prepare(net, [opt])
     half_math = recipe.half_math  # what computed the FP16/BF16 dot products (emulated | native | device | none)
     batch = wl.make_batch(o["batch"], size, device, o["channels_last"], torch.Generator().manual_seed(0))

@@ -21,7 +21,7 @@ import time
 import torch
 
 from experiments.speed_memory.bench import WORKLOADS, sync, time_steps
-from mpt import config as C
+from mpt import config
 from mpt import engine
 from mpt.config import parse_options
 from mpt.engine import pick_device
@@ -68,7 +68,7 @@ def measure(model: str, precision: str, *, width: float, batch: int, size: int |
     if clock == "cpu" and (dev.type != "cpu" or torch.get_num_threads() != 1):
         raise UserError("clock=cpu times one CPU thread: use it with device=cpu and OMP_NUM_THREADS=1")
     with tempfile.TemporaryDirectory(prefix="engine_overhead_") as tmp:
-        cfg = C.resolve(wl.experiment, [
+        cfg = config.resolve(wl.experiment, [
             f"model={model}", f"precision={precision}", "impl=autocast", f"width={width}",
             f"train.batch_size={batch}", "train.num_workers=0", "train.progress=false", "wandb.mode=disabled",
             f"device={dev}", f"out_dir={tmp}", f"channels_last={str(channels_last).lower()}",
