@@ -29,8 +29,8 @@ class EpochSampler(Sampler[int]):
                  drop_last: bool = True, order=None, with_epoch: bool = False):
         self.n, self.seed, self.shuffle, self.rank, self.world = n, seed, shuffle, rank, world
         self.with_epoch = with_epoch  # yield (epoch, index): for a SeededDataset in persistent workers
-        # order(epoch, generator) -> a permutation of range(n) (Task.train_order): a task's own
-        # epoch order, e.g. SortaGrad. Seeded from (seed, epoch) like the default shuffle.
+        # order(epoch, generator) -> a permutation of range(n) or None (Task.train_order): a task's
+        # own epoch order, e.g. SortaGrad. Seeded from (seed, epoch) like the default shuffle.
         self.order = order
         per = n // world
         # Training drops the tail so every rank runs the same number of steps; evaluation
@@ -43,13 +43,14 @@ class EpochSampler(Sampler[int]):
         self.epoch, self.start = epoch, start
 
     def __iter__(self):
-        if self.order is not None:
-            g = torch.Generator().manual_seed(_mix(self.seed, self.epoch))
-            perm = torch.as_tensor(list(self.order(self.epoch, g)), dtype=torch.int64)
+        g = torch.Generator().manual_seed(_mix(self.seed, self.epoch))
+        # None from order(): the default (Task.train_order's), which leaves g untouched
+        given = self.order(self.epoch, g) if self.order is not None else None
+        if given is not None:
+            perm = torch.as_tensor(list(given), dtype=torch.int64)
             if perm.numel() != self.n or not torch.equal(perm.sort().values, torch.arange(self.n)):
                 raise ValueError(f"train_order(epoch={self.epoch}) must return a permutation of range({self.n})")
         elif self.shuffle:
-            g = torch.Generator().manual_seed(_mix(self.seed, self.epoch))
             perm = torch.randperm(self.n, generator=g)
         else:
             perm = torch.arange(self.n)

@@ -1,8 +1,8 @@
 """The one training loop every experiment uses: train_step / evaluate / run.
 
-An experiment supplies a Task (model, datasets, loss, evaluation metric); precision lives entirely
+An experiment supplies a Task (mpt/task.py: the contract, its lifecycle and defaults); precision lives entirely
 in the recipe (mpt.precision), so nothing here branches on it. A run writes its directory
-(config.yaml, env.json, metrics.jsonl, summary.json, checkpoint.pt: see README "Run directories")
+(config.yaml, env.json, metrics.jsonl, summary.json, checkpoint.pt: see README "Configs and runs")
 and resumes from its checkpoint when started again -- bit-identically in FP32 on the CPU.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import signal
 import sys
 import time
 import traceback
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,61 +26,11 @@ from mpt import precision
 from mpt.data import EpochSampler, SeededDataset, _mix
 from mpt.errors import UserError, cli, one_line
 from mpt.memory import SavedTensorBytes
+from mpt.task import Task
 from mpt.rundir import (RANK_FAILURE, RunLock, append_jsonl, atomic_torch_save, atomic_write_bytes,
                         atomic_write_json, atomic_write_text, env_info, now, read_json_or_none, read_jsonl,
                         read_rank_failures, remove_stale_temp_files, storage_error)
 from mpt.wandb_log import WandbLogger
-
-
-class Task(Protocol):
-    """What an experiment provides. Batches are whatever its datasets' default collation yields.
-
-    Required: `build_model(cfg)` -- one nn.Module, or an nn.ModuleDict of named models (a GAN's
-    `generator` and `discriminator`); `datasets(cfg)` -> (train, val); `primary_metric`,
-    `higher_is_better`; and either `loss()` or `train_step()`:
-
-      loss(model, batch) -> (mean loss, items)        the engine's default step: forward, backward,
-                                                      one optimizer, gradient accumulation
-      train_step(ctx, micro_batches) -> (logs, items) the task owns the step body (several losses,
-                                                      several optimizers); ctx is a StepContext; logs
-                                                      maps names to device tensors and holds "loss"
-                                                      (the divergence rule and the logged loss)
-
-    Evaluation: `eval_sums(model, batch)` (additive statistics, summed over batches and ranks) +
-    `eval_metrics(sums)`, or `evaluate(ev) -> dict[str, float]` (ev: EvalContext; may write images).
-
-    Data seam (optional): `collate(samples) -> batch` for samples the default collation cannot stack
-    (detection boxes, padded audio with lengths, token sequences; used for training and
-    validation); `train_order(epoch, generator) -> sequence of indices`, a permutation of the
-    training set for that epoch (default: a seeded random permutation), e.g. SortaGrad's
-    shortest-first first epoch or length buckets. It must depend only on (epoch, generator) so a
-    resumed run sees the same order; every rank then takes its share of it.
-
-    Run identity: `data_files`, names of files under task.data_root that identify the prepared data
-    beside its marker prepared.json (a class list, a vocabulary), hashed into cfg.data_fingerprint.
-
-    Optional: `optimizers(model, cfg) -> dict[name, Optimizer]` (default: one optimizer "main" from
-    cfg.optim over `param_groups(model, cfg)` or all parameters; a group may name its own
-    "clip_grad_norm"); `shuffle_train = False` keeps samples in order (the train dataset may then
-    define `set_epoch(epoch)`); `state_dict()` / `load_state_dict()` put task state (e.g. recurrent
-    state) into the checkpoint, every rank's own (rank r gets back what rank r saved).
-
-    Randomness: the model is built under torch.manual_seed(cfg.seed) on every rank; after that each
-    rank > 0 draws from its own stream (rank_seed), so dropout masks and sampled negatives differ
-    between GPUs. Every rank's random state is checkpointed."""
-
-    primary_metric: str  # key of evaluate()'s metrics shown in tables, e.g. "top1"
-    higher_is_better: bool
-
-    def build_model(self, cfg) -> nn.Module: ...
-
-    def datasets(self, cfg) -> tuple[Any, Any]: ...  # (train, val)
-
-    def loss(self, model, batch) -> tuple[torch.Tensor, int]: ...  # (mean loss, items in batch)
-
-    def eval_sums(self, model, batch) -> dict[str, float]: ...  # additive statistics of one batch
-
-    def eval_metrics(self, sums: dict[str, float]) -> dict[str, float]: ...
 
 
 class StepContext:
@@ -90,15 +40,30 @@ class StepContext:
     unscaled and inf-checked on its own, an overflow skips only that optimizer's update (section
     3.2), and the scale is updated once per iteration (by the engine, after the task's step)."""
 
-    def __init__(self, run: "Run", accum: int):
+    def __init__(self, run: "Run", accum: int, meter: SavedTensorBytes | None = None):
         self._run = run
+        self._meter = meter  # the first iteration only: activation bytes (summary's activation_bytes)
         self.iteration = run.step  # iterations before this one (skipped updates included)
         self.accum = accum  # micro-batches in this step
         self.models = run.ddp  # a module or an nn.ModuleDict of modules
         self.optimizers = run.optimizers
 
     def autocast(self):
-        return self._run.recipe.autocast()
+        """The recipe's autocast; in the first iteration it also counts the tensors saved for backward."""
+        if self._meter is None:
+            return self._run.recipe.autocast()
+        stack = contextlib.ExitStack()
+        stack.enter_context(self._meter.measure())
+        stack.enter_context(self._run.recipe.autocast())
+        return stack
+
+    def loss_step(self, loss_fn, micro_batches: list) -> tuple[dict, int]:
+        """Task.train_step's default body: forward_backward over loss_fn(models, batch) -> (mean loss,
+        items), then the first (only) optimizer's step. Returns ({"loss": mean loss}, items)."""
+        loss, n = forward_backward(self._run.recipe, lambda b: loss_fn(self.models, b), micro_batches,
+                                   sync=self.sync, meter=self._meter)
+        self.step(next(iter(self.optimizers)))
+        return {"loss": loss}, n
 
     def backward(self, loss: torch.Tensor) -> None:
         self._run.recipe.backward(loss)
@@ -132,6 +97,31 @@ class EvalContext:
 
     def autocast(self):
         return self._run.recipe.autocast()
+
+    def batches(self):
+        """This rank's validation batches as the loader yields them (on the CPU), at most
+        train.eval_max_batches of them (0: all)."""
+        limit = self._run.cfg.train.eval_max_batches
+        for i, b in enumerate(self.val_loader):
+            if limit and i >= limit:
+                return
+            yield b
+
+    def sums(self, eval_sums) -> dict[str, float]:
+        """Additive statistics eval_sums(model, batch) -> {name: number}, summed over this rank's
+        validation batches (batches()) under autocast, then over ranks."""
+        run, sums = self._run, {}
+        for b in self.batches():
+            b = _to_device(b, self.device, run.cfg.channels_last)
+            with run.recipe.autocast():
+                for key, v in eval_sums(self.model, b).items():
+                    sums[key] = sums.get(key, 0.0) + float(v)
+        if self.world > 1:
+            keys = sorted(sums)
+            t = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device)
+            dist.all_reduce(t)
+            sums = dict(zip(keys, t.tolist()))
+        return sums
 
     def image(self, name: str, grid: torch.Tensor, caption: str = "") -> None:
         """Write a (3, H, W) image in [0, 1] as <run dir>/<name>_<step>.png (atomically) and to wandb."""
@@ -250,7 +240,8 @@ def set_rng_state(st: dict, device: torch.device) -> None:
 
 
 def distributed_env() -> tuple[int, int, int]:
-    """(rank, world, local_rank) from torchrun's variables, else SLURM's, else a single process."""
+    """(rank, world, local_rank) from RANK / WORLD_SIZE / LOCAL_RANK (set by torchrun, or by slurm.job
+    from SLURM's variables), else a single process."""
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:
         return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0))
@@ -360,16 +351,11 @@ def lr_factor(s, epoch: float, total_epochs: float) -> float:
     return f
 
 
-def loss_step(recipe: precision.Recipe, loss_fn, micro_batches: list, step, *, sync=None, meter=None):
-    """The default training iteration, in the one order every caller uses (the engine's loop, the
-    speed/memory benchmark, the bigLSTM memory estimate): for each of the k micro-batches, forward
-    under the recipe's autocast and backward of loss / k (`sync(i)`: DDP all-reduces only on the
-    last); then `step()`, the optimizer step(s) -- its result is returned, so a caller can also read
-    what exists between the update and zero_grad (gradients, optimizer state); then recipe.update()
-    once and recipe.zero_grad(). `meter` (mpt.memory.SavedTensorBytes) measures micro-batch 0.
-
-    loss_fn(batch) -> (mean loss, items). Returns (mean loss over the micro-batches, a float64 device
-    tensor: nothing here reads a device value; items; step()'s result)."""
+def forward_backward(recipe: precision.Recipe, loss_fn, micro_batches: list, *, sync=None, meter=None):
+    """For each of the k micro-batches: forward under the recipe's autocast and backward of loss / k
+    (`sync(i)`: DDP all-reduces only on the last). `meter` (mpt.memory.SavedTensorBytes) measures
+    micro-batch 0. loss_fn(batch) -> (mean loss, items). Returns (mean loss over the micro-batches, a
+    float64 device tensor: nothing here reads a device value; items)."""
     total, n, k = None, 0, len(micro_batches)
     for i, b in enumerate(micro_batches):
         with (sync(i) if sync is not None else contextlib.nullcontext()), \
@@ -380,6 +366,16 @@ def loss_step(recipe: precision.Recipe, loss_fn, micro_batches: list, step, *, s
         part = loss.detach().to(torch.float64) / k  # float64: the Python float sum it replaces
         total = part if total is None else total + part
         n += items
+    return total, n
+
+
+def loss_step(recipe: precision.Recipe, loss_fn, micro_batches: list, step, *, sync=None, meter=None):
+    """The default training iteration outside the engine, in the engine's order (the speed/memory
+    benchmark, the bigLSTM memory estimate): forward_backward, then `step()`, the optimizer step(s) --
+    its result is returned, so a caller can also read what exists between the update and zero_grad
+    (gradients, optimizer state) -- then recipe.update() once and recipe.zero_grad().
+    Returns (mean loss, items, step()'s result)."""
+    total, n = forward_backward(recipe, loss_fn, micro_batches, sync=sync, meter=meter)
     out = step()
     recipe.update()  # once per iteration, after every optimizer's step (GradScaler's rule)
     recipe.zero_grad()
@@ -416,6 +412,8 @@ def _to_device(batch, device, channels_last: bool):
 
 class Run:
     def __init__(self, cfg, task: Task):
+        if not isinstance(task, Task):  # the engine calls Task's methods; their defaults live there
+            raise TypeError(f"{type(task).__qualname__} must subclass mpt.task.Task (see mpt/task.py)")
         self.cfg, self.task = cfg, task
         self.rank, self.world, self.local_rank = distributed_env()
         self.device = pick_device(cfg.device, self.local_rank)
@@ -504,9 +502,8 @@ class Run:
         self.train_ds = SeededDataset(train_ds, cfg.seed)
         # A task whose samples must stay in order (a language model carrying recurrent state across
         # batches) sets shuffle_train = False.
-        shuffle = getattr(self.task, "shuffle_train", True)
-        self.sampler = EpochSampler(len(train_ds), cfg.seed, shuffle, self.rank, self.world, self.per_rank,
-                                    order=getattr(self.task, "train_order", None), with_epoch=True)
+        self.sampler = EpochSampler(len(train_ds), cfg.seed, self.task.shuffle_train, self.rank, self.world,
+                                    self.per_rank, order=self.task.train_order, with_epoch=True)
         self.steps_per_epoch = len(self.sampler) // self.per_rank
         if self.steps_per_epoch == 0:
             raise UserError(f"train.batch_size={t.batch_size} is larger than the training set ({len(train_ds)})")
@@ -519,7 +516,7 @@ class Run:
         # copies) at every epoch and every evaluation. The epoch reaches them with each index
         # (EpochSampler(with_epoch=True)), never through state set after they started.
         lkw = dict(num_workers=t.num_workers, pin_memory=self.device.type == "cuda",
-                   generator=torch.Generator().manual_seed(cfg.seed), collate_fn=getattr(self.task, "collate", None),
+                   generator=torch.Generator().manual_seed(cfg.seed), collate_fn=self.task.collate,
                    worker_init_fn=_worker_init if t.num_workers > 0 else None,
                    persistent_workers=t.num_workers > 0)
         self.train_loader = DataLoader(self.train_ds, batch_size=self.micro, sampler=self.sampler, drop_last=True, **lkw)
@@ -586,11 +583,7 @@ class Run:
         into groups with their own settings (torch param groups), and give a group its own
         "clip_grad_norm" (applied by _clip_groups)."""
         cfg = self.cfg
-        if hasattr(self.task, "optimizers"):
-            opts = dict(self.task.optimizers(model, cfg))
-        else:
-            params = self.task.param_groups(model, cfg) if hasattr(self.task, "param_groups") else model.parameters()
-            opts = {"main": build_optimizer(cfg.optim, params)}
+        opts = dict(self.task.optimizers(model, cfg))
         for o in opts.values():
             if any(g.get("clip_grad_norm", 0) > 0 for g in o.param_groups):
                 o.register_step_pre_hook(_clip_groups)
@@ -662,7 +655,7 @@ class Run:
         """What differs between ranks and must survive a restart: the random streams (dropout, sampled
         negatives) and the task's state (the bigLSTM's recurrent state of this rank's streams)."""
         return {"rng": rng_state(self.device),
-                "task": self.task.state_dict() if hasattr(self.task, "state_dict") else None}
+                "task": self.task.state_dict()}
 
     def gather_rank_states(self) -> list[dict] | None:
         """Every rank's rank_state(), on rank 0 (None elsewhere). A collective: every rank calls it at
@@ -711,7 +704,7 @@ class Run:
                       file=sys.stderr)
             mine = {"rng": None, "task": ranks[0].get("task")}
             torch.manual_seed(_mix(rank_seed(self.cfg.seed, self.rank), sd["step"]))
-        if mine.get("task") is not None and hasattr(self.task, "load_state_dict"):
+        if mine.get("task") is not None:
             self.task.load_state_dict(mine["task"])
         if mine.get("rng") is not None:
             set_rng_state(mine["rng"], self.device)
@@ -767,31 +760,23 @@ class Run:
                 yield epoch, b
 
     def train_step(self, micro_batches) -> tuple[dict, int, dict, dict]:
-        """One iteration: the task's own step body, or the default one (task.loss). Returns
-        (logs: device tensors, items, {optimizer: applied}, numerics stats). Nothing here reads a
-        device value: the loop reads the logs once per log step."""
+        """One iteration: Task.train_step (its default: the loss step over task.loss), then one scale
+        update and zero_grad. Returns (logs: device tensors, items, {optimizer: applied}, numerics
+        stats). The logs stay on the device (the loop reads them once per log step); the host reads
+        in an iteration are the loss scaler's overflow flag, one per optimizer step (mpt.precision),
+        and, on sampled steps only, the numerics statistics."""
         recipe = self.recipe
         self._sample = self.numerics is not None and self.numerics.should_sample(self.step)
         self._stats, self._applied = {}, {}
         if self._sample:
             self.numerics.begin(self.step)
-        ctx = StepContext(self, len(micro_batches))
-        micro = [_to_device(b, self.device, self.cfg.channels_last) for b in micro_batches]
         meter = SavedTensorBytes(self.model) if self.act_bytes is None else None  # the first step only
-        if hasattr(self.task, "train_step"):
-            with meter.measure() if meter is not None else contextlib.nullcontext():
-                logs, n = self.task.train_step(ctx, micro)
-            self._close_phases()
-            recipe.update()  # once per iteration, after every optimizer's step (GradScaler's rule)
-            recipe.zero_grad()
-        else:
-            def step():
-                ctx.step(next(iter(self.optimizers)))
-                self._close_phases()
-
-            loss, n, _ = loss_step(recipe, lambda b: self.task.loss(ctx.models, b), micro, step,
-                                   sync=ctx.sync, meter=meter)
-            logs = {"loss": loss}
+        ctx = StepContext(self, len(micro_batches), meter)
+        micro = [_to_device(b, self.device, self.cfg.channels_last) for b in micro_batches]
+        logs, n = self.task.train_step(ctx, micro)
+        self._close_phases()
+        recipe.update()  # once per iteration, after every optimizer's step (GradScaler's rule)
+        recipe.zero_grad()
         if meter is not None:
             self.act_bytes = meter.bytes
         return logs, n, self._applied, self._stats
@@ -832,26 +817,9 @@ class Run:
     @torch.no_grad()
     def evaluate(self) -> dict:
         self.model.eval()
-        if hasattr(self.task, "evaluate"):
-            ev = EvalContext(self)
-            metrics = dict(self.task.evaluate(ev))
-            self.model.train()
-            return metrics
-        sums: dict[str, float] = {}
-        for i, b in enumerate(self.val_loader):
-            if self.cfg.train.eval_max_batches and i >= self.cfg.train.eval_max_batches:
-                break
-            b = _to_device(b, self.device, self.cfg.channels_last)
-            with self.recipe.autocast():
-                for key, v in self.task.eval_sums(self.model, b).items():
-                    sums[key] = sums.get(key, 0.0) + float(v)
-        if self.world > 1:
-            keys = sorted(sums)
-            t = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device)
-            dist.all_reduce(t)
-            sums = dict(zip(keys, t.tolist()))
+        metrics = dict(self.task.evaluate(EvalContext(self)))
         self.model.train()
-        return self.task.eval_metrics(sums)
+        return metrics
 
     def iterate(self, micro_batches) -> dict:
         """One iteration of the loop: the train step, then, on the device, the divergence rule and the

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 
 from mpt.config import REPO
 from mpt.errors import UserError, cli
-from slurm import clusters, grid as G
+from slurm import clusters
+from slurm.grid import Cell, Grid, load as load_grid, nodes_and_tasks
 from slurm.state import FINAL, append_manifest, cell_state, latest_jobs, slurm_queue
 
 
@@ -47,8 +48,8 @@ def _sbatch_message(err: BaseException) -> str:
     return "; ".join(out) or type(err).__name__
 
 
-def submit_slurm(g: G.Grid, cells: list[G.Cell], cluster: clusters.Cluster, exp_dir: pathlib.Path,
-                 submitted: list[tuple[G.Cell, str]]) -> None:
+def submit_slurm(g: Grid, cells: list[Cell], cluster: clusters.Cluster, exp_dir: pathlib.Path,
+                 submitted: list[tuple[Cell, str]]) -> None:
     """Submit `cells` as job arrays of at most cluster.max_array_size tasks; appends (cell, job id)
     to `submitted` as it goes, so a failure half-way still leaves a complete record."""
     for tool in ("sbatch", "srun", "scontrol"):
@@ -61,7 +62,7 @@ def submit_slurm(g: G.Grid, cells: list[G.Cell], cluster: clusters.Cluster, exp_
 
     from slurm.job import CellJob
 
-    nodes, per_node = G.nodes_and_tasks(g.resources, cluster.gpus_per_node)
+    nodes, per_node = nodes_and_tasks(g.resources, cluster.gpus_per_node)
     params = clusters.sbatch_parameters(cluster, job_name=f"{g.experiment}-{g.profile}", nodes=nodes,
                                         tasks_per_node=per_node, gpus=g.resources.gpus, chdir=str(REPO))
     ex = submitit.SlurmExecutor(folder=exp_dir / "slurm_logs" / "%j", max_num_timeout=cluster.max_requeues,
@@ -200,7 +201,7 @@ def _fmt_hours(h: float) -> str:
     return f"{h:,.0f}" if h >= 100 else f"{h:.3g}"
 
 
-def plan(g: G.Grid, force: bool, queue_needed: bool) -> tuple[list[G.Cell], dict[str, int], list[str]]:
+def plan(g: Grid, force: bool, queue_needed: bool) -> tuple[list[Cell], dict[str, int], list[str]]:
     """Which cells to submit: not those completed or diverged, nor (unless force) those whose job is
     still queued or running. Returns (todo, skipped counts by state, one printable line per cell)."""
     exp_dirs = sorted({c.run_dir.parent for c in g.cells})
@@ -252,7 +253,7 @@ def bn_batch_note(cfg, world: int, unit: str = "GPU") -> str:
     return f", BN batch {per_rank} per {unit}"
 
 
-def print_plan(g: G.Grid, todo, skipped, lines, backend: str, cluster: clusters.Cluster | None, full: bool) -> None:
+def print_plan(g: Grid, todo, skipped, lines, backend: str, cluster: clusters.Cluster | None, full: bool) -> None:
     res = g.resources
     where = f"cluster {cluster.name}" if cluster else f"this machine ({socket.gethostname()})"
     print(f"{g.path} profile {g.profile}, backend {backend} on {where}: {len(g.cells)} cell(s), {len(todo)} to submit"
@@ -263,7 +264,7 @@ def print_plan(g: G.Grid, todo, skipped, lines, backend: str, cluster: clusters.
     if res.gpus:
         nodes = ""
         if cluster:
-            n, per_node = G.nodes_and_tasks(res, cluster.gpus_per_node)
+            n, per_node = nodes_and_tasks(res, cluster.gpus_per_node)
             nodes = f" on {n} node(s) x {per_node}"
         print(f"resources per run: {res.gpus} GPU(s), one rank each (NCCL){nodes}")
         print(f"estimated: {_fmt_hours(hours)} run-hours x {res.gpus} GPUs = {_fmt_hours(hours * res.gpus)} GPU-hours "
@@ -303,9 +304,9 @@ class Submission:
     """One parsed and planned submission: its arguments, grid, cluster and the cells to run."""
 
     args: argparse.Namespace
-    grid: G.Grid
+    grid: Grid
     cluster: clusters.Cluster | None
-    todo: list[G.Cell]
+    todo: list[Cell]
     record: dict
     follow: str
 
@@ -327,9 +328,9 @@ def prepare(argv) -> Submission:
     extra = list(a.extra)
     if cluster and cluster.ckpt_every_minutes is not None:  # an infrastructure key: same cells
         extra.insert(0, f"train.ckpt_every_minutes={cluster.ckpt_every_minutes}")
-    g = G.load(a.grid, a.profile, extra, a.only)
+    g = load_grid(a.grid, a.profile, extra, a.only)
     if cluster:
-        G.nodes_and_tasks(g.resources, cluster.gpus_per_node)  # fails early on GPUs the cluster lacks
+        nodes_and_tasks(g.resources, cluster.gpus_per_node)  # fails early on GPUs the cluster lacks
     for c in g.cells:  # the engine would fail at start; say it now
         if c.cfg.train.batch_size % g.resources.world:
             raise UserError(f"{c.run_name}: global batch train.batch_size={c.cfg.train.batch_size} does not divide "
@@ -351,7 +352,7 @@ def main(argv=None) -> None:
     if sub.args.dry_run or not sub.todo:
         return
     if sub.args.backend == "slurm":
-        submitted: list[tuple[G.Cell, str]] = []
+        submitted: list[tuple[Cell, str]] = []
         try:
             submit_slurm(sub.grid, sub.todo, sub.cluster, sub.exp_dir, submitted)
         finally:
@@ -388,7 +389,7 @@ def run_locally(subs: list[Submission], jobs: int | None = None) -> None:
         default_cap(s.args.threads or s.grid.resources.threads, s.grid.resources.world, s.grid.resources.gpus)
         for s in subs)
     by_name = {t.name: (sub, c) for _, t, sub, c in entries}
-    started: list[tuple[Submission, G.Cell, str]] = []
+    started: list[tuple[Submission, Cell, str]] = []
     threads = sorted({s.args.threads or s.grid.resources.threads for s in subs})
     logs = sorted({str(s.exp_dir / "local_logs") for s in subs})
     print(f"running {len(entries)} cell(s), at most {cap} at once, {'/'.join(map(str, threads))} thread(s) each; "
@@ -408,7 +409,7 @@ def run_locally(subs: list[Submission], jobs: int | None = None) -> None:
         raise SystemExit(1)
 
 
-def _record(record: dict, pairs: list[tuple[G.Cell, str]]) -> pathlib.Path | None:
+def _record(record: dict, pairs: list[tuple[Cell, str]]) -> pathlib.Path | None:
     """Append the submission to the manifest of each experiment directory it touched."""
     by_dir: dict[pathlib.Path, list] = {}
     for c, jid in pairs:

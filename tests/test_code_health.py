@@ -13,6 +13,7 @@ from mpt import config as C
 from mpt import engine, precision
 from mpt.config import Config, SchedCfg
 from mpt.errors import UserError
+from mpt.task import Task as BaseTask
 
 torch.set_num_threads(1)
 
@@ -147,7 +148,7 @@ def test_engine_benchmark_and_memory_estimate_train_like_a_plain_loop(monkeypatc
     # SGD with the default optimizer settings by hand.
     x = torch.tensor([[1.0, -2.0]]).repeat(16, 1)
 
-    class Task:
+    class Task(BaseTask):
         primary_metric, higher_is_better = "loss", False
 
         def datasets(self, cfg):

@@ -17,6 +17,7 @@ from mpt import precision
 from mpt.config import Config
 from models.imagenet_cnns import INPUT_SIZE
 from mpt.memory import SavedTensorBytes
+from mpt.task import Task
 
 torch.set_num_threads(2)
 
@@ -268,7 +269,7 @@ def test_ddp_ranks_agree_a_run_is_complete(tmp_path):
 
 
 # the data seam (collate + train_order): what detection, speech and translation batches need
-class _VarLenTask:
+class _VarLenTask(Task):
     """Sequences of 1..6 values; the target is the sign of their sum. Padded by the task's collate;
     the first epoch goes shortest-first (SortaGrad's rule), later epochs shuffled."""
     primary_metric = "acc"

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 from mpt.config import Config, TrainCfg, WandbCfg
+from mpt.task import Task
 
 
 def config(out_dir, **kw) -> Config:
@@ -18,7 +19,7 @@ def config(out_dir, **kw) -> Config:
                   wandb=WandbCfg(mode="disabled"), **kw)
 
 
-class ToyGan:
+class ToyGan(Task):
     primary_metric = "gap"
     higher_is_better = False
 

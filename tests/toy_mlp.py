@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 from mpt.config import Config, NumericsCfg, OptimCfg, TrainCfg, WandbCfg
+from mpt.task import Task
 
 
 def config(out_dir, optim=None, numerics=0, **kw) -> Config:
@@ -22,7 +23,7 @@ def config(out_dir, optim=None, numerics=0, **kw) -> Config:
                   wandb=WandbCfg(mode="disabled"), **kw)
 
 
-class ToyMLP:
+class ToyMLP(Task):
     primary_metric = "mse"
     higher_is_better = False
 

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 from models.lm import sample_log_uniform
+from mpt.task import Task
 
 
 class _Net(nn.Module):
@@ -28,7 +29,7 @@ class _Net(nn.Module):
         return self.b(h)
 
 
-class RankToy:
+class RankToy(Task):
     primary_metric = "mse"
     higher_is_better = False
 

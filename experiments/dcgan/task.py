@@ -15,6 +15,7 @@ from experiments.dcgan.swd import multiscale_swd
 from mpt.config import infra
 from mpt.engine import build_optimizer
 from mpt.errors import UserError
+from mpt.task import Task as BaseTask
 
 GRID_SEED, SWD_SEED = 1234, 4321  # fixed latents / patch positions: every evaluation compares alike
 
@@ -47,7 +48,7 @@ def generate(generator, n: int, latent: int, seed: int, device, autocast, batch:
     return torch.cat(out)
 
 
-class Task:
+class Task(BaseTask):
     primary_metric = "swd"  # multi-scale sliced Wasserstein distance x 1e3 (Karras et al. 2018)
     higher_is_better = False
 

@@ -21,6 +21,7 @@ from data_prep.speech import decode, read_manifest
 from models.deepspeech2 import out_lengths
 from mpt.config import infra
 from mpt.errors import UserError
+from mpt.task import Task as BaseTask
 
 BLANK = 0
 ENGLISH = " 'abcdefghijklmnopqrstuvwxyz"  # LibriSpeech's alphabet, lower-cased; index 0 is the CTC blank
@@ -101,7 +102,7 @@ class SpeechSet(torch.utils.data.Dataset):
         return self.features(i), target, text
 
 
-class Task:
+class Task(BaseTask):
     primary_metric = "cer"  # percent, the paper's Table 3 metric
     higher_is_better = False
     data_files = ("vocab.txt",)  # Mandarin's characters (data_prep.aishell): part of the run identity

@@ -10,6 +10,7 @@ from torchvision import transforms as tv_transforms
 
 from mpt.config import infra
 from mpt.errors import UserError
+from mpt.task import Task as BaseTask
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
@@ -55,7 +56,7 @@ def transforms(c: TaskCfg, train: bool):
     raise UserError(f"unknown task.augment={c.augment!r}; choose one of: caffe, torchvision")
 
 
-class Task:
+class Task(BaseTask):
     primary_metric = "top1"
     higher_is_better = True
     data_files = ("classes.json",)  # the class list beside the marker: part of the run identity

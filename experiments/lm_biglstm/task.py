@@ -24,6 +24,7 @@ import torch
 
 from mpt.config import infra
 from mpt.errors import UserError
+from mpt.task import Task as BaseTask
 
 
 @dataclass
@@ -55,7 +56,7 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-class Task:
+class Task(BaseTask):
     primary_metric = "ppl"
     higher_is_better = False
     data_files = ("vocab.txt",)  # the vocabulary beside the marker: part of the run identity

@@ -26,12 +26,13 @@ from mpt import engine
 from mpt.config import parse_options
 from mpt.engine import pick_device
 from mpt.errors import UserError, cli
+from mpt.task import Task
 
 # Precisions the hand-written loop covers: torch.amp's documented recipe, autocast + GradScaler.
 HAND_DTYPES = {"fp32": None, "fp16": torch.float16, "mixed": torch.float16, "bf16": torch.bfloat16}
 
 
-class _EngineTask:
+class _EngineTask(Task):
     """The workload's task for engine.Run. Its dataset only gives the engine a length: batches are
     handed to train_step already on the device, so neither loop loads or copies data."""
 

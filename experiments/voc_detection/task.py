@@ -17,6 +17,7 @@ from torchvision.transforms import v2
 from experiments.voc_detection.voc_eval import voc07_map
 from mpt.config import infra
 from mpt.errors import UserError
+from mpt.task import Task as BaseTask
 
 AUGMENTS = ("ssd", "flip", "none")
 
@@ -33,7 +34,6 @@ class TaskCfg:
     backbone: str = "scratch"  # scratch | a VGG-16 weights file (torchvision state dict or our vgg16 checkpoint)
     batch_norm: bool = False  # VGG-16-BN layers: the tiny profile's from-scratch variant, not the paper's model
     eval_max_images: int = 0  # 0 = the whole test set
-    num_classes: int = 0  # computed from the prepared data's class list (+ background); never set
 
 
 def _difficult_too(inputs):
@@ -64,7 +64,7 @@ def collate(samples):
     return list(images), list(targets)
 
 
-class Task:
+class Task(BaseTask):
     primary_metric = "mAP"  # VOC2007 test, 11-point AP at IoU 0.5, percent
     higher_is_better = True
 
@@ -76,7 +76,7 @@ class Task:
             # The paper impl casts every floating input of the model to FP16, the ground-truth boxes too.
             raise UserError("voc_detection runs impl=autocast only (impl=paper would cast the target boxes to FP16)")
         classes = read_marker(c.data_root)["classes"]
-        c.num_classes = len(classes) + 1
+        self.num_classes = len(classes) + 1  # + background; kept here, never in the config
         self.cfg = cfg
         train = VOCDetectionSet(c.data_root, list(c.train_sets), classes, train_transform(c.augment),
                                 keep_difficult=c.train_difficult)
@@ -90,7 +90,7 @@ class Task:
 
         c = cfg.task
         kw = {"max_size": c.max_size} if cfg.model == "faster_rcnn_vgg16" else {}
-        return models.build(cfg.model, num_classes=c.num_classes, width=cfg.width, size=c.image_size,
+        return models.build(cfg.model, num_classes=self.num_classes, width=cfg.width, size=c.image_size,
                             backbone=c.backbone, batch_norm=c.batch_norm, **kw)
 
     collate = staticmethod(collate)
@@ -109,7 +109,7 @@ class Task:
 
     def evaluate(self, ev):
         dets, gts = [], []
-        for images, targets in ev.val_loader:
+        for images, targets in ev.batches():  # train.eval_max_batches; task.eval_max_images cuts the set
             images = [im.to(ev.device) for im in images]
             with ev.autocast():
                 out = ev.model(images)
@@ -123,7 +123,7 @@ class Task:
             dist.all_gather_object(box, (dets, gts))
             dets = [d for part in box for d in part[0]]
             gts = [g for part in box for g in part[1]]
-        mAP, aps = voc07_map(dets, gts, self.cfg.task.num_classes - 1)
+        mAP, aps = voc07_map(dets, gts, self.num_classes - 1)
         out = {"mAP": round(mAP, 3), "detections": sum(len(d["scores"]) for d in dets)}
         from data_prep.voc.dataset import read_marker
 

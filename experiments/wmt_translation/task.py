@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from mpt.config import infra
 from mpt.errors import UserError
+from mpt.task import Task as BaseTask
 
 
 @dataclass
@@ -35,7 +36,7 @@ class TaskCfg:
     decode_extra: int = 10  # greedy decoding stops at 2 x source length + this many tokens
 
 
-class Task:
+class Task(BaseTask):
     primary_metric = "perplexity"
     higher_is_better = False
 
@@ -57,7 +58,7 @@ class Task:
             if len(ds) == 0:
                 raise UserError(f"no {name} pair of {c.data_root} fits task.buckets={c.buckets}")
         self.train_bucket = self._bucket(train)
-        self.batch, self.eval_max = cfg.train.batch_size, cfg.train.eval_max_batches
+        self.batch = cfg.train.batch_size
         self.cfg = c
         return train, dev
 
@@ -119,21 +120,17 @@ class Task:
         n = batch["n_tgt"]  # = (tgt_out != pad).sum(), from collate: int() of the device count would sync
         return self._nll(model, batch) / max(n, 1), n  # mean NLL per target token: exp = perplexity
 
+    def eval_sums(self, model, batch) -> dict:
+        """Summed target-subword NLL and the subword count of one validation batch (newstest2013)."""
+        return {"nll": self._nll(model, batch).double(), "tokens": (batch["tgt_out"] != self.pad).sum()}
+
+    def eval_metrics(self, sums: dict) -> dict[str, float]:
+        nll = sums["nll"] / max(sums["tokens"], 1.0)
+        return {"perplexity": math.exp(min(nll, 700.0)), "nll": nll}
+
     def evaluate(self, ev) -> dict[str, float]:
-        """Validation perplexity (per target subword, newstest2013) and test BLEU (newstest2014)."""
-        limit = self.eval_max
-        t = torch.zeros(2, dtype=torch.float64, device=ev.device)
-        for i, b in enumerate(ev.val_loader):
-            if limit and i >= limit:
-                break
-            b = {k: v.to(ev.device) if torch.is_tensor(v) else v for k, v in b.items()}
-            with ev.autocast():
-                t[0] += self._nll(ev.model, b).double()
-            t[1] += (b["tgt_out"] != self.pad).sum()
-        if ev.world > 1:
-            dist.all_reduce(t)
-        nll = float(t[0] / t[1].clamp(min=1))
-        metrics = {"perplexity": math.exp(min(nll, 700.0)), "nll": nll}
+        """Validation perplexity (the engine's additive sums) and test BLEU (newstest2014)."""
+        metrics = super().evaluate(ev)
         if self.cfg.bleu:
             metrics["bleu"] = self.bleu(ev)
         return metrics

@@ -1,0 +1,111 @@
+"""The Task contract: what an experiment gives the one training loop (mpt/engine.py).
+
+A new experiment is a subclass of Task. The engine calls these methods and nothing else; every hook
+but `datasets` and `build_model` has a default, so a subclass writes only what its workload differs
+in. Which hook wins is never a question: there is one of each, and a default calls the others.
+
+Lifecycle, in the engine's order (Run.setup), on every rank:
+  1. datasets(cfg) -> (train, val)           under torch.manual_seed(cfg.seed). Data-derived facts the
+                                             later hooks need (a vocabulary, a class count) are kept on
+                                             the task here, never written into cfg.
+  2. build_model(cfg) -> nn.Module           one module, or an nn.ModuleDict of named models (a GAN).
+  3. optimizers(model, cfg) -> {name: opt}   default: one "main" from cfg.optim over param_groups().
+  4. per iteration: train_step(ctx, micro)   default: the loss step over self.loss (below).
+  5. per evaluation: evaluate(ev)            default: the additive sums of eval_sums over the
+                                             validation share of every rank, then eval_metrics.
+  6. at a checkpoint: state_dict(), and load_state_dict() at resume (every rank its own).
+
+Data seam: collate(samples) batches samples (default: torch's default_collate), train_order(epoch,
+generator) orders an epoch (default None: a seeded random permutation, or the dataset's order when
+shuffle_train is False), data_files names the files under task.data_root that identify the prepared
+data beside its prepared.json (hashed into cfg.data_fingerprint).
+
+A public method whose name is one or two letters from a hook's (`evalute`) is an error when the
+class is defined: it would otherwise never be called, and the default would run silently.
+"""
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+import torch.nn as nn
+from torch.utils.data import default_collate
+
+
+class Task:
+    primary_metric: str = ""  # key of evaluate()'s metrics that tables show, e.g. "top1"
+    higher_is_better: bool = True
+    shuffle_train: bool = True  # False: samples in dataset order (a language model's streams)
+    data_files: tuple[str, ...] = ()
+
+    HOOKS = ("datasets", "build_model", "optimizers", "param_groups", "train_step", "loss", "evaluate",
+             "eval_sums", "eval_metrics", "collate", "train_order", "state_dict", "load_state_dict")
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for name, value in vars(cls).items():
+            if name.startswith("_") or name in Task.HOOKS or not callable(value):
+                continue
+            close = difflib.get_close_matches(name, Task.HOOKS, n=1, cutoff=0.85)
+            if close:
+                raise TypeError(f"{cls.__qualname__}.{name} looks like a misspelt Task hook {close[0]!r}: "
+                                f"rename it (the engine calls {close[0]})")
+
+    # -- 1, 2: data and model (required) ----------------------------------------------------------
+    def datasets(self, cfg) -> tuple[Any, Any]:
+        raise NotImplementedError(f"{type(self).__qualname__} must define datasets(cfg) -> (train, val)")
+
+    def build_model(self, cfg) -> nn.Module:
+        raise NotImplementedError(f"{type(self).__qualname__} must define build_model(cfg)")
+
+    # -- 3: optimizers ------------------------------------------------------------------------------
+    def optimizers(self, model, cfg) -> dict:
+        """Named optimizers. A task with several (a GAN's generator and discriminator) names each
+        after the ModuleDict entry it trains; numerics sampling and DDP follow that naming."""
+        from mpt.engine import build_optimizer
+
+        return {"main": build_optimizer(cfg.optim, self.param_groups(model, cfg))}
+
+    def param_groups(self, model, cfg):
+        """The default optimizer's parameters: torch param groups, each may carry "clip_grad_norm"."""
+        return model.parameters()
+
+    # -- 4: the training step -----------------------------------------------------------------------
+    def train_step(self, ctx, micro_batches: list) -> tuple[dict, Any]:
+        """One iteration -> (logs: name -> device tensor, holding "loss"; items). Default: forward
+        each micro-batch through self.loss under autocast, backward of loss / k, one optimizer step
+        (mpt.engine.loss_step). A task with several losses or optimizers writes its own body with
+        ctx.autocast, ctx.backward, ctx.sync and ctx.step (mpt.engine.StepContext)."""
+        return ctx.loss_step(self.loss, micro_batches)
+
+    def loss(self, model, batch):
+        """(mean loss, items in batch) for the default train_step."""
+        raise NotImplementedError(f"{type(self).__qualname__} must define loss(model, batch) or its own train_step")
+
+    # -- 5: evaluation ------------------------------------------------------------------------------
+    def evaluate(self, ev) -> dict[str, float]:
+        """Metrics of the model on the validation set. Default: eval_sums over this rank's share,
+        summed over ranks (ev.sums), then eval_metrics. A task adds metrics through super()."""
+        return self.eval_metrics(ev.sums(self.eval_sums))
+
+    def eval_sums(self, model, batch) -> dict[str, float]:
+        raise NotImplementedError(f"{type(self).__qualname__} must define eval_sums and eval_metrics, or evaluate")
+
+    def eval_metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        raise NotImplementedError(f"{type(self).__qualname__} must define eval_sums and eval_metrics, or evaluate")
+
+    # -- data seam ----------------------------------------------------------------------------------
+    collate = staticmethod(default_collate)  # a plain function: DataLoader workers can pickle it
+
+    def train_order(self, epoch: int, generator):
+        """A permutation of the training set for this epoch, depending only on (epoch, generator) so a
+        resumed run sees the same order (SortaGrad's shortest-first epoch); None: the default."""
+        return None
+
+    # -- 6: state in the checkpoint ---------------------------------------------------------------
+    def state_dict(self):
+        """This rank's task state for the checkpoint (the bigLSTM's recurrent state); None: none."""
+        return None
+
+    def load_state_dict(self, state) -> None:
+        pass

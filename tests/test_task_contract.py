@@ -1,0 +1,71 @@
+"""The Task contract (mpt/task.py): the README's worked toy trains through the unchanged engine, a misspelt
+hook fails when the class is defined, and what is missing is named."""
+import json
+import re
+
+import pytest
+import torch
+
+from conftest import REPO
+from mpt import engine
+from mpt.task import Task
+from toy_mlp import config
+
+
+def _readme_task() -> str:
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## The Task: what an experiment adds"):text.index("## Configs and runs")]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_readme_toy_is_a_complete_experiment(tmp_path, one_thread):
+    scope: dict = {}
+    exec(compile(_readme_task(), "README.md", "exec"), scope)
+    task = scope["Regression"]()
+    train, _ = task.datasets(None)
+    y = train.tensors[1]
+    baseline = float(((y - y.mean()) ** 2).mean())  # the best constant prediction's MSE
+    s = engine.run(config(tmp_path, optim={"lr": 0.05}, train={"max_steps": 40}), task)
+    assert s["status"] == "completed" and s["step"] == 40
+    # a linear model of a sum: it must get far below the constant predictor (y's variance, ~8)
+    assert s["metrics"]["mse"] < 0.05 * baseline, (s["metrics"], baseline)
+
+
+def test_a_misspelt_hook_fails_at_class_definition():
+    with pytest.raises(TypeError, match="evalute.*'evaluate'"):
+        class Typo(Task):  # noqa: F841
+            def evalute(self, ev):
+                return {}
+
+    class Helpers(Task):  # unrelated public methods are fine
+        def translate(self, model, sources):
+            return sources
+
+        def real_images(self, n):
+            return n
+
+
+def test_the_engine_refuses_a_task_that_is_not_a_task(tmp_path):
+    class Duck:
+        primary_metric, higher_is_better = "mse", False
+
+    with pytest.raises(TypeError, match="Duck must subclass mpt.task.Task"):
+        engine.Run(config(tmp_path), Duck())
+
+
+def test_what_a_task_lacks_is_named(tmp_path, one_thread):
+    class NoLoss(Task):
+        primary_metric = "mse"
+
+        def datasets(self, cfg):
+            ds = torch.utils.data.TensorDataset(torch.randn(32, 2), torch.randn(32, 1))
+            return ds, ds
+
+        def build_model(self, cfg):
+            return torch.nn.Linear(2, 1)
+
+    with pytest.raises(NotImplementedError, match="NoLoss must define loss"):
+        engine.run(config(tmp_path), NoLoss())
+    (summary,) = tmp_path.glob("**/summary.json")
+    s = json.loads(summary.read_text())
+    assert s["status"] == "failed" and "NoLoss must define loss(model, batch) or its own train_step" in s["error"]
