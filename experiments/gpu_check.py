@@ -18,7 +18,7 @@ Parts (each in its own process, with its own time limit; a failure is recorded a
 Writes <out>/<device>-<date>-gpu_check.json (cpu-<date>-gpu_check-smoke.json for --cpu-smoke), atomically,
 after every part; prints a summary table. Exit status 1 if any part failed, 2 on bad command-line input.
 Every measurement is the repository's own code: the speed/memory benchmark's step
-(experiments/speed_memory/bench.py, i.e. mpt.engine.loss_step) and the engine's run/resume/DDP paths.
+(experiments/speed_memory/bench.py, i.e. mpt.step.loss_step) and the engine's run/resume/DDP paths.
 """
 from __future__ import annotations
 

@@ -1,20 +1,23 @@
-"""The one training loop every experiment uses: train_step / evaluate / run.
+"""The one training loop every experiment uses: Run (setup, checkpoints, the loop) and run().
 
 An experiment supplies a Task (mpt/task.py: the contract, its lifecycle and defaults); precision lives entirely
 in the recipe (mpt.precision), so nothing here branches on it. A run writes its directory
 (config.yaml, env.json, metrics.jsonl, summary.json, checkpoint.pt: see README "Configs and runs")
 and resumes from its checkpoint when started again -- bit-identically in FP32 on the CPU.
+
+The pieces around it, one concern per file: mpt/step.py (what a task's step and evaluation see, and
+the default iteration), mpt/optim.py (optimizers and schedules from the config), mpt/ranks.py (rank,
+device, random streams), mpt/signals.py (stopping cleanly on a signal), mpt/rundir.py (atomic files,
+the run lock, env.json).
 """
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import signal
 import sys
 import time
 import traceback
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,383 +30,16 @@ from mpt.data import EpochSampler, SeededDataset, _mix
 from mpt.errors import UserError, cli, one_line
 from mpt.memory import SavedTensorBytes
 from mpt.task import Task
-from mpt.rundir import (RANK_FAILURE, RunLock, append_jsonl, atomic_torch_save, atomic_write_bytes,
+from mpt.rundir import (RANK_FAILURE, RunLock, append_jsonl, atomic_torch_save,
                         atomic_write_json, atomic_write_text, env_info, now, read_json_or_none, read_jsonl,
                         read_rank_failures, remove_stale_temp_files, storage_error)
 from mpt.wandb_log import WandbLogger
+from mpt.optim import _clip_groups, lr_factor
+from mpt.ranks import distributed_env, pick_device, rank_seed, rng_state, set_rng_state, to_cpu, to_device
+from mpt.signals import STOP, install_stop_handlers, _worker_init
+from mpt.step import EvalContext, StepContext
 
-
-class StepContext:
-    """What a task's own training step sees: the named models (DDP-wrapped when distributed: call
-    these), the named optimizers, and the recipe's calls. Neither the task nor the loop branches on
-    precision. One loss scaler serves every optimizer with torch.amp's rules: each optimizer is
-    unscaled and inf-checked on its own, an overflow skips only that optimizer's update (section
-    3.2), and the scale is updated once per iteration (by the engine, after the task's step)."""
-
-    def __init__(self, run: "Run", accum: int, meter: SavedTensorBytes | None = None):
-        self._run = run
-        self._meter = meter  # the first iteration only: activation bytes (summary's activation_bytes)
-        self.iteration = run.step  # iterations before this one (skipped updates included)
-        self.accum = accum  # micro-batches in this step
-        self.models = run.ddp  # a module or an nn.ModuleDict of modules
-        self.optimizers = run.optimizers
-
-    def autocast(self):
-        """The recipe's autocast; in the first iteration it also counts the tensors saved for backward."""
-        if self._meter is None:
-            return self._run.recipe.autocast()
-        stack = contextlib.ExitStack()
-        stack.enter_context(self._meter.measure())
-        stack.enter_context(self._run.recipe.autocast())
-        return stack
-
-    def loss_step(self, loss_fn, micro_batches: list) -> tuple[dict, int]:
-        """Task.train_step's default body: forward_backward over loss_fn(models, batch) -> (mean loss,
-        items), then the first (only) optimizer's step. Returns ({"loss": mean loss}, items)."""
-        loss, n = forward_backward(self._run.recipe, lambda b: loss_fn(self.models, b), micro_batches,
-                                   sync=self.sync, meter=self._meter)
-        self.step(next(iter(self.optimizers)))
-        return {"loss": loss}, n
-
-    def backward(self, loss: torch.Tensor) -> None:
-        self._run.recipe.backward(loss)
-
-    def sync(self, i: int):
-        """Context for micro-batch i: DDP all-reduces gradients only on the last one."""
-        return self._run.no_sync() if i < self.accum - 1 else contextlib.nullcontext()
-
-    def step(self, name: str, clip_grad_norm: float | None = None) -> bool:
-        """Unscale, inf-check, clip and update optimizer `name`; advance its schedule when applied.
-        Returns whether the update was applied. The task zeroes gradients it must not carry into
-        the next phase (ctx.zero_grad)."""
-        clip = self._run.cfg.train.clip_grad_norm if clip_grad_norm is None else clip_grad_norm
-        return self._run.optimizer_step(name, clip)
-
-    def zero_grad(self) -> None:
-        self._run.recipe.zero_grad()
-
-
-class EvalContext:
-    """What a task's own evaluate() sees. Every rank calls it; only rank 0 writes files."""
-
-    def __init__(self, run: "Run"):
-        self._run = run
-        self.step, self.device, self.rank, self.world = run.step, run.device, run.rank, run.world
-        self.model = run.model  # unwrapped: evaluation runs no collectives
-        self.val_loader = run.val_loader  # this rank's share of the validation set
-        self.val_dataset = run.val_loader.dataset
-        self.run_dir = run.dir
-        self.images: dict[str, str] = {}  # name -> file written, for the eval log line
-
-    def autocast(self):
-        return self._run.recipe.autocast()
-
-    def batches(self):
-        """This rank's validation batches as the loader yields them (on the CPU), at most
-        train.eval_max_batches of them (0: all)."""
-        limit = self._run.cfg.train.eval_max_batches
-        for i, b in enumerate(self.val_loader):
-            if limit and i >= limit:
-                return
-            yield b
-
-    def sums(self, eval_sums) -> dict[str, float]:
-        """Additive statistics eval_sums(model, batch) -> {name: number}, summed over this rank's
-        validation batches (batches()) under autocast, then over ranks."""
-        run, sums = self._run, {}
-        for b in self.batches():
-            b = _to_device(b, self.device, run.cfg.channels_last)
-            with run.recipe.autocast():
-                for key, v in eval_sums(self.model, b).items():
-                    sums[key] = sums.get(key, 0.0) + float(v)
-        if self.world > 1:
-            keys = sorted(sums)
-            t = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device)
-            dist.all_reduce(t)
-            sums = dict(zip(keys, t.tolist()))
-        return sums
-
-    def image(self, name: str, grid: torch.Tensor, caption: str = "") -> None:
-        """Write a (3, H, W) image in [0, 1] as <run dir>/<name>_<step>.png (atomically) and to wandb."""
-        if not self._run.main:
-            return
-        import io
-
-        from PIL import Image
-
-        arr = (grid.detach().float().clamp(0, 1).mul(255).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy())
-        buf = io.BytesIO()
-        Image.fromarray(arr).save(buf, format="PNG")
-        fname = f"{name}_{self.step:07d}.png"
-        atomic_write_bytes(self._run.dir / fname, buf.getvalue())
-        self.images[name] = fname
-        self._run.wandb.image(name, self._run.dir / fname, self.step, caption)
-
-
-class _Stop:
-    """Set from a signal handler (SLURM's pre-timeout signal, preemption, `kill`, Ctrl-C): the loop
-    checkpoints at the next step boundary and returns with status "interrupted"."""
-
-    def __init__(self):
-        self.reason: str | None = None
-        self.signum: int | None = None
-
-    def request(self, reason: str = "signal", signum: int | None = None) -> None:
-        self.reason, self.signum = reason, signum
-
-    def clear(self) -> None:
-        self.reason = self.signum = None
-
-
-STOP = _Stop()
-# The signals that stop a run cleanly: SLURM's pre-timeout signal (USR1 here; slurm.job uses USR2),
-# SIGTERM (a plain `kill`, torchrun, scancel and most schedulers' preemption) and SIGINT (Ctrl-C).
-STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 FINAL = ("completed", "diverged")  # results a later invocation returns as they are
-
-
-def install_stop_handlers(signals=STOP_SIGNALS) -> None:
-    """Each signal asks the loop to checkpoint at the next step boundary and stop ("interrupted").
-    A second Ctrl-C aborts at once (KeyboardInterrupt): the run then resumes from its last checkpoint."""
-
-    def handler(signum, frame):
-        name = signal.Signals(signum).name
-        if signum == signal.SIGINT and STOP.reason is not None:
-            raise KeyboardInterrupt
-        STOP.request(name, signum)
-        # os.write, not print: a handler may run inside another print to the same stream.
-        os.write(2, f"{name}: checkpointing at the next step boundary, then stopping"
-                    f"{' (Ctrl-C again: abort now)' if signum == signal.SIGINT else ''}\n".encode())
-
-    for s in signals:
-        signal.signal(s, handler)
-
-
-def _worker_init(worker_id: int) -> None:
-    """DataLoader workers get the stop signals meant for the main process: Ctrl-C reaches the whole
-    process group, and SLURM signals every process of a job step (USR2 before the time limit, SIGTERM
-    at preemption, requeue and scancel). A worker killed by one fails the run mid-step ("DataLoader
-    worker exited unexpectedly", no checkpoint), so workers ignore them and the main process stops
-    the run at a step boundary with a checkpoint.
-
-    SIGTERM from the main process itself must still end a worker: torch's DataLoader terminate()s a
-    worker that did not exit when asked, and at interpreter exit multiprocessing terminate()s and then
-    joins (no timeout) the workers of a loader still referenced, e.g. by an exception's traceback,
-    which would hang forever on a worker ignoring SIGTERM. A Python handler cannot see the sender,
-    so SIGTERM is blocked here and a thread takes it with sigwaitinfo, which can: it exits like
-    torch's own worker handler when the sender is the main process (or the main process is gone),
-    and drops it otherwise. A worker whose main process died also exits by torch's watchdog (it
-    polls the parent every 5 s)."""
-    for name in ("SIGINT", "SIGUSR1", "SIGUSR2"):
-        if hasattr(signal, name):  # no SIGUSR* on Windows
-            signal.signal(getattr(signal, name), signal.SIG_IGN)
-    if not hasattr(signal, "sigwaitinfo"):  # macOS, Windows: SIGTERM keeps torch's handling
-        return
-    import threading
-
-    parent = os.getppid()
-
-    def take_sigterm() -> None:
-        while True:
-            info = signal.sigwaitinfo({signal.SIGTERM})
-            if info.si_pid == parent or os.getppid() != parent:
-                os._exit(0)  # exit status 0, as torch's handler: the main process does not report it
-
-    # Blocked before the thread starts, so it and every later thread of the worker inherit the mask
-    # and a SIGTERM can only be taken by sigwaitinfo, not by torch's default-action handler.
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    threading.Thread(target=take_sigterm, name="pt_worker_sigterm", daemon=True).start()
-
-
-# ------------------------------------------------------------------------------------------------
-# setup helpers
-
-
-def rank_seed(seed: int, rank: int) -> int:
-    """The seed of rank `rank`'s random stream after model initialisation (rank 0 keeps `seed`)."""
-    return seed if rank == 0 else _mix(seed, rank, 0x52414E4B)
-
-
-def rng_state(device: torch.device) -> dict:
-    """This process's random state: the CPU generator and, on a GPU, its generator (both CPU uint8)."""
-    return {"cpu": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
-
-
-def set_rng_state(st: dict, device: torch.device) -> None:
-    """Restore rng_state()'s result. torch wants CPU ByteTensors here, on any device: a checkpoint loaded
-    with map_location=<a GPU> would hand over CUDA tensors and fail ("RNG state must be a
-    torch.ByteTensor"), so the states are brought to the CPU first whatever they arrived as."""
-    torch.set_rng_state(st["cpu"].to("cpu", torch.uint8))
-    if st.get("cuda") is not None and device.type == "cuda":
-        torch.cuda.set_rng_state(st["cuda"].to("cpu", torch.uint8), device)
-
-
-def distributed_env() -> tuple[int, int, int]:
-    """(rank, world, local_rank) from RANK / WORLD_SIZE / LOCAL_RANK (set by torchrun, or by slurm.job
-    from SLURM's variables), else a single process."""
-    env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0))
-    return 0, 1, 0
-
-
-def pick_device(name: str, local_rank: int = 0) -> torch.device:
-    """device=auto|cpu|cuda|cuda:N -> a torch device with an index.
-
-    auto: this process's GPU when there is one, else the CPU. `cuda` (no index) means the same GPU
-    as auto: under DDP each rank must own one GPU, and a bare "cuda" would put every rank on GPU 0.
-    Which GPU is this process's: with one visible GPU, that one -- a cluster that binds one GPU to
-    each task (CUDA_VISIBLE_DEVICES per task, `--gpus-per-task`, `--gpu-bind`) shows every rank a
-    single cuda:0, whatever its local rank; with several visible, the local rank's."""
-    if name == "auto" and not torch.cuda.is_available():
-        return torch.device("cpu")
-    try:
-        dev = torch.device("cuda" if name == "auto" else name)
-    except RuntimeError:
-        raise UserError(f"device={name!r} is not a torch device; use auto, cpu or cuda:N") from None
-    if dev.type not in ("cpu", "cuda"):
-        raise UserError(f"device={name}: only cpu and cuda devices are supported")
-    if dev.type == "cuda":
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if n == 0:
-            raise UserError(f"device={name} but CUDA is not available on this machine (no CUDA GPU is visible; torch "
-                            f"{torch.__version__}, CUDA build {torch.version.cuda}); use device=auto or device=cpu")
-        if dev.index is None:
-            if n > 1 and local_rank >= n:
-                raise UserError(f"local rank {local_rank} but this node shows {n} GPUs (CUDA_VISIBLE_DEVICES="
-                                f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): start at most one task per GPU")
-            dev = torch.device("cuda", 0 if n == 1 else local_rank)
-        elif dev.index >= n:
-            raise UserError(f"device={name} but this machine has {n} GPU(s) (cuda:0..cuda:{n - 1})")
-    return dev
-
-
-def build_optimizer(o, params) -> torch.optim.Optimizer:
-    name = o.name.lower()
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov, weight_decay=o.weight_decay)
-    if name in ("adam", "adamw"):
-        cls = torch.optim.Adam if name == "adam" else torch.optim.AdamW
-        return cls(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
-    if name == "adagrad":
-        return _Adagrad(params, lr=o.lr, weight_decay=o.weight_decay, eps=o.eps,
-                        initial_accumulator_value=o.initial_accumulator_value)
-    if name == "rmsprop":
-        return torch.optim.RMSprop(params, lr=o.lr, alpha=o.alpha, eps=o.eps, momentum=o.momentum,
-                                   weight_decay=o.weight_decay)
-    raise UserError(f"unknown optimizer optim.name={o.name!r}; choose one of: sgd, adam, adamw, adagrad, rmsprop")
-
-
-class _Adagrad(torch.optim.Adagrad):
-    """torch's Adagrad with its state created at the first step instead of in __init__, from each
-    param group's own initial_accumulator_value. torch fills the state eagerly with the constructor's
-    value, so impl=paper could not swap in its FP32 master copies (it wraps optimizers before their
-    first step) and groups could not start from different accumulators."""
-
-    def __init__(self, params, **kw):
-        super().__init__(params, **kw)
-        self.state.clear()
-        # A pre-hook, not an overridden step(): torch wraps step() to run hooks, and an override calling
-        # an already-wrapped Adagrad.step would run every step hook twice.
-        self.register_step_pre_hook(_adagrad_lazy_state)
-
-
-@torch.no_grad()
-def _adagrad_lazy_state(opt, args, kwargs) -> None:
-    for g in opt.param_groups:
-        for p in g["params"]:
-            if p.grad is not None and len(opt.state[p]) == 0:
-                opt.state[p]["step"] = torch.tensor(0.0)
-                opt.state[p]["sum"] = torch.full_like(p, g["initial_accumulator_value"],
-                                                      memory_format=torch.preserve_format)
-
-
-def _clip_groups(optimizer, args, kwargs) -> None:
-    """Optimizer step pre-hook: clip each param group that names its own clip_grad_norm (e.g. only a
-    language model's LSTM weights). It runs inside optimizer.step(), i.e. after every recipe has
-    unscaled the gradients and skipped overflowing steps, so the norm is of the true gradients."""
-    for g in optimizer.param_groups:
-        if g.get("clip_grad_norm", 0) > 0:
-            torch.nn.utils.clip_grad_norm_([p for p in g["params"] if p.grad is not None], g["clip_grad_norm"],
-                                           foreach=True)
-
-
-def lr_factor(s, epoch: float, total_epochs: float) -> float:
-    """Multiplier of the base learning rate at a (fractional) epoch."""
-    if s.name == "constant":
-        f = 1.0
-    elif s.name == "step":
-        f = s.gamma ** math.floor(epoch / s.step_epochs)
-    elif s.name == "multistep":
-        f = s.gamma ** sum(epoch >= m for m in s.milestones)
-    elif s.name == "poly":
-        f = max(0.0, 1.0 - epoch / total_epochs) ** s.power
-    elif s.name == "cosine":
-        f = 0.5 * (1 + math.cos(math.pi * min(epoch, total_epochs) / total_epochs))
-    elif s.name == "exponential":  # annealing by a constant factor per epoch (e.g. Deep Speech 2's)
-        f = s.gamma ** epoch
-    else:
-        raise UserError(f"unknown schedule sched.name={s.name!r}; "
-                        f"choose one of: constant, step, multistep, poly, cosine, exponential")
-    if s.warmup_epochs > 0 and epoch < s.warmup_epochs:
-        f *= epoch / s.warmup_epochs
-    return f
-
-
-def forward_backward(recipe: precision.Recipe, loss_fn, micro_batches: list, *, sync=None, meter=None):
-    """For each of the k micro-batches: forward under the recipe's autocast and backward of loss / k
-    (`sync(i)`: DDP all-reduces only on the last). `meter` (mpt.memory.SavedTensorBytes) measures
-    micro-batch 0. loss_fn(batch) -> (mean loss, items). Returns (mean loss over the micro-batches, a
-    float64 device tensor: nothing here reads a device value; items)."""
-    total, n, k = None, 0, len(micro_batches)
-    for i, b in enumerate(micro_batches):
-        with (sync(i) if sync is not None else contextlib.nullcontext()), \
-                (meter.measure() if meter is not None and i == 0 else contextlib.nullcontext()):
-            with recipe.autocast():
-                loss, items = loss_fn(b)
-            recipe.backward(loss / k)
-        part = loss.detach().to(torch.float64) / k  # float64: the Python float sum it replaces
-        total = part if total is None else total + part
-        n += items
-    return total, n
-
-
-def loss_step(recipe: precision.Recipe, loss_fn, micro_batches: list, step, *, sync=None, meter=None):
-    """The default training iteration outside the engine, in the engine's order (the speed/memory
-    benchmark, the bigLSTM memory estimate): forward_backward, then `step()`, the optimizer step(s) --
-    its result is returned, so a caller can also read what exists between the update and zero_grad
-    (gradients, optimizer state) -- then recipe.update() once and recipe.zero_grad().
-    Returns (mean loss, items, step()'s result)."""
-    total, n = forward_backward(recipe, loss_fn, micro_batches, sync=sync, meter=meter)
-    out = step()
-    recipe.update()  # once per iteration, after every optimizer's step (GradScaler's rule)
-    recipe.zero_grad()
-    return total, n, out
-
-
-def _to_cpu(obj):
-    """Tensors anywhere in nested dicts/lists/tuples, moved to the CPU (to pickle them across ranks)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
-
-
-def _to_device(batch, device, channels_last: bool):
-    if isinstance(batch, torch.Tensor):
-        batch = batch.to(device, non_blocking=True)
-        if channels_last and batch.dim() == 4 and batch.is_floating_point():
-            batch = batch.contiguous(memory_format=torch.channels_last)
-        return batch
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to_device(b, device, channels_last) for b in batch)
-    if isinstance(batch, dict):
-        return {k: _to_device(v, device, channels_last) for k, v in batch.items()}
-    return batch
 
 
 # ------------------------------------------------------------------------------------------------
@@ -660,7 +296,7 @@ class Run:
     def gather_rank_states(self) -> list[dict] | None:
         """Every rank's rank_state(), on rank 0 (None elsewhere). A collective: every rank calls it at
         the same step (checkpoints are taken at steps all ranks agree on, see loop())."""
-        mine = _to_cpu(self.rank_state())
+        mine = to_cpu(self.rank_state())
         if self.world == 1:
             return [mine]
         out = [None] * self.world if self.main else None
@@ -772,7 +408,7 @@ class Run:
             self.numerics.begin(self.step)
         meter = SavedTensorBytes(self.model) if self.act_bytes is None else None  # the first step only
         ctx = StepContext(self, len(micro_batches), meter)
-        micro = [_to_device(b, self.device, self.cfg.channels_last) for b in micro_batches]
+        micro = [to_device(b, self.device, self.cfg.channels_last) for b in micro_batches]
         logs, n = self.task.train_step(ctx, micro)
         self._close_phases()
         recipe.update()  # once per iteration, after every optimizer's step (GradScaler's rule)

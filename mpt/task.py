@@ -31,6 +31,8 @@ from typing import Any
 import torch.nn as nn
 from torch.utils.data import default_collate
 
+from mpt.optim import build_optimizer
+
 
 class Task:
     primary_metric: str = ""  # key of evaluate()'s metrics that tables show, e.g. "top1"
@@ -62,8 +64,6 @@ class Task:
     def optimizers(self, model, cfg) -> dict:
         """Named optimizers. A task with several (a GAN's generator and discriminator) names each
         after the ModuleDict entry it trains; numerics sampling and DDP follow that naming."""
-        from mpt.engine import build_optimizer
-
         return {"main": build_optimizer(cfg.optim, self.param_groups(model, cfg))}
 
     def param_groups(self, model, cfg):
@@ -74,8 +74,8 @@ class Task:
     def train_step(self, ctx, micro_batches: list) -> tuple[dict, Any]:
         """One iteration -> (logs: name -> device tensor, holding "loss"; items). Default: forward
         each micro-batch through self.loss under autocast, backward of loss / k, one optimizer step
-        (mpt.engine.loss_step). A task with several losses or optimizers writes its own body with
-        ctx.autocast, ctx.backward, ctx.sync and ctx.step (mpt.engine.StepContext)."""
+        (mpt.step.forward_backward). A task with several losses or optimizers writes its own body with
+        ctx.autocast, ctx.backward, ctx.sync and ctx.step (mpt.step.StepContext)."""
         return ctx.loss_step(self.loss, micro_batches)
 
     def loss(self, model, batch):

@@ -6,7 +6,7 @@ SLURM (submitit pickles a CellJob; `srun` starts one copy per task):
     and stays cluster-agnostic (it picks NCCL on GPUs, gloo on CPUs; rank 0 alone writes files).
   * time limit: the job is submitted with --signal=USR2@<signal_delay_s>. submitit's own USR2
     handler would checkpoint from inside the signal handler, i.e. in the middle of a training step,
-    so it is replaced here by one that only asks the engine to stop (mpt.engine.STOP): the loop
+    so it is replaced here by one that only asks the engine to stop (mpt.signals.STOP): the loop
     saves its checkpoint at the next step boundary and returns "interrupted", then rank 0 runs
     `scontrol requeue` and the restarted job resumes from that checkpoint (same wandb run: its id is
     the cell id).
@@ -74,7 +74,7 @@ def _slurm_ranks() -> str:
 
 
 class _Signals:
-    """Install handlers that turn stop signals into mpt.engine.STOP requests (checkpoint at the next
+    """Install handlers that turn stop signals into mpt.signals.STOP requests (checkpoint at the next
     step boundary). `requeue` is set when the signal means "time is almost up, come back later"."""
 
     def __init__(self, stop, requeue_signals: tuple, stop_signals: tuple):
@@ -126,7 +126,7 @@ def run_cell(experiment: str, overrides: list[str], run_dir: str, backend: str, 
         os.environ.setdefault("OMP_NUM_THREADS", cpus)
 
     from mpt import config
-    from mpt.engine import STOP
+    from mpt.signals import STOP
 
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))

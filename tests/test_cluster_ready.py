@@ -11,6 +11,7 @@ import torch
 from conftest import REPO, run_gloo_ranks, run_interrupted
 from mpt import engine
 from mpt.errors import UserError
+from mpt.ranks import pick_device, rng_state, set_rng_state
 from toy_mlp import config
 from toy_ranks import RankToy
 
@@ -60,10 +61,10 @@ def test_set_rng_state_accepts_states_that_arrive_in_another_form():
     """A state that arrives as another dtype or layout (a checkpoint mapped through a device and
     back) is brought to what torch expects; the stream continues exactly."""
     dev = torch.device("cpu")
-    st = engine.rng_state(dev)
+    st = rng_state(dev)
     want = torch.rand(3)
     odd = {"cpu": st["cpu"].to(torch.int32), "cuda": None}  # same values, wrong dtype for torch
-    engine.set_rng_state(odd, dev)
+    set_rng_state(odd, dev)
     assert torch.equal(torch.rand(3), want)
 
 
@@ -81,7 +82,7 @@ def test_set_rng_state_accepts_states_that_arrive_in_another_form():
 def test_pick_device_gives_each_rank_its_gpu(monkeypatch, name, visible, local_rank, want):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: visible > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
-    assert engine.pick_device(name, local_rank) == torch.device(want)
+    assert pick_device(name, local_rank) == torch.device(want)
 
 
 @pytest.mark.parametrize("name,visible,local_rank", [("auto", 2, 3), ("cuda:4", 4, 0), ("cuda", 0, 0)])
@@ -89,7 +90,7 @@ def test_pick_device_refuses_in_one_line(monkeypatch, name, visible, local_rank)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: visible > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
     with pytest.raises(UserError) as e:
-        engine.pick_device(name, local_rank)
+        pick_device(name, local_rank)
     assert "\n" not in str(e.value)
 
 

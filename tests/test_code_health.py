@@ -14,6 +14,9 @@ from mpt import engine, precision
 from mpt.config import Config, SchedCfg
 from mpt.errors import UserError
 from mpt.task import Task as BaseTask
+from mpt.optim import lr_factor
+from mpt.ranks import pick_device
+from mpt.step import loss_step
 
 torch.set_num_threads(1)
 
@@ -31,12 +34,12 @@ torch.set_num_threads(1)
     (dict(name="exponential", gamma=0.9, warmup_epochs=2), 1.0, 0.5 * 0.9),  # warmup multiplies
 ])
 def test_every_schedule_gives_its_factor(kw, epoch, want):
-    assert engine.lr_factor(SchedCfg(**kw), epoch, 10.0) == pytest.approx(want, rel=1e-12, abs=1e-15)
+    assert lr_factor(SchedCfg(**kw), epoch, 10.0) == pytest.approx(want, rel=1e-12, abs=1e-15)
 
 
 def test_unknown_schedule_and_removed_keys_are_one_line_errors():
     with pytest.raises(UserError, match="exponential"):
-        engine.lr_factor(SchedCfg(name="linear"), 0.0, 1.0)
+        lr_factor(SchedCfg(name="linear"), 0.0, 1.0)
     with pytest.raises(UserError, match="unknown config key 'sched.min_lr' \\(command line\\)"):
         C.set_key(Config(), "sched.min_lr", 0.001, where="command line")
 
@@ -124,7 +127,7 @@ def test_loss_step_order_mean_loss_and_what_step_returns():
 
     with torch.no_grad():
         net.weight.fill_(1.0)
-    loss, n, grad = engine.loss_step(r, lambda b: (net(b).mean(), len(b)), micro, step, sync=sync, meter=meter)
+    loss, n, grad = loss_step(r, lambda b: (net(b).mean(), len(b)), micro, step, sync=sync, meter=meter)
     assert loss.dtype == torch.float64 and loss.item() == pytest.approx((3 + 6 + 9) / 3) and n == 6
     assert r.calls == ["autocast", ("backward", 1.0), "autocast", ("backward", 2.0), "autocast",
                        ("backward", 3.0), "step", "update", "zero_grad"]
@@ -226,15 +229,15 @@ def test_parse_options_types_like_the_defaults(capsys):
 
 
 def test_pick_device():
-    assert engine.pick_device("cpu") == torch.device("cpu")
+    assert pick_device("cpu") == torch.device("cpu")
     if not torch.cuda.is_available():
-        assert engine.pick_device("auto", local_rank=1) == torch.device("cpu")
+        assert pick_device("auto", local_rank=1) == torch.device("cpu")
         with pytest.raises(UserError, match="no CUDA GPU is visible"):
-            engine.pick_device("cuda:0")
+            pick_device("cuda:0")
     with pytest.raises(UserError, match="not a torch device"):
-        engine.pick_device("gpu0")
+        pick_device("gpu0")
     with pytest.raises(UserError, match="only cpu and cuda"):
-        engine.pick_device("meta")
+        pick_device("meta")
 
 
 def test_read_json_default_only_when_asked(tmp_path):

@@ -329,7 +329,7 @@ def _curve(kind, half_math, steps, perturb=False):
     """Losses of `steps` steps on one fixed synthetic batch (mixed precision, dynamic S). perturb: the
     control -- the first weight tensor's initial values scaled by 1 + 2^-10 (about one FP16 ulp)."""
     from experiments.speed_memory import bench
-    from mpt.engine import build_optimizer
+    from mpt.optim import build_optimizer
 
     if kind == "lm":
         import models

@@ -22,10 +22,11 @@ from data_prep.lm1b.tiny import generate
 from experiments.lm_biglstm import main as lm_main
 from experiments.lm_biglstm.task import Task, TaskCfg
 from models.lm import FULL, Softmax, expected_count, log_uniform_prob, parameter_count, sample_log_uniform
-from mpt import engine, precision
+from mpt import precision
 from mpt.config import Config, OptimCfg
 from mpt.data import EpochSampler
 from mpt.errors import UserError
+from mpt.optim import _clip_groups, build_optimizer
 
 torch.set_num_threads(1)  # the CPU is shared; one thread per process is the most predictable
 # CPU PyTorch runs projected LSTMs without oneDNN and says so; expected here.
@@ -87,7 +88,7 @@ def test_tiny_forward_backward_every_precision():
             if prec in ("fp16_pure", "fp16_storage") and impl == "autocast":
                 continue  # the same recipe as impl=paper
             m = tiny_model()
-            opt = engine.build_optimizer(OptimCfg(name="adagrad", lr=0.2, initial_accumulator_value=1.0),
+            opt = build_optimizer(OptimCfg(name="adagrad", lr=0.2, initial_accumulator_value=1.0),
                                          m.parameters())
             scale = "128" if prec == "mixed" else "auto"
             r = precision.build(Config(precision=prec, impl=impl, loss_scale=scale), "cpu")
@@ -112,13 +113,13 @@ def test_engine_adagrad_groups_and_group_clipping():
     clip_grad_norm clips that group only."""
     torch.optim.Adagrad([torch.zeros(1, requires_grad=True)])  # torch wraps Adagrad.step on first use
     a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
-    opt = engine.build_optimizer(OptimCfg(name="adagrad", lr=0.1, initial_accumulator_value=0.5),
+    opt = build_optimizer(OptimCfg(name="adagrad", lr=0.1, initial_accumulator_value=0.5),
                                  [{"params": [a], "initial_accumulator_value": 2.0, "clip_grad_norm": 1.0},
                                   {"params": [b]}])
     assert len(opt.state) == 0
     calls = []
     opt.register_step_pre_hook(lambda *_: calls.append(1))
-    opt.register_step_pre_hook(engine._clip_groups)
+    opt.register_step_pre_hook(_clip_groups)
     a.grad, b.grad = torch.full((3,), 3.0), torch.full((2,), 3.0)
     opt.step()
     assert calls == [1]

@@ -21,6 +21,7 @@ from mpt import config as C
 from mpt import engine
 from mpt.errors import UserError, one_line
 from mpt.rundir import RunDirBusy, RunLock, atomic_torch_save
+from mpt.signals import STOP_SIGNALS
 from slurm import state
 from toy_gan import ToyGan, config
 
@@ -158,7 +159,7 @@ def test_ctrl_c_checkpoints_exits_130_and_resumes(tmp_path, reference):
                 os.kill(os.getpid(), signal.SIGINT)
             return super().train_step(ctx, micro)
 
-    old = {s: signal.getsignal(s) for s in engine.STOP_SIGNALS}
+    old = {s: signal.getsignal(s) for s in STOP_SIGNALS}
     try:
         with pytest.raises(SystemExit) as e:
             engine.cli_run(lambda: engine.run(config(tmp_path), CtrlC()))

@@ -408,7 +408,7 @@ def test_job_wrapper_maps_slurm_ranks(monkeypatch):
     assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("3", "8", "1")
     assert os.environ["MASTER_ADDR"] == "gpu07"
     assert os.environ["MASTER_PORT"] == str(job.master_port("12345"))
-    from mpt.engine import distributed_env
+    from mpt.ranks import distributed_env
 
     assert distributed_env() == (3, 8, 1)
 

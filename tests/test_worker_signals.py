@@ -1,4 +1,4 @@
-"""DataLoader workers and stop signals (mpt.engine._worker_init).
+"""DataLoader workers and stop signals (mpt.signals._worker_init).
 
 SLURM signals every process of a job step, the DataLoader workers too (USR2 before the time limit,
 SIGTERM at preemption / requeue / scancel; tests/test_slurm_cluster.py has the real thing). A worker
@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 LOADER = """
 import os, subprocess, sys, time, torch
 from torch.utils.data import DataLoader, Dataset
-from mpt.engine import _worker_init
+from mpt.signals import _worker_init
 
 class Slow(Dataset):
     def __len__(self): return 100000

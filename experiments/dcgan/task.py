@@ -13,7 +13,7 @@ from torchvision.utils import make_grid
 
 from experiments.dcgan.swd import multiscale_swd
 from mpt.config import infra
-from mpt.engine import build_optimizer
+from mpt.optim import build_optimizer
 from mpt.errors import UserError
 from mpt.task import Task as BaseTask
 

@@ -3,7 +3,7 @@
     python -m experiments.lm_biglstm.memory [--out FILE.json] [--gpu-gb 80] [--per-gpu-batch 256]
 
 Two parts of training memory, measured on the CPU with one real training step through the engine's
-own optimizer and precision recipes (mpt.engine.build_optimizer, mpt.precision):
+own optimizer and precision recipes (mpt.optim.build_optimizer, mpt.precision):
 
 1. Per-parameter state: weights, gradients (dense), Adagrad's accumulator, and for impl=paper the FP32
    master weights and their gradients. Counted from the tensors after a step, as bytes per parameter,
@@ -34,10 +34,12 @@ import torch
 
 from experiments.lm_biglstm.task import Task, TaskCfg
 from models.lm import FULL, BigLSTM, parameter_count
-from mpt import engine, precision
+from mpt import precision
 from mpt.config import Config, OptimCfg
 from mpt.errors import cli
 from mpt.memory import SavedTensorBytes
+from mpt.optim import build_optimizer
+from mpt.step import loss_step
 
 RECIPES = [("fp32", "autocast", "auto"), ("mixed", "paper", "128"), ("mixed", "autocast", "128"),
            ("fp16", "paper", "auto"), ("bf16", "autocast", "auto")]
@@ -72,7 +74,7 @@ def measure(prec: str, impl: str, scale: str, shape) -> dict:
     # CPU's emulated FP16 math runs the layer in FP32 and saves FP32 ones (mpt.precision.HalfMath).
     cfg = Config(precision=prec, impl=impl, loss_scale=scale, task=TaskCfg(), half_math="native",
                  optim=OptimCfg(name="adagrad", lr=0.2, initial_accumulator_value=1.0))
-    opt = engine.build_optimizer(cfg.optim, Task().param_groups(model, cfg))  # the experiment's groups
+    opt = build_optimizer(cfg.optim, Task().param_groups(model, cfg))  # the experiment's groups
     recipe = precision.build(cfg, "cpu")
     model = recipe.prepare(model, [opt])
     x, y = torch.randint(0, V, (B, T)), torch.randint(0, V, (B, T))
@@ -107,7 +109,7 @@ def measure(prec: str, impl: str, scale: str, shape) -> dict:
                 "grad_dtype_bytes": next(p.grad for p in params if p.grad is not None).element_size()}
 
     meter = SavedTensorBytes(model)
-    _, _, out = engine.loss_step(recipe, loss, [(x, y, mask)], step, meter=meter)  # the engine's step order
+    _, _, out = loss_step(recipe, loss, [(x, y, mask)], step, meter=meter)  # the engine's step order
     return {**out, "activations": meter.bytes}
 
 

@@ -13,7 +13,7 @@ norm, and Adagrad starting from an accumulator of 1. We reproduce each piece:
 - x per-GPU batch on the embedding gradient: for Adagrad, multiplying a gradient by c is the same as
   dividing the initial accumulator by c^2 (update = lr g / sqrt(a/c^2 + sum g^2)), so the embedding
   group starts from initial_accumulator_value / emb_grad_scale^2 and its gradients are untouched.
-- LSTM-only clipping: the LSTM param group carries its own clip_grad_norm (mpt.engine._clip_groups).
+- LSTM-only clipping: the LSTM param group carries its own clip_grad_norm (mpt.optim._clip_groups).
 """
 from __future__ import annotations
 

@@ -55,7 +55,7 @@ def _check(o: dict) -> None:
 def main(overrides: list[str]) -> dict:
     from experiments.speed_memory import bench, engine_overhead, report
     from mpt.config import parse_options
-    from mpt.engine import pick_device
+    from mpt.ranks import pick_device
     from mpt.rundir import now
 
     o = parse_options(list(overrides), DEFAULTS, "experiments.speed_memory")

@@ -32,7 +32,8 @@ import torch
 import models
 from mpt import config
 from mpt import precision as recipes
-from mpt.engine import build_optimizer, loss_step
+from mpt.optim import build_optimizer
+from mpt.step import loss_step
 from mpt.errors import UserError
 from mpt.memory import SavedTensorBytes
 from mpt.rundir import env_info
@@ -446,7 +447,7 @@ def _measure(wl: Workload, model_name, precision, impl, size, o, device) -> dict
     items = 0
 
     def train_step(m, meter: ActivationMeter | None = None) -> tuple[bool, dict | None]:
-        """The engine's step (mpt.engine.loss_step, one micro-batch). With a meter: activation memory
+        """The engine's step (mpt.step.loss_step, one micro-batch). With a meter: activation memory
         as the engine measures it, and the bytes of weights, gradients and optimizer state between
         the optimizer step and zero_grad."""
         nonlocal items

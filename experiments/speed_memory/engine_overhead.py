@@ -24,7 +24,8 @@ from experiments.speed_memory.bench import WORKLOADS, sync, time_steps
 from mpt import config
 from mpt import engine
 from mpt.config import parse_options
-from mpt.engine import pick_device
+from mpt.optim import build_optimizer
+from mpt.ranks import pick_device
 from mpt.errors import UserError, cli
 from mpt.task import Task
 
@@ -133,7 +134,7 @@ def _hand_loop(task, cfg, precision, device, xb, channels_last):
     ref = task.build_model(cfg).to(device)
     if channels_last:
         ref = ref.to(memory_format=torch.channels_last)
-    opt = engine.build_optimizer(cfg.optim, ref.parameters())
+    opt = build_optimizer(cfg.optim, ref.parameters())
     dtype = HAND_DTYPES[precision]
     sc = cfg.scaler
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "mixed", init_scale=sc.init_scale,

@@ -1,0 +1,80 @@
+"""Optimizers and learning-rate schedules from the config (optim.*, sched.*)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mpt.errors import UserError
+
+
+def build_optimizer(o, params) -> torch.optim.Optimizer:
+    name = o.name.lower()
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov, weight_decay=o.weight_decay)
+    if name in ("adam", "adamw"):
+        cls = torch.optim.Adam if name == "adam" else torch.optim.AdamW
+        return cls(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+    if name == "adagrad":
+        return _Adagrad(params, lr=o.lr, weight_decay=o.weight_decay, eps=o.eps,
+                        initial_accumulator_value=o.initial_accumulator_value)
+    if name == "rmsprop":
+        return torch.optim.RMSprop(params, lr=o.lr, alpha=o.alpha, eps=o.eps, momentum=o.momentum,
+                                   weight_decay=o.weight_decay)
+    raise UserError(f"unknown optimizer optim.name={o.name!r}; choose one of: sgd, adam, adamw, adagrad, rmsprop")
+
+
+class _Adagrad(torch.optim.Adagrad):
+    """torch's Adagrad with its state created at the first step instead of in __init__, from each
+    param group's own initial_accumulator_value. torch fills the state eagerly with the constructor's
+    value, so impl=paper could not swap in its FP32 master copies (it wraps optimizers before their
+    first step) and groups could not start from different accumulators."""
+
+    def __init__(self, params, **kw):
+        super().__init__(params, **kw)
+        self.state.clear()
+        # A pre-hook, not an overridden step(): torch wraps step() to run hooks, and an override calling
+        # an already-wrapped Adagrad.step would run every step hook twice.
+        self.register_step_pre_hook(_adagrad_lazy_state)
+
+
+@torch.no_grad()
+def _adagrad_lazy_state(opt, args, kwargs) -> None:
+    for g in opt.param_groups:
+        for p in g["params"]:
+            if p.grad is not None and len(opt.state[p]) == 0:
+                opt.state[p]["step"] = torch.tensor(0.0)
+                opt.state[p]["sum"] = torch.full_like(p, g["initial_accumulator_value"],
+                                                      memory_format=torch.preserve_format)
+
+
+def _clip_groups(optimizer, args, kwargs) -> None:
+    """Optimizer step pre-hook: clip each param group that names its own clip_grad_norm (e.g. only a
+    language model's LSTM weights). It runs inside optimizer.step(), i.e. after every recipe has
+    unscaled the gradients and skipped overflowing steps, so the norm is of the true gradients."""
+    for g in optimizer.param_groups:
+        if g.get("clip_grad_norm", 0) > 0:
+            torch.nn.utils.clip_grad_norm_([p for p in g["params"] if p.grad is not None], g["clip_grad_norm"],
+                                           foreach=True)
+
+
+def lr_factor(s, epoch: float, total_epochs: float) -> float:
+    """Multiplier of the base learning rate at a (fractional) epoch."""
+    if s.name == "constant":
+        f = 1.0
+    elif s.name == "step":
+        f = s.gamma ** math.floor(epoch / s.step_epochs)
+    elif s.name == "multistep":
+        f = s.gamma ** sum(epoch >= m for m in s.milestones)
+    elif s.name == "poly":
+        f = max(0.0, 1.0 - epoch / total_epochs) ** s.power
+    elif s.name == "cosine":
+        f = 0.5 * (1 + math.cos(math.pi * min(epoch, total_epochs) / total_epochs))
+    elif s.name == "exponential":  # annealing by a constant factor per epoch (e.g. Deep Speech 2's)
+        f = s.gamma ** epoch
+    else:
+        raise UserError(f"unknown schedule sched.name={s.name!r}; "
+                        f"choose one of: constant, step, multistep, poly, cosine, exponential")
+    if s.warmup_epochs > 0 and epoch < s.warmup_epochs:
+        f *= epoch / s.warmup_epochs
+    return f
