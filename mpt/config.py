@@ -50,7 +50,7 @@ class OptimCfg:
 
 @dataclass
 class SchedCfg:
-    name: str = "constant"  # constant | step | multistep | poly | cosine | exponential
+    name: str = "constant"  # constant | step | multistep | poly | cosine | exponential (mpt.optim.SCHEDULES: open)
     warmup_epochs: float = 0.0
     step_epochs: float = 30.0  # step: multiply by gamma every step_epochs
     milestones: list[float] = field(default_factory=list)  # multistep: epochs

@@ -220,6 +220,12 @@ class Run:
         "clip_grad_norm" (applied by _clip_groups)."""
         cfg = self.cfg
         opts = dict(self.task.optimizers(model, cfg))
+        if len(opts) > 1 and isinstance(model, nn.ModuleDict) and set(opts) - set(model.keys()):
+            # Numerics sampling takes each optimizer's gradients from the model of the same name; a
+            # name without a model would sample every parameter under that optimizer's name.
+            raise UserError(f"{type(self.task).__qualname__}.optimizers() names {sorted(set(opts) - set(model.keys()))}, "
+                            f"which the model has no entry for; name each optimizer after the model it trains "
+                            f"({', '.join(model.keys())})")
         for o in opts.values():
             if any(g.get("clip_grad_norm", 0) > 0 for g in o.param_groups):
                 o.register_step_pre_hook(_clip_groups)

@@ -58,23 +58,33 @@ def _clip_groups(optimizer, args, kwargs) -> None:
                                            foreach=True)
 
 
+# Learning-rate schedules by name (sched.name): factor(cfg.sched, epoch, total_epochs) -> multiplier of
+# the base learning rate at a fractional epoch. Open: a workload registers its own with @schedule("name")
+# and selects it in its config; warm-up (sched.warmup_epochs) applies on top of every one.
+SCHEDULES: dict = {}
+
+
+def schedule(name: str):
+    def register(fn):
+        SCHEDULES[name] = fn
+        return fn
+    return register
+
+
+schedule("constant")(lambda s, epoch, total: 1.0)
+schedule("step")(lambda s, epoch, total: s.gamma ** math.floor(epoch / s.step_epochs))
+schedule("multistep")(lambda s, epoch, total: s.gamma ** sum(epoch >= m for m in s.milestones))
+schedule("poly")(lambda s, epoch, total: max(0.0, 1.0 - epoch / total) ** s.power)
+schedule("cosine")(lambda s, epoch, total: 0.5 * (1 + math.cos(math.pi * min(epoch, total) / total)))
+# annealing by a constant factor per epoch, applied smoothly (Deep Speech 2's)
+schedule("exponential")(lambda s, epoch, total: s.gamma ** epoch)
+
+
 def lr_factor(s, epoch: float, total_epochs: float) -> float:
     """Multiplier of the base learning rate at a (fractional) epoch."""
-    if s.name == "constant":
-        f = 1.0
-    elif s.name == "step":
-        f = s.gamma ** math.floor(epoch / s.step_epochs)
-    elif s.name == "multistep":
-        f = s.gamma ** sum(epoch >= m for m in s.milestones)
-    elif s.name == "poly":
-        f = max(0.0, 1.0 - epoch / total_epochs) ** s.power
-    elif s.name == "cosine":
-        f = 0.5 * (1 + math.cos(math.pi * min(epoch, total_epochs) / total_epochs))
-    elif s.name == "exponential":  # annealing by a constant factor per epoch (e.g. Deep Speech 2's)
-        f = s.gamma ** epoch
-    else:
-        raise UserError(f"unknown schedule sched.name={s.name!r}; "
-                        f"choose one of: constant, step, multistep, poly, cosine, exponential")
+    if s.name not in SCHEDULES:
+        raise UserError(f"unknown schedule sched.name={s.name!r}; choose one of: {', '.join(SCHEDULES)}")
+    f = SCHEDULES[s.name](s, epoch, total_epochs)
     if s.warmup_epochs > 0 and epoch < s.warmup_epochs:
         f *= epoch / s.warmup_epochs
     return f

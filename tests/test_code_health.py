@@ -328,3 +328,12 @@ def test_tiny_check_errors_are_one_line(tmp_path, capsys, argv, msg):
                    "--models", "alexnet", *argv])
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert e.value.code == 2 and len(err) == 1 and msg in err[0], err
+
+
+def test_a_workload_can_register_its_own_schedule(monkeypatch):
+    from mpt.optim import SCHEDULES, schedule
+
+    monkeypatch.setitem(SCHEDULES, "halving", None)  # restored after the test
+    schedule("halving")(lambda s, epoch, total: 0.5 ** int(epoch))
+    assert lr_factor(SchedCfg(name="halving"), 2.5, 4.0) == 0.25
+    assert lr_factor(SchedCfg(name="halving", warmup_epochs=1.0), 0.5, 4.0) == 0.5  # warm-up on top

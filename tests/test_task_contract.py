@@ -69,3 +69,18 @@ def test_what_a_task_lacks_is_named(tmp_path, one_thread):
     (summary,) = tmp_path.glob("**/summary.json")
     s = json.loads(summary.read_text())
     assert s["status"] == "failed" and "NoLoss must define loss(model, batch) or its own train_step" in s["error"]
+
+
+def test_optimizers_must_be_named_after_the_models_they_train(tmp_path, one_thread):
+    from toy_gan import ToyGan, config as gan_config
+
+    from mpt.errors import UserError
+    from mpt.optim import build_optimizer
+
+    class Renamed(ToyGan):
+        def optimizers(self, model, cfg):
+            return {"D": build_optimizer(cfg.optim, model["discriminator"].parameters()),
+                    "G": build_optimizer(cfg.optim, model["generator"].parameters())}
+
+    with pytest.raises(UserError, match=r"names \['D', 'G'\], which the model has no entry for"):
+        engine.run(gan_config(tmp_path), Renamed())
