@@ -108,3 +108,20 @@ def run_gloo_ranks(script: Path, *args: str, world: int = 2, timeout: float = 18
             assert p.returncode == 0, err[-2000:]
         res.append((p.returncode, err))
     return res
+
+
+def model_from_checkpoint(experiment: str, args):
+    """A finished run rebuilt outside the engine, to recompute its metrics independently: (cfg, task,
+    validation set, model with the checkpoint's weights, in eval mode)."""
+    import importlib
+
+    import torch
+
+    from mpt import config
+
+    cfg = config.resolve(experiment, args)
+    task = importlib.import_module(f"experiments.{experiment}.task").Task()
+    _, val = task.datasets(cfg)
+    model = task.build_model(cfg)
+    model.load_state_dict(torch.load(config.run_dir(cfg) / "checkpoint.pt", weights_only=True)["model"])
+    return cfg, task, val, model.eval()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from bad_input import assert_command_fails_in_one_line, retar, rewrite_tar
-from conftest import REPO  # noqa: F401  (puts the repository on sys.path)
+from conftest import model_from_checkpoint
 from data_prep.speech import have_espeak
 from mpt.errors import UserError
 
@@ -218,15 +218,7 @@ def reference_error_rates(args: list[str]) -> tuple[float, float]:
     computed outside the engine: its checkpoint loaded, one utterance at a time, CTC best-path
     decoding (the most likely symbol per frame, repeats merged, blanks dropped), edit distances by
     the textbook recurrence, summed over the set."""
-    from experiments.deepspeech2.task import Task
-    from mpt import config as C
-
-    cfg = C.resolve("deepspeech2", args)
-    task = Task()
-    _, val = task.datasets(cfg)
-    model = task.build_model(cfg)
-    model.load_state_dict(torch.load(C.run_dir(cfg) / "checkpoint.pt", weights_only=True)["model"])
-    model.eval()
+    cfg, task, val, model = model_from_checkpoint("deepspeech2", args)
     errs = [0, 0, 0, 0]  # char errors, chars, word errors, words
     with torch.no_grad():
         for i in range(len(val)):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from bad_input import rewrite_tar
-from conftest import tiny_overrides
+from conftest import model_from_checkpoint, tiny_overrides
 from data_prep.wmt15 import prepare as prep
 from data_prep.wmt15.tiny import generate
 from mpt.errors import UserError
@@ -173,15 +173,7 @@ def reference_perplexity(args: list[str]) -> float:
     (in float64) over every target token and its </s>, counted from the pairs."""
     import torch.nn.functional as F
 
-    from experiments.wmt_translation.task import Task
-    from mpt import config as C
-
-    cfg = C.resolve("wmt_translation", args)
-    task = Task()
-    _, dev = task.datasets(cfg)
-    model = task.build_model(cfg)
-    model.load_state_dict(torch.load(C.run_dir(cfg) / "checkpoint.pt", weights_only=True)["model"])
-    model.eval()
+    cfg, task, dev, model = model_from_checkpoint("wmt_translation", args)
     nll, tokens, B = 0.0, 0, cfg.train.batch_size
     with torch.no_grad():
         for k in range(0, len(dev), B):
