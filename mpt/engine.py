@@ -34,7 +34,7 @@ from mpt.rundir import (RANK_FAILURE, RunLock, append_jsonl, atomic_torch_save,
                         atomic_write_json, atomic_write_text, env_info, now, read_json_or_none, read_jsonl,
                         read_rank_failures, remove_stale_temp_files, storage_error)
 from mpt.wandb_log import WandbLogger
-from mpt.optim import _clip_groups, lr_factor
+from mpt.optim import lr_factor
 from mpt.ranks import distributed_env, pick_device, rank_seed, rng_state, set_rng_state, to_cpu, to_device
 from mpt.signals import STOP, install_stop_handlers, _worker_init
 from mpt.step import EvalContext, StepContext
@@ -215,20 +215,14 @@ class Run:
             if self.main else WandbLogger(cfg, self.dir, "", "", {}, rank=self.rank)
 
     def build_optimizers(self, model) -> dict[str, torch.optim.Optimizer]:
-        """The task's named optimizers, or one ("main") from cfg.optim. A task may split the parameters
-        into groups with their own settings (torch param groups), and give a group its own
-        "clip_grad_norm" (applied by _clip_groups)."""
-        cfg = self.cfg
-        opts = dict(self.task.optimizers(model, cfg))
+        """The task's named optimizers (Task.optimizers), each named after the model it trains."""
+        opts = dict(self.task.optimizers(model, self.cfg))
         if len(opts) > 1 and isinstance(model, nn.ModuleDict) and set(opts) - set(model.keys()):
             # Numerics sampling takes each optimizer's gradients from the model of the same name; a
             # name without a model would sample every parameter under that optimizer's name.
             raise UserError(f"{type(self.task).__qualname__}.optimizers() names {sorted(set(opts) - set(model.keys()))}, "
                             f"which the model has no entry for; name each optimizer after the model it trains "
                             f"({', '.join(model.keys())})")
-        for o in opts.values():
-            if any(g.get("clip_grad_norm", 0) > 0 for g in o.param_groups):
-                o.register_step_pre_hook(_clip_groups)
         return opts
 
     def no_sync(self):

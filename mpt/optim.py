@@ -48,10 +48,11 @@ def _adagrad_lazy_state(opt, args, kwargs) -> None:
                                                       memory_format=torch.preserve_format)
 
 
-def _clip_groups(optimizer, args, kwargs) -> None:
-    """Optimizer step pre-hook: clip each param group that names its own clip_grad_norm (e.g. only a
-    language model's LSTM weights). It runs inside optimizer.step(), i.e. after every recipe has
-    unscaled the gradients and skipped overflowing steps, so the norm is of the true gradients."""
+def clip_groups(optimizer, args, kwargs) -> None:
+    """Optimizer step pre-hook (optimizer.register_step_pre_hook(clip_groups)): clip each param group
+    that names its own clip_grad_norm (the bigLSTM's LSTM weights only). It runs inside
+    optimizer.step(), i.e. after every recipe has unscaled the gradients and skipped overflowing
+    steps, so the norm is of the true gradients."""
     for g in optimizer.param_groups:
         if g.get("clip_grad_norm", 0) > 0:
             torch.nn.utils.clip_grad_norm_([p for p in g["params"] if p.grad is not None], g["clip_grad_norm"],

@@ -67,7 +67,7 @@ class Task:
         return {"main": build_optimizer(cfg.optim, self.param_groups(model, cfg))}
 
     def param_groups(self, model, cfg):
-        """The default optimizer's parameters: torch param groups, each may carry "clip_grad_norm"."""
+        """The default optimizer's parameters (torch param groups with their own settings)."""
         return model.parameters()
 
     # -- 4: the training step -----------------------------------------------------------------------

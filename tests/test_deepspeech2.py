@@ -386,12 +386,12 @@ def test_padding_to_a_multiple_changes_nothing():
     lengths CTC reads are the model's output lengths."""
     import copy
 
-    from experiments.deepspeech2.task import ENGLISH, Task
+    from experiments.deepspeech2.task import ENGLISH, Task, TaskCfg
+    from mpt.config import Config
 
     torch.manual_seed(0)
-    task = Task()
-    task.chars, task.n_fft = ENGLISH, 160
-    cfg = type("Cfg", (), {"model": "english", "width": 0.05})()
+    task = Task(chars=ENGLISH)
+    cfg = Config(model="english", width=0.05, task=TaskCfg(window_ms=10.0))  # 10 ms: 81 bins
     model = task.build_model(cfg).train().double()  # FP64: what is left is rounding of the CTC's FP32
     samples = [(torch.randn(81, n, dtype=torch.float64), torch.randint(1, 29, (k,)), "x" * k)
                for n, k in ((37, 5), (50, 9), (12, 2))]

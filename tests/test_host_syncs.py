@@ -107,12 +107,13 @@ def test_biglstm_step_reads_nothing():
 
 
 def test_deepspeech2_step_reads_nothing():
-    from experiments.deepspeech2.task import ENGLISH, Task
+    from experiments.deepspeech2.task import ENGLISH, Task, TaskCfg
+    from mpt.config import Config
 
     torch.manual_seed(0)
-    task = Task()
-    task.chars, task.n_fft, task.pad_to_multiple = ENGLISH, 160, 16
-    model = task.build_model(type("Cfg", (), {"model": "english", "width": 0.05})())
+    task = Task(chars=ENGLISH)
+    task.pad_to_multiple = 16
+    model = task.build_model(Config(model="english", width=0.05, task=TaskCfg(window_ms=10.0)))  # 81 bins
     batch = task.collate([(torch.randn(81, n), torch.randint(1, 29, (k,)), "x" * k)
                           for n, k in ((37, 5), (50, 9), (12, 2))])
     assert _step(task, model, batch) == Counter()

@@ -26,7 +26,7 @@ from mpt import precision
 from mpt.config import Config, OptimCfg
 from mpt.data import EpochSampler
 from mpt.errors import UserError
-from mpt.optim import _clip_groups, build_optimizer
+from mpt.optim import build_optimizer, clip_groups
 
 torch.set_num_threads(1)  # the CPU is shared; one thread per process is the most predictable
 # CPU PyTorch runs projected LSTMs without oneDNN and says so; expected here.
@@ -119,12 +119,32 @@ def test_engine_adagrad_groups_and_group_clipping():
     assert len(opt.state) == 0
     calls = []
     opt.register_step_pre_hook(lambda *_: calls.append(1))
-    opt.register_step_pre_hook(_clip_groups)
+    opt.register_step_pre_hook(clip_groups)
     a.grad, b.grad = torch.full((3,), 3.0), torch.full((2,), 3.0)
     opt.step()
     assert calls == [1]
     assert torch.allclose(a.grad.norm(), torch.tensor(1.0)) and torch.equal(b.grad, torch.full((2,), 3.0))
     assert torch.allclose(opt.state[a]["sum"], 2.0 + a.grad ** 2) and torch.equal(opt.state[b]["sum"], torch.full((2,), 9.5))
+
+
+def test_lm_optimizer_clips_the_lstm_group_only():
+    """The LM's optimizers() (not the engine) hooks the per-group clipping: after a step with large
+    gradients the LSTM's gradients have the global norm task.lstm_clip_norm, the others are untouched."""
+    from experiments.lm_biglstm.task import Task, TaskCfg
+
+    cfg = Config(model="biglstm", width=1 / 128, task=TaskCfg(num_sampled=8, lstm_clip_norm=0.5),
+                 optim=OptimCfg(name="adagrad", lr=0.1))
+    task = Task()
+    task.vocab_size, task.streams = 40, {"train": 2, "eval": 2}
+    model = task.build_model(cfg)
+    (opt,) = task.optimizers(model, cfg).values()
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 3.0)
+    opt.step()
+    lstm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.lstm.parameters()]))
+    assert torch.allclose(lstm, torch.tensor(0.5))
+    assert all(torch.equal(p.grad, torch.full_like(p, 3.0))
+               for p in [model.embedding.weight, *model.softmax.parameters()])
 
 
 def test_sampler_expected_counts_are_unbiased():

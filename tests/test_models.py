@@ -150,8 +150,7 @@ def test_sync_bn_switch_converts_batch_norm_on_multi_gpu_runs(monkeypatch):
     from mpt.config import resolve
 
     cfg = resolve("ilsvrc_cnns", ["model=inception_v2", "width=0.03125", "task.sync_bn=true"])
-    task = Task()
-    task.num_classes = 10
+    task = Task(num_classes=10)
 
     def n_sync(model):
         return sum(isinstance(m, torch.nn.SyncBatchNorm) for m in model.modules())

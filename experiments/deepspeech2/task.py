@@ -102,10 +102,23 @@ class SpeechSet(torch.utils.data.Dataset):
         return self.features(i), target, text
 
 
+def _window(c) -> tuple[int, int]:
+    """(n_fft, hop) in samples from task.window_ms and task.hop_ms."""
+    n_fft, hop = round(SAMPLE_RATE * c.window_ms / 1000), round(SAMPLE_RATE * c.hop_ms / 1000)
+    if not (0 < hop <= n_fft):
+        raise UserError(f"task.hop_ms={c.hop_ms} must be > 0 and at most task.window_ms={c.window_ms}")
+    return n_fft, hop
+
+
 class Task(BaseTask):
     primary_metric = "cer"  # percent, the paper's Table 3 metric
     higher_is_better = False
     data_files = ("vocab.txt",)  # Mandarin's characters (data_prep.aishell): part of the run identity
+
+    def __init__(self, chars: str | None = None):
+        # The output alphabet: read from the prepared data by datasets(), or given (the speed/memory
+        # benchmark builds the model without data: English's alphabet, or ~4.2K Mandarin characters).
+        self.chars = chars
 
     def datasets(self, cfg):
         c = cfg.task
@@ -116,12 +129,10 @@ class Task(BaseTask):
                             f"python -m data_prep.{prep} --archives DIR --out {root}")
         self.chars = vocabulary(cfg.model, root)
         lower = cfg.model == "english"
-        self.n_fft, hop = round(SAMPLE_RATE * c.window_ms / 1000), round(SAMPLE_RATE * c.hop_ms / 1000)
-        if not (0 < hop <= self.n_fft):
-            raise UserError(f"task.hop_ms={c.hop_ms} must be > 0 and at most task.window_ms={c.window_ms}")
-        train = SpeechSet(root, list(c.train_sets), self.chars, lower, self.n_fft, hop, c.max_duration,
+        n_fft, hop = _window(c)
+        train = SpeechSet(root, list(c.train_sets), self.chars, lower, n_fft, hop, c.max_duration,
                           c.cache_features)
-        val = SpeechSet(root, [c.val_set], self.chars, lower, self.n_fft, hop, cache=c.cache_features)
+        val = SpeechSet(root, [c.val_set], self.chars, lower, n_fft, hop, cache=c.cache_features)
         self.sortagrad, self.n_train = c.sortagrad, len(train)
         if c.pad_to_multiple < 1:
             raise UserError(f"task.pad_to_multiple={c.pad_to_multiple} must be >= 1 (1: pad to the longest utterance)")
@@ -131,7 +142,10 @@ class Task(BaseTask):
     def build_model(self, cfg):
         import models
 
-        return models.build(cfg.model, vocab=len(self.chars) + 1, width=cfg.width, n_freq=self.n_fft // 2 + 1)
+        if self.chars is None:
+            raise RuntimeError("deepspeech2 Task: the alphabet is unknown; call datasets(cfg) first, or Task(chars=...)")
+        n_fft, _ = _window(cfg.task)
+        return models.build(cfg.model, vocab=len(self.chars) + 1, width=cfg.width, n_freq=n_fft // 2 + 1)
 
     pad_to_multiple = 1  # set from task.pad_to_multiple by datasets()
 

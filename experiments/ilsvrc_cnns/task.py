@@ -61,6 +61,11 @@ class Task(BaseTask):
     higher_is_better = True
     data_files = ("classes.json",)  # the class list beside the marker: part of the run identity
 
+    def __init__(self, num_classes: int | None = None):
+        # Read from the prepared data's class folders by datasets(), or given (the speed/memory
+        # benchmark builds the model without data: ILSVRC12's 1,000).
+        self.num_classes = num_classes
+
     def datasets(self, cfg):
         from data_prep.imagenet.dataset import ImageNetFolder
 
@@ -76,6 +81,8 @@ class Task(BaseTask):
 
         self.aux_weight = cfg.task.aux_weight if cfg.task.aux_weight >= 0 else AUX_WEIGHTS.get(cfg.model, 0.0)
         self.label_smoothing = cfg.task.label_smoothing
+        if self.num_classes is None:
+            raise RuntimeError("ilsvrc_cnns Task: the class count is unknown; call datasets(cfg) first, or Task(num_classes=...)")
         kw = {"aux_logits": self.aux_weight > 0} if cfg.model in AUX_WEIGHTS else {}
         model = models.build(cfg.model, num_classes=self.num_classes, width=cfg.width, **kw)
         if cfg.task.init == "kaiming":

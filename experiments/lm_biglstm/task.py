@@ -13,7 +13,7 @@ norm, and Adagrad starting from an accumulator of 1. We reproduce each piece:
 - x per-GPU batch on the embedding gradient: for Adagrad, multiplying a gradient by c is the same as
   dividing the initial accumulator by c^2 (update = lr g / sqrt(a/c^2 + sum g^2)), so the embedding
   group starts from initial_accumulator_value / emb_grad_scale^2 and its gradients are untouched.
-- LSTM-only clipping: the LSTM param group carries its own clip_grad_norm (mpt.optim._clip_groups).
+- LSTM-only clipping: the LSTM param group carries its own clip_grad_norm (mpt.optim.clip_groups, registered by optimizers()).
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ import torch
 from mpt.config import infra
 from mpt.errors import UserError
 from mpt.task import Task as BaseTask
+from mpt.optim import clip_groups
 
 
 @dataclass
@@ -101,6 +102,12 @@ class Task(BaseTask):
         self.dims = (len(model.lstm), model.proj_size, model.hidden_size)
         self.num_steps, self.sum_steps = c.num_steps, c.loss_sum_over_steps
         return model
+
+    def optimizers(self, model, cfg):
+        # Adagrad over param_groups(), the LSTM's group clipped on its own (f-lm: clip_lstm_grads)
+        opts = super().optimizers(model, cfg)
+        opts["main"].register_step_pre_hook(clip_groups)
+        return opts
 
     def param_groups(self, model, cfg):
         c = cfg.task
