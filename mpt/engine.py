@@ -34,7 +34,6 @@ from mpt.rundir import (RANK_FAILURE, RunLock, append_jsonl, atomic_torch_save,
                         atomic_write_json, atomic_write_text, env_info, now, read_json_or_none, read_jsonl,
                         read_rank_failures, remove_stale_temp_files, storage_error)
 from mpt.wandb_log import WandbLogger
-from mpt.optim import lr_factor
 from mpt.ranks import distributed_env, pick_device, rank_seed, rng_state, set_rng_state, to_cpu, to_device
 from mpt.signals import STOP, install_stop_handlers, _worker_init
 from mpt.step import EvalContext, StepContext
@@ -169,9 +168,10 @@ class Run:
         self.model = self.recipe.prepare(model, list(self.optimizers.values()))
         # Each optimizer has its own schedule, a function of its *applied* updates: a step skipped for
         # overflow (3.2) does not advance the learning rate (stepped only when the update was applied).
-        self.scheds = {k: torch.optim.lr_scheduler.LambdaLR(
-            o, lambda u: lr_factor(cfg.sched, u / self.steps_per_epoch, self.total_epochs))
-            for k, o in self.optimizers.items()}
+        self.scheds = dict(self.task.schedules(self.optimizers, cfg, self.steps_per_epoch, self.total_epochs))
+        if set(self.scheds) != set(self.optimizers):
+            raise UserError(f"{type(self.task).__qualname__}.schedules() gives {sorted(self.scheds)}; it must give "
+                            f"one scheduler per optimizer: {sorted(self.optimizers)}")
         self.skipped = {k: 0 for k in self.optimizers}  # overflow-skipped updates per optimizer
         self.ddp = self.model
         if self.world > 1:

@@ -9,7 +9,8 @@ Lifecycle, in the engine's order (Run.setup), on every rank:
                                              later hooks need (a vocabulary, a class count) are kept on
                                              the task here, never written into cfg.
   2. build_model(cfg) -> nn.Module           one module, or an nn.ModuleDict of named models (a GAN).
-  3. optimizers(model, cfg) -> {name: opt}   default: one "main" from cfg.optim over param_groups().
+  3. optimizers(model, cfg) -> {name: opt}   default: one "main" from cfg.optim over param_groups();
+     schedules(optimizers, cfg, ...)          default: cfg.sched per optimizer (mpt.optim.SCHEDULES).
   4. per iteration: train_step(ctx, micro)   default: the loss step over self.loss (below).
   5. per evaluation: evaluate(ev)            default: the additive sums of eval_sums over the
                                              validation share of every rank, then eval_metrics.
@@ -31,7 +32,7 @@ from typing import Any
 import torch.nn as nn
 from torch.utils.data import default_collate
 
-from mpt.optim import build_optimizer
+from mpt.optim import build_optimizer, lr_factor
 
 
 class Task:
@@ -40,7 +41,7 @@ class Task:
     shuffle_train: bool = True  # False: samples in dataset order (a language model's streams)
     data_files: tuple[str, ...] = ()
 
-    HOOKS = ("datasets", "build_model", "optimizers", "param_groups", "train_step", "loss", "evaluate",
+    HOOKS = ("datasets", "build_model", "optimizers", "param_groups", "schedules", "train_step", "loss", "evaluate",
              "eval_sums", "eval_metrics", "collate", "train_order", "state_dict", "load_state_dict")
 
     def __init_subclass__(cls, **kwargs):
@@ -65,6 +66,17 @@ class Task:
         """Named optimizers. A task with several (a GAN's generator and discriminator) names each
         after the ModuleDict entry it trains; numerics sampling and DDP follow that naming."""
         return {"main": build_optimizer(cfg.optim, self.param_groups(model, cfg))}
+
+    def schedules(self, optimizers: dict, cfg, steps_per_epoch: int, total_epochs: float) -> dict:
+        """One learning-rate scheduler per optimizer (same names), stepped after each applied update and
+        checkpointed. Default: cfg.sched through mpt.optim.lr_factor (the open SCHEDULES registry), a
+        function of the fractional epoch. A schedule that needs more (the translation reference's decay
+        on a training-loss plateau) is a scheduler of the task's own."""
+        import torch
+
+        return {name: torch.optim.lr_scheduler.LambdaLR(
+                    opt, lambda u: lr_factor(cfg.sched, u / steps_per_epoch, total_epochs))
+                for name, opt in optimizers.items()}
 
     def param_groups(self, model, cfg):
         """The default optimizer's parameters (torch param groups with their own settings)."""

@@ -271,3 +271,50 @@ def test_trained_bleu_far_above_untrained(tiny_wmt, tmp_path):
     assert trained["metrics"]["bleu"] > max(4.0, 20 * untrained["metrics"]["bleu"]), (trained["metrics"],
                                                                                       untrained["metrics"])
     assert trained["metrics"]["perplexity"] < untrained["metrics"]["perplexity"] / 10
+
+
+def test_plateau_decay_follows_translate_py_and_resumes_exactly():
+    """translate.py's rule: a window's mean loss above each of the previous three windows' multiplies the
+    learning rate by the decay; the open window, the history and the multiplier survive a checkpoint."""
+    from experiments.wmt_translation.task import PlateauLR
+
+    def make():
+        w = torch.nn.Parameter(torch.zeros(1))
+        opt = torch.optim.SGD([w], lr=1.0)
+        return opt, PlateauLR(opt, lambda u: 1.0, decay=0.5, window=2)
+
+    # window means: 4, 3, 2, 3.5 (above 3 and 2 but not 4: no decay), 4.5 (above all three: decay), 1
+    losses = [4, 4, 3, 3, 2, 2, 3, 4, 4.5, 4.5, 1, 1]
+    opt, sched = make()
+    lrs = []
+    for i, loss in enumerate(losses):
+        sched.observe(torch.tensor(float(loss)))
+        opt.step()
+        sched.step()
+        lrs.append(opt.param_groups[0]["lr"])
+        if i == 8:  # checkpoint in the middle of the fifth window, restore into a fresh scheduler
+            state = sched.state_dict()
+            opt2, sched2 = make()
+            opt2.load_state_dict(opt.state_dict())
+            sched2.load_state_dict(state)
+            opt, sched = opt2, sched2
+    assert lrs == [1.0] * 9 + [0.5] * 3, lrs
+    assert sched.history == [3.5, 4.5, 1.0] and sched.multiplier == 0.5
+
+
+def test_plateau_decay_runs_in_the_engine(tiny_wmt, tmp_path):
+    """Through the engine, window = 1 step: the checkpointed decay state equals translate.py's rule
+    applied to the logged training losses."""
+    from mpt.engine import main
+
+    args = tiny_overrides(tiny_wmt, tmp_path, "width=0.03125", "train.max_steps=6", "train.log_every=1",
+                          "train.batch_size=16", "task.bleu=false", "task.plateau_decay=0.5", "task.plateau_window=1")
+    s = main("wmt_translation", args)
+    d = tmp_path / "wmt_translation" / s["run_name"]
+    losses = [json.loads(x)["loss"] for x in (d / "metrics.jsonl").read_text().splitlines()
+              if json.loads(x)["kind"] == "train"]
+    assert len(losses) == 6
+    decays = sum(i >= 3 and losses[i] > max(losses[i - 3:i]) for i in range(len(losses)))
+    plateau = torch.load(d / "checkpoint.pt", weights_only=True)["scheds"]["main"]["plateau"]
+    assert plateau["history"] == pytest.approx(losses[-3:], rel=1e-6)
+    assert plateau["multiplier"] == 0.5 ** decays

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from mpt.config import infra
 from mpt.errors import UserError
+from mpt.optim import lr_factor
 from mpt.task import Task as BaseTask
 
 
@@ -34,6 +35,50 @@ class TaskCfg:
     bleu_max_sentences: int = 0  # 0 = the whole test set (newstest2014: 3,003)
     decode_batch: int = 64
     decode_extra: int = 10  # greedy decoding stops at 2 x source length + this many tokens
+    # translate.py's decay: every plateau_window steps (steps_per_checkpoint 200), lr x plateau_decay
+    # (learning_rate_decay_factor 0.99) when that window's mean training loss is above each of the
+    # previous three windows'. 0 = off (sched.* alone).
+    plateau_decay: float = 0.99
+    plateau_window: int = 200
+
+
+class PlateauLR(torch.optim.lr_scheduler.LambdaLR):
+    """cfg.sched's factor times translate.py's plateau multiplier (TaskCfg.plateau_decay). The task
+    hands every iteration's loss to observe() (a device tensor: the loss is read on the host once
+    per window, summed over ranks so every rank takes the same decision); the multiplier applies
+    from the next update. Its state (multiplier, last three window means, the open window) is in the
+    checkpoint, so a resumed run decays exactly as an uninterrupted one."""
+
+    def __init__(self, optimizer, factor, decay: float, window: int):
+        self.decay, self.window = decay, window
+        self.multiplier, self.history, self.sum, self.count = 1.0, [], None, 0
+        super().__init__(optimizer, lambda u: factor(u) * self.multiplier)
+
+    def observe(self, loss: torch.Tensor) -> None:
+        loss = loss.detach().to(torch.float64)
+        self.sum, self.count = (loss if self.sum is None else self.sum + loss), self.count + 1
+        if self.count < self.window:
+            return
+        total = self.sum.clone()
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(total)
+            total /= dist.get_world_size()
+        mean = float(total) / self.count
+        if len(self.history) == 3 and mean > max(self.history):
+            self.multiplier *= self.decay
+        self.history = (self.history + [mean])[-3:]
+        self.sum, self.count = None, 0
+
+    def state_dict(self):
+        sd = {k: v for k, v in super().state_dict().items() if k != "lr_lambdas"}
+        return {**sd, "plateau": {"multiplier": self.multiplier, "history": list(self.history),
+                                  "sum": self.sum, "count": self.count}}
+
+    def load_state_dict(self, state):
+        state = dict(state)
+        pl = state.pop("plateau")
+        super().load_state_dict({**state, "lr_lambdas": [None] * len(self.lr_lambdas)})
+        self.multiplier, self.history, self.sum, self.count = pl["multiplier"], list(pl["history"]), pl["sum"], pl["count"]
 
 
 class Task(BaseTask):
@@ -115,6 +160,24 @@ class Task(BaseTask):
         # Softmax and loss in FP32 whatever the model's dtype (paper section 3.3).
         return F.cross_entropy(logits.float().flatten(0, 1), batch["tgt_out"].flatten(), ignore_index=self.pad,
                                reduction="sum")
+
+    def schedules(self, optimizers, cfg, steps_per_epoch, total_epochs):
+        if self.cfg.plateau_decay <= 0:
+            self._plateau = None
+            return super().schedules(optimizers, cfg, steps_per_epoch, total_epochs)
+        if not 0 < self.cfg.plateau_decay < 1 or self.cfg.plateau_window < 1:
+            raise UserError(f"task.plateau_decay={self.cfg.plateau_decay} must be in (0, 1) (0: off) and "
+                            f"task.plateau_window={self.cfg.plateau_window} >= 1")
+        (name, opt), = optimizers.items()
+        self._plateau = PlateauLR(opt, lambda u: lr_factor(cfg.sched, u / steps_per_epoch, total_epochs),
+                                  self.cfg.plateau_decay, self.cfg.plateau_window)
+        return {name: self._plateau}
+
+    def train_step(self, ctx, micro_batches):
+        logs, n = super().train_step(ctx, micro_batches)
+        if self._plateau is not None:
+            self._plateau.observe(logs["loss"])
+        return logs, n
 
     def loss(self, model, batch):
         n = batch["n_tgt"]  # = (tgt_out != pad).sum(), from collate: int() of the device count would sync
