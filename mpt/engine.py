@@ -89,6 +89,45 @@ class Run:
 
     # -- setup --------------------------------------------------------------------------------
     def setup(self):
+        """Everything before the first step, in this order (each a method below): the process and its
+        run directory; the data (Task.datasets, under the run's seed) and its loaders; the model, its
+        optimizers, the precision recipe and the schedules; DDP; then each rank's own random stream,
+        numerics sampling, the checkpoint to resume from and the wandb run."""
+        cfg = self.cfg
+        self._start_process()
+        torch.manual_seed(cfg.seed)
+        train_ds, val_ds = self.task.datasets(cfg)
+        self._build_loaders(train_ds, val_ds)
+        self._build_training()
+        self._distribute()
+        # The model starts identical on every rank (seeded with cfg.seed, then DDP's broadcast); what is
+        # drawn from here on -- dropout masks, a sampled softmax's negatives, a GAN's noise -- must
+        # differ between ranks, or N GPUs draw the same numbers N times (the bigLSTM's 8,192 negatives
+        # would be the same on every GPU). Rank 0 keeps cfg.seed's stream, so a one-process run is
+        # unchanged; each other rank gets its own stream. Data augmentation is seeded per sample
+        # (SeededDataset), not here.
+        if self.rank > 0:
+            torch.manual_seed(rank_seed(cfg.seed, self.rank))
+        self.numerics = None
+        if cfg.numerics.every > 0:
+            from mpt.numerics import Numerics
+
+            self.numerics = Numerics(self.model, every=cfg.numerics.every, lo=cfg.numerics.hist_lo,
+                                     hi=cfg.numerics.hist_hi)
+        self.step, self.wall, self.act_bytes = 0, 0.0, None
+        # The divergence rule's counters, kept on the device across log windows (see iterate()).
+        self._zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._bad = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._diverged_at = torch.full((), -1, dtype=torch.int64, device=self.device)
+        self._new_window()
+        self.resume()
+        self.wandb = WandbLogger(cfg, self.dir, self.cell[:32], self.name, config.to_dict(cfg), self.rank) \
+            if self.main else WandbLogger(cfg, self.dir, "", "", {}, rank=self.rank)
+
+
+    def _start_process(self) -> None:
+        """This process's GPU and process group, TF32 off unless asked, the run directory claimed
+        (rank 0; the others stop if it could not be), config.yaml and env.json written."""
         cfg = self.cfg
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # before NCCL starts: its communicator binds to this GPU
@@ -123,8 +162,9 @@ class Run:
             atomic_write_text(self.dir / "config.yaml", config.dump_yaml(cfg))
             atomic_write_json(self.dir / "env.json", self.env)
 
-        torch.manual_seed(cfg.seed)
-        train_ds, val_ds = self.task.datasets(cfg)
+    def _build_loaders(self, train_ds, val_ds) -> None:
+        """The batch split (global -> per rank -> micro-batches), the epoch's length, and the loaders."""
+        cfg = self.cfg
         t = cfg.train
         if t.batch_size % (self.world * t.accum_steps):
             raise UserError(f"train.batch_size={t.batch_size} must divide by world size {self.world} x "
@@ -158,6 +198,9 @@ class Run:
         self.val_loader = DataLoader(val_ds, batch_size=max(self.micro, 1), shuffle=False,
                                      sampler=EpochSampler(len(val_ds), 0, False, self.rank, self.world, drop_last=False), **lkw)
 
+    def _build_training(self) -> None:
+        """The model, its named optimizers, the precision recipe around both, one schedule each."""
+        cfg = self.cfg
         model = self.task.build_model(cfg).to(self.device)
         if cfg.channels_last:
             model = model.to(memory_format=torch.channels_last)
@@ -173,6 +216,9 @@ class Run:
             raise UserError(f"{type(self.task).__qualname__}.schedules() gives {sorted(self.scheds)}; it must give "
                             f"one scheduler per optimizer: {sorted(self.optimizers)}")
         self.skipped = {k: 0 for k in self.optimizers}  # overflow-skipped updates per optimizer
+
+    def _distribute(self) -> None:
+        """DDP around the model (each model of a ModuleDict on its own) when there are several ranks."""
         self.ddp = self.model
         if self.world > 1:
             # gradient_as_bucket_view: the gradients are views into DDP's all-reduce buckets instead of
@@ -190,29 +236,6 @@ class Run:
                 self.ddp = nn.parallel.DistributedDataParallel(self.model, **kw)
             # DDP broadcast rank 0's model; the recipe's FP32 masters (impl=paper) must follow it.
             self.recipe.broadcast_masters()
-        # The model starts identical on every rank (seeded with cfg.seed, then DDP's broadcast); what is
-        # drawn from here on -- dropout masks, a sampled softmax's negatives, a GAN's noise -- must
-        # differ between ranks, or N GPUs draw the same numbers N times (the bigLSTM's 8,192 negatives
-        # would be the same on every GPU). Rank 0 keeps cfg.seed's stream, so a one-process run is
-        # unchanged; each other rank gets its own stream. Data augmentation is seeded per sample
-        # (SeededDataset), not here.
-        if self.rank > 0:
-            torch.manual_seed(rank_seed(cfg.seed, self.rank))
-        self.numerics = None
-        if cfg.numerics.every > 0:
-            from mpt.numerics import Numerics
-
-            self.numerics = Numerics(self.model, every=cfg.numerics.every, lo=cfg.numerics.hist_lo,
-                                     hi=cfg.numerics.hist_hi)
-        self.step, self.wall, self.act_bytes = 0, 0.0, None
-        # The divergence rule's counters, kept on the device across log windows (see iterate()).
-        self._zero = torch.zeros((), dtype=torch.float64, device=self.device)
-        self._bad = torch.zeros((), dtype=torch.int64, device=self.device)
-        self._diverged_at = torch.full((), -1, dtype=torch.int64, device=self.device)
-        self._new_window()
-        self.resume()
-        self.wandb = WandbLogger(cfg, self.dir, self.cell[:32], self.name, config.to_dict(cfg), self.rank) \
-            if self.main else WandbLogger(cfg, self.dir, "", "", {}, rank=self.rank)
 
     def build_optimizers(self, model) -> dict[str, torch.optim.Optimizer]:
         """The task's named optimizers (Task.optimizers), each named after the model it trains."""
