@@ -59,6 +59,7 @@ class Run:
         self.created = time.time()
         self.lock: RunLock | None = None  # held by rank 0 from setup to the end of run()
         self.prev_summary: dict | None = None  # the summary an earlier invocation left (read under the lock)
+        self.final: dict | None = None  # that summary when it is a final result, on every rank (setup)
 
     # -- files ------------------------------------------------------------------------------
     def write_summary(self, **kw) -> dict:
@@ -95,6 +96,8 @@ class Run:
         numerics sampling, the checkpoint to resume from and the wandb run."""
         cfg = self.cfg
         self._start_process()
+        if self.final is not None:  # a kept result: nothing to build (see _start_process)
+            return
         torch.manual_seed(cfg.seed)
         train_ds, val_ds = self.task.datasets(cfg)
         self._build_loaders(train_ds, val_ds)
@@ -158,6 +161,18 @@ class Run:
                 raise RankZeroRefused(box[0])
         if claim_error is not None:
             raise claim_error
+        # A final result (completed, diverged) is kept as it is: a later invocation writes nothing into
+        # its directory (config.yaml and env.json name what produced it; a diverged run's NaN history
+        # must not be cut back to its last checkpoint) and returns its summary. Every rank must agree,
+        # or one would wait alone in the first all-reduce: rank 0 read the summary and tells them.
+        final = self.prev_summary if self.main and (self.prev_summary or {}).get("status") in FINAL else None
+        if self.world > 1:
+            box = [final]
+            dist.broadcast_object_list(box, src=0)
+            final = box[0]
+        self.final = final
+        if final is not None:
+            return
         if self.main:
             atomic_write_text(self.dir / "config.yaml", config.dump_yaml(cfg))
             atomic_write_json(self.dir / "env.json", self.env)
@@ -370,9 +385,8 @@ class Run:
 
     def resume(self) -> None:
         path = self.dir / "checkpoint.pt"
-        if not path.exists():
-            final = (self.prev_summary or {}).get("status") in FINAL  # a result is kept, checkpoint or not
-            if self.main and (self.dir / "metrics.jsonl").exists() and not final:
+        if not path.exists():  # (a final result never gets here: setup returned before)
+            if self.main and (self.dir / "metrics.jsonl").exists():
                 (self.dir / "metrics.jsonl").unlink()  # a run that died before its first checkpoint
             return
         try:
@@ -626,16 +640,8 @@ def _run(r: Run) -> dict:
         elif not r.main:
             _record_rank_failure(r, e)
         raise
-    # Every rank must agree that the run is already complete: a rank that returned alone would
-    # leave the others waiting in the first all-reduce. Rank 0 reads the summary and tells them.
-    done = r.prev_summary if r.main and (r.prev_summary or {}).get("status") in FINAL else None
-    if r.world > 1:
-        box = [done]
-        dist.broadcast_object_list(box, src=0)
-        done = box[0]
-    if done is not None:
-        r.wandb.finish(0)
-        return done  # a result is final: nothing to redo, nothing a later failure may replace
+    if r.final is not None:
+        return r.final  # a result is final: nothing to redo, nothing a later failure may replace
     try:
         if r.main:
             r.write_summary(step=r.step, total_steps=r.total_steps)

@@ -70,11 +70,27 @@ def test_resume_is_bit_identical(tiny_imagenet, tmp_path, monkeypatch):
 
 
 @pytest.mark.heavy
-def test_divergence_ends_run_with_status(tiny_imagenet, tmp_path):
-    s = ilsvrc(tiny_overrides(tiny_imagenet, tmp_path, "model=alexnet", "precision=fp16", "optim.lr=1e6",
-                              "train.diverge_after=3", "train.max_steps=40"))
+def test_divergence_ends_run_with_status_and_the_result_is_kept(tiny_imagenet, tmp_path):
+    # a checkpoint every step and a line every step: the run has checkpoints from before it diverged
+    args = tiny_overrides(tiny_imagenet, tmp_path, "model=alexnet", "precision=fp16", "optim.lr=1e6",
+                          "train.diverge_after=3", "train.max_steps=40", "train.ckpt_every_steps=1",
+                          "train.log_every=1")
+    s = ilsvrc(args)
     assert s["status"] == "diverged" and s["step"] < 40
     assert "non-finite" in s["error"]
+    # Invoked again, a final result is returned as it is and nothing in its directory is touched: not
+    # the NaN history in metrics.jsonl (cut back to the last checkpoint before this fix), not the
+    # config.yaml and env.json that name what produced it.
+    d = tmp_path / "ilsvrc_cnns" / s["run_name"]
+    files = ("metrics.jsonl", "config.yaml", "env.json", "summary.json")
+
+    def snapshot():
+        return {f: ((d / f).read_bytes(), (d / f).stat().st_ino, (d / f).stat().st_mtime_ns) for f in files}
+
+    before = snapshot()
+    again = ilsvrc(args)
+    assert again["status"] == "diverged" and again["step"] == s["step"]
+    assert snapshot() == before
 
 
 @pytest.mark.heavy
