@@ -385,15 +385,51 @@ def _fingerprint(root: str, mtime_ns: int, size: int, files: tuple[str, ...]) ->
     return h.hexdigest()[:16]
 
 
+RANGES = (  # (key, test, what it must be) for the core config (scaler.*: precision.check); a task checks its own keys
+    ("width", lambda v: v > 0, "> 0"),
+    ("seed", lambda v: v >= 0, ">= 0"),
+    ("train.epochs", lambda v: v > 0, "> 0 (train.max_steps > 0 overrides it)"),
+    ("train.max_steps", lambda v: v >= 0, ">= 0 (0: train.epochs decides)"),
+    ("train.batch_size", lambda v: v >= 1, ">= 1"),
+    ("train.accum_steps", lambda v: v >= 1, ">= 1"),
+    ("train.clip_grad_norm", lambda v: v >= 0, ">= 0 (0: off)"),
+    ("train.eval_every_epochs", lambda v: v > 0, "> 0"),
+    ("train.eval_max_batches", lambda v: v >= 0, ">= 0 (0: the whole validation set)"),
+    ("train.diverge_after", lambda v: v >= 1, ">= 1"),
+    ("train.log_every", lambda v: v >= 1, ">= 1"),
+    ("train.ckpt_every_steps", lambda v: v >= 0, ">= 0 (0: off)"),
+    ("train.ckpt_every_minutes", lambda v: v >= 0, ">= 0 (0: off)"),
+    ("train.num_workers", lambda v: v >= 0, ">= 0"),
+    ("train.dist_timeout_min", lambda v: v > 0, "> 0"),
+    ("optim.lr", lambda v: v >= 0, ">= 0 (0: no update, e.g. an untrained baseline)"),
+    ("optim.momentum", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("optim.weight_decay", lambda v: v >= 0, ">= 0"),
+    ("optim.betas", lambda v: 0 <= v < 1, "two numbers in [0, 1)"),
+    ("optim.eps", lambda v: v > 0, "> 0"),
+    ("optim.alpha", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("optim.initial_accumulator_value", lambda v: v >= 0, ">= 0"),
+    ("sched.warmup_epochs", lambda v: v >= 0, ">= 0"),
+    ("sched.step_epochs", lambda v: v > 0, "> 0"),
+    ("sched.milestones", lambda v: v >= 0, "epochs >= 0"),
+    ("sched.gamma", lambda v: v > 0, "> 0"),
+    ("sched.power", lambda v: v > 0, "> 0"),
+    ("numerics.every", lambda v: v >= 0, ">= 0 (0: off)"),
+)
+
+
 def validate(cfg: Config) -> None:
     from mpt import precision  # late import: precision imports torch
 
     precision.check(cfg)
-    t = cfg.train
-    if t.batch_size < 1 or t.accum_steps < 1:
-        raise UserError("train.batch_size and train.accum_steps must be >= 1")
-    if cfg.width <= 0:
-        raise UserError(f"width={cfg.width} must be > 0")
+    # Every numeric key's range: a value outside it would otherwise become a "result" (max_steps=-1 ->
+    # "completed" at step 0, lr=nan -> "completed" with a NaN loss) or a traceback (log_every=0).
+    for key, ok, want in RANGES:
+        value = cfg
+        for part in key.split("."):
+            value = getattr(value, part)
+        values = value if isinstance(value, list) else [value]
+        if not all(isinstance(v, (int, float)) and math.isfinite(v) and ok(v) for v in values):
+            raise UserError(f"{key}={value} is out of range: it must be {want}")
     n = cfg.numerics
     if n.hist_lo > n.hist_hi:
         raise UserError(f"numerics.hist_lo={n.hist_lo} must be <= numerics.hist_hi={n.hist_hi} "

@@ -13,6 +13,7 @@ the run lock, env.json).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import sys
@@ -602,6 +603,18 @@ class Run:
         if last_eval != self.step:
             metrics = self.evaluate()
             self.log({"kind": "eval", "step": self.step, "epoch": self.step / self.steps_per_epoch, **metrics})
+        # A run whose last losses or final metrics are not finite is never "completed": fewer than
+        # diverge_after NaN steps at the very end (a NaN at step 5 of 20 with diverge_after=20) would
+        # otherwise record a broken model as a result.
+        tail = self._bad.clone()
+        if self.world > 1:
+            dist.all_reduce(tail, op=dist.ReduceOp.MAX)
+        tail = int(tail.item())
+        bad = sorted(k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v))
+        if tail or bad:
+            why = [f"the last {tail} loss(es) non-finite"] if tail else []
+            why += [f"final {', '.join(bad)} non-finite"] if bad else []
+            return self.finish("diverged", metrics, throughput, error=f"{' and '.join(why)} at step {self.step}")
         self.save()
         return self.finish("completed", metrics, throughput)
 

@@ -395,3 +395,23 @@ def test_wandb_without_network_falls_back_to_offline_quickly(tmp_path, monkeypat
     for f in d.rglob("*"):
         if f.is_file():
             assert key.encode() not in f.read_bytes(), f
+
+
+def test_nan_at_the_end_is_never_completed(tmp_path):
+    """issue 29 item 3: NaN losses in the last steps, fewer than train.diverge_after (20), used to end
+    "completed" with a broken model; a run whose last losses or final metrics are not finite is diverged."""
+    from toy_mlp import ToyMLP, config as mlp_config
+
+    class LateNaN(ToyMLP):
+        calls = 0
+
+        def loss(self, model, batch):
+            loss, n = super().loss(model, batch)
+            self.calls += 1
+            return (loss * float("nan") if self.calls > 3 else loss), n
+
+    s = engine.run(mlp_config(tmp_path, train={"max_steps": 5}), LateNaN())
+    assert s["status"] == "diverged" and s["step"] == 5, s
+    assert "the last 2 loss(es) non-finite" in s["error"]
+    clean = engine.run(mlp_config(tmp_path / "clean", train={"max_steps": 5}), ToyMLP())
+    assert clean["status"] == "completed"

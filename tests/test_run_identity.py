@@ -1,5 +1,6 @@
 """A run's identity includes its data (issue: a second dataset must never resume the first one's run),
 and a run directory is never continued with another config."""
+import re
 import shutil
 
 import pytest
@@ -81,8 +82,8 @@ def test_a_failed_start_keeps_a_completed_result(tiny_imagenet, tmp_path):
     broken = tmp_path / "broken" / "imagenet"
     shutil.copytree(tiny_imagenet, broken)
     shutil.rmtree(broken / "train")
-    with pytest.raises(UserError):
-        ilsvrc(tiny_overrides(broken, tmp_path, *SHORT))
+    # the kept result is returned before the data is read (a final result is never re-opened)
+    assert ilsvrc(tiny_overrides(broken, tmp_path, *SHORT))["status"] == "completed"
     assert (d / "summary.json").read_bytes() == summary
 
 
@@ -107,3 +108,30 @@ def test_print_config_shows_the_cell_and_runs_nothing(tiny_imagenet, tmp_path):
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.startswith("error: unknown config key 'bogus'")
     assert "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("override", [
+    "train.max_steps=-1", "train.epochs=-1", "optim.lr=nan", "optim.lr=-0.1", "train.diverge_after=0",
+    "train.log_every=0", "train.eval_every_epochs=0", "optim.momentum=1.5",
+    "optim.betas=[0.9,1.5]", "width=inf",
+])
+def test_values_out_of_range_are_one_line_errors(override):
+    """issue 29 item 3: a value that makes no sense is refused when the config is resolved -- by a run,
+    and by `slurm.submit --dry-run` (which resolves every cell the same way) -- instead of becoming a
+    result ("completed" at step 0, a NaN loss) or a traceback."""
+    from mpt.config import resolve
+    from mpt.errors import UserError
+
+    key = override.split("=")[0]
+    with pytest.raises(UserError, match=rf"^{re.escape(key)}=.* is out of range: it must be "):
+        resolve("ilsvrc_cnns", ["profile=tiny", override])
+
+
+def test_dry_run_refuses_an_out_of_range_value(capsys):
+    from slurm import submit
+
+    with pytest.raises(SystemExit) as e:
+        submit.cli(submit.main)(["experiments/ilsvrc_cnns/grid.yaml", "--profile", "tiny", "--backend", "local",
+                                 "--dry-run", "--set", "train.log_every=0"])
+    assert e.value.code == 2
+    assert "train.log_every=0 is out of range" in capsys.readouterr().err
