@@ -33,7 +33,7 @@ from mpt.memory import SavedTensorBytes
 from mpt.task import Task
 from mpt.rundir import (RANK_FAILURE, RunLock, append_jsonl, atomic_torch_save,
                         atomic_write_json, atomic_write_text, env_info, now, read_json_or_none, read_jsonl,
-                        read_rank_failures, remove_stale_temp_files, storage_error)
+                        read_rank_failures, remove_stale_temp_files, state_checksum, storage_error)
 from mpt.wandb_log import WandbLogger
 from mpt.ranks import distributed_env, pick_device, rank_seed, rng_state, set_rng_state, to_cpu, to_device
 from mpt.signals import STOP, install_stop_handlers, _worker_init
@@ -359,7 +359,9 @@ class Run:
     def save(self) -> None:
         ranks = self.gather_rank_states()  # every rank takes part
         if self.main:
-            atomic_torch_save(self.dir / "checkpoint.pt", self.state(ranks))
+            state = self.state(ranks)
+            state["checksum"] = state_checksum(state)  # verified at resume: damaged bytes are refused
+            atomic_torch_save(self.dir / "checkpoint.pt", state)
         self.last_ckpt = time.time()
 
     def _restore_rank(self, sd: dict, path) -> None:
@@ -398,6 +400,10 @@ class Run:
             sd = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001
             raise UserError(f"checkpoint {path} is unreadable ({type(e).__name__}); delete it to restart the run") from None
+        stored = sd.pop("checksum", None)  # checkpoints written before checksums have none
+        if stored is not None and stored != state_checksum(sd):
+            raise UserError(f"checkpoint {path} is damaged (its contents do not match the checksum written with it); "
+                            "restore it from a copy, or delete it to restart the run")
         if sd.get("cell_id") != self.cell:
             raise UserError(f"checkpoint {path} belongs to another config; delete the run directory to restart")
         self.model.load_state_dict(sd["model"])

@@ -415,3 +415,23 @@ def test_nan_at_the_end_is_never_completed(tmp_path):
     assert "the last 2 loss(es) non-finite" in s["error"]
     clean = engine.run(mlp_config(tmp_path / "clean", train={"max_steps": 5}), ToyMLP())
     assert clean["status"] == "completed"
+
+
+def test_a_damaged_checkpoint_is_refused(tmp_path, monkeypatch, reference):
+    """issue 29 item 2: bytes flipped inside a tensor of checkpoint.pt still load (torch.load does not
+    check the zip's CRCs) as other weights; the checksum written with the checkpoint refuses them."""
+    s, d = interrupted(monkeypatch, tmp_path)
+    ckpt = d / "checkpoint.pt"
+    with zipfile.ZipFile(ckpt) as z:  # the largest tensor record, and where its bytes start
+        info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    raw = bytearray(ckpt.read_bytes())
+    start = info.header_offset + 30 + int.from_bytes(raw[info.header_offset + 26:info.header_offset + 28], "little") \
+        + int.from_bytes(raw[info.header_offset + 28:info.header_offset + 30], "little")
+    for i in range(start, start + min(64, info.file_size)):
+        raw[i] ^= 0xFF
+    ckpt.write_bytes(bytes(raw))
+    torch.load(ckpt, weights_only=True)  # still loads: only the checksum can tell
+    summary = (d / "summary.json").read_bytes()
+    with pytest.raises(UserError, match="checkpoint .* is damaged"):
+        engine.run(config(tmp_path), ToyGan())
+    assert (d / "summary.json").read_bytes() == summary  # the interrupted result is kept as it was
