@@ -190,6 +190,10 @@ def load(path, profile: str, extra: list[str] = (), only: list[str] = ()) -> Gri
     fixed = (_check_overrides(spec.get("overrides"), f"{path}: overrides")
              + _check_overrides(prof.get("overrides"), f"{where}.overrides"))
     extra = _check_overrides(list(extra), "--set")
+    for o in (*fixed, *extra):  # the profile is the grid's own choice: a second one would name other cells
+        if o.split("=", 1)[0].strip() == "profile":
+            raise UserError(f"{o!r}: choose the profile with --profile (this grid's: {', '.join(profiles)}), "
+                            "not as an override")
     grid = Grid(path, str(spec["experiment"]), profile, axes, fixed, _resources(prof.get("resources"), f"{where}.resources"))
 
     filters: dict[str, set[str]] = {}

@@ -438,3 +438,15 @@ def test_local_process_stops_at_a_step_boundary_on_sigterm(tiny_imagenet, tmp_pa
     job = json.loads((c.run_dir / "job.json").read_text())
     assert job["attempts"][-1]["signals"] == ["SIGTERM"] and job["attempts"][-1]["step"] == st.step
     assert (c.run_dir / "checkpoint.pt").exists()
+
+
+def test_profile_is_chosen_by_its_flag_not_an_override(capsys):
+    """issue 29 item 10: `--set profile=paper` under `--profile tiny` was accepted and ran the paper's
+    cells under the tiny profile's name."""
+    from slurm import submit
+
+    args = ["experiments/ilsvrc_cnns/grid.yaml", "--profile", "tiny", "--backend", "local", "--dry-run"]
+    with pytest.raises(SystemExit) as e:
+        submit.cli(submit.main)(args + ["--set", "profile=paper"])
+    assert e.value.code == 2
+    assert "choose the profile with --profile" in capsys.readouterr().err
