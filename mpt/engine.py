@@ -31,7 +31,7 @@ from mpt.data import EpochSampler, SeededDataset, _mix
 from mpt.errors import UserError, cli, one_line
 from mpt.memory import SavedTensorBytes
 from mpt.task import Task
-from mpt.rundir import (RANK_FAILURE, RunLock, append_jsonl, atomic_torch_save,
+from mpt.rundir import (FINAL, RANK_FAILURE, RunLock, append_jsonl, atomic_torch_save,
                         atomic_write_json, atomic_write_text, env_info, now, read_json_or_none, read_jsonl,
                         read_rank_failures, remove_stale_temp_files, state_checksum, storage_error)
 from mpt.wandb_log import WandbLogger
@@ -39,7 +39,6 @@ from mpt.ranks import distributed_env, pick_device, rank_seed, rng_state, set_rn
 from mpt.signals import STOP, install_stop_handlers, _worker_init
 from mpt.step import EvalContext, StepContext
 
-FINAL = ("completed", "diverged")  # results a later invocation returns as they are
 
 
 # ------------------------------------------------------------------------------------------------
@@ -147,33 +146,31 @@ class Run:
         # TF32 is a separate baseline: off unless asked, and recorded in env.json (paper notes).
         torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
         torch.backends.cudnn.allow_tf32 = cfg.tf32
-        self.env = env_info(self.device, self.world, cfg)
         self.check_identity()
-        claim_error = None
+        # Rank 0 claims the directory and reads what an earlier invocation left. A final result
+        # (completed, diverged) is kept as it is: a later invocation writes nothing into its directory
+        # (config.yaml and env.json name what produced it; a diverged run's NaN history must not be cut
+        # back to its last checkpoint) and returns its summary.
+        claim_error, final = None, None
         if self.main:
             try:
                 self.claim_dir()
             except UserError as e:  # another copy holds the lock, or the directory cannot be written
                 claim_error = e
-        if self.world > 1:  # every rank stops, rather than waiting for rank 0 in the first collective
-            box = [None if claim_error is None else str(claim_error)]
+            else:
+                final = self.prev_summary if (self.prev_summary or {}).get("status") in FINAL else None
+        if self.world > 1:  # one broadcast tells every rank both, so none waits alone in a collective
+            box = [None if claim_error is None else str(claim_error), final]
             dist.broadcast_object_list(box, src=0)
             if box[0] is not None and claim_error is None:
                 raise RankZeroRefused(box[0])
+            final = box[1]
         if claim_error is not None:
             raise claim_error
-        # A final result (completed, diverged) is kept as it is: a later invocation writes nothing into
-        # its directory (config.yaml and env.json name what produced it; a diverged run's NaN history
-        # must not be cut back to its last checkpoint) and returns its summary. Every rank must agree,
-        # or one would wait alone in the first all-reduce: rank 0 read the summary and tells them.
-        final = self.prev_summary if self.main and (self.prev_summary or {}).get("status") in FINAL else None
-        if self.world > 1:
-            box = [final]
-            dist.broadcast_object_list(box, src=0)
-            final = box[0]
         self.final = final
         if final is not None:
             return
+        self.env = env_info(self.device, self.world, cfg)
         if self.main:
             atomic_write_text(self.dir / "config.yaml", config.dump_yaml(cfg))
             atomic_write_json(self.dir / "env.json", self.env)

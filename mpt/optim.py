@@ -89,3 +89,8 @@ def lr_factor(s, epoch: float, total_epochs: float) -> float:
     if s.warmup_epochs > 0 and epoch < s.warmup_epochs:
         f *= epoch / s.warmup_epochs
     return f
+
+
+def update_factor(s, steps_per_epoch: int, total_epochs: float):
+    """lr_factor as a function of the applied updates so far (what LambdaLR passes its lambda)."""
+    return lambda updates: lr_factor(s, updates / steps_per_epoch, total_epochs)

@@ -175,6 +175,7 @@ def read_json(path, default=_RAISE):
 
 
 RANK_FAILURE = "failure.rank"  # <run dir>/failure.rank<r>.json: why rank r > 0 ended (error.rank<r>.txt: traceback)
+FINAL = ("completed", "diverged")  # a run's final statuses: kept as they are by every later invocation
 
 
 def read_rank_failures(run_dir) -> dict[int, dict]:

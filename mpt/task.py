@@ -29,10 +29,11 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
+import torch
 import torch.nn as nn
 from torch.utils.data import default_collate
 
-from mpt.optim import build_optimizer, lr_factor
+from mpt.optim import build_optimizer, update_factor
 
 
 class Task:
@@ -72,11 +73,8 @@ class Task:
         checkpointed. Default: cfg.sched through mpt.optim.lr_factor (the open SCHEDULES registry), a
         function of the fractional epoch. A schedule that needs more (the translation reference's decay
         on a training-loss plateau) is a scheduler of the task's own."""
-        import torch
-
-        return {name: torch.optim.lr_scheduler.LambdaLR(
-                    opt, lambda u: lr_factor(cfg.sched, u / steps_per_epoch, total_epochs))
-                for name, opt in optimizers.items()}
+        factor = update_factor(cfg.sched, steps_per_epoch, total_epochs)
+        return {name: torch.optim.lr_scheduler.LambdaLR(opt, factor) for name, opt in optimizers.items()}
 
     def param_groups(self, model, cfg):
         """The default optimizer's parameters (torch param groups with their own settings)."""

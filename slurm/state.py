@@ -17,10 +17,9 @@ import socket
 import subprocess
 from dataclasses import dataclass
 
-from mpt.rundir import read_json, read_rank_failures
+from mpt.rundir import FINAL, read_json, read_rank_failures
 
 MANIFEST = "submissions.jsonl"
-FINAL = ("completed", "diverged")
 _RUNNING = {"RUNNING", "COMPLETING", "CONFIGURING", "STAGE_OUT", "SIGNALING"}
 _PENDING = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED", "RESIZING", "RESV_DEL_HOLD"}
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from mpt.config import infra
 from mpt.errors import UserError
-from mpt.optim import lr_factor
+from mpt.optim import update_factor
 from mpt.task import Task as BaseTask
 
 
@@ -169,7 +169,7 @@ class Task(BaseTask):
             raise UserError(f"task.plateau_decay={self.cfg.plateau_decay} must be in (0, 1) (0: off) and "
                             f"task.plateau_window={self.cfg.plateau_window} >= 1")
         (name, opt), = optimizers.items()
-        self._plateau = PlateauLR(opt, lambda u: lr_factor(cfg.sched, u / steps_per_epoch, total_epochs),
+        self._plateau = PlateauLR(opt, update_factor(cfg.sched, steps_per_epoch, total_epochs),
                                   self.cfg.plateau_decay, self.cfg.plateau_window)
         return {name: self._plateau}
 
