@@ -31,6 +31,7 @@ from torchvision.models.detection.faster_rcnn import FasterRCNN
 from torchvision.models.detection.ssd import SSD
 from torchvision.models.detection.anchor_utils import AnchorGenerator, DefaultBoxGenerator
 from torchvision.models.detection.faster_rcnn import FastRCNNPredictor
+from torchvision.models.detection.roi_heads import RoIHeads
 from torchvision.models.detection.rpn import RPNHead
 from torchvision.models.detection.ssd import SSDHead
 from torchvision.ops import RoIPool
@@ -110,6 +111,16 @@ def _he_init(module: nn.Module) -> None:
     for m in module.modules():
         if isinstance(m, nn.Conv2d):
             nn.init.kaiming_normal_(m.weight, nonlinearity="relu")
+            nn.init.zeros_(m.bias)
+
+
+def caffe_xavier_init(module: nn.Module) -> None:
+    """Caffe's "xavier" filler on every convolution, bias 0: uniform in +-sqrt(3 / fan_in) (its default
+    variance_norm FAN_IN; torch's xavier_uniform_ averages fan_in and fan_out instead). SSD's extra layers
+    and multibox heads start from it (ssd_pascal.py via model_libs.py ConvBNLayer / CreateMultiBoxHead)."""
+    for m in module.modules():
+        if isinstance(m, nn.Conv2d):
+            nn.init.kaiming_uniform_(m.weight, a=1.0)  # gain 1: bound sqrt(3 / fan_in)
             nn.init.zeros_(m.bias)
 
 
@@ -230,11 +241,13 @@ class FP32DefaultBoxes(DefaultBoxGenerator):
 def ssd_anchors(size: int, n_maps: int) -> DefaultBoxGenerator:
     if n_maps == 6:
         # SSD300's VOC prior boxes (Caffe ssd_pascal.py): min sizes 30, 60, 111, 162, 213, 264 and max
-        # 315 px at 300 -> scales 0.1 .. 1.05; 2 or 4 extra ratios; steps 8, 16, 32, 64, 100, 300.
+        # 315 px at 300 -> scales 0.1 .. 1.05; 2 or 4 extra ratios; steps 8, 16, 32, 64, 100, 300; not
+        # clipped to the image (clip: false; torchvision clips by default).
         return FP32DefaultBoxes([[2], [2, 3], [2, 3], [2, 3], [2], [2]],
                                 scales=[0.1, 0.2, 0.37, 0.54, 0.71, 0.88, 1.05],
-                                steps=[8, 16, 32, 64, 100, 300] if size == 300 else None)
-    # Fewer maps (a small tiny input): the same ratios, scales spread evenly over the objects' range.
+                                steps=[8, 16, 32, 64, 100, 300] if size == 300 else None, clip=False)
+    # Fewer maps (a small tiny input): the same ratios, scales spread evenly over the objects' range
+    # (clipped, torchvision's default, as this tiny variant has always run).
     ratios = ([[2]] + [[2, 3]] * (n_maps - 1))[:n_maps]
     return FP32DefaultBoxes(ratios, scales=[0.1 + 0.85 * k / n_maps for k in range(n_maps + 1)])
 
@@ -248,10 +261,12 @@ def ssd300_vgg16(num_classes: int = 21, width: float = 1.0, size: int = 300, bac
         raise UserError(f"ssd300_vgg16: size={size} is too small (>= 32 px)")
     _check_init(backbone, batch_norm)
     body = SSDVGG(width, size, batch_norm)
-    if backbone != "scratch":
-        body.load_imagenet(backbone, width)
     anchors = ssd_anchors(size, body.n_maps)
     head = SSDHead(body.out_channels, anchors.num_anchors_per_location(), num_classes)
+    if backbone != "scratch":  # the paper's recipe: ImageNet VGG-16, Caffe's xavier for every new layer
+        body.load_imagenet(backbone, width)
+        caffe_xavier_init(body.extras)
+        caffe_xavier_init(head)
     return SSD(body, anchors, (size, size), num_classes, image_mean=list(IMAGENET_MEAN),
                image_std=list(IMAGENET_STD), head=FP32Out(head),
                # SSD's test settings (Caffe ssd_pascal.py): confidence 0.01, NMS 0.45, top 200, 400 candidates
@@ -287,6 +302,28 @@ class RoIPool7(nn.Module):
     def forward(self, features, proposals, image_shapes):
         x = features["0"]
         return self.pool(x.float(), [p.float() for p in proposals]).to(x.dtype)
+
+
+class CaffeRoIHeads(RoIHeads):
+    """torchvision's RoIHeads with py-faster-rcnn's RoI box loss: smooth L1 with sigma 1 (beta = 1 /
+    sigma^2 = 1; train.prototxt loss_bbox has no sigma), where torchvision uses beta 1/9 (sigma 3, which
+    py-faster-rcnn uses for the RPN only: torchvision's RPN loss already matches). Same normalisation as
+    both: the sum over foreground RoIs / all sampled RoIs. Inference is torchvision's."""
+
+    box_beta = 1.0
+
+    def forward(self, features, proposals, image_shapes, targets=None):
+        if not self.training:
+            return super().forward(features, proposals, image_shapes, targets)
+        proposals, _, labels, regression_targets = self.select_training_samples(proposals, targets)
+        x = self.box_head(self.box_roi_pool(features, proposals, image_shapes))
+        class_logits, box_regression = self.box_predictor(x)
+        labels, regression_targets = torch.cat(labels), torch.cat(regression_targets)
+        fg = torch.where(labels > 0)[0]
+        box_regression = box_regression.reshape(len(labels), -1, 4)[fg, labels[fg]]
+        box_loss = F.smooth_l1_loss(box_regression, regression_targets[fg], beta=self.box_beta, reduction="sum")
+        return [], {"loss_classifier": F.cross_entropy(class_logits, labels),
+                    "loss_box_reg": box_loss / labels.numel()}
 
 
 @register("faster_rcnn_vgg16")
@@ -335,4 +372,5 @@ def faster_rcnn_vgg16(num_classes: int = 21, width: float = 1.0, size: int = 600
         bbox_reg_weights=(10.0, 10.0, 5.0, 5.0))
     # FasterRCNN's constructor accepts only RoIAlign poolers; the RoI head calls any module alike.
     model.roi_heads.box_roi_pool = RoIPool7()
+    model.roi_heads.__class__ = CaffeRoIHeads  # its box loss only (no new state): see CaffeRoIHeads
     return model

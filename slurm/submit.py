@@ -220,8 +220,9 @@ def plan(g: Grid, force: bool, queue_needed: bool) -> tuple[list[Cell], dict[str
         else:
             todo.append(c)
             note = "submit" if st.state == "not submitted" else f"submit ({st.state}: resumes)"
-        b = c.cfg.train.batch_size
-        lines.append(f"  {c.run_name:<{width}}  {c.label:<{lwidth}}  batch {b} = {world} x {b // world}"
+        b, accum = c.cfg.train.batch_size, c.cfg.train.accum_steps
+        split = f" ({accum} micro-batches of {b // world // accum})" if accum > 1 else ""
+        lines.append(f"  {c.run_name:<{width}}  {c.label:<{lwidth}}  batch {b} = {world} x {b // world}{split}"
                      f"{bn_batch_note(c.cfg, world, 'GPU' if g.resources.gpus else 'rank')}  {note}")
     return todo, skipped, lines
 

@@ -116,7 +116,7 @@ def cpu_overrides(cell: G.Cell, data_root, out_dir, backbone=None) -> list[str]:
     exp, cfg = cell.experiment, cell.cfg
     ov = [f"task.data_root={data_root}", f"out_dir={out_dir}", "device=cpu", "wandb.mode=disabled",
           "train.progress=false", "train.log_every=1", "train.num_workers=0",
-          # Faster R-CNN's paper batch is 1 image: kept; every other batch is cut to 2.
+          # Faster R-CNN's paper batch is 2 images (2 micro-batches of 1): kept; every other batch is cut to 2.
           f"train.batch_size={min(BATCH, cfg.train.batch_size)}", f"train.max_steps={STEPS}",
           "train.eval_max_batches=1"]
     if exp == "voc_detection":

@@ -83,6 +83,103 @@ def test_iou_half_is_a_hit_and_wrong_class_is_a_miss():
     assert aps[0] == 0 and np.isnan(aps[1]) and m == 0  # class 2 has no box: left out of the mean
 
 
+def pyfrcnn_class_ap(dets, gts):
+    """py-faster-rcnn's voc_eval rule (lib/datasets/voc_eval.py), written out here from its description,
+    independently of voc_eval.py: boxes in VOC pixel coordinates with the +1 width, detections sorted by
+    score, a match at IoU > 0.5 (strict) to a box not yet taken and not difficult, the 11-point AP over
+    t in np.arange(0, 1.1, 0.1) taken as is (rec >= t: 0.3 is 0.30000000000000004).
+    dets: (image, score, continuous box); gts: image -> (continuous boxes, difficult)."""
+    def pixels(b):  # continuous (x0, y0, x1, y1) -> the VOC pixel box (x0 + 1, y0 + 1, x1, y1)
+        return [b[0] + 1, b[1] + 1, b[2], b[3]]
+
+    npos = sum(int(np.sum(~np.asarray(d))) for _, d in gts.values())
+    records = {img: {"bbox": [pixels(b) for b in boxes], "difficult": list(diff), "det": [False] * len(boxes)}
+               for img, (boxes, diff) in gts.items()}
+    order = sorted(range(len(dets)), key=lambda j: -dets[j][1])
+    tp, fp = [], []
+    for j in order:
+        img, _, box = dets[j]
+        R, bb = records.get(img, {"bbox": [], "difficult": [], "det": []}), pixels(box)
+        best, jmax = -np.inf, -1
+        for k, g in enumerate(R["bbox"]):
+            iw = max(min(bb[2], g[2]) - max(bb[0], g[0]) + 1.0, 0.0)
+            ih = max(min(bb[3], g[3]) - max(bb[1], g[1]) + 1.0, 0.0)
+            inter = iw * ih
+            union = (bb[2] - bb[0] + 1.0) * (bb[3] - bb[1] + 1.0) + (g[2] - g[0] + 1.0) * (g[3] - g[1] + 1.0) - inter
+            if inter / union > best:
+                best, jmax = inter / union, k
+        hit = best > 0.5
+        if hit and R["difficult"][jmax]:
+            tp.append(0), fp.append(0)
+        elif hit and not R["det"][jmax]:
+            R["det"][jmax] = True
+            tp.append(1), fp.append(0)
+        else:
+            tp.append(0), fp.append(1)
+    tp, fp = np.cumsum(tp), np.cumsum(fp)
+    rec = tp / float(npos)
+    prec = tp / np.maximum(tp + fp, np.finfo(np.float64).eps)
+    return sum((prec[rec >= t].max() if np.any(rec >= t) else 0.0) for t in np.arange(0.0, 1.1, 0.1)) / 11.0
+
+
+def random_class(rng):
+    """One class on a few images: integer boxes on a coarse grid (so IoUs of exactly 0.5 occur), a
+    multiple of 10 boxes for some classes (so recalls land on k/10), some difficult, detections near
+    them or anywhere, distinct scores."""
+    gts, dets = {}, []
+    n_img = int(rng.integers(1, 5))
+    npos_target = 10 * int(rng.integers(1, 3)) if rng.random() < 0.5 else int(rng.integers(1, 12))
+    for img in range(n_img):
+        m = int(rng.integers(0, 2 * npos_target // n_img + 2))
+        xy = rng.integers(0, 8, size=(m, 2)) * 5
+        wh = rng.integers(1, 5, size=(m, 2)) * 5
+        gts[img] = (np.concatenate([xy, xy + wh], 1).astype(float), rng.random(m) < 0.15)
+        for b in gts[img][0]:
+            for _ in range(int(rng.integers(0, 3))):
+                d = b + rng.integers(-2, 3, size=4) * 5 * (rng.random() < 0.6)
+                dets.append((img, None, np.concatenate([d[:2], np.maximum(d[2:], d[:2] + 5)])))
+        for _ in range(int(rng.integers(0, 4))):
+            x, y = rng.integers(0, 8, size=2) * 5
+            dets.append((img, None, np.array([x, y, x + 10, y + 10], float)))
+    scores = rng.permutation(len(dets)) / max(len(dets), 1) + 0.01
+    return [(img, float(sc), b) for (img, _, b), sc in zip(dets, scores)], gts
+
+
+def test_py_faster_rcnn_rule_equals_an_independent_implementation_on_random_classes():
+    """ap_rule=py-faster-rcnn (the evaluator of the paper's Faster R-CNN number) against the rule written
+    out independently above, on random classes; and the devkit rule differs from it only on ties."""
+    from experiments.voc_detection.voc_eval import class_ap
+
+    rng = np.random.default_rng(0)
+    checked = differ = 0
+    for _ in range(600):
+        dets, gts = random_class(rng)
+        if sum(int((~d).sum()) for _, d in gts.values()) == 0:
+            continue
+        ours = class_ap(dets, gts, rule="py-faster-rcnn")
+        assert ours == pytest.approx(pyfrcnn_class_ap(dets, gts), abs=1e-12), (dets, gts)
+        checked += 1
+        differ += abs(class_ap(dets, gts, rule="devkit") - ours) > 1e-9
+    assert checked > 400 and differ > 10  # the random set does reach the ties that tell the rules apart
+
+
+def test_py_faster_rcnn_rule_on_the_two_ties():
+    from experiments.voc_detection.voc_eval import class_ap
+
+    # IoU exactly 0.5 ([0,0,10,10] vs [0,0,10,20]): a hit for the devkit (>=), a miss for py-faster-rcnn (>)
+    one = ([(0, 1.0, np.array([0, 0, 10, 20.0]))], {0: (np.array([A], float), np.array([False]))})
+    assert class_ap(*one) == pytest.approx(1.0) and class_ap(*one, rule="py-faster-rcnn") == 0.0
+    # 10 boxes, 3 found first, then only false positives: recall reaches exactly 3/10, which the devkit's
+    # t = 0.3 counts and np.arange's 0.30000000000000004 does not: 4/11 against 3/11.
+    boxes = np.array([[20 * k, 0, 20 * k + 10, 10] for k in range(10)], float)
+    dets = [(0, 1.0 - k / 10, boxes[k]) for k in range(3)] + [(0, 0.5, np.array([0, 50, 10, 60.0]))]
+    gts = {0: (boxes, np.zeros(10, bool))}
+    assert class_ap(dets, gts) == pytest.approx(4 / 11)
+    assert class_ap(dets, gts, rule="py-faster-rcnn") == pytest.approx(3 / 11)
+    with pytest.raises(ValueError, match="rule="):
+        class_ap(dets, gts, rule="coco")
+
+
 # ----------------------------------------------------------------------------- prep
 
 
@@ -217,6 +314,77 @@ def test_paper_size_parameter_counts_and_backbone_weights(tmp_path):
         models.build("ssd300_vgg16", width=1 / 16, size=64, backbone=str(tmp_path / "none.pt"))
     with pytest.raises(UserError, match="this model \\(width\\) needs"):
         models.build("ssd300_vgg16", width=1 / 8, size=64, backbone=str(tmp_path / "vgg.pt"))
+
+
+def test_recipe_details_against_the_caffe_references(tmp_path):
+    """SSD (weiliu89/caffe ssd_pascal.py): default boxes not clipped, extra layers and heads from Caffe's
+    xavier (uniform +-sqrt(3 / fan_in), bias 0) when the recipe starts from ImageNet weights, biases not
+    decayed. Faster R-CNN (py-faster-rcnn train.prototxt): biases decayed, RoI box loss smooth L1 with
+    sigma 1 (beta 1). Both: biases at twice the learning rate."""
+    import models
+    from experiments.voc_detection.task import Task
+    from mpt import config as C
+
+    vgg = models.build("vgg16", width=1 / 16)
+    torch.save(vgg.state_dict(), tmp_path / "vgg.pt")
+    torch.manual_seed(0)
+    ssd = models.build("ssd300_vgg16", width=1 / 16, backbone=str(tmp_path / "vgg.pt"))
+    assert ssd.anchor_generator.clip is False
+    for conv in [m for m in list(ssd.backbone.extras.modules()) + list(ssd.head.modules()) if isinstance(m, torch.nn.Conv2d)]:
+        bound = (3 / (conv.in_channels * conv.kernel_size[0] * conv.kernel_size[1])) ** 0.5
+        w = conv.weight.abs()
+        assert w.max() <= bound and w.max() > 0.8 * bound and conv.bias.abs().max() == 0
+    for model, decayed in (("ssd300_vgg16", False), ("faster_rcnn_vgg16", True)):
+        cfg = C.resolve("voc_detection", [f"model={model}"])
+        assert cfg.task.bias_decay is decayed
+        groups = Task().param_groups(models.build(model, width=1 / 16, size=64), cfg)
+        assert groups[1]["lr"] == 2 * cfg.optim.lr and groups[1]["weight_decay"] == (0.0005 if decayed else 0.0)
+    # the RoI head's box loss, recomputed from its own sampled RoIs with beta 1 (torchvision's is 1/9)
+    torch.manual_seed(0)
+    frcnn = models.build("faster_rcnn_vgg16", width=1 / 16, size=64)
+    heads = frcnn.roi_heads
+    feats = {"0": torch.randn(1, 32, 4, 4)}
+    target = [{"boxes": torch.tensor([[4.0, 4.0, 40.0, 40.0]]), "labels": torch.tensor([1])}]
+    props = [torch.tensor([[4.0, 4.0, 40.0, 40.0], [6.0, 2.0, 30.0, 44.0], [0.0, 0.0, 63.0, 63.0]])]
+    heads.train()
+    heads.box_head.eval()  # no dropout: the two passes must see the same features
+    torch.manual_seed(1)
+    _, losses = heads(feats, props, [(64, 64)], target)
+    torch.manual_seed(1)  # the same RoI sample
+    props2, _, labels, reg = heads.select_training_samples(props, target)
+    _, box = heads.box_predictor(heads.box_head(heads.box_roi_pool(feats, props2, [(64, 64)])))
+    labels, reg = torch.cat(labels), torch.cat(reg)
+    fg = labels > 0
+    pred = box.reshape(len(labels), -1, 4)[fg, labels[fg]]
+    want = torch.nn.functional.smooth_l1_loss(pred, reg[fg], beta=1.0, reduction="sum") / len(labels)
+    assert fg.any() and (pred - reg[fg]).abs().max() > 1 / 9  # inside the range where the two betas differ
+    assert torch.allclose(losses["loss_box_reg"], want)
+
+
+def test_ssd_photometric_distortion_never_permutes_channels():
+    """SSD's random_order_prob is 0; torchvision's RandomPhotometricDistort permutes channels with p = 0.5.
+    A pure red image stays reddest in its red channel through brightness, contrast, saturation and a hue
+    shift of at most 36 degrees."""
+    from torchvision import tv_tensors
+
+    from experiments.voc_detection.task import SSDPhotometricDistort
+
+    red = tv_tensors.Image(torch.tensor([255, 0, 0], dtype=torch.uint8).view(3, 1, 1).expand(3, 8, 8).clone())
+    boxes = tv_tensors.BoundingBoxes([[1, 1, 5, 5]], format="XYXY", canvas_size=(8, 8))
+    t = SSDPhotometricDistort()
+    torch.manual_seed(0)
+    changed = 0
+    for _ in range(200):
+        img, b = t(red, boxes)
+        assert img.dtype == torch.uint8 and torch.equal(b, boxes)
+        assert (img[0] > img[1]).all() and (img[0] > img[2]).all()
+        changed += not torch.equal(img, red)
+    assert changed > 150  # each of the four distortions with probability 0.5
+    # brightness is a shift, contrast a plain scaling (Caffe's convertTo), not torchvision's blends
+    grey = tv_tensors.Image(torch.full((3, 2, 2), 100, dtype=torch.uint8))
+    none = {"brightness": None, "contrast": None, "saturation": None, "hue": None, "contrast_first": True}
+    assert (t.transform(grey, {**none, "brightness": 20.0}) == 120).all()
+    assert (t.transform(grey, {**none, "contrast": 1.5}) == 150).all()
 
 
 # ----------------------------------------------------------------------------- runs

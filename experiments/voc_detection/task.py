@@ -4,7 +4,8 @@ Batches are lists (images of any size, targets with any number of boxes): `colla
 lists and the detectors' own transforms resize and normalise. The loss is the detector's sum of its
 losses (SSD: softmax confidence with 3:1 hard negatives + smooth L1; Faster R-CNN: RPN and RoI-head
 classification and box regression). `evaluate` runs the detector over this rank's share of VOC2007
-test, gathers every detection on rank 0 and computes the devkit's 11-point AP (voc_eval.py)."""
+test, gathers every detection on rank 0 and computes the 11-point AP (voc_eval.py) by the devkit's rule and
+by py-faster-rcnn's; task.ap_rule says which is `mAP`, the other is reported beside it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -14,7 +15,7 @@ import torch.distributed as dist
 from torchvision import tv_tensors
 from torchvision.transforms import v2
 
-from experiments.voc_detection.voc_eval import voc07_map
+from experiments.voc_detection.voc_eval import RULES, voc07_map
 from mpt.config import infra
 from mpt.errors import UserError
 from mpt.task import Task as BaseTask
@@ -34,12 +35,50 @@ class TaskCfg:
     backbone: str = "scratch"  # scratch | a VGG-16 weights file (torchvision state dict or our vgg16 checkpoint)
     batch_norm: bool = False  # VGG-16-BN layers: the tiny profile's from-scratch variant, not the paper's model
     eval_max_images: int = 0  # 0 = the whole test set
+    # Biases are weight-decayed in py-faster-rcnn (train.prototxt: no decay_mult, so 1), not in SSD
+    # (decay_mult 0); both give them twice the learning rate (lr_mult 2).
+    bias_decay: bool = False
+    # Which VOC07 11-point rule `mAP` follows: devkit (VOCevaldet.m) | py-faster-rcnn (its voc_eval.py,
+    # the rule behind the paper's Faster R-CNN number); the other is reported as mAP_<rule> too.
+    ap_rule: str = "devkit"
 
 
 def _difficult_too(inputs):
     """SanitizeBoundingBoxes drops the labels and the difficult flags of the boxes it removes."""
     target = inputs[1]
     return target["labels"], target["difficult"]
+
+
+class SSDPhotometricDistort(v2.Transform):
+    """SSD's photometric distortion (weiliu89/caffe ssd_pascal.py distort_param, applied by
+    src/caffe/util/im_transforms.cpp ApplyDistort), each with probability 0.5: brightness + delta, delta in
+    [-32, 32] of 255; contrast: the pixels x a factor in [0.5, 1.5] (no mean subtracted); saturation x
+    [0.5, 1.5]; hue + [-18, 18] of OpenCV's 180 (+-36 degrees); contrast either right after brightness or
+    last (one chance in two); channels never permuted (random_order_prob 0). torchvision's
+    RandomPhotometricDistort permutes them with p = 0.5 and scales brightness instead of shifting it.
+    Saturation is torchvision's (a blend with the grey image) rather than OpenCV's HSV S channel x factor."""
+
+    _transformed_types = (tv_tensors.Image,)
+
+    def make_params(self, flat_inputs):
+        draw = lambda lo, hi: float(torch.empty(()).uniform_(lo, hi)) if torch.rand(()) < 0.5 else None  # noqa: E731
+        return {"brightness": draw(-32.0, 32.0), "contrast": draw(0.5, 1.5), "saturation": draw(0.5, 1.5),
+                "hue": draw(-18.0, 18.0), "contrast_first": bool(torch.rand(()) < 0.5)}
+
+    def transform(self, inpt, params):
+        x = inpt  # uint8, 0..255 (before ToDtype)
+        linear = lambda img, a, b: tv_tensors.wrap((img.float() * a + b).round().clamp(0, 255).to(img.dtype), like=img)  # noqa: E731
+        if params["brightness"] is not None:
+            x = linear(x, 1.0, params["brightness"])
+        if params["contrast"] is not None and params["contrast_first"]:
+            x = linear(x, params["contrast"], 0.0)
+        if params["saturation"] is not None:
+            x = v2.functional.adjust_saturation(x, params["saturation"])
+        if params["hue"] is not None:
+            x = v2.functional.adjust_hue(x, params["hue"] / 180.0)
+        if params["contrast"] is not None and not params["contrast_first"]:
+            x = linear(x, params["contrast"], 0.0)
+        return x
 
 
 def train_transform(augment: str):
@@ -50,7 +89,7 @@ def train_transform(augment: str):
         # SSD's data augmentation (Liu et al. 2016, 2.2): photometric distortions, zoom out ("expand",
         # filled with the mean), a random crop whose IoU with some object is >= 0.1..0.9, a flip.
         # The zoom-out fill is the ImageNet mean in 0..255 (the image is still uint8 here).
-        steps += [v2.RandomPhotometricDistort(p=0.5),
+        steps += [SSDPhotometricDistort(),
                   v2.RandomZoomOut(fill={tv_tensors.Image: (124, 116, 104), "others": 0}, side_range=(1.0, 4.0), p=0.5),
                   v2.RandomIoUCrop()]
     if augment in ("ssd", "flip"):
@@ -72,6 +111,8 @@ class Task(BaseTask):
         from data_prep.voc.dataset import VOCDetectionSet, read_marker
 
         c = cfg.task
+        if c.ap_rule not in RULES:
+            raise UserError(f"task.ap_rule={c.ap_rule!r}; choose one of: {', '.join(RULES)}")
         if cfg.impl != "autocast":
             # The paper impl casts every floating input of the model to FP16, the ground-truth boxes too.
             raise UserError("voc_detection runs impl=autocast only (impl=paper would cast the target boxes to FP16)")
@@ -96,11 +137,12 @@ class Task(BaseTask):
     collate = staticmethod(collate)
 
     def param_groups(self, model, cfg):
-        # Both Caffe recipes: biases at twice the learning rate and without weight decay (lr_mult 2,
-        # decay_mult 0 in SSD's and py-faster-rcnn's prototxts).
+        # Both Caffe recipes give biases twice the learning rate (lr_mult 2); SSD's prototxt does not
+        # decay them (decay_mult 0), py-faster-rcnn's does (no decay_mult: 1) -- task.bias_decay.
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        bias_wd = cfg.optim.weight_decay if cfg.task.bias_decay else 0.0
         return [{"params": [p for n, p in named if not n.endswith(".bias")]},
-                {"params": [p for n, p in named if n.endswith(".bias")], "lr": 2 * cfg.optim.lr, "weight_decay": 0.0}]
+                {"params": [p for n, p in named if n.endswith(".bias")], "lr": 2 * cfg.optim.lr, "weight_decay": bias_wd}]
 
     def loss(self, model, batch):
         images, targets = batch
@@ -123,8 +165,12 @@ class Task(BaseTask):
             dist.all_gather_object(box, (dets, gts))
             dets = [d for part in box for d in part[0]]
             gts = [g for part in box for g in part[1]]
-        mAP, aps = voc07_map(dets, gts, self.num_classes - 1)
+        rule = self.cfg.task.ap_rule
+        mAP, aps = voc07_map(dets, gts, self.num_classes - 1, rule)
         out = {"mAP": round(mAP, 3), "detections": sum(len(d["scores"]) for d in dets)}
+        for other in RULES:  # every rule's mAP, so a paper run gives both numbers
+            m = mAP if other == rule else voc07_map(dets, gts, self.num_classes - 1, other)[0]
+            out[f"mAP_{other.replace('-', '_')}"] = round(m, 3)
         from data_prep.voc.dataset import read_marker
 
         names = read_marker(self.cfg.task.data_root)["classes"]
