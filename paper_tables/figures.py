@@ -432,9 +432,11 @@ def _natural(p) -> list:
 
 def _samples(spec, runs, profile, problems, notes):
     """Figure 6: the latest sample grid of the newest run of each precision, side by side, with
-    its metric (DCGAN: the SWD) and, beneath, its G/D loss curves."""
+    its metric (DCGAN: the SWD) and, beneath, its G/D loss curves. A precision in the spec's `extra`
+    is drawn after the paper's and titled as not in the paper's figure."""
     panels, shown = [], []
     for prec in spec.precisions:
+        extra = "extra, not in the paper's figure: " if prec in spec.param("extra", ()) else ""
         rs = [r for r in _candidates(spec, runs, profile) if r.precision == prec and r.run_dir is not None
               and r.experiment in spec.experiments]
         image = None
@@ -446,14 +448,14 @@ def _samples(spec, runs, profile, problems, notes):
                 except Exception as e:  # a half-written PNG: try an older one
                     problems.append(r.problem(f"{f.name} unreadable ({type(e).__name__}); skipped"))
                     continue
-                panels.append((f"{variant_label(r.variant)}\n{r.name}/{f.name}", image))
+                panels.append((f"{extra}{variant_label(r.variant)}\n{r.name}/{f.name}", image))
                 shown.append(r)
-                notes.append(f"{variant_label(r.variant)}: {r.where}/{f.name} (status {r.status})")
+                notes.append(f"{extra}{variant_label(r.variant)}: {r.where}/{f.name} (status {r.status})")
                 break
             if image is not None:
                 break
         if image is None:
-            notes.append(f"not run yet (no samples_*.png): {variant_label((prec, None, None, False))}")
+            notes.append(f"not run yet (no samples_*.png): {extra}{variant_label((prec, None, None, False))}")
     if not panels:
         return None, f"no {' or '.join(spec.experiments)} run ({profile} profile) has samples_*.png files"
     # Beneath the grids: the G and D losses of the same runs, and their sample-quality metric.

@@ -21,10 +21,12 @@ OTHER_LABEL = {"no_metric": "completed without metric"}
 # What an unrun paper column would be run as (section 4's three modes).
 PLACEHOLDER = {"fp32": ("fp32", None, None, False), "mp_noscale": ("fp16", None, 1, False),
                "mp_scale": ("mixed", None, None, False), "mp": ("fp16", None, 1, False)}
-# Tables 1 and 3 have one MP column, and the paper ran it without loss scaling (4.1, 4.3): an empty
-# table's MP column is our fp16 (S = 1), as the experiments' READMEs say.
+# Table 1 has one MP column, and the paper ran it without loss scaling (4.1): an empty table's MP column
+# is our fp16 (S = 1), as the experiment's README says. A column that names its precisions
+# (paper_numbers.yaml `precisions:`, Table 3's fp16_storage) has the first of them instead.
 EXTRA_NAME = {"fp32": "TF32 baseline", "bf16": "BF16", "fp16_pure": "FP16 weights, no master copy",
-              "fp16_storage": "FP16 storage, FP32 math"}
+              "fp16_storage": "FP16 storage, FP32 math", "fp16": "FP16 math, no loss scaling",
+              "mixed": "FP16 math, loss scaling"}
 
 
 @dataclasses.dataclass
@@ -186,11 +188,17 @@ def _variant_key(v):
     return (rank, prec, bool(tf32), s, str(impl))
 
 
-def paper_column(variant, keys) -> str | None:
-    """Our precision -> the paper's column: fp32 (TF32 off) -> FP32; fp16 or S = 1 -> MP without
-    loss scaling; mixed -> MP with loss scaling (Tables 1 and 3 have one MP column: section 4.1 and
-    4.3 needed no scaling, so both map there)."""
+def paper_column(variant, columns: list[dict]) -> str | None:
+    """Our precision -> the paper's column. A column that names its precisions (`precisions:` in
+    paper_numbers.yaml) takes those and nothing else: Table 3's MP is fp16_storage, the paper's "FP16
+    storage, FP32 math" (4.3). Otherwise fp32 (TF32 off) -> FP32; fp16 or S = 1 -> MP without loss
+    scaling; mixed -> MP with loss scaling (Table 1 has one MP column: section 4.1 needed no scaling,
+    so both map there)."""
     prec, _, scale, tf32 = variant
+    for c in columns:
+        if prec in c.get("precisions", ()):
+            return c["key"]
+    keys = [c["key"] for c in columns if "precisions" not in c]
     if prec == "fp32":
         return "fp32" if not tf32 and "fp32" in keys else None
     if prec == "fp16" or (prec == "mixed" and scale == 1):
@@ -244,7 +252,6 @@ def env_lines(runs: list[RunResult]) -> list[str]:
 def build_table(spec: specs.TableSpec, runs: list[RunResult], profile: str,
                 problems: list[Problem]) -> Table:
     paper = spec.paper
-    keys = [c["key"] for c in paper["columns"]]
     mine = [r for r in runs if r.experiment == spec.experiment and r.profile == profile]
     rows = [(row["model"], row["label"]) for row in paper["rows"]]
     paper_vals = {row["model"]: row for row in paper["rows"]}
@@ -257,16 +264,17 @@ def build_table(spec: specs.TableSpec, runs: list[RunResult], profile: str,
     multi_impl = len({v[1] for v in variants}) > 1
     columns = []
     for pc in paper["columns"]:
-        vs = [v for v in variants if paper_column(v, keys) == pc["key"]]
+        vs = [v for v in variants if paper_column(v, paper["columns"]) == pc["key"]]
         for v in vs:
             columns.append(Column(_slug(v, multi_impl), f"{pc['label']} ({_describe(v, multi_impl)})",
                                   pc["key"], v))
         if not vs:
-            v = PLACEHOLDER.get(pc["key"], ("fp32", None, None, False))
+            v = ((pc["precisions"][0], None, None, False) if pc.get("precisions")
+                 else PLACEHOLDER.get(pc["key"], ("fp32", None, None, False)))
             columns.append(Column(_slug(v, False), f"{pc['label']} ({_describe(v, False)})", pc["key"],
                                   v, placeholder=True))
     for v in variants:
-        if paper_column(v, keys) is None:
+        if paper_column(v, paper["columns"]) is None:
             name = EXTRA_NAME.get(v[0], v[0])
             columns.append(Column(_slug(v, multi_impl), f"{name} ({_describe(v, multi_impl)})", None, v))
 

@@ -92,6 +92,38 @@ def test_mean_std_n_and_difference(tmp_path):
     assert (mp.ours_text(), mp.paper_text(), mp.diff_text()) == ("missing", "56.93", "—")
 
 
+def test_table3_mp_column_is_fp16_storage(tmp_path):
+    """The paper ran DeepSpeech 2 as "FP16 storage, FP32 math" (4.3): Table 3's MP column is filled by
+    fp16_storage runs only; fp16 (S = 1) and mixed are extra columns without the paper's number. Table 1's
+    MP column stays fp16 (4.1)."""
+    for seed, (a, b, c, d) in enumerate(((2.5, 2.1, 2.3, 2.4), (2.7, 2.3, 2.5, 2.2)), start=1):
+        write_run(tmp_path, "deepspeech2", "english", "fp32", seed, impl="paper", metrics={"cer": a})
+        write_run(tmp_path, "deepspeech2", "english", "fp16_storage", seed, impl="paper", metrics={"cer": b})
+        write_run(tmp_path, "deepspeech2", "english", "fp16", seed, impl="paper", metrics={"cer": c})
+        write_run(tmp_path, "deepspeech2", "english", "mixed", seed, impl="paper", metrics={"cer": d})
+    write_run(tmp_path, "ilsvrc_cnns", "alexnet", "fp16", 1, metrics={"top1": 56.0})
+    _, problems, rep = build(tmp_path)
+    assert problems == []
+    t = table_of(rep, "table3")
+    by_key = {c.paper_key: c for c in t.columns if c.paper_key}
+    assert by_key["mp"].variant[0] == "fp16_storage" and not by_key["mp"].placeholder
+    mp = t.cells[("english", by_key["mp"].id)]
+    assert (mp.n, mp.mean, mp.paper) == (2, pytest.approx(2.2), 1.99)
+    extra = {c.variant[0]: c for c in t.columns if c.paper_key is None}
+    assert set(extra) == {"fp16", "mixed"}
+    assert extra["fp16"].label.startswith("FP16 math, no loss scaling")
+    assert t.cells[("english", extra["fp16"].id)].paper is None
+    assert t.cells[("english", extra["fp16"].id)].mean == pytest.approx(2.4)
+    assert "Mixed precision (fp16_storage)" in tables.to_markdown(t)
+    assert cell(table_of(rep, "table1"), "alexnet", "fp16_S1").mean == 56.0  # Table 1's MP: still fp16
+    # no fp16_storage run: the MP column is a placeholder that says what would fill it
+    shutil.rmtree(tmp_path)
+    write_run(tmp_path, "deepspeech2", "english", "fp16", 1, impl="paper", metrics={"cer": 2.0})
+    t = table_of(build(tmp_path)[2], "table3")
+    mp = next(c for c in t.columns if c.paper_key == "mp")
+    assert mp.placeholder and mp.variant[0] == "fp16_storage"
+
+
 def test_every_status_marker(tmp_path):
     w = lambda *a, **k: write_run(tmp_path, *a, **k)  # noqa: E731
     # Table 2, Faster R-CNN: mixed seeds -> "(n=2; 1 diverged)"
@@ -409,6 +441,7 @@ def full(tmp_path_factory):
               status="diverged")
     write_run(root, "lm_biglstm", "biglstm", "mixed", 1, loss_scale=128, train=curve(3.5, 128.0))
     write_run(root, "dcgan", "dcgan128", "fp32", 1, samples=True)
+    write_run(root, "dcgan", "dcgan128", "fp16", 1, samples=True)
     mixed = write_run(root, "dcgan", "dcgan128", "mixed", 1, samples=True,
                       train=[(1.0, 2.0 ** (16 - (i % 5))) for i in range(30)])
     (mixed / "samples_99999.png").write_bytes(b"\x89PNG half-written")  # falls back to an older one
@@ -439,11 +472,27 @@ def test_figures_drawn_from_metrics(full):
     assert "MP, S=128" in f5 and "not run yet" not in f5 and "diverged" in f5
     f6 = (out / "figure6.md").read_text()
     assert "samples_2000.png" in f6 and "samples_100.png" not in f6
+    # Figure 6's panels: FP32 beside MP without loss scaling (the paper's pair), then mixed, marked extra
+    panels = [ln for ln in f6.splitlines() if "samples_2000.png (status" in ln]
+    assert len(panels) == 3, f6
+    assert panels[0].lstrip("- ").startswith("FP32:") and "MP, no loss scaling (S=1):" in panels[1]
+    assert "extra, not in the paper's figure: MP, dynamic S:" in panels[2]
     skipped = index.split("## Skipped")[1]
     assert "samples_99999.png unreadable" in skipped and "wandb" not in skipped
     f2a = (out / "figure2a.md").read_text()
     assert "FP16 weights, no master copy from" in f2a and "deepspeech2/mandarin" in f2a
     assert "MP, dynamic S from" in f2a  # loss_scale=auto resolves to dynamic for mixed
+
+
+def test_figure6_names_its_missing_no_scaling_panel(tmp_path):
+    """Without an fp16 run, Figure 6 still draws FP32 and the extra mixed panel, and says the paper's
+    MP-without-loss-scaling panel is not run yet."""
+    write_run(tmp_path / "runs", "dcgan", "dcgan128", "fp32", 1, samples=True)
+    write_run(tmp_path / "runs", "dcgan", "dcgan128", "mixed", 1, samples=True)
+    assert cli_main.main(["--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out")]) == 0
+    f6 = (tmp_path / "out" / "figure6.md").read_text()
+    assert "not run yet (no samples_*.png): MP, no loss scaling (S=1)" in f6
+    assert "extra, not in the paper's figure: MP, dynamic S:" in f6 and (tmp_path / "out" / "figure6.png").is_file()
 
 
 def test_figure3_without_a_loss_scaled_run_shifts_by_the_papers_s(tmp_path):
