@@ -234,12 +234,12 @@ def reference_error_rates(args: list[str]) -> tuple[float, float]:
 @pytest.fixture(scope="module")
 def runs(libri, tmp_path_factory):
     """Two steps of the tiny English model in the paper's precisions (FP16 on a CPU is slow), the
-    FP32 run with numerics sampled at every step (Figure 2b)."""
+    FP32 run with numerics sampled at every step (Figure 2b); fp16_storage is Table 3's MP column."""
     from experiments.deepspeech2 import main
 
     out = tmp_path_factory.mktemp("ds2_runs")
     summaries, args = {}, {}
-    for prec in ("fp32", "fp16", "mixed", "fp16_pure"):
+    for prec in ("fp32", "fp16_storage", "fp16", "mixed", "fp16_pure"):
         extra = ["numerics.every=1"] if prec == "fp32" else []
         args[prec] = run_overrides("english", libri, out, f"precision={prec}", "impl=paper", "train.batch_size=4",
                                    "train.max_steps=2", "train.log_every=1", *extra)
@@ -249,7 +249,7 @@ def runs(libri, tmp_path_factory):
 
 @pytest.mark.heavy
 @needs_espeak
-@pytest.mark.parametrize("prec", ["fp32", "fp16", "mixed", "fp16_pure"])
+@pytest.mark.parametrize("prec", ["fp32", "fp16_storage", "fp16", "mixed", "fp16_pure"])
 def test_tiny_run_ends_with_cer(runs, prec):
     s = runs[1][prec]
     assert s["status"] == "completed" and s["step"] == 2, s
@@ -280,6 +280,14 @@ def test_table3_and_figure2_regenerated(runs, tmp_path):
     tables(["--runs", str(runs[0]), "--out", str(out)])
     t3 = (out / "table3_tiny.md").read_text()
     assert "English" in t3 and "TINY PROFILE" in t3, t3
+    # Table 3's MP column is the paper's "FP16 storage, FP32 math" (4.3); fp16 and mixed are extra columns
+    head, row = t3.splitlines()[[ln.startswith("| Model") for ln in t3.splitlines()].index(True)], \
+        next(ln for ln in t3.splitlines() if ln.startswith("| English"))
+    cols = [c.strip() for c in head.split("|")[1:-1]]
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    mp = cols.index("Mixed precision (fp16_storage)")
+    assert "(n=1)" in cells[mp] and cells[mp + 1] == "1.99", (cols, cells)
+    assert "FP16 math, no loss scaling (fp16, S=1)" in cols, cols
     f2a, f2b = (out / "figure2a_tiny.md").read_text(), (out / "figure2b_tiny.md").read_text()
     assert "deepspeech2/english" in f2a and "no master copy" in f2a, f2a
     assert "deepspeech2" in f2b and (out / "figure2b_tiny.png").is_file(), f2b
