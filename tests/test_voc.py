@@ -361,6 +361,22 @@ def test_recipe_details_against_the_caffe_references(tmp_path):
     assert torch.allclose(losses["loss_box_reg"], want)
 
 
+@pytest.mark.parametrize("model, images, drops", [("ssd300_vgg16", 16551, [80000, 100000]),
+                                                   ("faster_rcnn_vgg16", 5011, [50000])])
+def test_paper_learning_rate_drops_land_on_the_solvers_iterations(model, images, drops):
+    """The Caffe solvers drop the rate at whole iterations; our milestones are epochs, so they must be
+    written to land on exactly those updates with the loader's full batches per epoch (images // batch:
+    SSD's 16,551 / 32 is 517, not 517.2 -- which put the drops 35 and 43 updates early)."""
+    from mpt import config as C
+    from mpt.optim import update_factor
+
+    cfg = C.resolve("voc_detection", ["profile=paper", f"model={model}"])
+    per_epoch = images // cfg.train.batch_size
+    factor = update_factor(cfg.sched, per_epoch, cfg.train.max_steps / per_epoch)
+    got = [u for u in range(1, cfg.train.max_steps) if factor(u) < factor(u - 1)]
+    assert got == drops
+
+
 def test_ssd_photometric_distortion_never_permutes_channels():
     """SSD's random_order_prob is 0; torchvision's RandomPhotometricDistort permutes channels with p = 0.5.
     A pure red image stays reddest in its red channel through brightness, contrast, saturation and a hue
