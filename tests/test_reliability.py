@@ -115,6 +115,48 @@ def test_completed_result_is_never_replaced(tmp_path):
     assert (d / "summary.json").read_bytes() == summary and (d / "metrics.jsonl").read_bytes() == metrics
 
 
+def test_completed_result_with_a_truncated_checkpoint_is_kept(tmp_path):
+    """issue 29 item 10: a final result is returned before its checkpoint is read, so a checkpoint cut
+    short afterwards (a full disk during a copy) does not turn it into "delete it to restart"."""
+    s = engine.run(config(tmp_path), ToyGan())
+    d = tmp_path / "toy_gan" / s["run_name"]
+    ckpt = d / "checkpoint.pt"
+    ckpt.write_bytes(ckpt.read_bytes()[:1000])
+    with pytest.raises(Exception):  # it is unreadable indeed
+        torch.load(ckpt, weights_only=True)
+    summary = (d / "summary.json").read_bytes()
+    again = engine.run(config(tmp_path), ToyGan())
+    assert again["status"] == "completed" and again["metrics"] == s["metrics"]
+    assert (d / "summary.json").read_bytes() == summary
+
+
+class _Killed(BaseException):
+    """A kill -9: nothing after it runs, nothing is recorded."""
+
+
+def test_kill_between_final_checkpoint_and_summary_logs_one_final_eval(tmp_path, monkeypatch, reference):
+    """issue 29 item 10: killed after the last checkpoint (written after the final evaluation) and
+    before summary.json says completed, the re-run resumed at the last step and evaluated again, so
+    metrics.jsonl held the final eval line twice. Now the result equals the uninterrupted run's."""
+    ref, ref_dir = reference
+
+    def finish(self, status, *a, **k):
+        raise _Killed(status)
+
+    monkeypatch.setattr(engine.Run, "finish", finish)
+    monkeypatch.setattr(engine, "_record_failure", lambda *a, **k: None)
+    with pytest.raises(_Killed, match="completed"):
+        engine.run(config(tmp_path), ToyGan())
+    monkeypatch.undo()
+    d = tmp_path / "toy_gan" / ref["run_name"]
+    assert json.loads((d / "summary.json").read_text())["status"] == "running"
+    assert torch.load(d / "checkpoint.pt", weights_only=True)["step"] == ref["step"]
+    s = engine.run(config(tmp_path), ToyGan())
+    assert s["status"] == "completed" and s["metrics"] == ref["metrics"]
+    assert [x["step"] for x in lines(d) if x["kind"] == "eval"] == [x["step"] for x in lines(ref_dir) if x["kind"] == "eval"]
+    assert lines(d) == lines(ref_dir) and same_weights(d, ref_dir)
+
+
 # 3 + 8. SIGTERM / SIGINT stop at a step boundary with a checkpoint, exit 128 + signal, and the
 # resumed run equals the uninterrupted one; a second copy of a running run is refused
 def _check_stopped_then_resumed(d, out, sig, reference):
