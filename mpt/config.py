@@ -326,24 +326,29 @@ def resolve(experiment: str, overrides: list[str] | tuple = ()) -> Config:
             raise UserError("data_fingerprint is computed from the prepared dataset (task.data_root); "
                             "set task.data_root instead")
         set_key(cfg, k, v, where="command line")
-    cfg.loss_scale = canonical_loss_scale(cfg.loss_scale)
+    cfg.loss_scale = canonical_loss_scale(cfg.loss_scale, cfg.precision)
     cfg.data_fingerprint = data_fingerprint(getattr(cfg.task, "data_root", None),
                                             getattr(getattr(mod, "Task", None), "data_files", ()))
     validate(cfg)
     return cfg
 
 
-def canonical_loss_scale(value: str) -> str:
-    """One spelling per loss scale, so that equal values are one cell (one content id, one run
+def canonical_loss_scale(value: str, precision: str = "") -> str:
+    """One spelling per loss scale, so that equal recipes are one cell (one content id, one run
     directory): 8, 8.0, "8.0" and 8e0 are all "8"; 0.5 stays "0.5"; auto and dynamic in lower case.
+    Given the precision, a spelling of what `auto` means there is `auto` (mpt.precision.parse_loss_scale):
+    dynamic under mixed, and S = 1 under fp32, bf16 and fp16 (which never scale). fp16_pure and
+    fp16_storage keep 1 and dynamic: there auto is no scaler at all, which skips no overflowing step.
     What is not a number is left for precision.check to reject."""
     v = str(value).strip().lower()
     try:
         f = float(v)
     except ValueError:
-        return v
+        return "auto" if v == "dynamic" and precision == "mixed" else v
     if not math.isfinite(f):
         return v
+    if f == 1 and precision in ("fp32", "bf16", "fp16"):
+        return "auto"
     return str(int(f)) if f.is_integer() and abs(f) < 2 ** 53 else repr(f)
 
 
@@ -477,6 +482,9 @@ def config_difference(stored: dict, cfg: Config) -> str | None:
     old = _flat(json.loads(json.dumps(stored, default=str))) if isinstance(stored, dict) else {}
     if isinstance(stored, dict):
         old = {**_ADDED_KEYS, **old}
+    for d in (new, old):  # one spelling per loss scale, as in cell_id
+        if "loss_scale" in d:
+            d["loss_scale"] = canonical_loss_scale(d["loss_scale"], str(d.get("precision", "")))
     for k in sorted(set(new) | set(old)):
         if k in new and k in old and old[k] != new[k]:
             return f"{k}: {old[k]!r} stored, {new[k]!r} now"
@@ -489,7 +497,7 @@ def cell_id(cfg: Config) -> str:
     """Content id of a run: sha256 of the resolved config without infrastructure keys (values as
     resolve() normalises them: a Config built by hand gets the same id as the resolved one)."""
     ident = _strip_infra(cfg)
-    ident["loss_scale"] = canonical_loss_scale(ident["loss_scale"])
+    ident["loss_scale"] = canonical_loss_scale(ident["loss_scale"], ident["precision"])
     for k, default in _ADDED_KEYS.items():
         if ident.get(k) == default:
             del ident[k]

@@ -420,6 +420,37 @@ def test_equal_loss_scales_are_one_cell(tmp_path):
         G.load(g, "tiny")
 
 
+def test_spellings_of_one_recipe_are_one_cell(tmp_path):
+    """issue 29 item 10: loss_scale=auto means dynamic under mixed and S = 1 under fp32, bf16 and fp16,
+    so those spellings are one run (the default spelling, auto, keeps its id); under fp16_pure S = 1
+    is a scaler that skips overflowing steps and auto is none: two recipes, two runs."""
+    def cell(prec, scale):
+        return C.resolve("dcgan", ["profile=tiny", f"precision={prec}", f"loss_scale={scale}"])
+
+    for prec, spelt in (("mixed", "dynamic"), ("mixed", "DYNAMIC"), ("fp32", "1"), ("fp16", "1.0"), ("bf16", "1")):
+        a, b = cell(prec, "auto"), cell(prec, spelt)
+        assert b.loss_scale == "auto" and C.cell_id(a) == C.cell_id(b), (prec, spelt)
+    assert C.cell_id(cell("mixed", "auto")) == C.cell_id(C.resolve("dcgan", ["profile=tiny", "precision=mixed"]))
+    assert C.cell_id(cell("fp16_pure", "1")) != C.cell_id(cell("fp16_pure", "auto"))
+    assert C.cell_id(cell("fp16_pure", "dynamic")) != C.cell_id(cell("fp16_pure", "auto"))
+    assert C.cell_id(cell("mixed", "1")) != C.cell_id(cell("mixed", "auto"))
+    # a hand-built config (tests, tools) gets the resolved config's id, and its stored config the same run
+    hand = config(tmp_path, precision="mixed", loss_scale="dynamic")
+    assert C.cell_id(hand) == C.cell_id(config(tmp_path, precision="mixed", loss_scale="auto"))
+    assert C.config_difference(C._strip_infra(hand), config(tmp_path, precision="mixed")) is None
+    from slurm import grid as G
+
+    g = tmp_path / "grid.yaml"
+    g.write_text("experiment: dcgan\naxes: {precision: [mixed], loss_scale: [auto, dynamic]}\nprofiles: {tiny: {}}\n")
+    with pytest.raises(UserError, match="resolve to the same run"):
+        G.load(g, "tiny")
+    # paper_tables reads both spellings as one cell too (its own normal form: dynamic for mixed)
+    from paper_tables.results import normalize_loss_scale as N
+
+    assert N("mixed", "auto") == N("mixed", "dynamic") == "dynamic"
+    assert N("fp16", "auto") == N("fp16", "1") and N("fp32", "auto") == N("fp32", "1")
+
+
 # 10. wandb with a key and no network: offline within seconds, said in one line, key in no file
 def test_wandb_without_network_falls_back_to_offline_quickly(tmp_path, monkeypatch, capfd):
     key = "0123456789abcdef0123456789abcdef01234567"
