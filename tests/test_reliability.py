@@ -6,6 +6,7 @@ import errno
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -367,6 +368,97 @@ def test_config_yaml_syntax_error_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(C, "REPO", tmp_path)
     with pytest.raises(UserError, match=r"config.yaml is not valid YAML: .* at line \d+, column \d+; fix that line"):
         C.load_experiment_yaml("broken")
+
+
+# issue 29 item 4: bad input that reached a data loader or the file system as a traceback is one line
+# when the config is resolved (by a run, --print-config and slurm.submit alike)
+PREPARED = [("dcgan", ""), ("ilsvrc_cnns", ""), ("deepspeech2", "english"), ("deepspeech2", "mandarin"),
+            ("lm_biglstm", ""), ("voc_detection", ""), ("wmt_translation", "")]
+
+
+def _prepared(where, marker: str):
+    where.mkdir(parents=True)
+    (where / "prepared.json").write_text(marker)
+    return where
+
+
+@pytest.mark.parametrize("exp,model", PREPARED, ids=[f"{e}-{m}" if m else e for e, m in PREPARED])
+def test_damaged_or_foreign_prepared_data_is_one_line(exp, model, tmp_path):
+    import importlib
+
+    over = ["profile=tiny", f"out_dir={tmp_path / 'runs'}"] + ([f"model={model}"] if model else [])
+    want, prep = importlib.import_module(f"experiments.{exp}").Task.expected_data(C.resolve(exp, over))
+    # what data_prep.<prep> records as its "dataset" is what the task expects
+    assert f'"dataset": "{want}"' in (REPO / "data_prep" / prep / "prepare.py").read_text()
+    for name, text, msg in (("text", "{not json", "is not JSON"), ("list", "[1, 2]", "holds a JSON list")):
+        d = _prepared(tmp_path / name, text)
+        with pytest.raises(UserError, match=rf"^{d / 'prepared.json'} {msg}.*: python -m data_prep\.{prep} .*--force$"):
+            C.resolve(exp, over + [f"task.data_root={d}"])
+    other = "voc" if want != "voc" else "celeba"
+    d = _prepared(tmp_path / "other", json.dumps({"dataset": other, "counts": [1]}))
+    with pytest.raises(UserError, match=rf"holds '{other}' data .* reads '{re.escape(want)}': set task.data_root to "
+                                        rf"the output of python -m data_prep\.{prep} "):
+        C.resolve(exp, over + [f"task.data_root={d}"])
+    d = _prepared(tmp_path / "mine", json.dumps({"dataset": want, "counts": [1]}))
+    assert C.resolve(exp, over + [f"task.data_root={d}"]).data_fingerprint not in ("none", "unprepared")
+
+
+def test_another_experiments_real_prepared_data_is_one_line(tiny_imagenet, tmp_path):
+    """What data_prep.imagenet really writes, given to DCGAN (it failed in the CelebA loader before)."""
+    over = ["profile=tiny", f"out_dir={tmp_path}", f"task.data_root={tiny_imagenet}"]
+    with pytest.raises(UserError, match=r"holds 'ILSVRC2012' data .* dcgan model=dcgan reads 'celeba'.*data_prep\.celeba"):
+        C.resolve("dcgan", over)
+    C.resolve("ilsvrc_cnns", over)
+
+
+def test_too_long_paths_are_one_line(tmp_path):
+    for key, value in (("out_dir", "x" * 5000), ("task.data_root", "/y" * 2500), ("out_dir", str(tmp_path / ("z" * 300)))):
+        with pytest.raises(UserError, match=rf"^{re.escape(key)}=.* is too long \(a (name in|path under) it has "
+                                            rf"[\d,]+ bytes, the file system allows \d+\); choose a shorter {key}"):
+            C.resolve("dcgan", ["profile=tiny", f"{key}={value}"])
+    C.resolve("dcgan", ["profile=tiny", f"out_dir={tmp_path / ('z' * 200)}"])  # long, but allowed
+
+
+def test_wrong_typed_value_in_an_experiments_config_yaml_names_file_and_key(tmp_path, monkeypatch):
+    import yaml
+
+    spec = yaml.safe_load((REPO / "experiments" / "dcgan" / "config.yaml").read_text())
+    where = tmp_path / "experiments" / "dcgan"
+    where.mkdir(parents=True)
+    (where / "__init__.py").write_text("")
+    monkeypatch.setattr(C, "REPO", tmp_path)  # experiments.dcgan is still imported from the repository
+
+    def broken(edit):
+        data = json.loads(json.dumps(spec))
+        edit(data)
+        (where / "config.yaml").write_text(yaml.safe_dump(data))
+        with pytest.raises(UserError) as e:
+            C.resolve("dcgan", ["profile=tiny"])
+        return str(e.value)
+
+    assert broken(lambda d: d["base"]["optim"].update(lr="fast")) == \
+        "config key 'optim.lr' expects a number, got 'fast' (experiments/dcgan/config.yaml base)"
+    assert broken(lambda d: d["profiles"]["tiny"]["train"].update(max_steps=[1])) == \
+        "config key 'train.max_steps' expects an integer, got [1] (experiments/dcgan/config.yaml profiles.tiny)"
+    assert broken(lambda d: d["profiles"]["tiny"].update(width=None)).endswith(
+        "(experiments/dcgan/config.yaml profiles.tiny)")
+    assert broken(lambda d: d["models"].update(dcgan=[1])) == \
+        "experiments/dcgan/config.yaml models.dcgan must be a mapping of config keys, not a list"
+    assert broken(lambda d: d.update(profiles=["tiny"])).endswith("config.yaml: profiles: must be a mapping, not a list")
+
+
+@pytest.mark.heavy
+def test_bad_run_input_is_one_line_from_the_command(tiny_imagenet, tmp_path):
+    """The same, end to end: `python -m experiments.<name> ...` prints one line and exits with 2."""
+    from bad_input import assert_fails_in_one_line
+
+    listed = _prepared(tmp_path / "listed", "[]")
+    base = ["profile=tiny", "wandb.mode=disabled", f"out_dir={tmp_path / 'runs'}"]
+    assert_fails_in_one_line("experiments.dcgan", *base, f"task.data_root={listed}", msg="holds a JSON list")
+    assert_fails_in_one_line("experiments.dcgan", *base, f"task.data_root={tiny_imagenet}", msg="holds 'ILSVRC2012' data")
+    assert_fails_in_one_line("experiments.ilsvrc_cnns", *base, f"task.data_root={tiny_imagenet}", "out_dir=" + "x" * 5000,
+                             msg="out_dir=xxx")
+    assert not (tmp_path / "runs").exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
