@@ -411,6 +411,20 @@ def test_another_experiments_real_prepared_data_is_one_line(tiny_imagenet, tmp_p
     C.resolve("ilsvrc_cnns", over)
 
 
+def test_grid_only_resolves_the_cells_it_keeps(tmp_path):
+    """The demo runs DeepSpeech 2's grid with --only model=english and English data for every cell: the
+    Mandarin cells it leaves out are not resolved (they would be refused: their data is AISHELL-1)."""
+    from slurm import grid as G
+
+    libri = _prepared(tmp_path / "libri", json.dumps({"dataset": "librispeech"}))
+    extra = [f"task.data_root={libri}", f"out_dir={tmp_path / 'runs'}"]
+    path = REPO / "experiments" / "deepspeech2" / "grid.yaml"
+    cells = G.load(path, "tiny", extra, only=["model=english"]).cells
+    assert cells and {c.cfg.model for c in cells} == {"english"}
+    with pytest.raises(UserError, match="cell model=mandarin .*holds 'librispeech' data .* reads 'aishell'"):
+        G.load(path, "tiny", extra)
+
+
 def test_too_long_paths_are_one_line(tmp_path):
     for key, value in (("out_dir", "x" * 5000), ("task.data_root", "/y" * 2500), ("out_dir", str(tmp_path / ("z" * 300)))):
         with pytest.raises(UserError, match=rf"^{re.escape(key)}=.* is too long \(a (name in|path under) it has "
