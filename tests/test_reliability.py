@@ -616,6 +616,9 @@ def test_wandb_server_that_never_answers_still_leaves_an_offline_record(tmp_path
     err = capfd.readouterr().err
     assert "wandb: online start failed" in err and "logging offline instead" in err and "in use" not in err
     d = tmp_path / "toy_gan" / s["run_name"]
+    import wandb
+
+    wandb.teardown()  # what the process's exit does: wandb's service writes out what it holds
     (record,) = (d / "wandb").glob("offline-run-*/run-*.wandb")
     data = record.read_bytes()
     for line in map(json.loads, (d / "metrics.jsonl").read_text().splitlines()):
