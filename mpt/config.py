@@ -17,6 +17,7 @@ import hashlib
 import importlib
 import json
 import math
+import os
 import pathlib
 import typing
 from dataclasses import dataclass, field
@@ -213,12 +214,17 @@ def set_key(cfg, dotted: str, value, *, where: str = "override") -> None:
                 for k, v in value.items():
                     set_key(cfg, f"{dotted}.{k}", v, where=where)
             else:
-                setattr(obj, part, _coerce(value, types[part], dotted))
+                try:
+                    setattr(obj, part, _coerce(value, types[part], dotted))
+                except UserError as e:  # name where the value came from: a config.yaml section, the command line
+                    raise UserError(f"{e} ({where})") from None
         else:
             obj = getattr(obj, part)
 
 
 def apply_mapping(cfg, mapping: dict | None, where: str) -> None:
+    if mapping is not None and not isinstance(mapping, dict):
+        raise UserError(f"{where} must be a mapping of config keys, not a {type(mapping).__name__}")
     for k, v in (mapping or {}).items():
         set_key(cfg, k, v, where=where)
 
@@ -289,6 +295,9 @@ def load_experiment_yaml(name: str) -> dict:
     unknown = set(data) - {"base", "models", "profiles"}
     if unknown:
         raise UserError(f"{path}: unknown top-level keys {sorted(unknown)}; allowed: base, models, profiles")
+    for key in ("base", "models", "profiles"):
+        if data.get(key) is not None and not isinstance(data[key], dict):
+            raise UserError(f"{path}: {key}: must be a mapping, not a {type(data[key]).__name__}")
     return data
 
 
@@ -326,24 +335,95 @@ def resolve(experiment: str, overrides: list[str] | tuple = ()) -> Config:
             raise UserError("data_fingerprint is computed from the prepared dataset (task.data_root); "
                             "set task.data_root instead")
         set_key(cfg, k, v, where="command line")
-    cfg.loss_scale = canonical_loss_scale(cfg.loss_scale)
-    cfg.data_fingerprint = data_fingerprint(getattr(cfg.task, "data_root", None),
-                                            getattr(getattr(mod, "Task", None), "data_files", ()))
+    cfg.loss_scale = canonical_loss_scale(cfg.loss_scale, cfg.precision)
+    task_cls = getattr(mod, "Task", None)
+    root = getattr(cfg.task, "data_root", None)
+    if root:
+        check_path_length("task.data_root", root, pathlib.Path(root) / "prepared.json")
+        check_prepared(cfg, task_cls)
+    cfg.data_fingerprint = data_fingerprint(root, getattr(task_cls, "data_files", ()))
+    check_path_length("out_dir", cfg.out_dir, run_dir(cfg) / ".checkpoint.pt.xxxxxxxx.tmp")
     validate(cfg)
     return cfg
 
 
-def canonical_loss_scale(value: str) -> str:
-    """One spelling per loss scale, so that equal values are one cell (one content id, one run
+def check_path_length(key: str, value, longest) -> None:
+    """A one-line UserError when `longest` (the longest path a run makes from the value of `key`) is
+    longer than the file system allows (ENAMETOOLONG): a name over NAME_MAX bytes or a path over
+    PATH_MAX, the limits of the deepest folder of it that exists (255 and 4096 on Linux)."""
+    path = os.path.abspath(longest)
+    base = path
+    while not os.path.isdir(base) and os.path.dirname(base) != base:
+        base = os.path.dirname(base)
+    try:
+        name_max, path_max = os.pathconf(base, "PC_NAME_MAX"), os.pathconf(base, "PC_PATH_MAX")
+    except (OSError, ValueError):
+        name_max, path_max = 255, 4096
+    long_name = max((len(p.encode()) for p in path.split(os.sep)), default=0)
+    if long_name > name_max:
+        why = f"a name in it has {long_name:,} bytes, the file system allows {name_max}"
+    elif len(path.encode()) >= path_max:
+        why = f"a path under it has {len(path.encode()):,} bytes, the file system allows {path_max - 1}"
+    else:
+        return
+    v = str(value)
+    shown = v if len(v) <= 60 else f"{v[:40]}...{v[-15:]} ({len(v):,} characters)"
+    raise UserError(f"{key}={shown} is too long ({why}); choose a shorter {key}")
+
+
+def check_prepared(cfg: Config, task_cls) -> None:
+    """One line instead of a data loader's traceback when task.data_root holds prepared data that is not
+    this run's: a prepared.json that is not a JSON mapping (damaged, or not written by data_prep), or
+    another dataset's (its "dataset" is not the one Task.expected_data names). A missing marker is left
+    to the task, which names the data_prep command."""
+    root = cfg.task.data_root
+    want = task_cls.expected_data(cfg) if hasattr(task_cls, "expected_data") else None
+    prep = f"python -m data_prep.{want[1]} --archives DIR --out {root}" if want else "its data_prep command"
+    marker = pathlib.Path(root) / "prepared.json"
+    try:
+        st = marker.stat()
+    except OSError:
+        return
+    info, problem = _read_marker(str(marker), st.st_mtime_ns, st.st_size)
+    if problem:
+        raise UserError(f"{marker} {problem}; prepare the data again: {prep} --force")
+    found = info.get("dataset")
+    if want and found is not None and found != want[0]:
+        raise UserError(f"task.data_root={root} holds {found!r} data (its prepared.json says so), but "
+                        f"{cfg.experiment} model={cfg.model} reads {want[0]!r}: set task.data_root to "
+                        f"the output of {prep}")
+
+
+@functools.lru_cache(maxsize=16)
+def _read_marker(path: str, mtime_ns: int, size: int) -> tuple[Any, str | None]:
+    """(content of a prepared.json, None), or (None, why it is unusable); once per version of it."""
+    try:
+        info = json.loads(pathlib.Path(path).read_text())
+    except OSError as e:
+        return None, f"cannot be read ({e.strerror})"
+    except ValueError as e:
+        return None, f"is not JSON ({str(e).splitlines()[0]}), not what data_prep writes"
+    if not isinstance(info, dict):
+        return None, f"holds a JSON {type(info).__name__}, not the mapping data_prep writes"
+    return info, None
+
+
+def canonical_loss_scale(value: str, precision: str = "") -> str:
+    """One spelling per loss scale, so that equal recipes are one cell (one content id, one run
     directory): 8, 8.0, "8.0" and 8e0 are all "8"; 0.5 stays "0.5"; auto and dynamic in lower case.
+    Given the precision, a spelling of what `auto` means there is `auto` (mpt.precision.parse_loss_scale):
+    dynamic under mixed, and S = 1 under fp32, bf16 and fp16 (which never scale). fp16_pure and
+    fp16_storage keep 1 and dynamic: there auto is no scaler at all, which skips no overflowing step.
     What is not a number is left for precision.check to reject."""
     v = str(value).strip().lower()
     try:
         f = float(v)
     except ValueError:
-        return v
+        return "auto" if v == "dynamic" and precision == "mixed" else v
     if not math.isfinite(f):
         return v
+    if f == 1 and precision in ("fp32", "bf16", "fp16"):
+        return "auto"
     return str(int(f)) if f.is_integer() and abs(f) < 2 ** 53 else repr(f)
 
 
@@ -373,11 +453,10 @@ def data_fingerprint(root, files=()) -> str:
 @functools.lru_cache(maxsize=16)
 def _fingerprint(root: str, mtime_ns: int, size: int, files: tuple[str, ...]) -> str:
     root = pathlib.Path(root)
-    try:
-        info = json.loads((root / "prepared.json").read_text())
-    except (OSError, ValueError):
+    info, problem = _read_marker(str(root / "prepared.json"), mtime_ns, size)
+    if problem:
         return "unprepared"
-    blob = {k: v for k, v in info.items() if k not in _MARKER_VOLATILE} if isinstance(info, dict) else info
+    blob = {k: v for k, v in info.items() if k not in _MARKER_VOLATILE}
     h = hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode())
     for name in files:
         if (root / name).is_file():
@@ -477,6 +556,9 @@ def config_difference(stored: dict, cfg: Config) -> str | None:
     old = _flat(json.loads(json.dumps(stored, default=str))) if isinstance(stored, dict) else {}
     if isinstance(stored, dict):
         old = {**_ADDED_KEYS, **old}
+    for d in (new, old):  # one spelling per loss scale, as in cell_id
+        if "loss_scale" in d:
+            d["loss_scale"] = canonical_loss_scale(d["loss_scale"], str(d.get("precision", "")))
     for k in sorted(set(new) | set(old)):
         if k in new and k in old and old[k] != new[k]:
             return f"{k}: {old[k]!r} stored, {new[k]!r} now"
@@ -489,7 +571,7 @@ def cell_id(cfg: Config) -> str:
     """Content id of a run: sha256 of the resolved config without infrastructure keys (values as
     resolve() normalises them: a Config built by hand gets the same id as the resolved one)."""
     ident = _strip_infra(cfg)
-    ident["loss_scale"] = canonical_loss_scale(ident["loss_scale"])
+    ident["loss_scale"] = canonical_loss_scale(ident["loss_scale"], ident["precision"])
     for k, default in _ADDED_KEYS.items():
         if ident.get(k) == default:
             del ident[k]

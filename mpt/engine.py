@@ -418,7 +418,12 @@ class Run:
 
                 # A line torn by a kill or a full disk mid-append is dropped too (and said).
                 lines, torn = read_jsonl(mp)
-                keep = [x for x in lines if isinstance(x.get("step"), int) and x["step"] <= self.step]
+                # A checkpoint at the last step follows the final evaluation, which the loop repeats when
+                # it resumes there (killed before the summary said completed): that eval line goes, or
+                # the result would hold it twice.
+                done = self.step >= self.total_steps
+                keep = [x for x in lines if isinstance(x.get("step"), int) and x["step"] <= self.step
+                        and not (done and x["step"] == self.step and x.get("kind") == "eval")]
                 atomic_write_text(mp, "".join(json.dumps(x, default=str) + "\n" for x in keep))
                 if torn:
                     print(f"dropped {torn} unreadable (torn) line(s) of {mp}", file=sys.stderr)

@@ -19,7 +19,8 @@ Lifecycle, in the engine's order (Run.setup), on every rank:
 Data seam: collate(samples) batches samples (default: torch's default_collate), train_order(epoch,
 generator) orders an epoch (default None: a seeded random permutation, or the dataset's order when
 shuffle_train is False), data_files names the files under task.data_root that identify the prepared
-data beside its prepared.json (hashed into cfg.data_fingerprint).
+data beside its prepared.json (hashed into cfg.data_fingerprint), and expected_data(cfg) names the
+dataset task.data_root must hold (mpt.config.resolve refuses another experiment's data in one line).
 
 A public method whose name is one or two letters from a hook's (`evalute`) is an error when the
 class is defined: it would otherwise never be called, and the default would run silently.
@@ -41,9 +42,13 @@ class Task:
     higher_is_better: bool = True
     shuffle_train: bool = True  # False: samples in dataset order (a language model's streams)
     data_files: tuple[str, ...] = ()
+    # The prepared data task.data_root must hold: (the "dataset" its prepared.json records, the data_prep
+    # module that writes it), e.g. ("celeba", "celeba"); None: not checked (a task without prepared data).
+    prepared_data: tuple[str, str] | None = None
 
     HOOKS = ("datasets", "build_model", "optimizers", "param_groups", "schedules", "train_step", "loss", "evaluate",
-             "eval_sums", "eval_metrics", "collate", "train_order", "state_dict", "load_state_dict")
+             "eval_sums", "eval_metrics", "collate", "train_order", "state_dict", "load_state_dict",
+             "expected_data")
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -106,6 +111,13 @@ class Task:
 
     # -- data seam ----------------------------------------------------------------------------------
     collate = staticmethod(default_collate)  # a plain function: DataLoader workers can pickle it
+
+    @classmethod
+    def expected_data(cls, cfg) -> tuple[str, str] | None:
+        """(dataset, data_prep module) of the data task.data_root must hold for cfg, read when the
+        config is resolved (before any data is opened). Default: prepared_data; a task whose dataset
+        depends on the model (DeepSpeech 2: English or Mandarin) overrides it."""
+        return cls.prepared_data
 
     def train_order(self, epoch: int, generator):
         """A permutation of the training set for this epoch, depending only on (epoch, generator) so a

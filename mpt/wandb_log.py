@@ -2,12 +2,15 @@
 
 Online when WANDB_API_KEY is set (or wandb.mode=online) and the server answers within a few
 seconds; offline otherwise (one line on stderr says so: a machine without network never waits
-minutes). Offline runs are written under the run directory, can be browsed with
+minutes). A server that accepts the connection but then fails or never answers costs at most
+init_timeout (WANDB_INIT_TIMEOUT, default 30 s) before the run logs offline, in a fresh wandb state:
+the offline record exists whatever the server does. Offline runs are written under the run directory, can be browsed with
 `wandb leet <run dir>/wandb` and uploaded later with `wandb sync <run dir>/wandb/offline-run-*`. The wandb run id is derived from the run's content id,
 so a resumed or requeued run continues the same wandb run. Only rank 0 logs. The API key is read by
 wandb from the environment and never written into configs or logs."""
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -16,7 +19,7 @@ import urllib.parse
 import warnings
 
 
-INIT_TIMEOUT_S = 30  # an online wandb.init that the server accepted but that hangs
+INIT_TIMEOUT_S = 30.0  # an online wandb.init that the server accepted but that hangs (WANDB_INIT_TIMEOUT overrides)
 PROBE_TIMEOUT_S = 5.0  # how long to wait for a TCP connection to the wandb server
 
 
@@ -47,6 +50,16 @@ def server_unreachable(timeout: float = PROBE_TIMEOUT_S) -> str | None:
     return f"cannot reach {host}:{port} ({out.get('error') or f'no answer in {timeout:g} s'})"
 
 
+def init_timeout() -> float:
+    """Seconds an online wandb.init may take: WANDB_INIT_TIMEOUT (wandb's own variable) if it is a
+    positive number, else INIT_TIMEOUT_S (wandb's default is 90 s, each start and each requeue)."""
+    try:
+        t = float(os.environ.get("WANDB_INIT_TIMEOUT", ""))
+    except ValueError:
+        return INIT_TIMEOUT_S
+    return t if t > 0 else INIT_TIMEOUT_S
+
+
 class WandbLogger:
     def __init__(self, cfg, run_dir, run_id: str, run_name: str, config: dict, rank: int = 0):
         self.run = None
@@ -73,12 +86,17 @@ class WandbLogger:
                       tags=[cfg.profile, cfg.model, cfg.precision, cfg.impl, *cfg.wandb.tags], config=config)
             try:
                 self.run = wandb.init(mode=mode, settings=wandb.Settings(console="off", x_disable_stats=True,
-                                                                         init_timeout=INIT_TIMEOUT_S), **kw)
+                                                                         init_timeout=init_timeout()), **kw)
             except Exception as e:  # noqa: BLE001 -- reachable but failing (auth, server error, timeout)
                 if mode != "online":
                     raise
                 print(f"wandb: online start failed ({type(e).__name__}: {str(e).strip().splitlines()[0][:200]}); "
                       "logging offline instead", file=sys.stderr)
+                # The failed start leaves its run id registered in wandb's service process, and an
+                # offline start with that id fails ("run ID ... is in use"): stop the service first,
+                # so the offline run starts in a fresh one and keeps the id (wandb sync continues it).
+                with contextlib.suppress(Exception):
+                    wandb.teardown()
                 self.run = wandb.init(mode="offline", settings=wandb.Settings(console="off", x_disable_stats=True), **kw)
         except Exception as e:  # noqa: BLE001 -- wandb must never fail a training run
             self._fail("init", e)

@@ -207,6 +207,10 @@ def load(path, profile: str, extra: list[str] = (), only: list[str] = ()) -> Gri
     seen: dict[str, Cell] = {}
     for values in itertools.product(*(axes[k] for k in keys)):
         point = dict(zip(keys, values))
+        if any(fmt_value(point[k]) not in wanted for k, wanted in filters.items() if k in point):
+            # left out by an axis value: not resolved either (a model's data given by --set task.data_root
+            # is not the other model's: DeepSpeech 2's English data for --only model=english)
+            continue
         overrides = [f"profile={profile}", *fixed, *(f"{k}={fmt_value(v)}" for k, v in point.items()), *extra]
         try:
             cfg = config.resolve(grid.experiment, overrides)

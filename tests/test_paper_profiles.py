@@ -84,7 +84,7 @@ CASES = [
     *[("deepspeech2", m, p, "paper", "auto") for m in ("english", "mandarin")
       for p in ("fp32", "mixed", "fp16_storage")],
     *[("wmt_translation", m, p, i, s) for m in ("nmt_lstm3", "nmt_lstm5")
-      for p, i, s in (("fp32", "autocast", "auto"), ("mixed", "autocast", "dynamic"), ("mixed", "paper", "dynamic"))],
+      for p, i, s in (("fp32", "autocast", "auto"), ("mixed", "autocast", "auto"), ("mixed", "paper", "auto"))],
     *[("lm_biglstm", "biglstm", p, "paper", s) for p, s in (("fp32", "auto"), ("mixed", "128"))],
     *[("dcgan", "dcgan", p, i, "auto") for p, i in (("fp32", "autocast"), ("mixed", "autocast"), ("mixed", "paper"))],
 ]

@@ -6,11 +6,13 @@ import errno
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import tarfile
 import time
+import warnings
 import zipfile
 
 import pytest
@@ -112,6 +114,48 @@ def test_completed_result_is_never_replaced(tmp_path):
     again = engine.run(config(out), ToyGan())
     assert again["status"] == "completed" and again["metrics"] == s["metrics"]
     assert (d / "summary.json").read_bytes() == summary and (d / "metrics.jsonl").read_bytes() == metrics
+
+
+def test_completed_result_with_a_truncated_checkpoint_is_kept(tmp_path):
+    """issue 29 item 10: a final result is returned before its checkpoint is read, so a checkpoint cut
+    short afterwards (a full disk during a copy) does not turn it into "delete it to restart"."""
+    s = engine.run(config(tmp_path), ToyGan())
+    d = tmp_path / "toy_gan" / s["run_name"]
+    ckpt = d / "checkpoint.pt"
+    ckpt.write_bytes(ckpt.read_bytes()[:1000])
+    with pytest.raises(Exception):  # it is unreadable indeed
+        torch.load(ckpt, weights_only=True)
+    summary = (d / "summary.json").read_bytes()
+    again = engine.run(config(tmp_path), ToyGan())
+    assert again["status"] == "completed" and again["metrics"] == s["metrics"]
+    assert (d / "summary.json").read_bytes() == summary
+
+
+class _Killed(BaseException):
+    """A kill -9: nothing after it runs, nothing is recorded."""
+
+
+def test_kill_between_final_checkpoint_and_summary_logs_one_final_eval(tmp_path, monkeypatch, reference):
+    """issue 29 item 10: killed after the last checkpoint (written after the final evaluation) and
+    before summary.json says completed, the re-run resumed at the last step and evaluated again, so
+    metrics.jsonl held the final eval line twice. Now the result equals the uninterrupted run's."""
+    ref, ref_dir = reference
+
+    def finish(self, status, *a, **k):
+        raise _Killed(status)
+
+    monkeypatch.setattr(engine.Run, "finish", finish)
+    monkeypatch.setattr(engine, "_record_failure", lambda *a, **k: None)
+    with pytest.raises(_Killed, match="completed"):
+        engine.run(config(tmp_path), ToyGan())
+    monkeypatch.undo()
+    d = tmp_path / "toy_gan" / ref["run_name"]
+    assert json.loads((d / "summary.json").read_text())["status"] == "running"
+    assert torch.load(d / "checkpoint.pt", weights_only=True)["step"] == ref["step"]
+    s = engine.run(config(tmp_path), ToyGan())
+    assert s["status"] == "completed" and s["metrics"] == ref["metrics"]
+    assert [x["step"] for x in lines(d) if x["kind"] == "eval"] == [x["step"] for x in lines(ref_dir) if x["kind"] == "eval"]
+    assert lines(d) == lines(ref_dir) and same_weights(d, ref_dir)
 
 
 # 3 + 8. SIGTERM / SIGINT stop at a step boundary with a checkpoint, exit 128 + signal, and the
@@ -326,6 +370,111 @@ def test_config_yaml_syntax_error_is_one_line(tmp_path, monkeypatch):
         C.load_experiment_yaml("broken")
 
 
+# issue 29 item 4: bad input that reached a data loader or the file system as a traceback is one line
+# when the config is resolved (by a run, --print-config and slurm.submit alike)
+PREPARED = [("dcgan", ""), ("ilsvrc_cnns", ""), ("deepspeech2", "english"), ("deepspeech2", "mandarin"),
+            ("lm_biglstm", ""), ("voc_detection", ""), ("wmt_translation", "")]
+
+
+def _prepared(where, marker: str):
+    where.mkdir(parents=True)
+    (where / "prepared.json").write_text(marker)
+    return where
+
+
+@pytest.mark.parametrize("exp,model", PREPARED, ids=[f"{e}-{m}" if m else e for e, m in PREPARED])
+def test_damaged_or_foreign_prepared_data_is_one_line(exp, model, tmp_path):
+    import importlib
+
+    over = ["profile=tiny", f"out_dir={tmp_path / 'runs'}"] + ([f"model={model}"] if model else [])
+    want, prep = importlib.import_module(f"experiments.{exp}").Task.expected_data(C.resolve(exp, over))
+    # what data_prep.<prep> records as its "dataset" is what the task expects
+    assert f'"dataset": "{want}"' in (REPO / "data_prep" / prep / "prepare.py").read_text()
+    for name, text, msg in (("text", "{not json", "is not JSON"), ("list", "[1, 2]", "holds a JSON list")):
+        d = _prepared(tmp_path / name, text)
+        with pytest.raises(UserError, match=rf"^{d / 'prepared.json'} {msg}.*: python -m data_prep\.{prep} .*--force$"):
+            C.resolve(exp, over + [f"task.data_root={d}"])
+    other = "voc" if want != "voc" else "celeba"
+    d = _prepared(tmp_path / "other", json.dumps({"dataset": other, "counts": [1]}))
+    with pytest.raises(UserError, match=rf"holds '{other}' data .* reads '{re.escape(want)}': set task.data_root to "
+                                        rf"the output of python -m data_prep\.{prep} "):
+        C.resolve(exp, over + [f"task.data_root={d}"])
+    d = _prepared(tmp_path / "mine", json.dumps({"dataset": want, "counts": [1]}))
+    assert C.resolve(exp, over + [f"task.data_root={d}"]).data_fingerprint not in ("none", "unprepared")
+
+
+def test_another_experiments_real_prepared_data_is_one_line(tiny_imagenet, tmp_path):
+    """What data_prep.imagenet really writes, given to DCGAN (it failed in the CelebA loader before)."""
+    over = ["profile=tiny", f"out_dir={tmp_path}", f"task.data_root={tiny_imagenet}"]
+    with pytest.raises(UserError, match=r"holds 'ILSVRC2012' data .* dcgan model=dcgan reads 'celeba'.*data_prep\.celeba"):
+        C.resolve("dcgan", over)
+    C.resolve("ilsvrc_cnns", over)
+
+
+def test_grid_only_resolves_the_cells_it_keeps(tmp_path):
+    """The demo runs DeepSpeech 2's grid with --only model=english and English data for every cell: the
+    Mandarin cells it leaves out are not resolved (they would be refused: their data is AISHELL-1)."""
+    from slurm import grid as G
+
+    libri = _prepared(tmp_path / "libri", json.dumps({"dataset": "librispeech"}))
+    extra = [f"task.data_root={libri}", f"out_dir={tmp_path / 'runs'}"]
+    path = REPO / "experiments" / "deepspeech2" / "grid.yaml"
+    cells = G.load(path, "tiny", extra, only=["model=english"]).cells
+    assert cells and {c.cfg.model for c in cells} == {"english"}
+    with pytest.raises(UserError, match="cell model=mandarin .*holds 'librispeech' data .* reads 'aishell'"):
+        G.load(path, "tiny", extra)
+
+
+def test_too_long_paths_are_one_line(tmp_path):
+    for key, value in (("out_dir", "x" * 5000), ("task.data_root", "/y" * 2500), ("out_dir", str(tmp_path / ("z" * 300)))):
+        with pytest.raises(UserError, match=rf"^{re.escape(key)}=.* is too long \(a (name in|path under) it has "
+                                            rf"[\d,]+ bytes, the file system allows \d+\); choose a shorter {key}"):
+            C.resolve("dcgan", ["profile=tiny", f"{key}={value}"])
+    C.resolve("dcgan", ["profile=tiny", f"out_dir={tmp_path / ('z' * 200)}"])  # long, but allowed
+
+
+def test_wrong_typed_value_in_an_experiments_config_yaml_names_file_and_key(tmp_path, monkeypatch):
+    import yaml
+
+    spec = yaml.safe_load((REPO / "experiments" / "dcgan" / "config.yaml").read_text())
+    where = tmp_path / "experiments" / "dcgan"
+    where.mkdir(parents=True)
+    (where / "__init__.py").write_text("")
+    monkeypatch.setattr(C, "REPO", tmp_path)  # experiments.dcgan is still imported from the repository
+
+    def broken(edit):
+        data = json.loads(json.dumps(spec))
+        edit(data)
+        (where / "config.yaml").write_text(yaml.safe_dump(data))
+        with pytest.raises(UserError) as e:
+            C.resolve("dcgan", ["profile=tiny"])
+        return str(e.value)
+
+    assert broken(lambda d: d["base"]["optim"].update(lr="fast")) == \
+        "config key 'optim.lr' expects a number, got 'fast' (experiments/dcgan/config.yaml base)"
+    assert broken(lambda d: d["profiles"]["tiny"]["train"].update(max_steps=[1])) == \
+        "config key 'train.max_steps' expects an integer, got [1] (experiments/dcgan/config.yaml profiles.tiny)"
+    assert broken(lambda d: d["profiles"]["tiny"].update(width=None)).endswith(
+        "(experiments/dcgan/config.yaml profiles.tiny)")
+    assert broken(lambda d: d["models"].update(dcgan=[1])) == \
+        "experiments/dcgan/config.yaml models.dcgan must be a mapping of config keys, not a list"
+    assert broken(lambda d: d.update(profiles=["tiny"])).endswith("config.yaml: profiles: must be a mapping, not a list")
+
+
+@pytest.mark.heavy
+def test_bad_run_input_is_one_line_from_the_command(tiny_imagenet, tmp_path):
+    """The same, end to end: `python -m experiments.<name> ...` prints one line and exits with 2."""
+    from bad_input import assert_fails_in_one_line
+
+    listed = _prepared(tmp_path / "listed", "[]")
+    base = ["profile=tiny", "wandb.mode=disabled", f"out_dir={tmp_path / 'runs'}"]
+    assert_fails_in_one_line("experiments.dcgan", *base, f"task.data_root={listed}", msg="holds a JSON list")
+    assert_fails_in_one_line("experiments.dcgan", *base, f"task.data_root={tiny_imagenet}", msg="holds 'ILSVRC2012' data")
+    assert_fails_in_one_line("experiments.ilsvrc_cnns", *base, f"task.data_root={tiny_imagenet}", "out_dir=" + "x" * 5000,
+                             msg="out_dir=xxx")
+    assert not (tmp_path / "runs").exists()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
 def test_cuda_without_cuda_is_one_line(tmp_path):
     cfg = config(tmp_path)
@@ -377,6 +526,37 @@ def test_equal_loss_scales_are_one_cell(tmp_path):
         G.load(g, "tiny")
 
 
+def test_spellings_of_one_recipe_are_one_cell(tmp_path):
+    """issue 29 item 10: loss_scale=auto means dynamic under mixed and S = 1 under fp32, bf16 and fp16,
+    so those spellings are one run (the default spelling, auto, keeps its id); under fp16_pure S = 1
+    is a scaler that skips overflowing steps and auto is none: two recipes, two runs."""
+    def cell(prec, scale):
+        return C.resolve("dcgan", ["profile=tiny", f"precision={prec}", f"loss_scale={scale}"])
+
+    for prec, spelt in (("mixed", "dynamic"), ("mixed", "DYNAMIC"), ("fp32", "1"), ("fp16", "1.0"), ("bf16", "1")):
+        a, b = cell(prec, "auto"), cell(prec, spelt)
+        assert b.loss_scale == "auto" and C.cell_id(a) == C.cell_id(b), (prec, spelt)
+    assert C.cell_id(cell("mixed", "auto")) == C.cell_id(C.resolve("dcgan", ["profile=tiny", "precision=mixed"]))
+    assert C.cell_id(cell("fp16_pure", "1")) != C.cell_id(cell("fp16_pure", "auto"))
+    assert C.cell_id(cell("fp16_pure", "dynamic")) != C.cell_id(cell("fp16_pure", "auto"))
+    assert C.cell_id(cell("mixed", "1")) != C.cell_id(cell("mixed", "auto"))
+    # a hand-built config (tests, tools) gets the resolved config's id, and its stored config the same run
+    hand = config(tmp_path, precision="mixed", loss_scale="dynamic")
+    assert C.cell_id(hand) == C.cell_id(config(tmp_path, precision="mixed", loss_scale="auto"))
+    assert C.config_difference(C._strip_infra(hand), config(tmp_path, precision="mixed")) is None
+    from slurm import grid as G
+
+    g = tmp_path / "grid.yaml"
+    g.write_text("experiment: dcgan\naxes: {precision: [mixed], loss_scale: [auto, dynamic]}\nprofiles: {tiny: {}}\n")
+    with pytest.raises(UserError, match="resolve to the same run"):
+        G.load(g, "tiny")
+    # paper_tables reads both spellings as one cell too (its own normal form: dynamic for mixed)
+    from paper_tables.results import normalize_loss_scale as N
+
+    assert N("mixed", "auto") == N("mixed", "dynamic") == "dynamic"
+    assert N("fp16", "auto") == N("fp16", "1") and N("fp32", "auto") == N("fp32", "1")
+
+
 # 10. wandb with a key and no network: offline within seconds, said in one line, key in no file
 def test_wandb_without_network_falls_back_to_offline_quickly(tmp_path, monkeypatch, capfd):
     key = "0123456789abcdef0123456789abcdef01234567"
@@ -392,6 +572,59 @@ def test_wandb_without_network_falls_back_to_offline_quickly(tmp_path, monkeypat
     assert "wandb: cannot reach 127.0.0.1:9" in err and "logging offline instead" in err
     d = tmp_path / "toy_gan" / s["run_name"]
     assert list((d / "wandb").glob("offline-run-*"))
+    for f in d.rglob("*"):
+        if f.is_file():
+            assert key.encode() not in f.read_bytes(), f
+
+
+def test_wandb_server_that_never_answers_still_leaves_an_offline_record(tmp_path, monkeypatch, capfd):
+    """issue 29 item 9: a server that accepts connections and never answers passed the TCP probe; the
+    online start hung ~46 s, then the offline start failed ("run ID ... is in use") and the run had no
+    wandb record at all. Now: at most init_timeout, then an offline run holding the run's metrics."""
+    import socket
+    import threading
+
+    srv = socket.create_server(("127.0.0.1", 0))
+    held = []  # accepted and never answered
+
+    def accept():
+        while True:
+            try:
+                held.append(srv.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    key = "0123456789abcdef0123456789abcdef01234567"
+    monkeypatch.setenv("WANDB_API_KEY", key)
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{srv.getsockname()[1]}")
+    monkeypatch.setenv("WANDB_INIT_TIMEOUT", "3")
+    cfg = config(tmp_path, train={"max_steps": 2})
+    cfg.wandb.mode = "auto"
+    t0 = time.time()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # "wandb init failed, continuing without wandb" fails the test
+            s = engine.run(cfg, ToyGan())
+    finally:
+        srv.close()
+        for c in held:
+            c.close()
+    took = time.time() - t0
+    assert s["status"] == "completed" and took < 25, took  # 3 s of init_timeout, not wandb's 90 or our 30
+    assert held, "wandb never connected to the test server"
+    err = capfd.readouterr().err
+    assert "wandb: online start failed" in err and "logging offline instead" in err and "in use" not in err
+    d = tmp_path / "toy_gan" / s["run_name"]
+    import wandb
+
+    wandb.teardown()  # what the process's exit does: wandb's service writes out what it holds
+    (record,) = (d / "wandb").glob("offline-run-*/run-*.wandb")
+    data = record.read_bytes()
+    for line in map(json.loads, (d / "metrics.jsonl").read_text().splitlines()):
+        for k in ("loss_D", "gap"):  # each logged value, as wandb's history stores it (JSON text)
+            if k in line:
+                assert json.dumps(line[k]).encode() in data, (k, line)
     for f in d.rglob("*"):
         if f.is_file():
             assert key.encode() not in f.read_bytes(), f

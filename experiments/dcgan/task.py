@@ -49,6 +49,7 @@ def generate(generator, n: int, latent: int, seed: int, device, autocast, batch:
 
 
 class Task(BaseTask):
+    prepared_data = ("celeba", "celeba")  # prepared.json's "dataset", by data_prep.celeba
     primary_metric = "swd"  # multi-scale sliced Wasserstein distance x 1e3 (Karras et al. 2018)
     higher_is_better = False
 

@@ -115,6 +115,11 @@ class Task(BaseTask):
     higher_is_better = False
     data_files = ("vocab.txt",)  # Mandarin's characters (data_prep.aishell): part of the run identity
 
+    @classmethod
+    def expected_data(cls, cfg):
+        """English reads LibriSpeech, Mandarin AISHELL-1 (prepared.json's "dataset", data_prep module)."""
+        return ("librispeech", "librispeech") if cfg.model == "english" else ("aishell", "aishell")
+
     def __init__(self, chars: str | None = None):
         # The output alphabet: read from the prepared data by datasets(), or given (the speed/memory
         # benchmark builds the model without data: English's alphabet, or ~4.2K Mandarin characters).

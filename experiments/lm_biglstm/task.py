@@ -58,6 +58,7 @@ class _ScaleGrad(torch.autograd.Function):
 
 
 class Task(BaseTask):
+    prepared_data = ("lm1b (One Billion Word benchmark, r13output)", "lm1b")  # prepared.json's "dataset", by data_prep.lm1b
     primary_metric = "ppl"
     higher_is_better = False
     data_files = ("vocab.txt",)  # the vocabulary beside the marker: part of the run identity

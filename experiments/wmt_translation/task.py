@@ -82,6 +82,7 @@ class PlateauLR(torch.optim.lr_scheduler.LambdaLR):
 
 
 class Task(BaseTask):
+    prepared_data = ("wmt15-fren", "wmt15")  # prepared.json's "dataset", by data_prep.wmt15
     primary_metric = "perplexity"
     higher_is_better = False
 
