@@ -145,9 +145,9 @@ def prepare(archives: Path, out: Path, force: bool = False, log=print) -> dict:
             raise UserError(f"{apath} disagrees with {zpath}: it lists {len(attr_images)} images, the archive "
                             f"{len(members)}, or other names")
     dest = out / "celeba" / FOLDER
+    marker.unlink(missing_ok=True)  # first: a marker must never stand over a half-removed output
     if force and (out / "celeba").exists():
         shutil.rmtree(out / "celeba")
-    marker.unlink(missing_ok=True)
     dest.mkdir(parents=True, exist_ok=True)
     sweep_temp_files(out, log)  # an image write killed half-way (kill -9) leaves its temp file
     kept = written = 0
