@@ -177,17 +177,6 @@ _prep._count = _count
 """
 
 
-def _working_workers(p, flags, n=2, timeout=60.0) -> list[int]:
-    """The pids of the n pool workers of prep process p once each is in its (slow) task."""
-    end = time.time() + timeout
-    while len(list(flags.iterdir())) < n:
-        if p.poll() is not None or time.time() > end:
-            p.kill()
-            pytest.fail(f"the workers did not start: {p.communicate()[1][-2000:]}")
-        time.sleep(0.1)
-    return [int(f.name) for f in flags.iterdir()]
-
-
 def _alive(pid) -> bool:
     """Running (a zombie -- dead, not yet reaped by whoever inherited it -- is not)."""
     try:
@@ -197,27 +186,52 @@ def _alive(pid) -> bool:
         return False
 
 
-def _gone_soon(pids, timeout=10.0) -> list[int]:
-    end = time.time() + timeout
-    while any(_alive(w) for w in pids) and time.time() < end:
-        time.sleep(0.1)
-    return [w for w in pids if _alive(w)]
+class SlowLm1bPrep:
+    """`python -m data_prep.lm1b --workers 2` as a child process whose two pool workers each start a
+    task and work in it for a minute: `with` it, `workers` holds their pids once both are working.
+    On leaving, the prep and any worker still running are killed (never left to the machine), then
+    `err` holds the prep's stderr (read only then: a surviving worker holds the pipe open)."""
+
+    def __init__(self, source, out, flags, **popen):
+        flags.mkdir()
+        self.flags, self.err = flags, None
+        self.p = start_prep("lm1b", cli_args("lm1b", source, out, workers=2),
+                            SLOW_WORKERS.format(flags=str(flags)), **popen)
+
+    def __enter__(self):
+        end = time.time() + 60
+        while len(list(self.flags.iterdir())) < 2:
+            if self.p.poll() is not None or time.time() > end:
+                self.__exit__()
+                pytest.fail(f"the pool workers did not start: {self.err[-2000:]}")
+            time.sleep(0.1)
+        self.workers = [int(f.name) for f in self.flags.iterdir()]
+        return self
+
+    def __exit__(self, *exc):
+        if self.p.poll() is None:
+            self.p.kill()
+        for w in (int(f.name) for f in self.flags.iterdir()):
+            if _alive(w):
+                os.kill(w, signal.SIGKILL)
+        self.err = self.p.communicate(timeout=60)[1]
+
+    def survivors(self, timeout=10.0) -> list[int]:
+        """The workers still running after up to `timeout` s."""
+        end = time.time() + timeout
+        while any(_alive(w) for w in self.workers) and time.time() < end:
+            time.sleep(0.1)
+        return [w for w in self.workers if _alive(w)]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_lm1b_workers_die_with_a_killed_prep(sources, tmp_path):
     """kill -9 of the prep (an OOM kill, a cluster's SIGKILL) left its pool workers running their
     tasks to the end (half an hour on the real release); PR_SET_PDEATHSIG kills them with it."""
-    flags = tmp_path / "flags"
-    flags.mkdir()
-    p = start_prep("lm1b", cli_args("lm1b", sources("lm1b"), tmp_path / "out", workers=2),
-                   SLOW_WORKERS.format(flags=str(flags)))
-    workers = _working_workers(p, flags)
-    p.kill()  # SIGKILL: no handler, no cleanup runs in the prep
-    p.communicate(timeout=30)
-    survivors = _gone_soon(workers)
-    for w in survivors:  # do not leave them to the machine
-        os.kill(w, signal.SIGKILL)
+    with SlowLm1bPrep(sources("lm1b"), tmp_path / "out", tmp_path / "flags") as prep:
+        prep.p.kill()  # SIGKILL: no handler, no cleanup runs in the prep
+        prep.p.wait(timeout=30)
+        survivors = prep.survivors()
     assert survivors == [], "pool workers outlived the killed prep"
 
 
@@ -229,21 +243,19 @@ def test_lm1b_workers_die_with_a_killed_prep(sources, tmp_path):
 def test_ctrl_c_stops_a_prep_in_one_line_and_the_rerun_finishes(sig, code, sources, clean, tmp_path):
     """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) or SIGTERM during the lm1b
     prep: one line, exit 128 + the signal, no worker left; the same command again finishes the work."""
-    flags, out = tmp_path / "flags", tmp_path / "out"
-    flags.mkdir()
-    p = start_prep("lm1b", cli_args("lm1b", sources("lm1b"), out, workers=2),
-                   SLOW_WORKERS.format(flags=str(flags)), start_new_session=True)
-    workers = _working_workers(p, flags)
-    if sig == signal.SIGINT:
-        os.killpg(p.pid, sig)
-    else:
-        p.send_signal(sig)
-    _, err = p.communicate(timeout=60)
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    assert p.returncode == code, err[-2000:]
-    assert len(lines) == 1 and lines[0].startswith(f"interrupted ({sig.name}); run the same command again"), err
+    out = tmp_path / "out"
+    with SlowLm1bPrep(sources("lm1b"), out, tmp_path / "flags", start_new_session=True) as prep:
+        if sig == signal.SIGINT:
+            os.killpg(prep.p.pid, sig)
+        else:
+            prep.p.send_signal(sig)
+        prep.p.wait(timeout=60)
+        survivors = prep.survivors()
+    lines = [ln for ln in prep.err.splitlines() if ln.strip()]
+    assert prep.p.returncode == code, prep.err[-2000:]
+    assert len(lines) == 1 and lines[0].startswith(f"interrupted ({sig.name}); run the same command again"), lines
     assert str(out) in lines[0]
-    assert _gone_soon(workers) == []
+    assert survivors == []
     assert run_prep("lm1b", cli_args("lm1b", sources("lm1b"), out, workers=2))[0] == 0
     assert contents(out) == contents(clean("lm1b"))
 
