@@ -1,19 +1,33 @@
 """What every data_prep shares: its command line (prep_command), the command line of every generator of
 a release in the official format (generator_command: the tiny sets and the real-data ones), the skip of
-a complete output (already_prepared), and names read from an archive are checked before anything is
-written.
+a complete output (already_prepared), the removal of a killed run's temp files (remove_stale_temp_files),
+worker processes that die with the prep (worker_pool), and names read from an archive are checked
+before anything is written.
+
+A prep command fails in one line (README "What a run survives"): a full disk, a read-only or
+unwritable --out exits with 2 naming the path; Ctrl-C or SIGTERM exits with 130 or 143 and says that
+running the same command again continues (every prep resumes; every file is written atomically).
 
 A member path or a class name taken from a downloaded (or tampered) archive becomes a path under
 --out; an absolute path or a `..` component would write outside it (path traversal)."""
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import contextlib
+import ctypes
 import io
 import json
+import multiprocessing
+import os
+import signal
+import sys
+import threading
 import time
 from pathlib import Path, PurePosixPath
 
 from mpt.errors import UserError, cli
+from mpt.rundir import remove_stale_temp_files, storage_error
 
 
 def prep_command(name: str, description: str, prepare, *, source: str, source_help: str, out_help: str,
@@ -36,9 +50,43 @@ def prep_command(name: str, description: str, prepare, *, source: str, source_he
         a = vars(p.parse_args(argv))
         if a.get("workers", 1) < 1:
             raise UserError("--workers must be at least 1")
-        return prepare(a.pop(source.lstrip("-")), a.pop("out"), **a)
+        src, out = a.pop(source.lstrip("-").replace("-", "_")), a.pop("out")
+        return one_line_failures(lambda: prepare(src, out, **a), out)
 
     return main
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread as Ctrl-C raises KeyboardInterrupt, so that a prep stops the
+    same way: temp files removed, workers killed, one line."""
+
+
+def _terminate(signum, frame):
+    raise Terminated()
+
+
+def one_line_failures(run, out):
+    """run() -- a prep writing into `out` -- with its failures said in one line instead of a traceback:
+    a full disk, a quota, a read-only or unwritable folder is a UserError naming the path (exit 2 through
+    mpt.errors.cli); Ctrl-C or SIGTERM prints 'interrupted' and exits with 130 or 143 (128 + the signal).
+    What was written stays consistent: every file is written atomically and the marker last."""
+    main_thread = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
+    try:
+        return run()
+    except (KeyboardInterrupt, Terminated) as e:
+        signum = signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT
+        print(f"interrupted ({signum.name}); run the same command again to continue where it stopped "
+              f"(finished work in {out} is kept)", file=sys.stderr)
+        raise SystemExit(128 + signum) from None
+    except OSError as e:
+        err = storage_error(e, e.filename or out)  # a write() into a full disk names no file
+        if err is None:
+            raise
+        raise err from None
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, old)
 
 
 def generator_command(name: str, description: str, generate, *, options=(), out_help: str | None = None,
@@ -113,3 +161,61 @@ def add_member(tf, name: str, data: bytes) -> None:
     info = tarfile.TarInfo(name)
     info.size, info.mtime, info.mode = len(data), 0, 0o644
     tf.addfile(info, io.BytesIO(data))
+
+
+def sweep_temp_files(out: Path, log, skip=()) -> None:
+    """Remove the temp files (`.<name>.*.tmp`, mpt.rundir.atomic_write's) that a prep killed mid-write
+    left anywhere under OUT (folders named in `skip` are not walked: they hold no such files); call it
+    when a prep starts work, before anything is written."""
+    if Path(out).is_dir():
+        stale = remove_stale_temp_files(out, recursive=True, skip=skip)
+        if stale:
+            log(f"removed {len(stale)} temp file(s) of an interrupted run under {out} (first: {stale[0]})")
+
+
+# ------------------------------------------------------------------ worker processes
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _worker_start(parent: int, initializer, initargs) -> None:
+    """The first thing a pool worker does: die with the prep (a killed prep left its workers running for
+    half an hour), and leave Ctrl-C to the prep (a terminal sends SIGINT to every process of the job)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        # The kernel sends SIGKILL when the parent dies, by any signal, SIGKILL included.
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    else:
+        threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
+    if os.getppid() != parent:  # the parent died before the line above took effect
+        os._exit(1)
+    if initializer is not None:
+        initializer(*initargs)
+
+
+def _exit_with(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
+
+
+@contextlib.contextmanager
+def worker_pool(workers: int, initializer=None, initargs=()):
+    """A ProcessPoolExecutor of `workers` processes (None for workers <= 1: work in this process) whose
+    workers die with this process -- killed by any signal, SIGKILL included -- and are killed at once when
+    the block ends by an exception (Ctrl-C, SIGTERM, an error), rather than finishing their tasks first."""
+    if workers <= 1:
+        yield None
+        return
+    ctx = multiprocessing.get_context("fork") if "fork" in multiprocessing.get_all_start_methods() else None
+    pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_start,
+                                                  initargs=(os.getpid(), initializer, initargs))
+    try:
+        yield pool
+    except BaseException:
+        # No public kill before Python 3.14 (kill_workers); _processes: pid -> multiprocessing.Process.
+        for proc in list((pool._processes or {}).values()):
+            proc.kill()
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)

@@ -198,18 +198,24 @@ def read_json_or_none(path):
         return None
 
 
-def remove_stale_temp_files(folder) -> list[str]:
+def remove_stale_temp_files(folder, recursive: bool = False, skip=()) -> list[str]:
     """Delete the temp files atomic_write leaves when a process is killed mid-write (`.<name>.*.tmp`,
-    checkpoint-sized at paper scale). Only call it where no other live process writes (a run holds
-    its directory's RunLock; a data_prep owns its --out): a live writer's temp file must not vanish."""
+    checkpoint-sized at paper scale) in `folder` -- and, `recursive`, in every folder below it except
+    those named in `skip` (a data_prep's tree of many small files). Only call it where no other live
+    process writes (a run holds its directory's RunLock; a data_prep owns its --out): a live writer's
+    temp file must not vanish. Returns the names removed (relative to `folder`)."""
+    folder = pathlib.Path(folder)
     removed = []
-    for p in pathlib.Path(folder).glob(".*.tmp"):
-        if p.is_file():
-            try:
-                p.unlink()
-                removed.append(p.name)
-            except FileNotFoundError:
-                pass
+    for dirpath, dirnames, filenames in os.walk(folder):
+        dirnames[:] = [d for d in dirnames if d not in skip] if recursive else []
+        for name in filenames:
+            if name.startswith(".") and name.endswith(".tmp"):
+                p = pathlib.Path(dirpath, name)
+                try:
+                    p.unlink()
+                    removed.append(str(p.relative_to(folder)))
+                except FileNotFoundError:
+                    pass
     return removed
 
 

@@ -36,6 +36,16 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+def mount_tmpfs(where, opts: str) -> bool:
+    """A small tmpfs at `where` (root with mount rights only): a real full or read-only disk; the
+    caller unmounts it. False (and `where` an empty folder) where it cannot be mounted."""
+    import subprocess
+
+    where.mkdir()
+    return os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(where)],
+                                                capture_output=True).returncode == 0
+
+
 def tiny_overrides(root, out_dir, *extra):
     """The overrides of a tiny-profile run of any experiment on the prepared data at `root`: it writes
     under out_dir and logs nothing online; `extra` key=value pairs come last (they win)."""

@@ -58,6 +58,9 @@ def _copy(src, dst):
     ("truncated", "is truncated or not a zip"),
     ("corrupt", "is corrupt at img_align_celeba/"),
     ("partition", "disagrees with"),
+    # issue 29 item 6: the zip's CRC was computed over the damage, the first bytes still say JPEG
+    ("garbage_jpeg", "img_align_celeba/000003.jpg does not decode as a JPEG"),
+    ("small_jpeg", "img_align_celeba/000003.jpg is a 64x64 JPEG image; CelebA's aligned images are 178x218"),
 ])
 def test_prep_bad_inputs_are_one_line_errors(celeba_archives, tmp_path, damage, msg):
     a = _copy(celeba_archives, tmp_path / "a")
@@ -73,6 +76,20 @@ def test_prep_bad_inputs_are_one_line_errors(celeba_archives, tmp_path, damage, 
         start = info.header_offset + 30 + len(info.filename) + 500
         data[start:start + 64] = bytes(64)
         z.write_bytes(bytes(data))
+    elif damage in ("garbage_jpeg", "small_jpeg"):
+        import io
+
+        from PIL import Image
+
+        with zipfile.ZipFile(z) as zf:
+            members = [(i.filename, zf.read(i)) for i in zf.infolist()]
+        with zipfile.ZipFile(z, "w") as zf:
+            for name, data in members:
+                if name.endswith("000003.jpg"):
+                    buf = io.BytesIO()
+                    Image.new("RGB", (64, 64)).save(buf, "JPEG")
+                    data = data[:2] + bytes(len(data) - 2) if damage == "garbage_jpeg" else buf.getvalue()
+                zf.writestr(name, data)
     else:
         lines = (a / prep.PARTITION).read_text().splitlines()
         (a / prep.PARTITION).write_text("\n".join(lines[:-1] + ["999999.jpg 2"]) + "\n")

@@ -343,6 +343,31 @@ def test_prep_errors_are_clear(archive, tmp_path):
         Prepared(tmp_path / "out_missing")
 
 
+def test_empty_release_is_an_error(archive, data, tmp_path):
+    """Issue 29: a release whose training shards are all empty 'succeeded' with 0 tokens to train on;
+    with a vocabulary given (no counting) too, and an empty test shard measured perplexity over nothing."""
+    unpacked = tmp_path / "unpacked"
+    with tarfile.open(archive) as tar:
+        tar.extractall(unpacked, filter="data")
+    shards = unpacked / prep.TOP
+
+    def emptied(names, folder):
+        for name in names:
+            (shards / folder / name).write_bytes(b"")
+
+    emptied(prep.TRAIN, prep.TRAIN_DIR)
+    with pytest.raises(UserError, match=r"the training shards of .* hold no words \(all empty\); re-download"):
+        prep.prepare(unpacked, tmp_path / "o1", workers=1, log=quiet)
+    with pytest.raises(UserError, match=r"the training shards of .* hold no words"):
+        prep.prepare(unpacked, tmp_path / "o2", vocab=data / prep.VOCAB, workers=1, log=quiet)
+    with tarfile.open(archive) as tar:  # the training shards back, the test shard empty
+        tar.extractall(tmp_path / "unpacked2", filter="data")
+    shards = tmp_path / "unpacked2" / prep.TOP
+    emptied([prep.TEST], prep.HELDOUT_DIR)
+    with pytest.raises(UserError, match=f"the test shard {prep.HELDOUT_DIR}/{prep.TEST} of .* holds no words"):
+        prep.prepare(tmp_path / "unpacked2", tmp_path / "o3", workers=1, log=quiet)
+
+
 def test_batch_rows_continue_their_streams(data):
     """With the engine's ordered sampler, every row of every micro-batch reads one stream, window
     after window, for any number of ranks and accumulation steps (dataset.py's index layout)."""

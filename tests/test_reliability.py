@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from conftest import REPO, run_interrupted
+from conftest import mount_tmpfs as _mount_tmpfs
 from mpt import config as C
 from mpt import engine
 from mpt.errors import UserError, one_line
@@ -301,11 +302,6 @@ def test_stale_temp_files_are_removed_at_start(tmp_path, monkeypatch):
 
 # 7. one-line errors: disk full, unwritable out_dir, a bad config.yaml, device=cuda without CUDA,
 # errors in DataLoader workers
-def _mount_tmpfs(where, opts: str) -> bool:
-    """A small tmpfs at `where` (root with mount rights only): a real full or read-only disk."""
-    where.mkdir()
-    return os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(where)],
-                                                capture_output=True).returncode == 0
 
 
 @pytest.fixture

@@ -2,6 +2,7 @@
 and its bad inputs, tiny SSD and Faster R-CNN runs in fp32/fp16/mixed, real learning (trained SSD
 beats untrained), parameter counts of the paper-size detectors, and Table 2 regenerated."""
 import json
+import re
 import shutil
 import tarfile
 import xml.etree.ElementTree as ET
@@ -264,6 +265,12 @@ def test_prep_layout_counts_and_resume(voc_archives, tiny_voc, tmp_path):
     ("box", "expected xmin <= xmax"),
     ("no_jpeg", "has no JPEG"),
     ("traversal", "unsafe member path"),
+    # issue 29 item 6: data that used to pass the prep and then train on nothing or fail in training
+    ("outside", r"100002.xml: object 0 \(\w+\) has box \(100, 100, 120, 120\), entirely outside the 64x64 image"),
+    ("sub_pixel", r"100002.xml: object 0 \(\w+\) has box \(64.5, 1, 65, 9\), less than a pixel inside the 64x64"),
+    ("garbage_jpeg", r"100002.jpg does not decode as a JPEG"),
+    ("cut_jpeg", r"100002.jpg does not decode as a JPEG \(image file is truncated"),
+    ("no_objects", r"VOCtest_06-Nov-2007.tar: the 8 images of test.txt hold no object"),
 ])
 def test_prep_bad_inputs_are_one_line_errors(voc_archives, tmp_path, damage, msg):
     a = tmp_path / "a"
@@ -278,6 +285,18 @@ def test_prep_bad_inputs_are_one_line_errors(voc_archives, tmp_path, damage, msg
     elif damage == "box":
         rewrite_tar(test_tar, lambda n, d: (n, d.replace(b"<xmin>", b"<xmin>9")) if n.endswith("100002.xml")
                      else (n, d))
+    elif damage in ("outside", "sub_pixel"):
+        box = b"<xmin>100</xmin><ymin>100</ymin><xmax>120</xmax><ymax>120</ymax>" if damage == "outside" else \
+            b"<xmin>64.5</xmin><ymin>1</ymin><xmax>65</xmax><ymax>9</ymax>"
+        rewrite_tar(test_tar, lambda n, d: (n, re.sub(rb"<bndbox>.*?</bndbox>", b"<bndbox>" + box + b"</bndbox>", d,
+                                                      count=1, flags=re.S)) if n.endswith("100002.xml") else (n, d))
+    elif damage == "garbage_jpeg":  # the first two bytes still say JPEG
+        rewrite_tar(test_tar, lambda n, d: (n, d[:2] + bytes(len(d) - 2)) if n.endswith("100002.jpg") else (n, d))
+    elif damage == "cut_jpeg":
+        rewrite_tar(test_tar, lambda n, d: (n, d[: len(d) // 2]) if n.endswith("100002.jpg") else (n, d))
+    elif damage == "no_objects":
+        rewrite_tar(test_tar, lambda n, d: (n, re.sub(rb"<object>.*?</object>", b"", d, flags=re.S))
+                    if n.endswith(".xml") else (n, d))
     elif damage == "no_jpeg":
         rewrite_tar(test_tar, lambda n, d: None if n.endswith("100002.jpg") else (n, d))
     else:
@@ -287,6 +306,27 @@ def test_prep_bad_inputs_are_one_line_errors(voc_archives, tmp_path, damage, msg
     assert not (tmp_path / "evil.txt").exists()
     if damage == "truncated":  # and from the command line: one line, exit code 2
         assert_command_fails_in_one_line("data_prep.voc", a, tmp_path / "out2", msg)
+
+
+def test_box_partly_outside_is_clipped_and_trains(voc_archives, tmp_path):
+    """VOC's 1-based coordinates put some boxes at 0 or one past the edge: the prep accepts them and
+    the loader clips them to the image, so that training keeps them (SanitizeBoundingBoxes dropped a
+    box with a coordinate outside the image, and an image of only such boxes trained on nothing)."""
+    from data_prep.voc.dataset import VOCDetectionSet
+    from experiments.voc_detection.task import train_transform
+
+    a = shutil.copytree(voc_archives, tmp_path / "a")
+    box = b"<bndbox><xmin>0</xmin><ymin>3</ymin><xmax>65</xmax><ymax>70</ymax></bndbox>"
+    rewrite_tar(a / "VOCtest_06-Nov-2007.tar", lambda n, d: (n, re.sub(rb"<bndbox>.*?</bndbox>", box, d, count=1,
+                                                                   flags=re.S)) if n.endswith("100002.xml") else (n, d))
+    out = tmp_path / "out"
+    info = prep.prepare(a, out, log=lambda *x: None)
+    ds = VOCDetectionSet(out, ["2007_test"], info["classes"], train_transform("none"))
+    k = ds.items.index(next(it for it in ds.items if it[0].endswith("100002.jpg")))
+    n_objects = len(ds.items[k][1])
+    _, target = ds[k]
+    assert len(target["boxes"]) == n_objects  # none dropped
+    assert target["boxes"][0].tolist() == [0.0, 2.0, 64.0, 64.0]  # (-1, 2, 65, 70) clipped to the 64x64 image
 
 
 # ----------------------------------------------------------------------------- models

@@ -60,10 +60,10 @@ def test_prep_resumes_finished_stages(wmt_archives, tmp_path, monkeypatch):
     out, logs = tmp_path / "p", []
     real = prep.train_spm
 
-    def failing(text, prefix, *a, **k):  # interrupted while training the French subword model
-        if prefix.name == "spm.fr":
+    def failing(texts, *a, **k):  # interrupted while training the French subword model
+        if texts[0].suffix == ".fr":
             raise KeyboardInterrupt
-        return real(text, prefix, *a, **k)
+        return real(texts, *a, **k)
 
     monkeypatch.setattr(prep, "train_spm", failing)
     with pytest.raises(KeyboardInterrupt):
@@ -88,6 +88,7 @@ def test_prep_resumes_finished_stages(wmt_archives, tmp_path, monkeypatch):
     ("unsafe", "unsafe member path"),
     ("corpora", "--corpora names giga but"),
     ("test_ids", "the test set is misaligned"),
+    ("emptied", "training-parallel-europarl-v7.tgz holds no sentence pair"),  # issue 29: was dropped, still listed
 ])
 def test_prep_bad_inputs_are_one_line_errors(wmt_archives, tmp_path, damage, msg):
     a = shutil.copytree(wmt_archives, tmp_path / "a")
@@ -105,6 +106,8 @@ def test_prep_bad_inputs_are_one_line_errors(wmt_archives, tmp_path, damage, msg
         rewrite_tar(euro, lambda n, d: ("../" + n if n.endswith(".en") else n, d))
     elif damage == "corpora":
         corpora = ["europarl", "giga"]
+    elif damage == "emptied":  # every line of one side blank: each pair has an empty side
+        rewrite_tar(euro, lambda n, d: (n, b"\n" * d.count(b"\n") if n.endswith(".fr") else d))
     elif damage == "test_ids":
         test = a / prep.TEST_ARCHIVE
         rewrite_tar(test, lambda n, d: (n, d.replace(b'<seg id="3">', b'<seg id="33">') if n.endswith("ref.fr.sgm") else d))

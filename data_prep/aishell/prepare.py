@@ -15,8 +15,8 @@ fails with its name) and holds only its own speaker's WAVs; every WAV decodes as
 transcript line has its WAV (a transcript without audio is an error). A WAV without a transcript
 line is left out and counted, as the Kaldi and ESPnet AISHELL recipes do (the release has a few
 hundred). The official counts (train 120,098 / dev 14,326 / test 7,176 transcribed utterances) are
-recorded ("official"). Resumable: WAVs already extracted with the right size are not rewritten; the
-marker is written last.
+recorded ("official"). Resumable: WAVs already extracted with the right size are not rewritten (temp
+files of a killed run are removed); the marker is written last.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import time
 import zlib
 from pathlib import Path
 
-from data_prep.common import MARKER, already_prepared, safe_name, safe_relpath
+from data_prep.common import MARKER, already_prepared, safe_name, safe_relpath, sweep_temp_files
 from data_prep.speech import SAMPLE_RATE, decode, write_manifest
 from mpt.errors import UserError
 from mpt.rundir import atomic_write_bytes, atomic_write_json, atomic_write_text, sampled_digest
@@ -103,6 +103,7 @@ def prepare(archives: Path, out: Path, force: bool = False, log=print) -> dict:
         raise UserError(f"no {ARCHIVE} in {archives}; download it from openslr.org/33")
     t0 = time.time()
     marker.unlink(missing_ok=True)
+    sweep_temp_files(out, log)
     audio: dict[str, dict] = {}
     texts, kept, speakers = None, 0, 0
     try:

@@ -13,28 +13,32 @@ torchvision.datasets.CelebA(root=OUT) reads this folder when the release's other
 the partition file. The crop to faces happens at load time (task.py), not here.
 
 Checks: the archive opens as a zip (a truncated download fails here), every image's CRC is verified as
-it is extracted (a corrupt archive fails), the partition file names exactly the archive's images (no
-missing, extra or duplicated names; splits 0/1/2 only), the attribute file (when present) the same
-images; the official release's counts when the archive holds 202,599 images. Resumable: images already
-extracted with the right size are kept; the marker is written last, and a complete output is skipped.
+it is extracted (a corrupt archive fails) and the image decodes whole as a 178x218 JPEG (the loader's
+face crop assumes that size), the partition file names exactly the archive's images (no missing, extra
+or duplicated names; splits 0/1/2 only), the attribute file (when present) the same images; the
+official release's counts when the archive holds 202,599 images. Resumable: images already extracted
+with the right size are kept (temp files of a killed run are removed); the marker is written last, and
+a complete output is skipped.
 """
 from __future__ import annotations
 
 import datetime
+import io
 import shutil
 import time
 import zipfile
 import zlib
 from pathlib import Path
 
-from data_prep.common import MARKER, already_prepared, safe_relpath
+from data_prep.common import MARKER, already_prepared, safe_relpath, sweep_temp_files
 from mpt.errors import UserError
-from mpt.rundir import atomic_write_bytes, atomic_write_json, remove_stale_temp_files, sampled_digest
+from mpt.rundir import atomic_write_bytes, atomic_write_json, sampled_digest
 
 ZIP = "img_align_celeba.zip"
 PARTITION = "list_eval_partition.txt"
 ATTR = "list_attr_celeba.txt"
 FOLDER = "img_align_celeba"
+SIZE = (178, 218)  # width, height of every aligned image
 OFFICIAL = {"images": 202_599, "train": 162_770, "valid": 19_867, "test": 19_962}
 SPLITS = {"0": "train", "1": "valid", "2": "test"}
 _WHERE = "download it from the CelebA page (mmlab.ie.cuhk.edu.hk/projects/CelebA.html, Align&Cropped Images)"
@@ -82,6 +86,22 @@ def _open_zip(path: Path) -> zipfile.ZipFile:
         raise UserError(f"{path} is truncated or not a zip ({e}); re-download it") from None
 
 
+def check_image(data: bytes, what: str) -> None:
+    """The bytes decode whole as a 178x218 JPEG, as the loader will decode them (a damaged body passes
+    a look at the first bytes and the zip's CRC, which was computed over the damage)."""
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            im.load()
+            fmt, size = im.format, im.size
+    except (OSError, ValueError, Image.DecompressionBombError) as e:
+        raise UserError(f"{what} does not decode as a JPEG ({str(e)[:80]}); re-download {ZIP}") from None
+    if fmt != "JPEG" or size != SIZE:
+        raise UserError(f"{what} is a {size[0]}x{size[1]} {fmt} image; CelebA's aligned images are "
+                        f"{SIZE[0]}x{SIZE[1]} JPEGs: re-download {ZIP}")
+
+
 def _members(zf: zipfile.ZipFile, path: Path) -> dict[str, zipfile.ZipInfo]:
     out = {}
     for info in zf.infolist():
@@ -125,11 +145,11 @@ def prepare(archives: Path, out: Path, force: bool = False, log=print) -> dict:
             raise UserError(f"{apath} disagrees with {zpath}: it lists {len(attr_images)} images, the archive "
                             f"{len(members)}, or other names")
     dest = out / "celeba" / FOLDER
+    marker.unlink(missing_ok=True)  # first: a marker must never stand over a half-removed output
     if force and (out / "celeba").exists():
         shutil.rmtree(out / "celeba")
-    marker.unlink(missing_ok=True)
     dest.mkdir(parents=True, exist_ok=True)
-    remove_stale_temp_files(dest)  # an image write killed half-way (kill -9) leaves its temp file
+    sweep_temp_files(out, log)  # an image write killed half-way (kill -9) leaves its temp file
     kept = written = 0
     for name in sorted(members):
         info, target = members[name], dest / name
@@ -140,8 +160,7 @@ def prepare(archives: Path, out: Path, force: bool = False, log=print) -> dict:
             data = zf.read(info)  # verifies the CRC: a corrupt archive fails here
         except (zipfile.BadZipFile, zlib.error, EOFError, OSError) as e:
             raise UserError(f"{zpath} is corrupt at {info.filename} ({e}); re-download it") from None
-        if not data.startswith(b"\xff\xd8"):
-            raise UserError(f"{zpath}: {info.filename} is not a JPEG")
+        check_image(data, f"{zpath}: {info.filename}")
         atomic_write_bytes(target, data)
         written += 1
         if written % 20000 == 0:

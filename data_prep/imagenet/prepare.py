@@ -30,7 +30,7 @@ import time
 import zlib
 from pathlib import Path, PurePosixPath
 
-from data_prep.common import MARKER, already_prepared, safe_name, safe_relpath
+from data_prep.common import MARKER, already_prepared, safe_name, safe_relpath, sweep_temp_files
 from mpt.errors import UserError
 from mpt.rundir import sampled_digest, atomic_write_json
 
@@ -201,6 +201,9 @@ def _start(out: Path, sizes: dict[str, int], force: bool, log) -> None:
         raise UserError(f"{out} already has train/ or val/ that this tool did not write (no "
                         f"{MARKER} or {PARTIAL}/); choose an empty --out, or pass --force to replace them")
     (out / PARTIAL).mkdir(exist_ok=True)
+    # A killed write of the marker, classes.json or the state leaves a temp file; the images are
+    # written in .partial class folders, renamed into train/ and val/ only when whole (not walked).
+    sweep_temp_files(out, log, skip=("train", "val"))
     atomic_write_json(state_path, sizes)
     # Leftovers of a crash: class folders that were never renamed into place.
     for leftover in ("train", "val"):

@@ -17,7 +17,8 @@ Checks: every member path stays inside OUT and has the official layout; every FL
 and every FLAC its transcript line (the counts must agree); transcripts use LibriSpeech's alphabet
 (A-Z, apostrophe, space). Whether each subset has its official utterance count is recorded
 ("official"). Resumable: a subset whose manifest was made from the same archive is skipped, files
-already extracted with the right size are not rewritten; the marker is written last.
+already extracted with the right size are not rewritten (temp files of a killed run are removed);
+the marker is written last.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ import time
 import zlib
 from pathlib import Path
 
-from data_prep.common import MARKER, already_prepared, safe_name, safe_relpath
+from data_prep.common import MARKER, already_prepared, safe_name, safe_relpath, sweep_temp_files
 from data_prep.speech import SAMPLE_RATE, decode, write_manifest
 from mpt.errors import UserError
 from mpt.rundir import atomic_write_bytes, atomic_write_json, sampled_digest
@@ -132,6 +133,7 @@ def prepare(archives: Path, out: Path, force: bool = False, log=print) -> dict:
                         f"{archives}; download them from openslr.org/12")
     t0 = time.time()
     marker.unlink(missing_ok=True)
+    sweep_temp_files(out, log)
     subsets = {}
     for subset, path in found.items():
         info_path = out / "manifests" / f"{subset}.info.json"

@@ -35,7 +35,6 @@ import datetime
 import gzip
 import hashlib
 import json
-import multiprocessing
 import os
 import shutil
 import tarfile
@@ -45,9 +44,9 @@ from pathlib import Path
 
 import numpy as np
 
-from data_prep.common import MARKER, already_prepared, safe_relpath
+from data_prep.common import MARKER, already_prepared, safe_relpath, sweep_temp_files, worker_pool
 from mpt.errors import UserError
-from mpt.rundir import atomic_write_bytes, atomic_write_json, remove_stale_temp_files
+from mpt.rundir import atomic_write_bytes, atomic_write_json
 
 TOP = "1-billion-word-language-modeling-benchmark-r13output"
 ARCHIVE = TOP + ".tar.gz"
@@ -253,13 +252,6 @@ def _encode_worker(data: bytes):
 # ------------------------------------------------------------------ the preparation
 
 
-def _pool(workers: int, initializer=None, initargs=()):
-    if workers <= 1:
-        return None
-    ctx = multiprocessing.get_context("fork") if "fork" in multiprocessing.get_all_start_methods() else None
-    return concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=initializer, initargs=initargs)
-
-
 def _map(pool, workers, fn, items, done):
     """fn over items (split, name, data) -> done(split, name, result); at most 2 x workers in flight
     so a 4 GB release is never held in memory at once."""
@@ -318,8 +310,7 @@ def prepare(archive: Path, out: Path, vocab: Path | None = None, force: bool = F
         raise UserError(f"{out} already has train/, heldout/ or {VOCAB} that this tool did not finish (no {MARKER}); "
                         f"choose an empty --out, or pass --force to replace them")
     part.mkdir(exist_ok=True)
-    for d in (part, part / "train", part / "heldout"):  # temp files of a write killed half-way (kill -9)
-        remove_stale_temp_files(d)
+    sweep_temp_files(out, log)  # temp files of a write killed half-way (kill -9)
     atomic_write_json(part / STATE, state)
 
     # Pass 1: the vocabulary.
@@ -338,12 +329,10 @@ def prepare(archive: Path, out: Path, vocab: Path | None = None, force: bool = F
                 sentences += result[1]
                 log(f"counting words: {name} ({sentences:,} sentences so far, {time.time() - start:.0f} s)")
 
-            pool = _pool(workers)
-            try:
+            with worker_pool(workers) as pool:
                 _map(pool, workers, _count, source.shards(("train",)), counted)
-            finally:
-                if pool is not None:
-                    pool.shutdown(cancel_futures=True)
+            if not counts:
+                raise _redownload(f"the training shards of {source.path} hold no words (all empty)")
             words = build_vocab(counts, sentences, min_count)
             log(f"vocabulary: {len(words):,} words seen >= {min_count} times, with {BOS}, {EOS}, {UNK}")
         write_vocab(vocab_path, words)
@@ -367,14 +356,10 @@ def prepare(archive: Path, out: Path, vocab: Path | None = None, force: bool = F
 
     todo = ((s, n, d) for s, n, d in source.shards() if n not in stats[s])
     if any(len(stats[s]) < len(SPLITS[s][1]) for s in stats):
-        pool = _pool(workers, _init_worker, (str(vocab_path),))
-        try:
+        with worker_pool(workers, _init_worker, (str(vocab_path),)) as pool:
             if pool is None:
                 _init_worker(str(vocab_path))
             _map(pool, workers, _encode_worker, todo, encoded)
-        finally:
-            if pool is not None:
-                pool.shutdown(cancel_futures=True)
     else:
         log("encoding: every shard already done")
 
@@ -387,6 +372,11 @@ def prepare(archive: Path, out: Path, vocab: Path | None = None, force: bool = F
                                 f"rerun with --force")
     totals = {f"{split}_{k}": sum(s[k] for s in stats[split].values())
               for split in stats for k in ("sentences", "words", "tokens", "unk")}
+    # An empty release would train on nothing (0 tokens) or measure perplexity over nothing.
+    if totals["train_words"] == 0:
+        raise _redownload(f"the training shards of {source.path} hold no words (all empty)")
+    if stats["heldout"][TEST]["words"] == 0:
+        raise _redownload(f"the test shard {HELDOUT_DIR}/{TEST} of {source.path} holds no words")
     warnings = []
     standard = totals["train_sentences"] > _OFFICIAL_ABOVE
     if standard:

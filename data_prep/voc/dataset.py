@@ -4,7 +4,9 @@ A sample is (image, target): the image a tv_tensors.Image (uint8, 3 x H x W), th
 {"boxes": BoundingBoxes (N, 4) XYXY in pixels, "labels": int64 (N,) with 1..C (0 = background),
 "difficult": bool (N,), "index": the sample's index}. VOC's 1-based inclusive pixel coordinates
 (xmin, ymin, xmax, ymax) become the continuous box (xmin - 1, ymin - 1, xmax, ymax), whose IoU is the
-devkit's "+1" IoU exactly."""
+devkit's "+1" IoU exactly, clipped to the image: a box partly outside (some VOC boxes start at 0 or end
+one past the edge) would otherwise be dropped whole by SanitizeBoundingBoxes. data_prep.voc checked that
+every box keeps at least a pixel inside its image."""
 from __future__ import annotations
 
 import json
@@ -66,10 +68,14 @@ class VOCDetectionSet(Dataset):
         try:
             with Image.open(path) as im:
                 img = torch.from_numpy(np.asarray(im.convert("RGB")).copy()).permute(2, 0, 1)
-        except OSError as e:
-            raise UserError(f"cannot read {path} ({e}); prepare the data again") from None
+        except OSError as e:  # data_prep.voc decoded every image: this one changed since
+            raise UserError(f"cannot read {path} ({e}); it changed after data_prep.voc checked it: "
+                            f"prepare the data again with --force") from None
         h, w = img.shape[-2:]
-        target = {"boxes": tv_tensors.BoundingBoxes(boxes.clone(), format="XYXY", canvas_size=(h, w)),
+        boxes = boxes.clone()
+        boxes[:, 0::2].clamp_(0, w)
+        boxes[:, 1::2].clamp_(0, h)
+        target = {"boxes": tv_tensors.BoundingBoxes(boxes, format="XYXY", canvas_size=(h, w)),
                   "labels": labels.clone(), "difficult": difficult.clone(), "index": i}
         img = tv_tensors.Image(img)
         if self.transforms is not None:

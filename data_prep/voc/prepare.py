@@ -15,11 +15,15 @@ segmentation masks and the layout/action lists are not needed for Table 2.
 
 Checks: each archive opens as a tar and is read to its end (a truncated download fails), member
 paths stay inside OUT (data_prep.common.safe_relpath), every id of ImageSets/Main/<split>.txt has a
-JPEG and a well-formed annotation (root <annotation>, each <object> with a plain <name>, a numeric
-<bndbox> with xmin <= xmax and ymin <= ymax, <difficult> 0/1), and the official counts hold for an
-archive of the official size (more than 1,000 listed images; the tiny test archives record their own).
-Resumable: files already unpacked with the right size are kept; the marker is written last, and a
-complete output is skipped.
+JPEG that decodes whole (a damaged body fails here, not in training) and a well-formed annotation
+(root <annotation>, each <object> with a plain <name>, a numeric <bndbox> with xmin <= xmax and
+ymin <= ymax, <difficult> 0/1) whose every box covers at least a pixel of the decoded image (a box
+partly outside is normal -- VOC's 1-based coordinates put some at 0 or past the edge -- and the loader
+clips it; one entirely outside or of no size would be dropped by training, so it is an error naming
+the file and the object), every set holds objects, and the official counts hold for an archive of
+the official size (more than 1,000 listed images; the tiny test archives record their own).
+Resumable: files already unpacked with the right size are kept (temp files of a killed run are
+removed); the marker is written last, and a complete output is skipped.
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from data_prep.common import MARKER, already_prepared, safe_name, safe_relpath
+from data_prep.common import MARKER, already_prepared, safe_name, safe_relpath, sweep_temp_files
 from mpt.errors import UserError
 from mpt.rundir import atomic_write_bytes, atomic_write_json, sampled_digest
 
@@ -76,6 +80,33 @@ def parse_annotation(data: bytes, source) -> list[dict]:
                             f"{difficult}; expected xmin <= xmax, ymin <= ymax, difficult 0 or 1")
         objs.append({"name": name, "bbox": (xmin, ymin, xmax, ymax), "difficult": difficult, "truncated": truncated})
     return objs
+
+
+def image_size(jpg: Path, archive: str) -> tuple[int, int]:
+    """(width, height) of a JPEG decoded in full, as the loader will decode it; a one-line error for one
+    that does not decode (a damaged body passes a look at its first bytes, then fails in training)."""
+    from PIL import Image
+
+    try:
+        with Image.open(jpg) as im:
+            im.load()
+            if im.format != "JPEG":
+                raise OSError(f"a {im.format} image, not a JPEG")
+            return im.size
+    except (OSError, ValueError, Image.DecompressionBombError) as e:
+        raise UserError(f"{jpg} does not decode as a JPEG ({str(e)[:80]}); re-download {archive}") from None
+
+
+def check_box(obj: dict, k: int, size: tuple[int, int], source, archive: str) -> None:
+    """Object k's box must cover at least one pixel of the w x h image: the loader clips VOC's box
+    (xmin - 1, ymin - 1, xmax, ymax) to the image, and training drops a box less than a pixel wide or
+    high (torchvision's SanitizeBoundingBoxes) -- silently, down to a loss of exactly 0."""
+    (w, h), (x0, y0, x1, y1) = size, obj["bbox"]
+    dx, dy = min(x1, w) - max(x0 - 1, 0), min(y1, h) - max(y0 - 1, 0)
+    if dx < 1 or dy < 1:
+        where = "entirely outside" if dx <= 0 or dy <= 0 else "less than a pixel inside"
+        raise UserError(f"{source}: object {k} ({obj['name']}) has box ({x0:g}, {y0:g}, {x1:g}, {y1:g}), {where} "
+                        f"the {w}x{h} image; training would drop it: re-download {archive} or remove the object")
 
 
 def _wanted(rel: str, year: str) -> bool:
@@ -132,13 +163,15 @@ def check_split(out: Path, year: str, split: str, archive: str, expected: int) -
         if not jpg.is_file() or not xml.is_file():
             raise UserError(f"{archive}: image {i} of {split}.txt has no {'JPEG' if not jpg.is_file() else 'annotation'}"
                             f"; the archive is incomplete: re-download it")
-        with open(jpg, "rb") as f:
-            if f.read(2) != b"\xff\xd8":
-                raise UserError(f"{jpg} is not a JPEG; re-download {archive}")
-        for o in parse_annotation(xml.read_bytes(), xml):
+        size = image_size(jpg, archive)
+        for k, o in enumerate(parse_annotation(xml.read_bytes(), xml)):
+            check_box(o, k, size, xml, archive)
             names[o["name"]] = names.get(o["name"], 0) + 1
             objects += 1
             difficult += o["difficult"]
+    if objects == 0:
+        raise UserError(f"{archive}: the {len(ids)} images of {split}.txt hold no object; "
+                        f"there is nothing to detect: {_WHERE}")
     return {"images": len(ids), "objects": objects, "difficult": difficult, "official": len(ids) == expected,
             "per_class": dict(sorted(names.items()))}
 
@@ -154,6 +187,7 @@ def prepare(archives: Path, out: Path, force: bool = False, log=print) -> dict:
             raise UserError(f"no {name} in {archives}; {_WHERE}")
     present = [n for n in ARCHIVES if (archives / n).is_file()]
     marker.unlink(missing_ok=True)
+    sweep_temp_files(out, log)
     sets, arch_info, written, kept = {}, [], 0, 0
     for name in present:
         year, split, expected = ARCHIVES[name]

@@ -28,9 +28,14 @@ Output (--out OUT):
 Checks: every wanted member is in its archive (a missing one is a one-line error naming the archive);
 a truncated tar or gzip is a one-line error; the two sides of every corpus have the same line count
 (misaligned files are an error naming both counts); the SGML test files hold the same segment ids.
-Pairs with an empty side are dropped (counted in the marker). Re-running is safe: a complete output
-is left alone (--force redoes it); an interrupted run resumes from its finished stages in
-OUT/.partial unless the archives or the options changed.
+Pairs with an empty side are dropped (counted in the marker); a corpus or dev set left with no pair
+is an error naming its archive. Re-running is safe: a complete output is left alone (--force redoes
+it); an interrupted run resumes from its finished stages in OUT/.partial unless the archives or the
+options changed.
+
+Deterministic: the same archives give the same bytes (and so the same data_fingerprint) on any
+machine and in any folder -- the subword models are trained on an evenly spread sample chosen
+without randomness, on one thread, and hold no path.
 """
 from __future__ import annotations
 
@@ -38,6 +43,7 @@ import dataclasses
 import datetime
 import gzip
 import html
+import io
 import json
 import os
 import re
@@ -49,7 +55,7 @@ from pathlib import Path, PurePosixPath
 
 import numpy as np
 
-from data_prep.common import MARKER, already_prepared, safe_relpath
+from data_prep.common import MARKER, already_prepared, safe_relpath, sweep_temp_files
 from mpt.errors import UserError
 from mpt.rundir import atomic_write, atomic_write_json, sampled_digest
 
@@ -58,7 +64,7 @@ SRC, TGT = "en", "fr"  # Figure 4: English to French
 PARTIAL, STATE = ".partial", "state.json"
 PAD, BOS, EOS, UNK = 0, 1, 2, 3
 VOCAB = 40_000  # translate.py: --en_vocab_size 40000 --fr_vocab_size 40000
-SPM_SENTENCES = 2_000_000  # sentences per language the subword model is trained on (a spread sample)
+SPM_SENTENCES = 2_000_000  # sentences per language the subword model is trained on (an evenly spread sample)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,16 +165,41 @@ def read_sgm(path: Path) -> tuple[list[str], list[str]]:
 # ------------------------------------------------------------------ subword ids
 
 
-def train_spm(text: Path, prefix: Path, vocab: int, sentences: int, seed: int = 0) -> None:
+def spread_sample(lines, total: int, sentences: int):
+    """Every line when total <= sentences, else `sentences` of them evenly spread over all `total`
+    (line floor(k * total / sentences) for k = 0, 1, ...): the same sample on every run, no randomness."""
+    k, pick = 0, 0
+    for i, line in enumerate(lines):
+        if i == pick:
+            yield line
+            k += 1
+            pick = k * total // sentences if total > sentences else k
+            if k == sentences:
+                return
+
+
+def train_spm(texts: list[Path], total: int, vocab: int, sentences: int) -> bytes:
+    """A BPE model (its bytes) of a spread sample of the lines of `texts` (`total` lines in all).
+    Deterministic, unlike sentencepiece's own sampling: its random generator is per thread and keeps
+    running from one training to the next in a process (a resumed prep sampled differently), its
+    model records the number of threads and the input and output paths (another machine or folder
+    gave other bytes), so the sample is ours, one thread trains, and the model goes to memory."""
     import sentencepiece as spm
 
-    spm.set_random_generator_seed(seed)  # the sentence sample: the same pieces on every run
+    def lines():
+        for t in texts:
+            with open(t, encoding="utf-8", newline="\n") as f:
+                for line in f:
+                    yield line.rstrip("\n")
+
+    model = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        input=str(text), model_prefix=str(prefix), vocab_size=vocab, model_type="bpe",
-        character_coverage=1.0, pad_id=PAD, bos_id=BOS, eos_id=EOS, unk_id=UNK,
-        input_sentence_size=sentences, shuffle_input_sentence=True, seed_sentencepiece_size=1_000_000,
+        sentence_iterator=spread_sample(lines(), total, sentences), model_writer=model,
+        vocab_size=vocab, model_type="bpe", character_coverage=1.0, pad_id=PAD, bos_id=BOS, eos_id=EOS,
+        unk_id=UNK, input_sentence_size=0, shuffle_input_sentence=False,
         hard_vocab_limit=False,  # a small corpus (the tiny set) may not have `vocab` pieces
-        num_threads=max(1, min(8, os.cpu_count() or 1)), minloglevel=2)
+        num_threads=1, minloglevel=2)
+    return model.getvalue()
 
 
 def encode_file(sp, text: Path, out_bin: Path, out_idx: Path, dtype, chunk: int = 100_000) -> int:
@@ -253,10 +284,13 @@ def prepare(archives: Path, out: Path, corpora: list[str] | None = None, vocab: 
             raise UserError(_fetch(f"no {name} in {archives} (the dev/test sets)"))
     used = [CORPORA[c].archive for c in chosen] + [DEV.archive, TEST_ARCHIVE]
     sources = {a: {"bytes": (archives / a).stat().st_size, "digest": sampled_digest(archives / a)} for a in used}
-    fingerprint = {"sources": sources, "corpora": chosen, "vocab": vocab, "spm_sentences": spm_sentences}
+    # "sample": how the subword models are trained (a partial run of the older, random sampling is redone)
+    fingerprint = {"sources": sources, "corpora": chosen, "vocab": vocab, "spm_sentences": spm_sentences,
+                   "sample": "spread"}
     if force:
         shutil.rmtree(out / PARTIAL, ignore_errors=True)
     marker.unlink(missing_ok=True)
+    sweep_temp_files(out, log)
     part = out / PARTIAL
     state = _State(part, fingerprint)
     raw, text = part / "raw", part / "text"
@@ -279,13 +313,18 @@ def prepare(archives: Path, out: Path, corpora: list[str] | None = None, vocab: 
             state.set(f"pairs/{c}", got)
         counts[c] = got
         log(f"  {c}: {got['pairs']:,} pairs ({got['dropped_empty']:,} with an empty side dropped)")
+        if got["pairs"] == 0:  # it would be listed in the marker's corpora but add nothing
+            raise UserError(_fetch(f"{k.archive} holds no sentence pair ({got['lines']:,} lines, every one "
+                                   f"with an empty side); or leave {c} out with --corpora"))
 
     # 2. dev (plain text) and test (SGML)
     if state.get("dev") is None:
         files = {lang: raw / f"{DEV.stem}.{lang}" for lang in (SRC, TGT)}
         extract(archives / DEV.archive, {p.name: p for p in files.values()})
-        state.set("dev", pair_lines(files[SRC], files[TGT], False, DEV.archive, text / f"dev.{SRC}",
-                                    text / f"dev.{TGT}"))
+        got = pair_lines(files[SRC], files[TGT], False, DEV.archive, text / f"dev.{SRC}", text / f"dev.{TGT}")
+        if got["pairs"] == 0:
+            raise UserError(_fetch(f"{DEV.archive} holds no sentence pair in {DEV.stem}.{{{SRC},{TGT}}}"))
+        state.set("dev", got)
     if state.get("test") is None:
         files = {lang: raw / f for lang, f in TEST_FILES.items()}
         extract(archives / TEST_ARCHIVE, {p.name: p for p in files.values()})
@@ -304,14 +343,10 @@ def prepare(archives: Path, out: Path, corpora: list[str] | None = None, vocab: 
 
     for lang in (SRC, TGT):
         if state.get(f"spm/{lang}") is None:
-            cat = part / f"spm_input.{lang}"
-            with open(cat, "wb") as f:
-                for c in chosen:
-                    with open(text / f"{c}.{lang}", "rb") as g:
-                        shutil.copyfileobj(g, f, 1 << 20)
             log(f"  training the {lang} subword model ({vocab:,} pieces)")
-            train_spm(cat, part / f"spm.{lang}", vocab, spm_sentences)
-            cat.unlink()
+            model = train_spm([text / f"{c}.{lang}" for c in chosen], sum(counts[c]["pairs"] for c in chosen),
+                              vocab, spm_sentences)
+            atomic_write(part / f"spm.{lang}.model", lambda f, m=model: f.write(m))
             state.set(f"spm/{lang}", True)
     sps = {lang: spm.SentencePieceProcessor(model_file=str(part / f"spm.{lang}.model")) for lang in (SRC, TGT)}
     sizes = {lang: sps[lang].get_piece_size() for lang in (SRC, TGT)}

@@ -1,0 +1,318 @@
+"""What every data_prep survives (README "What a run survives", issue 29), on the tiny generated
+releases: the same archives give the same bytes and data_fingerprint; a prep killed mid-write (SIGKILL)
+leaves a temp file that the next run removes, and then gives the same output as an uninterrupted run;
+the lm1b pool workers die with a killed prep; Ctrl-C and SIGTERM stop a prep in one line (130, 143);
+a full disk or a read-only --out is one line naming the path (exit 2)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from conftest import REPO, mount_tmpfs
+from data_prep.speech import have_espeak
+from mpt import config as C
+
+PREPS = ("imagenet", "voc", "librispeech", "aishell", "wmt15", "lm1b", "celeba")
+SPEECH = ("librispeech", "aishell")
+OPTIONS = {"wmt15": dict(vocab=120, spm_sentences=200)}  # fewer sentences than the corpus: the sample is drawn
+
+
+def _generate(name, d):
+    """The tiny release of data_prep.<name> written under d; the prep's source (folder or archive)."""
+    import importlib
+
+    generate = importlib.import_module(f"data_prep.{name}.tiny").generate
+    if name == "imagenet":
+        generate(d, classes=4, train_per_class=6, val_per_class=3, size=48, seed=3)
+    elif name == "voc":
+        generate(d, size=64, trainval=6, test=4, trainval12=2)
+    elif name == "librispeech":
+        return generate(d, train=6, dev=3)
+    elif name == "aishell":
+        return generate(d, train=4, dev=2, test=2, per_speaker=2).parent
+    elif name == "wmt15":
+        generate(d, train=600, dev=40, test=40)
+    elif name == "lm1b":
+        return generate(d)
+    elif name == "celeba":
+        generate(d, train=8, valid=4, test=4)
+    return d
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """name -> the tiny release, generated on first use."""
+    made = {}
+
+    def get(name):
+        if name in SPEECH and not have_espeak():
+            pytest.skip("espeak-ng is not installed (setup.sh installs it as root)")
+        if name not in made:
+            made[name] = _generate(name, tmp_path_factory.mktemp(f"{name}_release"))
+        return made[name]
+
+    return get
+
+
+def prepare(name, source, out, **kw):
+    import importlib
+
+    prep = importlib.import_module(f"data_prep.{name}.prepare")
+    return prep.prepare(source, out, log=lambda *a: None, **OPTIONS.get(name, {}), **kw)
+
+
+def cli_args(name, source, out, workers=None) -> list[str]:
+    args = ["--archive" if name == "lm1b" else "--archives", str(source), "--out", str(out)]
+    for k, v in OPTIONS.get(name, {}).items():
+        args += [f"--{k.replace('_', '-')}", str(v)]
+    return args + (["--workers", str(workers)] if workers else [])
+
+
+def start_prep(name, args, before="", **popen):
+    """`python -m data_prep.<name> ARGS` as a child process, with the Python code `before` run first
+    (a patch that kills it mid-write or slows a worker down)."""
+    code = textwrap.dedent(before) + f"\nfrom data_prep.{name}.__main__ import main\nmain({args!r})\n"
+    return subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, **popen)
+
+
+def run_prep(name, args, before="") -> tuple[int, list[str]]:
+    """Run it to its end: (exit code, the non-blank stderr lines)."""
+    p = start_prep(name, args, before)
+    _, err = p.communicate(timeout=300)
+    return p.returncode, [ln for ln in err.splitlines() if ln.strip()]
+
+
+def contents(out) -> dict[str, bytes]:
+    """Every file under out, by relative path; the marker without its volatile keys (when, how long)."""
+    files = {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    marker = json.loads(files.pop("prepared.json"))
+    files["prepared.json"] = json.dumps({k: v for k, v in marker.items() if k not in C._MARKER_VOLATILE},
+                                        sort_keys=True).encode()
+    return files
+
+
+def fingerprint(out) -> str:
+    return C.data_fingerprint(out, ("classes.json", "vocab.txt"))  # the files the experiments' tasks name
+
+
+def temp_files(out) -> list[str]:
+    return sorted(str(p.relative_to(out)) for p in out.rglob(".*.tmp"))
+
+
+@pytest.fixture(scope="module")
+def clean(sources, tmp_path_factory):
+    """name -> the output of one uninterrupted prep (in-process, one worker)."""
+    made = {}
+
+    def get(name):
+        if name not in made:
+            out = tmp_path_factory.mktemp(f"{name}_clean") / "out"
+            prepare(name, sources(name), out, **({"workers": 1} if name in ("imagenet", "lm1b") else {}))
+            made[name] = out
+        return made[name]
+
+    return get
+
+
+# ------------------------------------------------------------------ item 5: deterministic
+
+
+@pytest.mark.parametrize("name", PREPS)
+def test_same_archives_give_the_same_bytes_and_fingerprint(name, sources, clean, tmp_path):
+    """Another folder (and, where the prep has workers, another number of them) gives the same bytes.
+    WMT15's subword models differed between two fresh preps (sentencepiece's random sample, thread
+    count and paths in the model): a different data_fingerprint for the same data."""
+    other = tmp_path / "elsewhere" / "prepared"
+    prepare(name, sources(name), other, **({"workers": 2} if name in ("imagenet", "lm1b") else {}))
+    a, b = contents(clean(name)), contents(other)
+    assert sorted(a) == sorted(b)
+    assert [k for k in a if a[k] != b[k]] == []
+    assert fingerprint(clean(name)) == fingerprint(other) not in ("unprepared", "none")
+
+
+# ------------------------------------------------------------------ item 8: a killed prep
+
+
+KILL_AT_THIRD_RENAME = """
+import os, signal
+_renames, _replace = [0], os.replace
+def _killing_replace(src, dst, *a, **k):  # SIGKILL with the 3rd temp file whole but not yet renamed
+    if os.path.basename(str(src)).startswith(".") and str(src).endswith(".tmp"):
+        _renames[0] += 1
+        if _renames[0] == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+    return _replace(src, dst, *a, **k)
+os.replace = _killing_replace
+"""
+
+
+@pytest.mark.parametrize("name", PREPS)
+def test_killed_prep_leaves_no_temp_file_after_the_rerun(name, sources, clean, tmp_path):
+    """kill -9 during a write leaves its `.<file>.XXXX.tmp` (atomic_write's own); the next run removes
+    it wherever it lies under --out, and finishes with the bytes of an uninterrupted prep."""
+    out = tmp_path / "out"
+    code, _ = run_prep(name, cli_args(name, sources(name), out, workers=1 if name in ("imagenet", "lm1b") else None),
+                       KILL_AT_THIRD_RENAME)
+    assert code == -signal.SIGKILL
+    left = temp_files(out)
+    assert len(left) == 1 and not (out / "prepared.json").exists(), left
+    prepare(name, sources(name), out, **({"workers": 1} if name in ("imagenet", "lm1b") else {}))
+    assert temp_files(out) == []
+    assert contents(out) == contents(clean(name)) and fingerprint(out) == fingerprint(clean(name))
+
+
+SLOW_WORKERS = """
+import os, pathlib, time
+import data_prep.lm1b.prepare as _prep
+def _count(*a):  # a pool worker that says it is working, then works for a minute
+    pathlib.Path({flags!r}, str(os.getpid())).touch()
+    time.sleep(60)
+_prep._count = _count
+"""
+
+
+def _alive(pid) -> bool:
+    """Running (a zombie -- dead, not yet reaped by whoever inherited it -- is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+class SlowLm1bPrep:
+    """`python -m data_prep.lm1b --workers 2` as a child process whose two pool workers each start a
+    task and work in it for a minute: `with` it, `workers` holds their pids once both are working.
+    On leaving, the prep and any worker still running are killed (never left to the machine), then
+    `err` holds the prep's stderr (read only then: a surviving worker holds the pipe open)."""
+
+    def __init__(self, source, out, flags, **popen):
+        flags.mkdir()
+        self.flags, self.err = flags, None
+        self.p = start_prep("lm1b", cli_args("lm1b", source, out, workers=2),
+                            SLOW_WORKERS.format(flags=str(flags)), **popen)
+
+    def __enter__(self):
+        end = time.time() + 60
+        while len(list(self.flags.iterdir())) < 2:
+            if self.p.poll() is not None or time.time() > end:
+                self.__exit__()
+                pytest.fail(f"the pool workers did not start: {self.err[-2000:]}")
+            time.sleep(0.1)
+        self.workers = [int(f.name) for f in self.flags.iterdir()]
+        return self
+
+    def __exit__(self, *exc):
+        if self.p.poll() is None:
+            self.p.kill()
+        for w in (int(f.name) for f in self.flags.iterdir()):
+            if _alive(w):
+                os.kill(w, signal.SIGKILL)
+        self.err = self.p.communicate(timeout=60)[1]
+
+    def survivors(self, timeout=10.0) -> list[int]:
+        """The workers still running after up to `timeout` s."""
+        end = time.time() + timeout
+        while any(_alive(w) for w in self.workers) and time.time() < end:
+            time.sleep(0.1)
+        return [w for w in self.workers if _alive(w)]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_lm1b_workers_die_with_a_killed_prep(sources, tmp_path):
+    """kill -9 of the prep (an OOM kill, a cluster's SIGKILL) left its pool workers running their
+    tasks to the end (half an hour on the real release); PR_SET_PDEATHSIG kills them with it."""
+    with SlowLm1bPrep(sources("lm1b"), tmp_path / "out", tmp_path / "flags") as prep:
+        prep.p.kill()  # SIGKILL: no handler, no cleanup runs in the prep
+        prep.p.wait(timeout=30)
+        survivors = prep.survivors()
+    assert survivors == [], "pool workers outlived the killed prep"
+
+
+# ------------------------------------------------------------------ item 4: Ctrl-C, full or read-only disk
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_ctrl_c_stops_a_prep_in_one_line_and_the_rerun_finishes(sig, code, sources, clean, tmp_path):
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) or SIGTERM during the lm1b
+    prep: one line, exit 128 + the signal, no worker left; the same command again finishes the work."""
+    out = tmp_path / "out"
+    with SlowLm1bPrep(sources("lm1b"), out, tmp_path / "flags", start_new_session=True) as prep:
+        if sig == signal.SIGINT:
+            os.killpg(prep.p.pid, sig)
+        else:
+            prep.p.send_signal(sig)
+        prep.p.wait(timeout=60)
+        survivors = prep.survivors()
+    lines = [ln for ln in prep.err.splitlines() if ln.strip()]
+    assert prep.p.returncode == code, prep.err[-2000:]
+    assert len(lines) == 1 and lines[0].startswith(f"interrupted ({sig.name}); run the same command again"), lines
+    assert str(out) in lines[0]
+    assert survivors == []
+    assert run_prep("lm1b", cli_args("lm1b", sources("lm1b"), out, workers=2))[0] == 0
+    assert contents(out) == contents(clean("lm1b"))
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 16 KiB tmpfs (a real full disk: smaller than any tiny prep's output), else None."""
+    mnt = tmp_path / "full"
+    if not mount_tmpfs(mnt, "size=16k"):
+        yield None
+        return
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+NO_SPACE = """
+import errno, os
+def _fsync(fd):  # where the kernel would say it (no tmpfs can be mounted here)
+    raise OSError(errno.ENOSPC, "No space left on device")
+os.fsync = _fsync
+"""
+
+
+@pytest.mark.parametrize("name", ["imagenet", "wmt15"])
+def test_full_disk_is_one_line_naming_the_path(name, sources, full_disk, tmp_path):
+    where = full_disk or tmp_path / "out"
+    code, lines = run_prep(name, cli_args(name, sources(name), where), "" if full_disk else NO_SPACE)
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"error: No space left on device: {where}"), lines
+    assert "--out" in lines[0]  # the fix: free space or choose another --out
+
+
+@pytest.fixture
+def read_only(tmp_path):
+    """A read-only folder: a read-only tmpfs (root with mount rights), else a folder without write
+    permission (not root); the errno's words expected. Root without mount rights: skipped, as nothing
+    stops root from writing."""
+    mnt = tmp_path / "ro"
+    if mount_tmpfs(mnt, "ro,size=16k"):
+        try:
+            yield mnt, "Read-only file system"
+        finally:
+            subprocess.run(["umount", str(mnt)], capture_output=True)
+    elif os.geteuid() != 0:
+        mnt.chmod(0o500)
+        yield mnt, "Permission denied"
+        mnt.chmod(0o700)
+    else:
+        pytest.skip("root cannot mount a read-only tmpfs here, and permissions do not stop root")
+
+
+@pytest.mark.parametrize("name", ["imagenet", "wmt15", "lm1b", "celeba"])
+def test_read_only_out_is_one_line_naming_the_path(name, sources, read_only):
+    where, words = read_only
+    code, lines = run_prep(name, cli_args(name, sources(name), where))
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"error: {words}: {where}"), lines
+    assert "--out" in lines[0]
