@@ -24,6 +24,7 @@ result, none inside the backward pass.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import warnings
@@ -374,6 +375,78 @@ def _tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
             yield from _tensors(x, depth + 1)
 
 
+def hook_targets(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules whose outputs are measured ("root" for the model itself): leaf modules and
+    modules owning parameters directly, not nn.Identity."""
+    targets = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Identity):
+            continue
+        is_leaf = next(module.children(), None) is None
+        owns_params = next(module.parameters(recurse=False), None) is not None
+        if is_leaf or owns_params:
+            targets.append((name or "root", module))
+    return targets
+
+
+class ValueRanges:
+    """Where the values themselves (not their gradients) fall relative to FP16's range, per layer:
+    forward activations (`recording()`: the outputs of the modules `hook_targets` names, for every
+    forward pass inside the context) and weights (`add`). An activation above 65504 is inf in FP16
+    -- the forward-pass overflow of a model pretrained in BF16 or FP32 -- and one at or below 2^-25
+    is zero. Counted like the gradients (FP64 copies, bands by what FP16 rounding stores); an
+    output that is the unchanged input of a non-in-place module is counted once, at its producer.
+
+    summary() -> {layer: {"count", "frac_<band>" for each of BANDS, "nonfinite", "max_abs", "hist"}}
+    (hist: counts of exponents lo..hi, end bins holding everything beyond)."""
+
+    def __init__(self, lo: int = HIST_LO, hi: int = HIST_HI):
+        _check_range(lo, hi)
+        self.lo, self.hi = int(lo), int(hi)
+        self._groups: dict[str, _Group] = {}
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        if t.numel() == 0:
+            return
+        with torch.no_grad():
+            group = self._groups.get(name)
+            if group is None:
+                group = self._groups[name] = _Group(t.device)
+            group.add(t.detach(), 1.0)
+
+    @contextlib.contextmanager
+    def recording(self, model: nn.Module):
+        handles = [m.register_forward_hook(self._hook(name, bool(getattr(m, "inplace", False))))
+                   for name, m in hook_targets(model)]
+        try:
+            yield self
+        finally:
+            for h in handles:
+                h.remove()
+
+    def _hook(self, name: str, inplace: bool):
+        def hook(mod, inputs, output):
+            ins = list(_tensors(inputs))
+            for t in _tensors(output):
+                if t.is_floating_point() and (inplace or not any(t is x for x in ins)):
+                    self.add(name, t)
+
+        return hook
+
+    def summary(self) -> dict[str, dict]:
+        out = {}
+        raw_exp = torch.arange(_RAW_LO, _RAW_HI + 1, dtype=torch.int64)
+        target = raw_exp.clamp(self.lo, self.hi) - self.lo
+        for name, g in self._groups.items():
+            zero, under, sub, normal, nonfinite = g.bands.cpu().tolist()
+            n = g.count
+            fracs = dict(zip(BANDS, (zero, under, sub, normal, n - zero - under - sub - normal)))
+            hist = torch.zeros(self.hi - self.lo + 1, dtype=torch.int64).index_add_(0, target, g.hist.cpu())
+            out[name] = {"count": n, **{f"frac_{b}": (c / n if n else 0.0) for b, c in fracs.items()},
+                         "nonfinite": nonfinite, "max_abs": float(g.max_abs.cpu()), "hist": hist.tolist()}
+        return out
+
+
 def _layer_of(param_name: str) -> str:
     """Module name owning a parameter: "features.0.weight" -> "features.0"; root -> "root"."""
     return param_name.rpartition(".")[0] or "root"
@@ -541,15 +614,7 @@ class Numerics:
         self._handles = []
 
     def _hook_targets(self) -> list[tuple[str, nn.Module]]:
-        targets = []
-        for name, module in self.model.named_modules():
-            if isinstance(module, nn.Identity):
-                continue
-            is_leaf = next(module.children(), None) is None
-            owns_params = next(module.parameters(recurse=False), None) is not None
-            if is_leaf or owns_params:
-                targets.append((name or "root", module))
-        return targets
+        return hook_targets(self.model)
 
     def _forward_hook(self, name: str, module: nn.Module):
         generation = self._generation

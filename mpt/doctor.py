@@ -1,0 +1,659 @@
+"""Can my model train in FP16, and how? `python -m mpt.doctor TARGET` measures it on the user's own model.
+
+TARGET is one of:
+  module:function    function() returns (model, loss, batches) or (model, loss, batches, optimizer), or a
+                     dict with those keys: `loss(model, batch)` gives the mean loss (or (mean loss, items),
+                     as Task.loss), `batches` is a list of batches (tensors, or tuples/dicts of tensors),
+                     `optimizer(model)` builds the optimizer (default: SGD, lr 0.01, momentum 0.9);
+                     mpt/doctor_examples.py has three.
+  module:TaskClass   a subclass of mpt.task.Task (its datasets, model, optimizer and loss under the
+                     default Config); a function returning a Task instance works too.
+  experiment:NAME    one of this repository's experiments, with --profile and key=value overrides as a run
+                     takes them (its data must be prepared).
+
+What it does, through the one recipe and step code every run uses (mpt.precision, mpt.step.loss_step):
+  1. trains a copy of the model for --steps steps in FP32 with every measurement on (mpt.numerics:
+     gradient exponent histograms per layer, section 3.1's swamping, ValueRanges for the forward pass;
+     mpt.memory.ActivationMeter for the bytes saved for backward);
+  2. replays the same steps from the same weights in FP16 without loss scaling (precision=fp16, S = 1);
+  3. decides a verdict from the measurements: fp16 as it is, fp16 + a static S (which), fp16 + dynamic S,
+     or bf16 / layers kept in FP32 -- and replays the same steps once more in the recipe it recommends,
+     so the verdict says whether that recipe then trains (skipped steps, progress against FP32).
+It prints a one-screen report and writes report.md, report.json and histograms.png (--out).
+
+"Progress" compares a replay's mean loss over its last steps with FP32's on the same batches:
+(first loss - its loss) / (first loss - FP32's loss); 100% = learns as FP32 did, 0 = did not learn.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import copy
+import importlib
+import inspect
+import math
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from mpt import precision as recipes
+from mpt.config import Config
+from mpt.errors import UserError, cli
+from mpt.memory import ActivationMeter
+from mpt.numerics import (FP16_MAX, FP16_ROUNDS_TO_INF, HIST_HI, HIST_LO, Numerics, ValueRanges,
+                          advise_loss_scale)
+from mpt.ranks import pick_device, to_device
+from mpt.rundir import atomic_write_bytes, atomic_write_json, atomic_write_text
+from mpt.step import loss_step
+from mpt.task import Task
+
+STEPS = 20
+TOLERANCE = 1e-3  # a share of non-zero values flushed to zero that we call negligible
+MARGIN = 2.0  # headroom of the advised static S: S x max|gradient| x MARGIN < 65504 (section 3.2)
+MAX_SCALE = 2.0**24
+SWAMP_MATTERS = 0.01  # FP16 weights losing more than 1% of the updates: the FP32 master copy matters
+WIDE = 16.0  # a static S is advised when the usable range spans at least this factor; else dynamic
+FORM = ("return (model, loss, batches) or (model, loss, batches, optimizer), or a dict with those keys, "
+        "where loss(model, batch) gives the mean loss and optimizer(model) builds the optimizer "
+        "(see mpt/doctor_examples.py)")
+
+
+@dataclass
+class Patient:
+    """The model under examination. Every phase trains its own deep copy of `model` (same weights)."""
+    name: str
+    model: nn.Module
+    loss: Callable  # loss(model, batch) -> mean loss, or (mean loss, items)
+    batches: list
+    optimizer: Callable[[nn.Module], torch.optim.Optimizer]
+    notes: list[str] = field(default_factory=list)
+
+
+# ------------------------------------------------------------------------------------------------
+# the patient from the command line
+
+
+def default_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+
+def load(target: str, overrides: list[str] = (), profile: str | None = None, steps: int = STEPS) -> Patient:
+    """The Patient named by TARGET (module docstring)."""
+    if ":" not in target:
+        raise UserError(f"{target!r}: write module:function (e.g. mpt.doctor_examples:underflow) or experiment:NAME")
+    mod_name, attr = target.split(":", 1)
+    if mod_name == "experiment":
+        return _from_experiment(attr, list(overrides), profile, steps)
+    if overrides or profile:
+        raise UserError(f"--profile and key=value overrides are for experiment:NAME targets, not {target!r}")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise UserError(f"cannot import module {mod_name!r} ({type(e).__name__}: {e}); give a module importable "
+                        f"from the current directory, e.g. mpt.doctor_examples:underflow") from None
+    obj = getattr(mod, attr, None)
+    if obj is None:
+        public = sorted(k for k, v in vars(mod).items() if callable(v) and not k.startswith("_")
+                        and getattr(v, "__module__", None) == mod.__name__)
+        raise UserError(f"module {mod_name!r} has no {attr!r}; it defines: {', '.join(public) or 'nothing callable'}")
+    if inspect.isclass(obj) and issubclass(obj, Task):
+        return _from_task(obj(), Config(), target, steps)
+    if not callable(obj):
+        raise UserError(f"{target} is a {type(obj).__name__}, not a function; {FORM}")
+    got = obj()
+    if isinstance(got, Task):
+        return _from_task(got, Config(), target, steps)
+    return _from_value(got, target)
+
+
+def _from_value(got: Any, target: str) -> Patient:
+    keys = ("model", "loss", "batches", "optimizer")
+    if isinstance(got, dict):
+        unknown = set(got) - set(keys)
+        if unknown or not {"model", "loss", "batches"} <= set(got):
+            raise UserError(f"{target} returned a dict with keys {sorted(got)}; {FORM}")
+        parts = [got.get(k) for k in keys]
+    elif isinstance(got, (tuple, list)) and len(got) in (3, 4):
+        parts = list(got) + [None] * (4 - len(got))
+    else:
+        what = f"a {len(got)}-tuple" if isinstance(got, (tuple, list)) else f"a {type(got).__name__}"
+        raise UserError(f"{target} returned {what}; {FORM}")
+    model, loss, batches, opt = parts
+    if not isinstance(model, nn.Module):
+        raise UserError(f"{target}: the model is a {type(model).__name__}, not a torch.nn.Module; {FORM}")
+    if not callable(loss):
+        raise UserError(f"{target}: the loss is a {type(loss).__name__}, not a function loss(model, batch); {FORM}")
+    if opt is not None and not callable(opt):
+        raise UserError(f"{target}: the optimizer is a {type(opt).__name__}, not a function optimizer(model); {FORM}")
+    try:
+        batches = list(batches)
+    except TypeError:
+        raise UserError(f"{target}: the batches are a {type(batches).__name__}, not a list of batches; {FORM}") from None
+    if not batches:
+        raise UserError(f"{target}: no batches; give at least one (the doctor cycles through them)")
+    return Patient(target, model, loss, batches, opt or default_optimizer,
+                   [] if opt else ["optimizer: SGD, lr 0.01, momentum 0.9 (the default; return your own as the 4th item)"])
+
+
+def _from_task(task: Task, cfg, name: str, steps: int) -> Patient:
+    """A Task's model, optimizer, loss and first `steps` training batches, as the engine would draw them
+    (mpt.data's seeded sampler and dataset, the task's collate and order); one optimizer, constant lr."""
+    from torch.utils.data import DataLoader
+
+    from mpt.data import EpochSampler, SeededDataset
+
+    if type(task).train_step is not Task.train_step:
+        raise UserError(f"{name}: {type(task).__qualname__} has its own train_step (several losses or optimizers); "
+                        f"the doctor runs the default loss step: give module:function returning one model and loss")
+    torch.manual_seed(cfg.seed)
+    train, _ = task.datasets(cfg)
+    model = task.build_model(cfg)
+    if isinstance(model, nn.ModuleDict):
+        raise UserError(f"{name}: the task builds several models ({', '.join(model)}); the doctor examines one")
+    micro = max(1, cfg.train.batch_size // cfg.train.accum_steps)
+    if len(train) < micro:
+        raise UserError(f"{name}: train.batch_size={micro} is larger than the training set ({len(train)})")
+    ds = SeededDataset(train, cfg.seed)
+    sampler = EpochSampler(len(train), cfg.seed, task.shuffle_train, batch_size=micro, order=task.train_order,
+                           with_epoch=True)
+    loader = DataLoader(ds, batch_size=micro, sampler=sampler, drop_last=True, collate_fn=task.collate)
+    batches, epoch = [], 0
+    while len(batches) < steps:
+        sampler.set_epoch(epoch)
+        ds.set_epoch(epoch)
+        for b in loader:
+            batches.append(b)
+            if len(batches) == steps:
+                break
+        epoch += 1
+
+    def optimizer(m):
+        opts = dict(task.optimizers(m, cfg))
+        if len(opts) != 1:
+            raise UserError(f"{name}: the task has {len(opts)} optimizers; the doctor examines one")
+        return next(iter(opts.values()))
+
+    notes = [f"batches: the first {steps} training batches of {micro} (train.batch_size / accum_steps)",
+             f"optimizer: the task's, at its base learning rate (optim.lr={cfg.optim.lr}); the schedule is not applied"]
+    return Patient(name, model, task.loss, batches, optimizer, notes)
+
+
+def _from_experiment(name: str, overrides: list[str], profile: str | None, steps: int) -> Patient:
+    from mpt import config
+
+    args = ([f"profile={profile}"] if profile else []) + overrides
+    cfg = config.resolve(name, args)
+    mod = config.experiment_module(name)
+    label = f"experiment:{name} ({cfg.model}, profile {cfg.profile})"
+    return _from_task(mod.Task(), cfg, label, steps)
+
+
+# ------------------------------------------------------------------------------------------------
+# training phases, through the one recipe and step
+
+
+def _mean_loss(loss_fn, model, batch, where: str):
+    out = loss_fn(model, batch)
+    loss, items = out if isinstance(out, tuple) and len(out) == 2 else (out, 1)
+    if not isinstance(loss, torch.Tensor):
+        raise UserError(f"{where}: loss(model, batch) returned a {type(loss).__name__}; return the mean loss as a tensor")
+    if loss.numel() != 1:
+        raise UserError(f"{where}: loss(model, batch) returned a tensor of shape {tuple(loss.shape)}; "
+                        f"return the mean loss (a scalar), e.g. F.mse_loss(...) with reduction='mean'")
+    if not loss.requires_grad:
+        raise UserError(f"{where}: the loss does not depend on the model's parameters (no gradient); "
+                        f"compute it from model(batch)")
+    return loss.reshape(()), items
+
+
+def train(patient: Patient, precision: str, loss_scale: str = "auto", steps: int = STEPS,
+          device: torch.device | str = "cpu", numerics: bool = True) -> dict:
+    """Train a copy of the patient's model for `steps` steps under `precision` (mpt.precision.build: the same
+    recipes as every run) and measure: losses, skipped steps, forward value ranges per layer, and with
+    `numerics` the gradient histograms and swamping of every step (mpt.numerics.Numerics, as the engine
+    samples them) and the initial weights' ranges. Returns a dict of plain values."""
+    device = torch.device(device)
+    recipe = recipes.build(Config(precision=precision, loss_scale=loss_scale), device)
+    model = copy.deepcopy(patient.model).to(device)
+    opt = patient.optimizer(model)
+    model = recipe.prepare(model, [opt])
+    num = Numerics(model, every=1 if numerics else 0)
+    forward = ValueRanges()
+    weights = ValueRanges()
+    if numerics:
+        for pname, p in model.named_parameters():
+            weights.add(pname.rpartition(".")[0] or "root", p)
+    meter = ActivationMeter(model)
+    losses, samples, skipped = [], [], 0
+    for i in range(steps):
+        batch = to_device(patient.batches[i % len(patient.batches)], device, False)
+        sample: dict = {}
+
+        def step():
+            before = None
+            if numerics:  # as Run.optimizer_step samples: true gradients, then the update's fate (3.1)
+                sample.update(num.end(model.named_parameters(), recipe.loss_scale))
+                before = [w.detach().clone() for w in recipe.weights_of(opt)]
+            applied = recipe.step(opt)
+            if numerics:
+                sample.update(num.swamping(before, recipe.params_of(opt), recipe.weights_of(opt)))
+            return applied
+
+        num.begin(i)
+        with forward.recording(model):
+            loss, _, applied = loss_step(recipe, lambda b: _mean_loss(patient.loss, model, b, patient.name), [batch],
+                                         step, meter=meter if i == 0 else None)
+        losses.append(float(loss))
+        skipped += not applied
+        if numerics:
+            samples.append(sample)
+    return {"precision": precision, "loss_scale": loss_scale, "final_loss_scale": recipe.loss_scale,
+            "half_math": recipe.half_math, "losses": losses, "skipped": skipped,
+            "nonfinite_losses": sum(not math.isfinite(v) for v in losses), "forward": forward.summary(),
+            "weights": weights.summary(), "numerics": samples, "memory": meter.breakdown()}
+
+
+# ------------------------------------------------------------------------------------------------
+# analysis
+
+
+def _pow2(s: float | None) -> str:
+    if s is None:
+        return "none"
+    k = math.log2(s)
+    return f"2^{round(k)}" if k == round(k) else f"{s:g}"
+
+
+def _flushed_at(hist: list[int], k: int, lo: int = HIST_LO) -> int:
+    """Non-zero values of a true-gradient exponent histogram that FP16 stores as zero at S = 2^k: exponent
+    at most -26 - k (below 2^-25 / S; a value in [2^-25, 2^-24) x S rounds up to 2^-24, and only 2^-25 itself
+    rounds to zero, which this leaves out)."""
+    cut = -26 - k - lo
+    return sum(hist[: cut + 1]) if cut >= 0 else 0
+
+
+def _gradients(samples: list[dict]) -> dict:
+    """Per (kind, layer) over every sampled step: counts, zeros, FP16 underflow at S = 1 (exact bands:
+    the FP32 run's S is 1), non-finite, max |g|, and the summed exponent histogram."""
+    acc: dict = {}
+    for s in samples:
+        for key, v in s.items():
+            m = re.match(r"^numerics/(act|weight)/(.+)/count$", key)
+            if not m:
+                continue
+            kind, layer = m.groups()
+            p = f"numerics/{kind}/{layer}/"
+            a = acc.setdefault((kind, layer), {"count": 0, "zero": 0.0, "underflow": 0.0, "overflow": 0.0,
+                                               "max_abs": 0.0, "hist": None})
+            a["count"] += v
+            for band in ("zero", "underflow", "overflow"):
+                a[band] += s[p + f"frac_{band}"] * v
+            a["max_abs"] = max(a["max_abs"], s[p + "max_abs"])
+            h = s[p + "hist"]
+            a["hist"] = h if a["hist"] is None else [x + y for x, y in zip(a["hist"], h)]
+    out = {}
+    for (kind, layer), a in acc.items():
+        nonzero = a["count"] - round(a["zero"])
+        out.setdefault(kind, {})[layer] = {
+            "count": a["count"], "frac_zero": a["zero"] / a["count"] if a["count"] else 0.0,
+            "flushed_s1": a["underflow"] / nonzero if nonzero else 0.0, "overflow_s1": a["overflow"] / a["count"]
+            if a["count"] else 0.0, "max_abs": a["max_abs"], "hist": a["hist"], "nonzero": sum(a["hist"] or [])}
+    return out
+
+
+def _smallest_scale(hist: list[int], tol: float) -> float | None:
+    """The smallest power of two S <= 2^24 at which at most `tol` of the histogram's values flush to zero."""
+    n = sum(hist)
+    for k in range(0, 25):
+        if n == 0 or _flushed_at(hist, k) <= tol * n:
+            return 2.0**k
+    return None
+
+
+def _overflow_at(max_abs: float) -> float | None:
+    """The smallest power of two S at which S x max|g| rounds to inf in FP16."""
+    if not max_abs > 0:
+        return None
+    return 2.0 ** math.ceil(math.log2(FP16_ROUNDS_TO_INF / max_abs))
+
+
+def _progress(losses: list[float], ref: list[float]) -> float | None:
+    """(first loss - mean of the last steps) / (first loss - FP32's mean of the last steps)."""
+    tail = max(1, len(ref) // 4)
+    first, mine, theirs = ref[0], losses[-tail:], ref[-tail:]
+    if not all(math.isfinite(v) for v in mine):
+        return None
+    gain = first - sum(theirs) / tail
+    if gain <= 0:
+        return None
+    return (first - sum(mine) / tail) / gain
+
+
+def analyse(fp32: dict, fp16: dict, tol: float = TOLERANCE, margin: float = MARGIN) -> dict:
+    """The report's findings and verdict from the FP32 run (with numerics) and the FP16 (S = 1) replay."""
+    # Forward: values above 65504 are inf in FP16 (the layer needs BF16 or FP32); at or below 2^-25, zero.
+    fwd_rows = []
+    for layer, r in fp32["forward"].items():
+        nonzero = r["count"] * (1 - r["frac_zero"])
+        replay = fp16["forward"].get(layer, {})
+        fwd_rows.append({"layer": layer, "max_abs": r["max_abs"], "frac_overflow": r["frac_overflow"],
+                         "flushed": r["frac_underflow"] * r["count"] / nonzero if nonzero else 0.0,
+                         "fp16_nonfinite": replay.get("nonfinite", 0), "count": r["count"]})
+    overflow_layers = [r["layer"] for r in fwd_rows if r["frac_overflow"] > 0]
+    weight_overflow = [layer for layer, r in fp32["weights"].items() if r["frac_overflow"] > 0]
+    fp16_inf_layers = [r["layer"] for r in fwd_rows if r["fp16_nonfinite"] > 0]
+
+    # Backward: gradients at S = 1, the S range that keeps them, the first layer to overflow as S grows.
+    grads = _gradients(fp32["numerics"])
+    replay_grads = _gradients(fp16["numerics"])
+    kinds = {}
+    for kind in ("act", "weight"):
+        layers = grads.get(kind, {})
+        overall = layers.get("overall")
+        if overall is None:
+            continue
+        rows = [{"layer": layer, **{k: v for k, v in r.items() if k != "hist"},
+                 "s_min": _smallest_scale(r["hist"], tol), "s_max": advise_loss_scale(r["max_abs"], 1.0, MAX_SCALE)}
+                for layer, r in layers.items() if layer != "overall"]
+        rows.sort(key=lambda r: -r["flushed_s1"])
+        replay = replay_grads.get(kind, {}).get("overall", {})
+        kinds[kind] = {"overall": {k: v for k, v in overall.items() if k != "hist"}, "layers": rows,
+                       "hist": overall["hist"], "s_min": _smallest_scale(overall["hist"], tol),
+                       "fp16_frac_zero": replay.get("frac_zero")}
+    maxima = [(r["max_abs"], kind, r["layer"]) for kind, k in kinds.items() for r in k["layers"]]
+    top = max(maxima) if maxima else (0.0, None, None)
+    s_low = max((k["s_min"] for k in kinds.values() if k["s_min"] is not None), default=None)
+    if any(k["s_min"] is None for k in kinds.values()):
+        s_low = None
+    s_high = advise_loss_scale(top[0], 1.0, MAX_SCALE) if maxima else MAX_SCALE
+    advised = advise_loss_scale(top[0], margin, MAX_SCALE) if maxima else MAX_SCALE
+    backward = {
+        "kinds": kinds, "s_low": s_low, "s_high": s_high, "advised": advised, "tolerance": tol, "margin": margin,
+        "first_overflow": {"kind": top[1], "layer": top[2], "max_abs": top[0], "at_scale": _overflow_at(top[0])},
+    }
+
+    # The update (section 3.1): what FP16 weights would lose without the FP32 master copy.
+    sw = [s for s in fp32["numerics"] if "numerics/swamp/frac_swamped" in s]
+    update = {"frac_swamped_mean": sum(s["numerics/swamp/frac_swamped"] for s in sw) / len(sw) if sw else None,
+              "frac_swamped_max": max((s["numerics/swamp/frac_swamped"] for s in sw), default=None),
+              "frac_update_underflow_mean": sum(s["numerics/swamp/frac_update_underflow"] for s in sw) / len(sw)
+              if sw else None}
+    update["master_matters"] = (update["frac_swamped_max"] or 0.0) > SWAMP_MATTERS
+
+    verdict = _verdict(overflow_layers + [f"{w} (weights)" for w in weight_overflow], fp16_inf_layers,
+                       backward, fp16, fp32)
+    return {"forward": {"rows": fwd_rows, "overflow_layers": overflow_layers, "weight_overflow": weight_overflow,
+                        "fp16_inf_layers": fp16_inf_layers},
+            "backward": backward, "update": update, "verdict": verdict,
+            "fp16_progress": _progress(fp16["losses"], fp32["losses"])}
+
+
+def _verdict(overflow: list[str], inf_layers: list[str], bw: dict, fp16: dict, fp32: dict) -> dict:
+    """precision + loss_scale to use, why (the measurement), and the alternatives."""
+    s_low, s_high, advised = bw["s_low"], bw["s_high"], bw["advised"]
+    kinds = bw["kinds"]
+    flushed = {k: v["overall"]["flushed_s1"] for k, v in kinds.items()}
+    flushed_txt = ", ".join(f"{100 * v:.2f}% of non-zero {k}-gradient values" for k, v in flushed.items())
+    if overflow:
+        return {"precision": "bf16", "loss_scale": "auto",
+                "why": f"forward overflow: {', '.join(overflow)} reach(es) |x| > 65504 in FP32 training, inf in FP16 "
+                       f"(no loss scale changes the forward pass); BF16 has FP32's range",
+                "alternatives": [f"keep {', '.join(overflow)} in FP32 (and fp16 elsewhere)",
+                                 "rescale the layer (a normalisation before it) so its outputs stay below 65504"],
+                "keep_fp32": overflow}
+    if s_low is None or s_low > s_high:
+        return {"precision": "bf16", "loss_scale": "auto",
+                "why": f"no single loss scale fits: keeping all but {100 * bw['tolerance']:g}% of the gradients needs "
+                       f"S >= {_pow2(s_low) if s_low else 'more than 2^24'}, but {bw['first_overflow']['kind']} "
+                       f"gradients of {bw['first_overflow']['layer']} overflow above S = {_pow2(s_high)}",
+                "alternatives": ["mixed loss_scale=dynamic, accepting the flushed share at the scale it settles on"],
+                "keep_fp32": []}
+    if s_low == 1 and not inf_layers and fp16["nonfinite_losses"] == 0:
+        return {"precision": "fp16", "loss_scale": "auto",
+                "why": f"at S = 1 FP16 flushes only {flushed_txt} (<= {100 * bw['tolerance']:g}%): no scaling "
+                       f"needed (as the paper's Table 1 CNNs)",
+                "alternatives": ["mixed loss_scale=dynamic costs nothing and guards against later growth"],
+                "keep_fp32": []}
+    s = min(max(advised, s_low), s_high)
+    static = s_high / s_low >= WIDE
+    fo = bw["first_overflow"]
+    why = (f"at S = 1 FP16 flushes {flushed_txt}; S >= {_pow2(s_low)} keeps all but {100 * bw['tolerance']:g}%; "
+           f"the largest gradient ({fo['max_abs']:.3g}, {fo['kind']}-gradient of {fo['layer']}) overflows at "
+           f"S = {_pow2(fo['at_scale'])}; S = {_pow2(s)}: "
+           + ("the largest power of two with S x max|g| x 2 < 65504" if s == advised and advised < MAX_SCALE else
+              f"the doctor's cap (2^{round(math.log2(MAX_SCALE))})" if s == MAX_SCALE else "the range's edge"))
+    if static:
+        return {"precision": "mixed", "loss_scale": _num(s), "why": why + " (section 3.2)",
+                "alternatives": ["mixed loss_scale=dynamic finds a scale in the same range by itself"], "keep_fp32": []}
+    return {"precision": "mixed", "loss_scale": "dynamic",
+            "why": why + f"; the range is narrow (x{s_high / s_low:g}), so let the scale follow the gradients",
+            "alternatives": [f"mixed loss_scale={_num(s)} (static)"], "keep_fp32": []}
+
+
+def _num(s: float) -> str:
+    return str(int(s)) if s == int(s) else repr(s)
+
+
+def examine(patient: Patient, steps: int = STEPS, device="cpu", tol: float = TOLERANCE, margin: float = MARGIN,
+            verify: bool = True) -> dict:
+    """The whole examination: FP32 with numerics, the FP16 (S = 1) replay, the analysis and verdict, and a
+    replay in the recommended recipe. Returns the report as a dict (report.json)."""
+    t0 = time.time()
+    device = torch.device(device)
+    fp32 = train(patient, "fp32", steps=steps, device=device)
+    fp16 = train(patient, "fp16", steps=steps, device=device)
+    found = analyse(fp32, fp16, tol, margin)
+    v = found["verdict"]
+    runs = {"fp32": fp32, "fp16": fp16}
+    if verify and (v["precision"], v["loss_scale"]) != ("fp16", "auto"):
+        key = v["precision"] if v["loss_scale"] == "auto" else f"{v['precision']} loss_scale={v['loss_scale']}"
+        runs[key] = train(patient, v["precision"], v["loss_scale"], steps=steps, device=device, numerics=False)
+    checks = {}
+    for key, r in runs.items():
+        checks[key] = {"first_loss": r["losses"][0], "last_loss": r["losses"][-1], "skipped": r["skipped"],
+                       "nonfinite_losses": r["nonfinite_losses"], "final_loss_scale": r["final_loss_scale"],
+                       "progress": _progress(r["losses"], fp32["losses"]), "half_math": r["half_math"],
+                       "memory": r["memory"], "losses": r["losses"]}
+    verified = list(checks)[-1]
+    c = checks[verified]
+    v["checked"] = verified
+    v["confirmed"] = (c["skipped"] == 0 and c["nonfinite_losses"] == 0 and c["progress"] is not None
+                      and c["progress"] >= 0.8)
+    return {"patient": patient.name, "device": str(device), "steps": steps, "notes": patient.notes,
+            "fp16_max": FP16_MAX, "hist_lo": HIST_LO, "hist_hi": HIST_HI, **found, "runs": checks,
+            "forward_hist": _sum_hists(fp32["forward"]), "wall_s": time.time() - t0}
+
+
+def _sum_hists(summary: dict) -> list[int]:
+    total = None
+    for r in summary.values():
+        total = r["hist"] if total is None else [a + b for a, b in zip(total, r["hist"])]
+    return total or []
+
+
+# ------------------------------------------------------------------------------------------------
+# the report
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%" if abs(x) >= 0.001 or x == 0 else f"{100 * x:.3f}%"
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _memory_line(runs: dict) -> tuple[str, dict]:
+    fp32 = runs["fp32"]["memory"]["activation_only_bytes"]
+    lines, saved = [], {}
+    for key, r in runs.items():
+        m = r["memory"]
+        by = ", ".join(f"{d} {_bytes(b)}" for d, b in m["activation_only_bytes_by_dtype"].items())
+        frac = 1 - m["activation_only_bytes"] / fp32 if fp32 else 0.0
+        saved[key] = frac
+        lines.append(f"{key}: {_bytes(m['activation_only_bytes'])} ({by})"
+                     + ("" if key == "fp32" else f", {_pct(frac)} less than fp32"))
+    return "; ".join(lines), saved
+
+
+def text_report(rep: dict, max_layers: int = 4) -> list[str]:
+    """The one-screen report, as lines (the Markdown file adds tables)."""
+    fw, bw, up, v = rep["forward"], rep["backward"], rep["update"], rep["verdict"]
+    runs = rep["runs"]
+    out = [f"mpt.doctor {rep['patient']}: {rep['steps']} steps on {rep['device']}, FP32 then the same steps in FP16 "
+           f"(S = 1)"]
+    out += [f"  note: {n}" for n in rep["notes"]]
+    f32, f16 = runs["fp32"], runs["fp16"]
+    out.append(f"  loss: fp32 {f32['first_loss']:.4g} -> {f32['last_loss']:.4g}; fp16 (S = 1) -> {f16['last_loss']:.4g} "
+               f"(progress {_pct(f16['progress'])} of fp32's)")
+    out.append("Forward pass (FP32 values against FP16's range)")
+    rows = sorted(fw["rows"], key=lambda r: -r["max_abs"])
+    if rows:
+        r = rows[0]
+        out.append(f"  largest |activation|: {r['max_abs']:.3g} in {r['layer']}"
+                   + (" -- above 65504: inf in FP16" if r["frac_overflow"] > 0 else " (FP16 max 65504)"))
+    for r in [r for r in rows if r["frac_overflow"] > 0][:max_layers]:
+        out.append(f"  OVERFLOW {r['layer']}: {_pct(r['frac_overflow'])} of its outputs above 65504 "
+                   f"(max {r['max_abs']:.3g}); fp16 replay: {r['fp16_nonfinite']} inf/nan values")
+    if fw["weight_overflow"]:
+        out.append(f"  OVERFLOW weights of {', '.join(fw['weight_overflow'])} above 65504")
+    under = sorted((r for r in fw["rows"] if r["flushed"] > 0), key=lambda r: -r["flushed"])
+    out.append("  activations flushed to zero in FP16: " + (", ".join(f"{r['layer']} {_pct(r['flushed'])}" for r in
+                                                                    under[:max_layers]) or "none"))
+    out.append("Backward pass (gradients at S = 1; section 3.2)")
+    for kind, k in bw["kinds"].items():
+        o = k["overall"]
+        worst = ", ".join(f"{r['layer']} {_pct(r['flushed_s1'])}" for r in k["layers"][:3] if r["flushed_s1"] > 0)
+        out.append(f"  {kind}-gradients: {_pct(o['flushed_s1'])} of non-zero values flushed to zero at S = 1"
+                   + (f" (worst: {worst})" if worst else "") + f"; max |g| {o['max_abs']:.3g}; "
+                   f"keeping all but {_pct(bw['tolerance'])} needs S >= {_pow2(k['s_min']) if k['s_min'] else '> 2^24'}")
+        if k["fp16_frac_zero"] is not None:
+            out.append(f"    fp16 replay: zeros {_pct(o['frac_zero'])} of values in fp32 -> {_pct(k['fp16_frac_zero'])}")
+    fo = bw["first_overflow"]
+    cap = " (the doctor's cap)" if bw["s_high"] == MAX_SCALE else ""
+    out.append(f"  usable S: {_pow2(bw['s_low'])} .. {_pow2(bw['s_high'])}{cap}; first to overflow as S grows: "
+               f"{fo['kind']}-gradient of {fo['layer']} (max {fo['max_abs']:.3g}) at S = {_pow2(fo['at_scale'])}")
+    out.append("Update (section 3.1: FP16 weights without the FP32 master copy)")
+    out.append(f"  an FP16 weight would lose {_pct(up['frac_swamped_mean'])} of the updates (max {_pct(up['frac_swamped_max'])} "
+               f"in a step); {_pct(up['frac_update_underflow_mean'])} are below 2^-24 outright -> "
+               + ("keep the FP32 master copy (mixed / fp16, not fp16_pure)" if up["master_matters"]
+                  else "the master copy matters little at this learning rate"))
+    mem, _ = _memory_line(runs)
+    out.append(f"Memory (activations saved for backward, step 1): {mem}")
+    cmd = f"precision={v['precision']}" + ("" if v["loss_scale"] == "auto" else f" loss_scale={v['loss_scale']}")
+    out.append(f"Verdict: {cmd}")
+    out.append(f"  because {v['why']}")
+    c = runs[v["checked"]]
+    out.append(f"  checked: {v['checked']} replay: {c['skipped']} skipped steps, {c['nonfinite_losses']} non-finite "
+               f"losses, progress {_pct(c['progress'])} of fp32's -> "
+               + ("confirmed" if v["confirmed"] else "NOT confirmed: look at the report before trusting it"))
+    for a in v["alternatives"]:
+        out.append(f"  or: {a}")
+    return out
+
+
+def markdown_report(rep: dict) -> str:
+    lines = ["# Precision report: " + rep["patient"], "", "```", *text_report(rep, max_layers=8), "```", ""]
+    lines += ["## Forward pass: values per layer (FP32 run)", "",
+              "| layer | max abs | share above 65504 | share of non-zero flushed to zero | inf/nan in the fp16 replay |",
+              "|---|---|---|---|---|"]
+    for r in rep["forward"]["rows"]:
+        lines.append(f"| {r['layer']} | {r['max_abs']:.3g} | {_pct(r['frac_overflow'])} | {_pct(r['flushed'])} | "
+                     f"{r['fp16_nonfinite']} |")
+    for kind, k in rep["backward"]["kinds"].items():
+        lines += ["", f"## Backward pass: {kind}-gradients per layer (FP32 run, true values)", "",
+                  "| layer | flushed at S = 1 | max abs | S keeping all but the tolerance | largest S without overflow |",
+                  "|---|---|---|---|---|"]
+        for r in k["layers"]:
+            lines.append(f"| {r['layer']} | {_pct(r['flushed_s1'])} | {r['max_abs']:.3g} | {_pow2(r['s_min'])} | "
+                         f"{_pow2(r['s_max'])} |")
+    lines += ["", "## Replays", "", "| run | first loss | last loss | skipped | non-finite losses | progress vs fp32 | "
+              "activation bytes by dtype |", "|---|---|---|---|---|---|---|"]
+    for key, c in rep["runs"].items():
+        by = ", ".join(f"{d} {_bytes(b)}" for d, b in c["memory"]["activation_only_bytes_by_dtype"].items())
+        lines.append(f"| {key} | {c['first_loss']:.4g} | {c['last_loss']:.4g} | {c['skipped']} | "
+                     f"{c['nonfinite_losses']} | {_pct(c['progress'])} | {by} |")
+    lines += ["", "Histograms: histograms.png. Everything measured: report.json."]
+    return "\n".join(lines) + "\n"
+
+
+def figure(rep: dict) -> bytes:
+    """Exponent histograms with FP16's bands: forward activations, activation and weight gradients."""
+    from matplotlib.figure import Figure
+
+    from paper_tables.figures import draw_hist, render
+
+    lo = rep["hist_lo"]
+    panels = [("forward activations (FP32)", rep["forward_hist"], "tab:gray", ())]
+    s = rep["verdict"]["loss_scale"]
+    mark = ()
+    if s not in ("auto", "dynamic"):
+        mark = (-24 - round(math.log2(float(s))),)  # below this, flushed even at the advised S
+    for kind, k in rep["backward"]["kinds"].items():
+        title = f"{kind}-gradients (FP32, true values)" + (f"; dashed: 2^-24 / S, flushed below it at S = {s}"
+                                                              if mark else "")
+        panels.append((title, k["hist"], "tab:blue", mark))
+    fig = Figure(figsize=(9, 2.8 * len(panels)))
+    axes = fig.subplots(len(panels), 1, squeeze=False)[:, 0]
+    for ax, (title, hist, color, m) in zip(axes, panels):
+        counter = collections.Counter({lo + i: c for i, c in enumerate(hist) if c})
+        if counter:
+            draw_hist(ax, counter, title, color, m)
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("exponent of |value| (log2)")
+    axes[0].legend(fontsize=7, loc="upper left")
+    fig.suptitle(f"{rep['patient']}: {rep['steps']} steps", fontsize=10)
+    fig.tight_layout()
+    return render(fig, "png")
+
+
+def write(rep: dict, out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    files = [out / "report.md", out / "report.json", out / "histograms.png"]
+    atomic_write_text(files[0], markdown_report(rep))
+    atomic_write_json(files[1], rep)
+    atomic_write_bytes(files[2], figure(rep))
+    return files
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m mpt.doctor", description=__doc__.split("\n")[0],
+                                epilog="e.g. python -m mpt.doctor mpt.doctor_examples:underflow")
+    p.add_argument("target", help="module:function, module:TaskClass or experiment:NAME")
+    p.add_argument("overrides", nargs="*", help="key=value config overrides (experiment:NAME only)")
+    p.add_argument("--steps", type=int, default=STEPS, help=f"training steps per phase (default {STEPS})")
+    p.add_argument("--profile", default=None, help="the experiment's profile (experiment:NAME only), e.g. tiny")
+    p.add_argument("--device", default="auto", help="auto (a GPU when there is one), cpu, cuda, cuda:N")
+    p.add_argument("--out", default=None, help="folder for report.md, report.json, histograms.png "
+                                               "(default doctor_out/<target>)")
+    p.add_argument("--tolerance", type=float, default=TOLERANCE,
+                   help=f"share of non-zero gradient values allowed to flush to zero (default {TOLERANCE})")
+    p.add_argument("--no-verify", action="store_true", help="skip the replay in the recommended recipe")
+    a = p.parse_args(argv)
+    if a.steps < 1:
+        raise UserError(f"--steps={a.steps}: need at least 1 step")
+    if not 0 <= a.tolerance < 1:
+        raise UserError(f"--tolerance={a.tolerance}: need a share in [0, 1)")
+    device = pick_device(a.device)
+    patient = load(a.target, a.overrides, a.profile, a.steps)
+    rep = examine(patient, a.steps, device, a.tolerance, verify=not a.no_verify)
+    out = Path(a.out) if a.out else Path("doctor_out") / re.sub(r"[^\w.-]+", "_", a.target)
+    lines = text_report(rep)
+    files = write(rep, out)
+    print("\n".join(lines))
+    print(f"wrote {', '.join(str(f) for f in files)} ({rep['wall_s']:.1f} s)")
+    return rep
+
+
+if __name__ == "__main__":
+    cli(main)(sys.argv[1:])
