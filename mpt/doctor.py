@@ -122,7 +122,7 @@ def _from_value(got: Any, target: str) -> Patient:
     elif isinstance(got, (tuple, list)) and len(got) in (3, 4):
         parts = list(got) + [None] * (4 - len(got))
     else:
-        what = f"a {len(got)}-tuple" if isinstance(got, (tuple, list)) else f"a {type(got).__name__}"
+        what = f"a {len(got)}-tuple" if isinstance(got, (tuple, list)) else f"a value of type {type(got).__name__}"
         raise UserError(f"{target} returned {what}; {FORM}")
     model, loss, batches, opt = parts
     if not isinstance(model, nn.Module):
@@ -180,7 +180,8 @@ def _from_task(task: Task, cfg, name: str, steps: int) -> Patient:
         return next(iter(opts.values()))
 
     notes = [f"batches: the first {steps} training batches of {micro} (train.batch_size / accum_steps)",
-             f"optimizer: the task's, at its base learning rate (optim.lr={cfg.optim.lr}); the schedule is not applied"]
+             ("optimizer: the task's own optimizers()" if type(task).optimizers is not Task.optimizers
+              else f"optimizer: optim.name={cfg.optim.name}, optim.lr={cfg.optim.lr}") + "; no schedule applied"]
     return Patient(name, model, task.loss, batches, optimizer, notes)
 
 
@@ -421,8 +422,9 @@ def _verdict(overflow: list[str], inf_layers: list[str], bw: dict, fp16: dict, f
                 "alternatives": ["mixed loss_scale=dynamic costs nothing and guards against later growth"],
                 "keep_fp32": []}
     s = min(max(advised, s_low), s_high)
-    static = s_high / s_low >= WIDE
     fo = bw["first_overflow"]
+    # Wide: the scales between S_low and the first overflow (not the cap) span WIDE or more.
+    static = (fo["at_scale"] or math.inf) / 2 / s_low >= WIDE
     why = (f"at S = 1 FP16 flushes {flushed_txt}; S >= {_pow2(s_low)} keeps all but {100 * bw['tolerance']:g}%; "
            f"the largest gradient ({fo['max_abs']:.3g}, {fo['kind']}-gradient of {fo['layer']}) overflows at "
            f"S = {_pow2(fo['at_scale'])}; S = {_pow2(s)}: "
@@ -432,7 +434,7 @@ def _verdict(overflow: list[str], inf_layers: list[str], bw: dict, fp16: dict, f
         return {"precision": "mixed", "loss_scale": _num(s), "why": why + " (section 3.2)",
                 "alternatives": ["mixed loss_scale=dynamic finds a scale in the same range by itself"], "keep_fp32": []}
     return {"precision": "mixed", "loss_scale": "dynamic",
-            "why": why + f"; the range is narrow (x{s_high / s_low:g}), so let the scale follow the gradients",
+            "why": why + f"; the range is narrow (x{s_high / s_low:g}): let the scale follow the gradients",
             "alternatives": [f"mixed loss_scale={_num(s)} (static)"], "keep_fp32": []}
 
 

@@ -8,12 +8,16 @@ optimizer), with loss(model, batch) -> mean loss and optimizer(model) -> a torch
              2^-24: FP16 at S = 1 flushes them and does not learn; a loss scale brings them back (3.2)
   overflow   a layer with large weights (as a BF16- or FP32-pretrained layer may have, transformers #5651):
              its outputs exceed 65504, inf in FP16 whatever the loss scale; BF16 holds them
+  UnderflowTask  `underflow` as an mpt.task.Task (the `module:TaskClass` form; trainable by the engine)
 """
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+from mpt.task import Task
 
 N_BATCHES, BATCH, DIM = 8, 32, 16
 
@@ -85,3 +89,31 @@ def overflow():
         return F.mse_loss(model(x).float(), y)
 
     return _Pretrained(), loss, _data(scale=20.0), _sgd(0.05)
+
+
+class UnderflowTask(Task):
+    """`underflow` as a Task (the doctor's `module:TaskClass` form, and what tests/test_doctor.py trains through
+    the engine with the static S the doctor advises): the same batches, model, scaled loss and SGD."""
+    primary_metric, higher_is_better = "mse", False
+
+    def datasets(self, cfg):
+        batches = _data()
+        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+        return TensorDataset(x, y), TensorDataset(x, y)
+
+    def build_model(self, cfg):
+        return _mlp()
+
+    def optimizers(self, model, cfg):
+        return {"main": _sgd(0.05 / UNDERFLOW_SHIFT)(model)}  # the lr that goes with the scaled loss
+
+    def loss(self, model, batch):
+        x, y = batch
+        return F.mse_loss(model(x).float(), y) * UNDERFLOW_SHIFT, len(x)
+
+    def eval_sums(self, model, batch):
+        x, y = batch
+        return {"se": F.mse_loss(model(x).float(), y, reduction="sum"), "n": y.numel()}
+
+    def eval_metrics(self, sums):
+        return {"mse": sums["se"] / sums["n"]}
