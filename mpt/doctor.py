@@ -21,8 +21,9 @@ What it does, through the one recipe and step code every run uses (mpt.precision
      so the verdict says whether that recipe then trains (skipped steps, progress against FP32).
 It prints a one-screen report and writes report.md, report.json and histograms.png (--out).
 
-"Progress" compares a replay's mean loss over its last steps with FP32's on the same batches:
-(first loss - its loss) / (first loss - FP32's loss); 100% = learns as FP32 did, 0 = did not learn.
+"Progress" is how far a replay got, as a share of how far FP32 got: its mean loss over the last quarter of the
+steps against the untrained model's and FP32's on the same batches, (untrained - it) / (untrained - FP32);
+100% = learned as FP32 did, 0 = did not learn.
 """
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ TOLERANCE = 1e-3  # a share of non-zero values flushed to zero that we call negl
 MARGIN = 2.0  # headroom of the advised static S: S x max|gradient| x MARGIN < 65504 (section 3.2)
 MAX_SCALE = 2.0**24
 SWAMP_MATTERS = 0.01  # FP16 weights losing more than 1% of the updates: the FP32 master copy matters
+CONFIRM = 0.8  # a replay reaching 80% of FP32's progress over the same steps confirms a recipe
 WIDE = 16.0  # a static S is advised when the usable range spans at least this factor; else dynamic
 FORM = ("return (model, loss, batches) or (model, loss, batches, optimizer), or a dict with those keys, "
         "where loss(model, batch) gives the mean loss and optimizer(model) builds the optimizer "
@@ -73,6 +75,11 @@ class Patient:
     batches: list
     optimizer: Callable[[nn.Module], torch.optim.Optimizer]
     notes: list[str] = field(default_factory=list)
+    task: Task | None = None  # a Task's loss is called on a fresh copy of it in every phase (state it carries
+    #                           across batches, the bigLSTM's recurrent state, must start afresh in each replay)
+
+    def loss_fn(self) -> Callable:
+        return copy.deepcopy(self.task).loss if self.task is not None else self.loss
 
 
 # ------------------------------------------------------------------------------------------------
@@ -134,11 +141,12 @@ def _from_value(got: Any, target: str) -> Patient:
     try:
         batches = list(batches)
     except TypeError:
-        raise UserError(f"{target}: the batches are a {type(batches).__name__}, not a list of batches; {FORM}") from None
+        raise UserError(f"{target}: the batches are a {type(batches).__name__}, not a list of batches; "
+                        f"{FORM}") from None
     if not batches:
         raise UserError(f"{target}: no batches; give at least one (the doctor cycles through them)")
-    return Patient(target, model, loss, batches, opt or default_optimizer,
-                   [] if opt else ["optimizer: SGD, lr 0.01, momentum 0.9 (the default; return your own as the 4th item)"])
+    note = "optimizer: SGD, lr 0.01, momentum 0.9 (the default; return your own as the 4th item)"
+    return Patient(target, model, loss, batches, opt or default_optimizer, [] if opt else [note])
 
 
 def _from_task(task: Task, cfg, name: str, steps: int) -> Patient:
@@ -182,7 +190,7 @@ def _from_task(task: Task, cfg, name: str, steps: int) -> Patient:
     notes = [f"batches: the first {steps} training batches of {micro} (train.batch_size / accum_steps)",
              ("optimizer: the task's own optimizers()" if type(task).optimizers is not Task.optimizers
               else f"optimizer: optim.name={cfg.optim.name}, optim.lr={cfg.optim.lr}") + "; no schedule applied"]
-    return Patient(name, model, task.loss, batches, optimizer, notes)
+    return Patient(name, model, task.loss, batches, optimizer, notes, task)
 
 
 def _from_experiment(name: str, overrides: list[str], profile: str | None, steps: int) -> Patient:
@@ -203,7 +211,8 @@ def _mean_loss(loss_fn, model, batch, where: str):
     out = loss_fn(model, batch)
     loss, items = out if isinstance(out, tuple) and len(out) == 2 else (out, 1)
     if not isinstance(loss, torch.Tensor):
-        raise UserError(f"{where}: loss(model, batch) returned a {type(loss).__name__}; return the mean loss as a tensor")
+        raise UserError(f"{where}: loss(model, batch) returned a {type(loss).__name__}; "
+                        f"return the mean loss as a tensor")
     if loss.numel() != 1:
         raise UserError(f"{where}: loss(model, batch) returned a tensor of shape {tuple(loss.shape)}; "
                         f"return the mean loss (a scalar), e.g. F.mse_loss(...) with reduction='mean'")
@@ -214,13 +223,13 @@ def _mean_loss(loss_fn, model, batch, where: str):
 
 
 def train(patient: Patient, precision: str, loss_scale: str = "auto", steps: int = STEPS,
-          device: torch.device | str = "cpu", numerics: bool = True) -> dict:
+          device: torch.device | str = "cpu", numerics: bool = True, half_math: str = "auto") -> dict:
     """Train a copy of the patient's model for `steps` steps under `precision` (mpt.precision.build: the same
     recipes as every run) and measure: losses, skipped steps, forward value ranges per layer, and with
     `numerics` the gradient histograms and swamping of every step (mpt.numerics.Numerics, as the engine
     samples them) and the initial weights' ranges. Returns a dict of plain values."""
     device = torch.device(device)
-    recipe = recipes.build(Config(precision=precision, loss_scale=loss_scale), device)
+    recipe = recipes.build(Config(precision=precision, loss_scale=loss_scale, half_math=half_math), device)
     model = copy.deepcopy(patient.model).to(device)
     opt = patient.optimizer(model)
     model = recipe.prepare(model, [opt])
@@ -231,6 +240,7 @@ def train(patient: Patient, precision: str, loss_scale: str = "auto", steps: int
         for pname, p in model.named_parameters():
             weights.add(pname.rpartition(".")[0] or "root", p)
     meter = ActivationMeter(model)
+    loss_fn = patient.loss_fn()
     losses, samples, skipped = [], [], 0
     for i in range(steps):
         batch = to_device(patient.batches[i % len(patient.batches)], device, False)
@@ -248,7 +258,7 @@ def train(patient: Patient, precision: str, loss_scale: str = "auto", steps: int
 
         num.begin(i)
         with forward.recording(model):
-            loss, _, applied = loss_step(recipe, lambda b: _mean_loss(patient.loss, model, b, patient.name), [batch],
+            loss, _, applied = loss_step(recipe, lambda b: _mean_loss(loss_fn, model, b, patient.name), [batch],
                                          step, meter=meter if i == 0 else None)
         losses.append(float(loss))
         skipped += not applied
@@ -324,19 +334,35 @@ def _overflow_at(max_abs: float) -> float | None:
     return 2.0 ** math.ceil(math.log2(FP16_ROUNDS_TO_INF / max_abs))
 
 
-def _progress(losses: list[float], ref: list[float]) -> float | None:
-    """(first loss - mean of the last steps) / (first loss - FP32's mean of the last steps)."""
-    tail = max(1, len(ref) // 4)
-    first, mine, theirs = ref[0], losses[-tail:], ref[-tail:]
-    if not all(math.isfinite(v) for v in mine):
-        return None
-    gain = first - sum(theirs) / tail
-    if gain <= 0:
-        return None
-    return (first - sum(mine) / tail) / gain
+def _tail(steps: int) -> range:
+    """The steps whose losses measure where training got: the last quarter (at least one)."""
+    return range(steps - max(1, steps // 4), steps)
 
 
-def analyse(fp32: dict, fp16: dict, tol: float = TOLERANCE, margin: float = MARGIN) -> dict:
+def untrained_losses(patient: Patient, steps: int, device) -> list[float]:
+    """The initial model's FP32 losses on the batches of the tail steps: the level "no learning" stays at."""
+    model = copy.deepcopy(patient.model).to(device)  # a copy: a forward in train mode moves norm statistics
+    out, loss_fn = [], patient.loss_fn()
+    with torch.no_grad():
+        for i in _tail(steps):
+            loss = loss_fn(model, to_device(patient.batches[i % len(patient.batches)], device, False))
+            out.append(float(loss[0] if isinstance(loss, tuple) else loss))
+    return out
+
+
+def _progress(losses: list[float], ref: list[float], untrained: list[float]) -> float | None:
+    """How far a run got on the tail steps' batches, as a share of how far FP32 got from the untrained
+    model's losses on the same batches: 1 = as FP32, 0 = not at all (None: non-finite, or FP32 did not learn)."""
+    tail = _tail(len(ref))
+    mine = sum(losses[i] for i in tail) / len(tail)
+    theirs = sum(ref[i] for i in tail) / len(tail)
+    start = sum(untrained) / len(untrained)
+    if not math.isfinite(mine) or not start - theirs > 0:
+        return None
+    return (start - mine) / (start - theirs)
+
+
+def analyse(fp32: dict, fp16: dict, untrained: list[float], tol: float = TOLERANCE, margin: float = MARGIN) -> dict:
     """The report's findings and verdict from the FP32 run (with numerics) and the FP16 (S = 1) replay."""
     # Forward: values above 65504 are inf in FP16 (the layer needs BF16 or FP32); at or below 2^-25, zero.
     fwd_rows = []
@@ -392,7 +418,7 @@ def analyse(fp32: dict, fp16: dict, tol: float = TOLERANCE, margin: float = MARG
     return {"forward": {"rows": fwd_rows, "overflow_layers": overflow_layers, "weight_overflow": weight_overflow,
                         "fp16_inf_layers": fp16_inf_layers},
             "backward": backward, "update": update, "verdict": verdict,
-            "fp16_progress": _progress(fp16["losses"], fp32["losses"])}
+            "fp16_progress": _progress(fp16["losses"], fp32["losses"], untrained)}
 
 
 def _verdict(overflow: list[str], inf_layers: list[str], bw: dict, fp16: dict, fp32: dict) -> dict:
@@ -450,26 +476,49 @@ def examine(patient: Patient, steps: int = STEPS, device="cpu", tol: float = TOL
     device = torch.device(device)
     fp32 = train(patient, "fp32", steps=steps, device=device)
     fp16 = train(patient, "fp16", steps=steps, device=device)
-    found = analyse(fp32, fp16, tol, margin)
+    untrained = untrained_losses(patient, steps, device)
+    found = analyse(fp32, fp16, untrained, tol, margin)
     v = found["verdict"]
     runs = {"fp32": fp32, "fp16": fp16}
+    notes = list(patient.notes)
     if verify and (v["precision"], v["loss_scale"]) != ("fp16", "auto"):
         key = v["precision"] if v["loss_scale"] == "auto" else f"{v['precision']} loss_scale={v['loss_scale']}"
         runs[key] = train(patient, v["precision"], v["loss_scale"], steps=steps, device=device, numerics=False)
+    if device.type == "cpu" and any(isinstance(m, nn.RNNBase) for m in patient.model.modules()):
+        # Emulated FP16 math runs a recurrent layer whole in FP32 and autograd keeps its FP32 internals; its
+        # memory is measured with PyTorch's own FP16 kernels, one step (README, "FP16 math on a CPU").
+        for key, r in runs.items():
+            if key != "fp32":
+                r["memory"] = train(patient, r["precision"], r["loss_scale"], steps=1, device=device,
+                                    numerics=False, half_math="native")["memory"]
+                r["memory"]["half_math"] = "native"
+        notes.append("memory of the recurrent model measured with half_math=native (one step): emulated "
+                             "FP16 math keeps a recurrent layer's FP32 internals")
     checks = {}
     for key, r in runs.items():
-        checks[key] = {"first_loss": r["losses"][0], "last_loss": r["losses"][-1], "skipped": r["skipped"],
+        tail = [r["losses"][i] for i in _tail(steps)]
+        checks[key] = {"first_loss": r["losses"][0], "tail_loss": sum(tail) / len(tail), "skipped": r["skipped"],
                        "nonfinite_losses": r["nonfinite_losses"], "final_loss_scale": r["final_loss_scale"],
-                       "progress": _progress(r["losses"], fp32["losses"]), "half_math": r["half_math"],
+                       "progress": _progress(r["losses"], fp32["losses"], untrained), "half_math": r["half_math"],
                        "memory": r["memory"], "losses": r["losses"]}
     verified = list(checks)[-1]
     c = checks[verified]
     v["checked"] = verified
-    v["confirmed"] = (c["skipped"] == 0 and c["nonfinite_losses"] == 0 and c["progress"] is not None
-                      and c["progress"] >= 0.8)
-    return {"patient": patient.name, "device": str(device), "steps": steps, "notes": patient.notes,
-            "fp16_max": FP16_MAX, "hist_lo": HIST_LO, "hist_hi": HIST_HI, **found, "runs": checks,
-            "forward_hist": _sum_hists(fp32["forward"]), "wall_s": time.time() - t0}
+    # A static S must never skip; a dynamic scaler skips while it backs off from its initial 2^16 to the
+    # measured range (one skip per halving), and no more.
+    v["allowed_skips"] = 0
+    if v["loss_scale"] == "dynamic":
+        v["allowed_skips"] = max(0, math.ceil(math.log2(Config().scaler.init_scale / found["backward"]["s_high"])))
+    v["confirmed"] = (c["skipped"] <= v["allowed_skips"] and c["nonfinite_losses"] == 0
+                      and c["progress"] is not None and c["progress"] >= CONFIRM)
+    p16 = checks["fp16"]["progress"]
+    if v["precision"] != "fp16" and p16 is not None and p16 >= CONFIRM and checks["fp16"]["nonfinite_losses"] == 0:
+        v["alternatives"].append(f"precision=fp16 (S = 1) also reached {_pct(p16)} of FP32's progress in its replay, "
+                                 f"flushed values notwithstanding: over {steps} steps they did not matter")
+    return {"patient": patient.name, "device": str(device), "steps": steps, "notes": notes,
+            "untrained_tail_loss": sum(untrained) / len(untrained), "fp16_max": FP16_MAX, "hist_lo": HIST_LO,
+            "hist_hi": HIST_HI, **found, "runs": checks, "forward_hist": _sum_hists(fp32["forward"]),
+            "wall_s": time.time() - t0}
 
 
 def _sum_hists(summary: dict) -> list[int]:
@@ -512,11 +561,12 @@ def text_report(rep: dict, max_layers: int = 4) -> list[str]:
     """The one-screen report, as lines (the Markdown file adds tables)."""
     fw, bw, up, v = rep["forward"], rep["backward"], rep["update"], rep["verdict"]
     runs = rep["runs"]
-    out = [f"mpt.doctor {rep['patient']}: {rep['steps']} steps on {rep['device']}, FP32 then the same steps in FP16 "
-           f"(S = 1)"]
+    out = [f"mpt.doctor {rep['patient']}: {rep['steps']} steps on {rep['device']} in FP32, replayed in FP16 at S = 1"]
     out += [f"  note: {n}" for n in rep["notes"]]
     f32, f16 = runs["fp32"], runs["fp16"]
-    out.append(f"  loss: fp32 {f32['first_loss']:.4g} -> {f32['last_loss']:.4g}; fp16 (S = 1) -> {f16['last_loss']:.4g} "
+    n_tail = len(_tail(rep["steps"]))
+    out.append(f"  mean loss over the last {n_tail} steps' batches: untrained {rep['untrained_tail_loss']:.4g}, "
+               f"fp32 {f32['tail_loss']:.4g}, fp16 (S = 1) {f16['tail_loss']:.4g} "
                f"(progress {_pct(f16['progress'])} of fp32's)")
     out.append("Forward pass (FP32 values against FP16's range)")
     rows = sorted(fw["rows"], key=lambda r: -r["max_abs"])
@@ -530,23 +580,26 @@ def text_report(rep: dict, max_layers: int = 4) -> list[str]:
     if fw["weight_overflow"]:
         out.append(f"  OVERFLOW weights of {', '.join(fw['weight_overflow'])} above 65504")
     under = sorted((r for r in fw["rows"] if r["flushed"] > 0), key=lambda r: -r["flushed"])
-    out.append("  activations flushed to zero in FP16: " + (", ".join(f"{r['layer']} {_pct(r['flushed'])}" for r in
-                                                                    under[:max_layers]) or "none"))
+    worst = f"at most {_pct(under[0]['flushed'])} of a layer's non-zero outputs ({under[0]['layer']})" if under else ""
+    out.append("  activations flushed to zero in FP16: " + (worst or "none"))
     out.append("Backward pass (gradients at S = 1; section 3.2)")
     for kind, k in bw["kinds"].items():
         o = k["overall"]
         worst = ", ".join(f"{r['layer']} {_pct(r['flushed_s1'])}" for r in k["layers"][:3] if r["flushed_s1"] > 0)
         out.append(f"  {kind}-gradients: {_pct(o['flushed_s1'])} of non-zero values flushed to zero at S = 1"
                    + (f" (worst: {worst})" if worst else "") + f"; max |g| {o['max_abs']:.3g}; "
-                   f"keeping all but {_pct(bw['tolerance'])} needs S >= {_pow2(k['s_min']) if k['s_min'] else '> 2^24'}")
+                   f"keeping all but {_pct(bw['tolerance'])} needs S >= "
+                   f"{_pow2(k['s_min']) if k['s_min'] else 'more than 2^24'}")
         if k["fp16_frac_zero"] is not None:
-            out.append(f"    fp16 replay: zeros {_pct(o['frac_zero'])} of values in fp32 -> {_pct(k['fp16_frac_zero'])}")
+            out.append(f"    fp16 replay: zeros {_pct(o['frac_zero'])} of values in fp32 -> "
+                       f"{_pct(k['fp16_frac_zero'])}")
     fo = bw["first_overflow"]
     cap = " (the doctor's cap)" if bw["s_high"] == MAX_SCALE else ""
     out.append(f"  usable S: {_pow2(bw['s_low'])} .. {_pow2(bw['s_high'])}{cap}; first to overflow as S grows: "
                f"{fo['kind']}-gradient of {fo['layer']} (max {fo['max_abs']:.3g}) at S = {_pow2(fo['at_scale'])}")
     out.append("Update (section 3.1: FP16 weights without the FP32 master copy)")
-    out.append(f"  an FP16 weight would lose {_pct(up['frac_swamped_mean'])} of the updates (max {_pct(up['frac_swamped_max'])} "
+    out.append(f"  an FP16 weight would lose {_pct(up['frac_swamped_mean'])} of the updates "
+               f"(max {_pct(up['frac_swamped_max'])} "
                f"in a step); {_pct(up['frac_update_underflow_mean'])} are below 2^-24 outright -> "
                + ("keep the FP32 master copy (mixed / fp16, not fp16_pure)" if up["master_matters"]
                   else "the master copy matters little at this learning rate"))
@@ -556,7 +609,9 @@ def text_report(rep: dict, max_layers: int = 4) -> list[str]:
     out.append(f"Verdict: {cmd}")
     out.append(f"  because {v['why']}")
     c = runs[v["checked"]]
-    out.append(f"  checked: {v['checked']} replay: {c['skipped']} skipped steps, {c['nonfinite_losses']} non-finite "
+    allowed = f" (<= {v['allowed_skips']} while the scaler backs off from 2^16)" if v["allowed_skips"] else ""
+    out.append(f"  checked: {v['checked']} replay: {c['skipped']} skipped steps{allowed}, "
+               f"{c['nonfinite_losses']} non-finite "
                f"losses, progress {_pct(c['progress'])} of fp32's -> "
                + ("confirmed" if v["confirmed"] else "NOT confirmed: look at the report before trusting it"))
     for a in v["alternatives"]:
@@ -564,26 +619,40 @@ def text_report(rep: dict, max_layers: int = 4) -> list[str]:
     return out
 
 
+def wrap(lines: list[str], width: int = 118) -> list[str]:
+    """Long report lines folded for a terminal, continuations indented under their line."""
+    import textwrap
+
+    out = []
+    for line in lines:
+        indent = " " * (len(line) - len(line.lstrip()) + 4)
+        out += textwrap.wrap(line, width, subsequent_indent=indent, break_on_hyphens=False) or [""]
+    return out
+
+
 def markdown_report(rep: dict) -> str:
-    lines = ["# Precision report: " + rep["patient"], "", "```", *text_report(rep, max_layers=8), "```", ""]
+    lines = ["# Precision report: " + rep["patient"], "", "```", *wrap(text_report(rep)), "```", ""]
     lines += ["## Forward pass: values per layer (FP32 run)", "",
-              "| layer | max abs | share above 65504 | share of non-zero flushed to zero | inf/nan in the fp16 replay |",
+              "| layer | max abs | share above 65504 | share of non-zero flushed to zero "
+              "| inf/nan in the fp16 replay |",
               "|---|---|---|---|---|"]
     for r in rep["forward"]["rows"]:
         lines.append(f"| {r['layer']} | {r['max_abs']:.3g} | {_pct(r['frac_overflow'])} | {_pct(r['flushed'])} | "
                      f"{r['fp16_nonfinite']} |")
     for kind, k in rep["backward"]["kinds"].items():
         lines += ["", f"## Backward pass: {kind}-gradients per layer (FP32 run, true values)", "",
-                  "| layer | flushed at S = 1 | max abs | S keeping all but the tolerance | largest S without overflow |",
+                  "| layer | flushed at S = 1 | max abs | S keeping all but the tolerance "
+                  "| largest S without overflow |",
                   "|---|---|---|---|---|"]
         for r in k["layers"]:
             lines.append(f"| {r['layer']} | {_pct(r['flushed_s1'])} | {r['max_abs']:.3g} | {_pow2(r['s_min'])} | "
                          f"{_pow2(r['s_max'])} |")
-    lines += ["", "## Replays", "", "| run | first loss | last loss | skipped | non-finite losses | progress vs fp32 | "
+    lines += ["", "## Replays", "", "| run | first loss | mean loss, last quarter | skipped | non-finite losses "
+              "| progress vs fp32 | "
               "activation bytes by dtype |", "|---|---|---|---|---|---|---|"]
     for key, c in rep["runs"].items():
         by = ", ".join(f"{d} {_bytes(b)}" for d, b in c["memory"]["activation_only_bytes_by_dtype"].items())
-        lines.append(f"| {key} | {c['first_loss']:.4g} | {c['last_loss']:.4g} | {c['skipped']} | "
+        lines.append(f"| {key} | {c['first_loss']:.4g} | {c['tail_loss']:.4g} | {c['skipped']} | "
                      f"{c['nonfinite_losses']} | {_pct(c['progress'])} | {by} |")
     lines += ["", "Histograms: histograms.png. Everything measured: report.json."]
     return "\n".join(lines) + "\n"
@@ -641,7 +710,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--tolerance", type=float, default=TOLERANCE,
                    help=f"share of non-zero gradient values allowed to flush to zero (default {TOLERANCE})")
     p.add_argument("--no-verify", action="store_true", help="skip the replay in the recommended recipe")
-    a = p.parse_args(argv)
+    a = p.parse_intermixed_args(argv)
     if a.steps < 1:
         raise UserError(f"--steps={a.steps}: need at least 1 step")
     if not 0 <= a.tolerance < 1:
@@ -650,7 +719,7 @@ def main(argv: list[str] | None = None) -> dict:
     patient = load(a.target, a.overrides, a.profile, a.steps)
     rep = examine(patient, a.steps, device, a.tolerance, verify=not a.no_verify)
     out = Path(a.out) if a.out else Path("doctor_out") / re.sub(r"[^\w.-]+", "_", a.target)
-    lines = text_report(rep)
+    lines = wrap(text_report(rep))
     files = write(rep, out)
     print("\n".join(lines))
     print(f"wrote {', '.join(str(f) for f in files)} ({rep['wall_s']:.1f} s)")

@@ -113,7 +113,8 @@ def _bad_module(tmp_path, monkeypatch, body):
 @pytest.mark.parametrize("target,body,msg", [
     ("no_such_module:f", "", r"cannot import module 'no_such_module'"),
     ("patient_mod:missing", "def build():\n    pass\n", r"module 'patient_mod' has no 'missing'; it defines: build"),
-    ("patient_mod:build", "def build():\n    return 3\n", r"returned a value of type int; return \(model, loss, batches\)"),
+    ("patient_mod:build", "def build():\n    return 3\n",
+     r"returned a value of type int; return \(model, loss, batches\)"),
     ("patient_mod:build", "import torch\ndef build():\n    return torch.nn.Linear(2, 1), None, []\n",
      r"the loss is a NoneType"),
     ("patient_mod:build", "import torch\ndef build():\n    return torch.nn.Linear(2, 1), lambda m, b: m(b), []\n",
