@@ -75,6 +75,7 @@ class Patient:
     batches: list
     optimizer: Callable[[nn.Module], torch.optim.Optimizer]
     notes: list[str] = field(default_factory=list)
+    seed: int = 0  # every phase starts the random stream here: the replays draw the same dropout masks, samples
     task: Task | None = None  # a Task's loss is called on a fresh copy of it in every phase (state it carries
     #                           across batches, the bigLSTM's recurrent state, must start afresh in each replay)
 
@@ -190,7 +191,7 @@ def _from_task(task: Task, cfg, name: str, steps: int) -> Patient:
     notes = [f"batches: the first {steps} training batches of {micro} (train.batch_size / accum_steps)",
              ("optimizer: the task's own optimizers()" if type(task).optimizers is not Task.optimizers
               else f"optimizer: optim.name={cfg.optim.name}, optim.lr={cfg.optim.lr}") + "; no schedule applied"]
-    return Patient(name, model, task.loss, batches, optimizer, notes, task)
+    return Patient(name, model, task.loss, batches, optimizer, notes, cfg.seed, task)
 
 
 def _from_experiment(name: str, overrides: list[str], profile: str | None, steps: int) -> Patient:
@@ -241,6 +242,7 @@ def train(patient: Patient, precision: str, loss_scale: str = "auto", steps: int
             weights.add(pname.rpartition(".")[0] or "root", p)
     meter = ActivationMeter(model)
     loss_fn = patient.loss_fn()
+    torch.manual_seed(patient.seed)  # the same steps: dropout masks and sampled negatives too
     losses, samples, skipped = [], [], 0
     for i in range(steps):
         batch = to_device(patient.batches[i % len(patient.batches)], device, False)
@@ -343,6 +345,7 @@ def untrained_losses(patient: Patient, steps: int, device) -> list[float]:
     """The initial model's FP32 losses on the batches of the tail steps: the level "no learning" stays at."""
     model = copy.deepcopy(patient.model).to(device)  # a copy: a forward in train mode moves norm statistics
     out, loss_fn = [], patient.loss_fn()
+    torch.manual_seed(patient.seed)
     with torch.no_grad():
         for i in _tail(steps):
             loss = loss_fn(model, to_device(patient.batches[i % len(patient.batches)], device, False))
@@ -533,7 +536,7 @@ def _sum_hists(summary: dict) -> list[int]:
 
 
 def _pct(x: float | None) -> str:
-    return "n/a" if x is None else f"{100 * x:.1f}%" if abs(x) >= 0.001 or x == 0 else f"{100 * x:.3f}%"
+    return "n/a" if x is None else f"{100 * x:.1f}%" if abs(x) >= 0.001 or x == 0 else f"{100 * x:.2g}%"
 
 
 def _bytes(n: int) -> str:
