@@ -59,6 +59,7 @@ TOLERANCE = 1e-3  # a share of non-zero values flushed to zero that we call negl
 MARGIN = 2.0  # headroom of the advised static S: S x max|gradient| x MARGIN < 65504 (section 3.2)
 MAX_SCALE = 2.0**24
 SWAMP_MATTERS = 0.01  # FP16 weights losing more than 1% of the updates: the FP32 master copy matters
+LOST_OK = 0.01  # when no S fits, a share flushed at the largest safe S that FP16 + dynamic S may still accept
 CONFIRM = 0.8  # a replay reaching 80% of FP32's progress over the same steps confirms a recipe
 WIDE = 16.0  # a static S is advised when the usable range spans at least this factor; else dynamic
 FORM = ("return (model, loss, batches) or (model, loss, batches, optimizer), or a dict with those keys, "
@@ -438,11 +439,20 @@ def _verdict(overflow: list[str], inf_layers: list[str], bw: dict, fp16: dict, f
                                  "rescale the layer (a normalisation before it) so its outputs stay below 65504"],
                 "keep_fp32": overflow}
     if s_low is None or s_low > s_high:
-        return {"precision": "bf16", "loss_scale": "auto",
-                "why": f"no single loss scale fits: keeping all but {100 * bw['tolerance']:g}% of the gradients needs "
-                       f"S >= {_pow2(s_low) if s_low else 'more than 2^24'}, but {bw['first_overflow']['kind']} "
-                       f"gradients of {bw['first_overflow']['layer']} overflow above S = {_pow2(s_high)}",
-                "alternatives": ["mixed loss_scale=dynamic, accepting the flushed share at the scale it settles on"],
+        # FP16's range is narrower than the gradients': the best one S can do is the largest that does not
+        # overflow, which a dynamic scaler finds. Good enough when it flushes little; else BF16.
+        k = round(math.log2(s_high))
+        lost = max(_flushed_at(v["hist"], k) / max(1, sum(v["hist"])) for v in kinds.values())
+        why = (f"no single loss scale fits: keeping all but {100 * bw['tolerance']:g}% of the gradients needs "
+               f"S >= {_pow2(s_low) if s_low else 'more than 2^24'}, but the {bw['first_overflow']['kind']}-gradient "
+               f"of {bw['first_overflow']['layer']} overflows above S = {_pow2(s_high)}, where FP16 still flushes "
+               f"{_pct(lost)} of a gradient kind's non-zero values")
+        if lost <= LOST_OK:
+            return {"precision": "mixed", "loss_scale": "dynamic",
+                    "why": why + f" (<= {_pct(LOST_OK)}): a dynamic scaler keeps S at that edge",
+                    "alternatives": ["bf16 keeps every gradient (FP32's exponent range)"], "keep_fp32": []}
+        return {"precision": "bf16", "loss_scale": "auto", "why": why + f" (> {_pct(LOST_OK)}); BF16 keeps them",
+                "alternatives": ["mixed loss_scale=dynamic, accepting the flushed share at the edge of overflow"],
                 "keep_fp32": []}
     if s_low == 1 and not inf_layers and fp16["nonfinite_losses"] == 0:
         return {"precision": "fp16", "loss_scale": "auto",

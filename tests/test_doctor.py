@@ -154,3 +154,26 @@ def test_readme_example_runs_from_the_command_line_in_under_a_minute(tmp_path):
     assert time.time() - t0 < 60
     assert "Verdict: precision=mixed loss_scale=" in p.stdout and "confirmed" in p.stdout
     assert len(p.stdout.splitlines()) <= 40  # one screen
+
+
+def _bw(s_low, s_high, hist_exps, max_abs=1.0):
+    """A backward finding whose one gradient kind holds one value at each exponent of hist_exps."""
+    from mpt.numerics import HIST_HI, HIST_LO
+
+    hist = [0] * (HIST_HI - HIST_LO + 1)
+    for e in hist_exps:
+        hist[e - HIST_LO] += 1
+    kinds = {"weight": {"overall": {"flushed_s1": 0.5}, "hist": hist, "s_min": s_low}}
+    return {"kinds": kinds, "s_low": s_low, "s_high": s_high, "advised": s_high / 2, "tolerance": 1e-3,
+            "first_overflow": {"kind": "weight", "layer": "fc", "max_abs": max_abs, "at_scale": 2 * s_high}}
+
+
+@pytest.mark.parametrize("exps,want", [
+    ([-10] * 999 + [-40], ("mixed", "dynamic")),  # 0.1% lost at the largest safe S: FP16 + dynamic S
+    ([-10] * 90 + [-40] * 10, ("bf16", "auto")),  # 10% lost even there: BF16
+])
+def test_no_single_scale_fits_dynamic_when_little_is_lost_else_bf16(exps, want):
+    fp = {"nonfinite_losses": 0}
+    v = doctor._verdict([], [], _bw(2.0**20, 2.0**10, exps), fp, fp)
+    assert (v["precision"], v["loss_scale"]) == want, v
+    assert "no single loss scale fits" in v["why"] and "2^10" in v["why"]
