@@ -701,11 +701,23 @@ def figure(rep: dict) -> bytes:
     return render(fig, "png")
 
 
+def _strict(obj):
+    """JSON without NaN/Infinity (which strict parsers refuse): non-finite floats as the strings "nan", "inf"."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: _strict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_strict(v) for v in obj]
+    return obj
+
+
 def write(rep: dict, out: Path) -> list[Path]:
+    """report.md, report.json and histograms.png in `out`, each written atomically."""
     out.mkdir(parents=True, exist_ok=True)
     files = [out / "report.md", out / "report.json", out / "histograms.png"]
     atomic_write_text(files[0], markdown_report(rep))
-    atomic_write_json(files[1], rep)
+    atomic_write_json(files[1], _strict(rep))
     atomic_write_bytes(files[2], figure(rep))
     return files
 

@@ -39,8 +39,11 @@ def test_value_ranges_band_forward_values_by_what_fp16_stores():
 
 
 @pytest.mark.heavy
-def test_overflow_toy_is_flagged_and_bf16_advised():
+def test_overflow_toy_is_flagged_and_bf16_advised(tmp_path):
     rep = _examine("overflow")
+    doctor.write(rep, tmp_path)  # its NaN losses as strict JSON
+    saved = json.loads((tmp_path / "report.json").read_text(), parse_constant=lambda c: pytest.fail(c))
+    assert "nan" in saved["runs"]["fp16"]["losses"]
     fw = rep["forward"]
     assert fw["overflow_layers"] == ["big"], fw["overflow_layers"]  # the layer, and only it
     assert fw["fp16_inf_layers"] and fw["fp16_inf_layers"][0] == "big"  # the FP16 replay meets inf there first
