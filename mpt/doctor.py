@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import copy
 import importlib
 import inspect
@@ -47,8 +48,8 @@ from mpt import precision as recipes
 from mpt.config import Config
 from mpt.errors import UserError, cli
 from mpt.memory import ActivationMeter
-from mpt.numerics import (FP16_MAX, FP16_ROUNDS_TO_INF, HIST_HI, HIST_LO, Numerics, ValueRanges,
-                          advise_loss_scale)
+from mpt.numerics import (FP16_MAX, FP16_ROUNDS_TO_INF, HIST_HI, HIST_LO, FirstOverflow, Numerics,
+                          ValueRanges, advise_loss_scale)
 from mpt.ranks import pick_device, to_device
 from mpt.rundir import atomic_write_bytes, atomic_write_json, atomic_write_text
 from mpt.step import loss_step
@@ -225,11 +226,13 @@ def _mean_loss(loss_fn, model, batch, where: str):
 
 
 def train(patient: Patient, precision: str, loss_scale: str = "auto", steps: int = STEPS,
-          device: torch.device | str = "cpu", numerics: bool = True, half_math: str = "auto") -> dict:
+          device: torch.device | str = "cpu", numerics: bool = True, half_math: str = "auto",
+          watch: bool = False) -> dict:
     """Train a copy of the patient's model for `steps` steps under `precision` (mpt.precision.build: the same
     recipes as every run) and measure: losses, skipped steps, forward value ranges per layer, and with
     `numerics` the gradient histograms and swamping of every step (mpt.numerics.Numerics, as the engine
-    samples them) and the initial weights' ranges. Returns a dict of plain values."""
+    samples them) and the initial weights' ranges; with `watch`, the first operation whose FP16/BF16 result is
+    inf/nan from finite inputs (mpt.numerics.FirstOverflow). Returns a dict of plain values."""
     device = torch.device(device)
     recipe = recipes.build(Config(precision=precision, loss_scale=loss_scale, half_math=half_math), device)
     model = copy.deepcopy(patient.model).to(device)
@@ -242,6 +245,7 @@ def train(patient: Patient, precision: str, loss_scale: str = "auto", steps: int
         for pname, p in model.named_parameters():
             weights.add(pname.rpartition(".")[0] or "root", p)
     meter = ActivationMeter(model)
+    watch = FirstOverflow(model) if watch else None
     loss_fn = patient.loss_fn()
     torch.manual_seed(patient.seed)  # the same steps: dropout masks and sampled negatives too
     losses, samples, skipped = [], [], 0
@@ -260,7 +264,7 @@ def train(patient: Patient, precision: str, loss_scale: str = "auto", steps: int
             return applied
 
         num.begin(i)
-        with forward.recording(model):
+        with forward.recording(model), (watch.watching(i) if watch else contextlib.nullcontext()):
             loss, _, applied = loss_step(recipe, lambda b: _mean_loss(loss_fn, model, b, patient.name), [batch],
                                          step, meter=meter if i == 0 else None)
         losses.append(float(loss))
@@ -270,7 +274,9 @@ def train(patient: Patient, precision: str, loss_scale: str = "auto", steps: int
     return {"precision": precision, "loss_scale": loss_scale, "final_loss_scale": recipe.loss_scale,
             "half_math": recipe.half_math, "losses": losses, "skipped": skipped,
             "nonfinite_losses": sum(not math.isfinite(v) for v in losses), "forward": forward.summary(),
-            "weights": weights.summary(), "numerics": samples, "memory": meter.breakdown()}
+            "weights": weights.summary(), "numerics": samples, "memory": meter.breakdown(),
+            "first_inf": watch.first if watch else None,
+            "types": {name or "root": type(m).__name__ for name, m in model.named_modules()}}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -373,12 +379,13 @@ def analyse(fp32: dict, fp16: dict, untrained: list[float], tol: float = TOLERAN
     for layer, r in fp32["forward"].items():
         nonzero = r["count"] * (1 - r["frac_zero"])
         replay = fp16["forward"].get(layer, {})
-        fwd_rows.append({"layer": layer, "max_abs": r["max_abs"], "frac_overflow": r["frac_overflow"],
+        fwd_rows.append({"layer": layer, "type": fp32["types"].get(layer, ""), "max_abs": r["max_abs"], "frac_overflow": r["frac_overflow"],
                          "flushed": r["frac_underflow"] * r["count"] / nonzero if nonzero else 0.0,
                          "fp16_nonfinite": replay.get("nonfinite", 0), "count": r["count"]})
-    overflow_layers = [r["layer"] for r in fwd_rows if r["frac_overflow"] > 0]
+    overflow_layers = [f"{r['layer']} ({r['type']})" for r in fwd_rows if r["frac_overflow"] > 0]
     weight_overflow = [layer for layer, r in fp32["weights"].items() if r["frac_overflow"] > 0]
     fp16_inf_layers = [r["layer"] for r in fwd_rows if r["fp16_nonfinite"] > 0]
+    first_inf = fp16["first_inf"]  # the operation that made it, from finite inputs
 
     # Backward: gradients at S = 1, the S range that keeps them, the first layer to overflow as S grows.
     grads = _gradients(fp32["numerics"])
@@ -417,15 +424,14 @@ def analyse(fp32: dict, fp16: dict, untrained: list[float], tol: float = TOLERAN
               if sw else None}
     update["master_matters"] = (update["frac_swamped_max"] or 0.0) > SWAMP_MATTERS
 
-    verdict = _verdict(overflow_layers + [f"{w} (weights)" for w in weight_overflow], fp16_inf_layers,
-                       backward, fp16, fp32)
+    verdict = _verdict(overflow_layers + [f"{w} (weights)" for w in weight_overflow], first_inf, backward, fp16)
     return {"forward": {"rows": fwd_rows, "overflow_layers": overflow_layers, "weight_overflow": weight_overflow,
-                        "fp16_inf_layers": fp16_inf_layers},
+                        "fp16_inf_layers": fp16_inf_layers, "first_inf": first_inf},
             "backward": backward, "update": update, "verdict": verdict,
             "fp16_progress": _progress(fp16["losses"], fp32["losses"], untrained)}
 
 
-def _verdict(overflow: list[str], inf_layers: list[str], bw: dict, fp16: dict, fp32: dict) -> dict:
+def _verdict(overflow: list[str], first_inf: dict | None, bw: dict, fp16: dict) -> dict:
     """precision + loss_scale to use, why (the measurement), and the alternatives."""
     s_low, s_high, advised = bw["s_low"], bw["s_high"], bw["advised"]
     kinds = bw["kinds"]
@@ -454,7 +460,18 @@ def _verdict(overflow: list[str], inf_layers: list[str], bw: dict, fp16: dict, f
         return {"precision": "bf16", "loss_scale": "auto", "why": why + f" (> {_pct(LOST_OK)}); BF16 keeps them",
                 "alternatives": ["mixed loss_scale=dynamic, accepting the flushed share at the edge of overflow"],
                 "keep_fp32": []}
-    if s_low == 1 and not inf_layers and fp16["nonfinite_losses"] == 0:
+    if first_inf:
+        # No module output leaves FP16's range in FP32, yet an operation of the FP16 forward made inf/nan from
+        # finite inputs: a value computed inside a module (a sum of squares, an exp), as in T5's FP16 layer norm.
+        first = first_inf["module"]
+        return {"precision": "bf16", "loss_scale": "auto",
+                "why": f"in the FP16 replay {first_inf['op']} inside {first} made inf/nan from finite inputs "
+                       f"(largest {first_inf['input_max_abs']:.3g}, step {first_inf['step'] + 1}), though no layer's "
+                       f"output exceeds 65504 in FP32: a value computed inside it overflows FP16; BF16 has FP32's "
+                       f"range",
+                "alternatives": [f"keep {first} in FP32 (impl=paper: give its class fp32_compute = True)"],
+                "keep_fp32": [first]}
+    if s_low == 1 and fp16["nonfinite_losses"] == 0:
         return {"precision": "fp16", "loss_scale": "auto",
                 "why": f"at S = 1 FP16 flushes only {flushed_txt} (<= {100 * bw['tolerance']:g}%): no scaling "
                        f"needed (as the paper's Table 1 CNNs)",
@@ -488,7 +505,7 @@ def examine(patient: Patient, steps: int = STEPS, device="cpu", tol: float = TOL
     t0 = time.time()
     device = torch.device(device)
     fp32 = train(patient, "fp32", steps=steps, device=device)
-    fp16 = train(patient, "fp16", steps=steps, device=device)
+    fp16 = train(patient, "fp16", steps=steps, device=device, watch=True)
     untrained = untrained_losses(patient, steps, device)
     found = analyse(fp32, fp16, untrained, tol, margin)
     v = found["verdict"]
@@ -525,7 +542,7 @@ def examine(patient: Patient, steps: int = STEPS, device="cpu", tol: float = TOL
     v["confirmed"] = (c["skipped"] <= v["allowed_skips"] and c["nonfinite_losses"] == 0
                       and c["progress"] is not None and c["progress"] >= CONFIRM)
     p16 = checks["fp16"]["progress"]
-    if v["precision"] != "fp16" and p16 is not None and p16 >= CONFIRM and checks["fp16"]["nonfinite_losses"] == 0:
+    if v["precision"] == "mixed" and p16 is not None and p16 >= CONFIRM and checks["fp16"]["nonfinite_losses"] == 0:
         v["alternatives"].append(f"precision=fp16 (S = 1) also reached {_pct(p16)} of FP32's progress in its replay, "
                                  f"flushed values notwithstanding: over {steps} steps they did not matter")
     return {"patient": patient.name, "device": str(device), "steps": steps, "notes": notes,
@@ -585,11 +602,15 @@ def text_report(rep: dict, max_layers: int = 4) -> list[str]:
     rows = sorted(fw["rows"], key=lambda r: -r["max_abs"])
     if rows:
         r = rows[0]
-        out.append(f"  largest |activation|: {r['max_abs']:.3g} in {r['layer']}"
+        out.append(f"  largest |activation|: {r['max_abs']:.3g} in {r['layer']} ({r['type']})"
                    + (" -- above 65504: inf in FP16" if r["frac_overflow"] > 0 else " (FP16 max 65504)"))
     for r in [r for r in rows if r["frac_overflow"] > 0][:max_layers]:
-        out.append(f"  OVERFLOW {r['layer']}: {_pct(r['frac_overflow'])} of its outputs above 65504 "
+        out.append(f"  OVERFLOW {r['layer']} ({r['type']}): {_pct(r['frac_overflow'])} of its outputs above 65504 "
                    f"(max {r['max_abs']:.3g}); fp16 replay: {r['fp16_nonfinite']} inf/nan values")
+    fi = fw["first_inf"]
+    if fi:
+        out.append(f"  fp16 replay: the first inf/nan made from finite values: {fi['op']} in {fi['module']} "
+                   f"(step {fi['step'] + 1}, inputs up to {fi['input_max_abs']:.3g})")
     if fw["weight_overflow"]:
         out.append(f"  OVERFLOW weights of {', '.join(fw['weight_overflow'])} above 65504")
     under = sorted((r for r in fw["rows"] if r["flushed"] > 0), key=lambda r: -r["flushed"])

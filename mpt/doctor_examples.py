@@ -8,6 +8,8 @@ optimizer), with loss(model, batch) -> mean loss and optimizer(model) -> a torch
              2^-24: FP16 at S = 1 flushes them and does not learn; a loss scale brings them back (3.2)
   overflow   a layer with large weights (as a BF16- or FP32-pretrained layer may have, transformers #5651):
              its outputs exceed 65504, inf in FP16 whatever the loss scale; BF16 holds them
+  overflow_inside  an RMS norm over large activations (as T5's layer norm in FP16): every module's output stays
+             small, but the sum of squares inside the norm exceeds 65504: inf in FP16, fine in BF16
   UnderflowTask  `underflow` as an mpt.task.Task (the `module:TaskClass` form; trainable by the engine)
 """
 from __future__ import annotations
@@ -89,6 +91,27 @@ def overflow():
         return F.mse_loss(model(x).float(), y)
 
     return _Pretrained(), loss, _data(scale=20.0), _sgd(0.05)
+
+
+class _RMSNorm(nn.Module):
+    """x / sqrt(mean(x * x)): its output is of order 1 whatever x is, but x * x is computed in x's dtype
+    (autocast computes pow in FP32; a product it leaves in FP16)."""
+
+    def forward(self, x):
+        return x / (x * x).mean(-1, keepdim=True).add(1e-6).sqrt()
+
+
+def overflow_inside():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(DIM, 64), _RMSNorm(), nn.ReLU(), nn.Linear(64, 1))
+    with torch.no_grad():
+        model[0].weight.mul_(200.0)  # outputs of several hundred: below 65504, their squares (> 256^2) above it
+
+    def loss(model, batch):
+        x, y = batch
+        return F.mse_loss(model(x).float(), y)
+
+    return model, loss, _data(), _sgd(0.05)
 
 
 class UnderflowTask(Task):

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from mpt.errors import UserError
 
@@ -445,6 +446,69 @@ class ValueRanges:
             out[name] = {"count": n, **{f"frac_{b}": (c / n if n else 0.0) for b, c in fracs.items()},
                          "nonfinite": nonfinite, "max_abs": float(g.max_abs.cpu()), "hist": hist.tolist()}
         return out
+
+
+class FirstOverflow(TorchFunctionMode):
+    """Which operation first makes inf/nan in a low-precision forward pass, and inside which module.
+
+    `watching(step)` hooks every module of `model` (to know which is running) and enters this mode: until
+    one is found, each torch function called inside the model's forward whose FP16/BF16 floating result
+    holds inf or nan while all its floating inputs are finite is recorded as `first` = {step, module, op,
+    input_max_abs}. Values that only propagate an earlier inf/nan are not (their inputs are not finite). It
+    finds what module outputs cannot show: a value computed inside a module (a sum of squares in a norm
+    layer) that overflows while the module's output stays finite. One host read per operation until found:
+    a diagnostic (mpt.doctor), not for training runs."""
+
+    LOW = (torch.float16, torch.bfloat16)
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        self.first: dict | None = None
+        self._stack: list[str] = []
+        self._step = 0
+
+    @contextlib.contextmanager
+    def watching(self, step: int):
+        def enter(name):
+            # "name (Class)"; the hook returns None, leaving the input unchanged
+            return lambda mod, args: self._stack.append(f"{name} ({type(mod).__name__})")
+
+        def leave(mod, args, out):
+            if self._stack:
+                self._stack.pop()  # (a hook returning a value would replace the module's output)
+
+        handles = []
+        for name, m in self.model.named_modules():
+            handles += [m.register_forward_pre_hook(enter(name or "root")), m.register_forward_hook(leave)]
+        self._step = step
+        try:
+            with self:
+                yield self
+        finally:
+            for h in handles:
+                h.remove()
+            self._stack.clear()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.first is None and self._stack:
+            outs = [t for t in _tensors(out) if t.dtype in self.LOW]
+            if outs and not all(bool(torch.isfinite(t).all()) for t in outs):
+                ins = [t for t in _tensors((args, tuple(kwargs.values()))) if t.is_floating_point()]
+                if all(bool(torch.isfinite(t).all()) for t in ins):
+                    big = max((float(t.detach().abs().max()) for t in ins if t.numel()), default=0.0)
+                    self.first = {"step": self._step, "module": self._stack[-1], "op": _op_name(func),
+                                  "input_max_abs": big}
+        return out
+
+
+def _op_name(func) -> str:
+    name = getattr(func, "__name__", None) or str(func)
+    owner = getattr(func, "__objclass__", None) or getattr(func, "__module__", None)
+    owner = getattr(owner, "__name__", owner)
+    return f"{owner}.{name}" if isinstance(owner, str) else name
 
 
 def _layer_of(param_name: str) -> str:

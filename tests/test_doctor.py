@@ -45,12 +45,24 @@ def test_overflow_toy_is_flagged_and_bf16_advised(tmp_path):
     saved = json.loads((tmp_path / "report.json").read_text(), parse_constant=lambda c: pytest.fail(c))
     assert "nan" in saved["runs"]["fp16"]["losses"]
     fw = rep["forward"]
-    assert fw["overflow_layers"] == ["big"], fw["overflow_layers"]  # the layer, and only it
+    assert fw["overflow_layers"] == ["big (Linear)"], fw["overflow_layers"]  # the layer, and only it
     assert fw["fp16_inf_layers"] and fw["fp16_inf_layers"][0] == "big"  # the FP16 replay meets inf there first
     assert rep["runs"]["fp16"]["nonfinite_losses"] > 0 and rep["fp16_progress"] is None
     v = rep["verdict"]
-    assert (v["precision"], v["loss_scale"]) == ("bf16", "auto") and v["keep_fp32"] == ["big"]
+    assert (v["precision"], v["loss_scale"]) == ("bf16", "auto") and v["keep_fp32"] == ["big (Linear)"]
     assert v["checked"] == "bf16" and v["confirmed"], rep["runs"]["bf16"]  # the bf16 replay learns as fp32
+
+
+@pytest.mark.heavy
+def test_overflow_inside_a_module_is_traced_to_its_operation():
+    """Every module output of the RMS-norm toy stays below 65504; the product inside the norm does not: the
+    doctor names that operation and module (what module outputs cannot show), advises bf16, and bf16 learns."""
+    rep = _examine("overflow_inside")
+    assert rep["forward"]["overflow_layers"] == [] and max(r["max_abs"] for r in rep["forward"]["rows"]) < 65504
+    fi = rep["forward"]["first_inf"]
+    assert fi["module"] == "1 (_RMSNorm)" and fi["op"].endswith("mul") and 256 < fi["input_max_abs"] < 65504, fi
+    v = rep["verdict"]
+    assert (v["precision"], v["keep_fp32"], v["confirmed"]) == ("bf16", ["1 (_RMSNorm)"], True), v
 
 
 @pytest.mark.heavy
@@ -194,7 +206,7 @@ def _bw(s_low, s_high, hist_exps, max_abs=1.0):
 ])
 def test_no_single_scale_fits_dynamic_when_little_is_lost_else_bf16(exps, want):
     fp = {"nonfinite_losses": 0}
-    v = doctor._verdict([], [], _bw(2.0**20, 2.0**10, exps), fp, fp)
+    v = doctor._verdict([], None, _bw(2.0**20, 2.0**10, exps), fp)
     assert (v["precision"], v["loss_scale"]) == want, v
     assert "no single loss scale fits" in v["why"] and "2^10" in v["why"]
 
