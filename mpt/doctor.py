@@ -5,7 +5,7 @@ TARGET is one of:
                      dict with those keys: `loss(model, batch)` gives the mean loss (or (mean loss, items),
                      as Task.loss), `batches` is a list of batches (tensors, or tuples/dicts of tensors),
                      `optimizer(model)` builds the optimizer (default: SGD, lr 0.01, momentum 0.9);
-                     mpt/doctor_examples.py has three.
+                     mpt/doctor_examples.py has four.
   module:TaskClass   a subclass of mpt.task.Task (its datasets, model, optimizer and loss under the
                      default Config); a function returning a Task instance works too.
   experiment:NAME    one of this repository's experiments, with --profile and key=value overrides as a run
@@ -15,7 +15,8 @@ What it does, through the one recipe and step code every run uses (mpt.precision
   1. trains a copy of the model for --steps steps in FP32 with every measurement on (mpt.numerics:
      gradient exponent histograms per layer, section 3.1's swamping, ValueRanges for the forward pass;
      mpt.memory.ActivationMeter for the bytes saved for backward);
-  2. replays the same steps from the same weights in FP16 without loss scaling (precision=fp16, S = 1);
+  2. replays the same steps from the same weights and random stream in FP16 without loss scaling
+     (precision=fp16, S = 1), watching for the first operation that makes inf/nan (FirstOverflow);
   3. decides a verdict from the measurements: fp16 as it is, fp16 + a static S (which), fp16 + dynamic S,
      or bf16 / layers kept in FP32 -- and replays the same steps once more in the recipe it recommends,
      so the verdict says whether that recipe then trains (skipped steps, progress against FP32).
@@ -58,7 +59,7 @@ from mpt.task import Task
 STEPS = 20
 TOLERANCE = 1e-3  # a share of non-zero values flushed to zero that we call negligible
 MARGIN = 2.0  # headroom of the advised static S: S x max|gradient| x MARGIN < 65504 (section 3.2)
-MAX_SCALE = 2.0**24
+MAX_SCALE = 2.0**24  # the largest S advised (advise_loss_scale's cap; the paper's largest was 32K)
 SWAMP_MATTERS = 0.01  # FP16 weights losing more than 1% of the updates: the FP32 master copy matters
 LOST_OK = 0.01  # when no S fits, a share flushed at the largest safe S that FP16 + dynamic S may still accept
 CONFIRM = 0.8  # a replay reaching 80% of FP32's progress over the same steps confirms a recipe
@@ -379,7 +380,8 @@ def analyse(fp32: dict, fp16: dict, untrained: list[float], tol: float = TOLERAN
     for layer, r in fp32["forward"].items():
         nonzero = r["count"] * (1 - r["frac_zero"])
         replay = fp16["forward"].get(layer, {})
-        fwd_rows.append({"layer": layer, "type": fp32["types"].get(layer, ""), "max_abs": r["max_abs"], "frac_overflow": r["frac_overflow"],
+        fwd_rows.append({"layer": layer, "type": fp32["types"].get(layer, ""), "max_abs": r["max_abs"],
+                         "frac_overflow": r["frac_overflow"],
                          "flushed": r["frac_underflow"] * r["count"] / nonzero if nonzero else 0.0,
                          "fp16_nonfinite": replay.get("nonfinite", 0), "count": r["count"]})
     overflow_layers = [f"{r['layer']} ({r['type']})" for r in fwd_rows if r["frac_overflow"] > 0]
@@ -523,7 +525,7 @@ def examine(patient: Patient, steps: int = STEPS, device="cpu", tol: float = TOL
                                     numerics=False, half_math="native")["memory"]
                 r["memory"]["half_math"] = "native"
         notes.append("memory of the recurrent model measured with half_math=native (one step): emulated "
-                             "FP16 math keeps a recurrent layer's FP32 internals")
+                     "FP16 math keeps a recurrent layer's FP32 internals")
     checks = {}
     for key, r in runs.items():
         tail = [r["losses"][i] for i in _tail(steps)]
@@ -531,16 +533,17 @@ def examine(patient: Patient, steps: int = STEPS, device="cpu", tol: float = TOL
                        "nonfinite_losses": r["nonfinite_losses"], "final_loss_scale": r["final_loss_scale"],
                        "progress": _progress(r["losses"], fp32["losses"], untrained), "half_math": r["half_math"],
                        "memory": r["memory"], "losses": r["losses"]}
-    verified = list(checks)[-1]
-    c = checks[verified]
+    # The replay of the recommended recipe (the FP16 one itself when that is the verdict); none with verify=False.
+    verified = list(checks)[-1] if verify or v["precision"] == "fp16" else None
+    c = checks.get(verified, {"skipped": 0, "nonfinite_losses": 0, "progress": None})
     v["checked"] = verified
     # A static S must never skip; a dynamic scaler skips while it backs off from its initial 2^16 to the
     # measured range (one skip per halving), and no more.
     v["allowed_skips"] = 0
     if v["loss_scale"] == "dynamic":
         v["allowed_skips"] = max(0, math.ceil(math.log2(Config().scaler.init_scale / found["backward"]["s_high"])))
-    v["confirmed"] = (c["skipped"] <= v["allowed_skips"] and c["nonfinite_losses"] == 0
-                      and c["progress"] is not None and c["progress"] >= CONFIRM)
+    v["confirmed"] = None if verified is None else (c["skipped"] <= v["allowed_skips"] and c["nonfinite_losses"] == 0
+                                                    and c["progress"] is not None and c["progress"] >= CONFIRM)
     p16 = checks["fp16"]["progress"]
     if v["precision"] == "mixed" and p16 is not None and p16 >= CONFIRM and checks["fp16"]["nonfinite_losses"] == 0:
         v["alternatives"].append(f"precision=fp16 (S = 1) also reached {_pct(p16)} of FP32's progress in its replay, "
@@ -642,12 +645,14 @@ def text_report(rep: dict, max_layers: int = 4) -> list[str]:
     cmd = f"precision={v['precision']}" + ("" if v["loss_scale"] == "auto" else f" loss_scale={v['loss_scale']}")
     out.append(f"Verdict: {cmd}")
     out.append(f"  because {v['why']}")
-    c = runs[v["checked"]]
-    allowed = f" (<= {v['allowed_skips']} while the scaler backs off from 2^16)" if v["allowed_skips"] else ""
-    out.append(f"  checked: {v['checked']} replay: {c['skipped']} skipped steps{allowed}, "
-               f"{c['nonfinite_losses']} non-finite "
-               f"losses, progress {_pct(c['progress'])} of fp32's -> "
-               + ("confirmed" if v["confirmed"] else "NOT confirmed: look at the report before trusting it"))
+    if v["checked"] is None:
+        out.append("  not checked (--no-verify)")
+    else:
+        c = runs[v["checked"]]
+        allowed = f" (<= {v['allowed_skips']} while the scaler backs off from 2^16)" if v["allowed_skips"] else ""
+        out.append(f"  checked: {v['checked']} replay: {c['skipped']} skipped steps{allowed}, {c['nonfinite_losses']} "
+                   f"non-finite losses, progress {_pct(c['progress'])} of fp32's -> "
+                   + ("confirmed" if v["confirmed"] else "NOT confirmed: look at the report before trusting it"))
     for a in v["alternatives"]:
         out.append(f"  or: {a}")
     return out
