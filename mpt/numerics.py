@@ -24,6 +24,7 @@ result, none inside the backward pass.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import warnings
@@ -32,6 +33,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from mpt.errors import UserError
 
@@ -374,6 +376,141 @@ def _tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
             yield from _tensors(x, depth + 1)
 
 
+def hook_targets(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules whose outputs are measured ("root" for the model itself): leaf modules and
+    modules owning parameters directly, not nn.Identity."""
+    targets = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Identity):
+            continue
+        is_leaf = next(module.children(), None) is None
+        owns_params = next(module.parameters(recurse=False), None) is not None
+        if is_leaf or owns_params:
+            targets.append((name or "root", module))
+    return targets
+
+
+class ValueRanges:
+    """Where the values themselves (not their gradients) fall relative to FP16's range, per layer:
+    forward activations (`recording()`: the outputs of the modules `hook_targets` names, for every
+    forward pass inside the context) and weights (`add`). An activation above 65504 is inf in FP16
+    -- the forward-pass overflow of a model pretrained in BF16 or FP32 -- and one at or below 2^-25
+    is zero. Counted like the gradients (FP64 copies, bands by what FP16 rounding stores); an
+    output that is the unchanged input of a non-in-place module is counted once, at its producer.
+
+    summary() -> {layer: {"count", "frac_<band>" for each of BANDS, "nonfinite", "max_abs", "hist"}}
+    (hist: counts of exponents lo..hi, end bins holding everything beyond)."""
+
+    def __init__(self, lo: int = HIST_LO, hi: int = HIST_HI):
+        _check_range(lo, hi)
+        self.lo, self.hi = int(lo), int(hi)
+        self._groups: dict[str, _Group] = {}
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        if t.numel() == 0:
+            return
+        with torch.no_grad():
+            group = self._groups.get(name)
+            if group is None:
+                group = self._groups[name] = _Group(t.device)
+            group.add(t.detach(), 1.0)
+
+    @contextlib.contextmanager
+    def recording(self, model: nn.Module):
+        handles = [m.register_forward_hook(self._hook(name, bool(getattr(m, "inplace", False))))
+                   for name, m in hook_targets(model)]
+        try:
+            yield self
+        finally:
+            for h in handles:
+                h.remove()
+
+    def _hook(self, name: str, inplace: bool):
+        def hook(mod, inputs, output):
+            ins = list(_tensors(inputs))
+            for t in _tensors(output):
+                if t.is_floating_point() and (inplace or not any(t is x for x in ins)):
+                    self.add(name, t)
+
+        return hook
+
+    def summary(self) -> dict[str, dict]:
+        out = {}
+        raw_exp = torch.arange(_RAW_LO, _RAW_HI + 1, dtype=torch.int64)
+        target = raw_exp.clamp(self.lo, self.hi) - self.lo
+        for name, g in self._groups.items():
+            zero, under, sub, normal, nonfinite = g.bands.cpu().tolist()
+            n = g.count
+            fracs = dict(zip(BANDS, (zero, under, sub, normal, n - zero - under - sub - normal)))
+            hist = torch.zeros(self.hi - self.lo + 1, dtype=torch.int64).index_add_(0, target, g.hist.cpu())
+            out[name] = {"count": n, **{f"frac_{b}": (c / n if n else 0.0) for b, c in fracs.items()},
+                         "nonfinite": nonfinite, "max_abs": float(g.max_abs.cpu()), "hist": hist.tolist()}
+        return out
+
+
+class FirstOverflow(TorchFunctionMode):
+    """Which operation first makes inf/nan in a low-precision forward pass, and inside which module.
+
+    `watching(step)` hooks every module of `model` (to know which is running) and enters this mode: until
+    one is found, each torch function called inside the model's forward whose FP16/BF16 floating result
+    holds inf or nan while all its floating inputs are finite is recorded as `first` = {step, module, op,
+    input_max_abs}. Values that only propagate an earlier inf/nan are not (their inputs are not finite). It
+    finds what module outputs cannot show: a value computed inside a module (a sum of squares in a norm
+    layer) that overflows while the module's output stays finite. One host read per operation until found:
+    a diagnostic (mpt.doctor), not for training runs."""
+
+    LOW = (torch.float16, torch.bfloat16)
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        self.first: dict | None = None
+        self._stack: list[str] = []
+        self._step = 0
+
+    @contextlib.contextmanager
+    def watching(self, step: int):
+        def enter(name):
+            # "name (Class)"; the hook returns None, leaving the input unchanged
+            return lambda mod, args: self._stack.append(f"{name} ({type(mod).__name__})")
+
+        def leave(mod, args, out):
+            if self._stack:
+                self._stack.pop()  # (a hook returning a value would replace the module's output)
+
+        handles = []
+        for name, m in self.model.named_modules():
+            handles += [m.register_forward_pre_hook(enter(name or "root")), m.register_forward_hook(leave)]
+        self._step = step
+        try:
+            with self:
+                yield self
+        finally:
+            for h in handles:
+                h.remove()
+            self._stack.clear()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.first is None and self._stack:
+            outs = [t for t in _tensors(out) if t.dtype in self.LOW]
+            if outs and not all(bool(torch.isfinite(t).all()) for t in outs):
+                ins = [t for t in _tensors((args, tuple(kwargs.values()))) if t.is_floating_point()]
+                if all(bool(torch.isfinite(t).all()) for t in ins):
+                    big = max((float(t.detach().abs().max()) for t in ins if t.numel()), default=0.0)
+                    self.first = {"step": self._step, "module": self._stack[-1], "op": _op_name(func),
+                                  "input_max_abs": big}
+        return out
+
+
+def _op_name(func) -> str:
+    name = getattr(func, "__name__", None) or str(func)
+    owner = getattr(func, "__objclass__", None) or getattr(func, "__module__", None)
+    owner = getattr(owner, "__name__", owner)
+    return f"{owner}.{name}" if isinstance(owner, str) else name
+
+
 def _layer_of(param_name: str) -> str:
     """Module name owning a parameter: "features.0.weight" -> "features.0"; root -> "root"."""
     return param_name.rpartition(".")[0] or "root"
@@ -541,15 +678,7 @@ class Numerics:
         self._handles = []
 
     def _hook_targets(self) -> list[tuple[str, nn.Module]]:
-        targets = []
-        for name, module in self.model.named_modules():
-            if isinstance(module, nn.Identity):
-                continue
-            is_leaf = next(module.children(), None) is None
-            owns_params = next(module.parameters(recurse=False), None) is not None
-            if is_leaf or owns_params:
-                targets.append((name or "root", module))
-        return targets
+        return hook_targets(self.model)
 
     def _forward_hook(self, name: str, module: nn.Module):
         generation = self._generation

@@ -333,7 +333,9 @@ def _has_hist(r: RunResult, role: str, problems) -> bool:
     return any(_hist_keys(line, role) for line in r.lines(problems).numerics)
 
 
-def _draw_hist(ax, hist: collections.Counter, label: str, color: str, mark=()):
+def draw_hist(ax, hist: collections.Counter, label: str, color: str, mark=()):
+    """Bars of {exponent: count} as % of the non-zero values, FP16's bands shaded (Figures 2b and 3;
+    mpt.doctor's histograms). Returns the % below 2^-24 and above 65504."""
     exps = np.array(sorted(hist))
     counts = np.array([hist[e] for e in exps], dtype=float)
     total = counts.sum()
@@ -405,12 +407,12 @@ def _hist(spec, runs, profile, problems, notes):
     fig = Figure(figsize=(10, 3.6 * rows), layout="constrained")
     axes = fig.subplots(rows, 1, squeeze=False, sharex=True).ravel()
     mark = tuple(spec.param("mark", ()))
-    below, over = _draw_hist(axes[0], hist, f"{desc}" + (", no loss scaling" if second else ""), "tab:blue", mark)
+    below, over = draw_hist(axes[0], hist, f"{desc}" + (", no loss scaling" if second else ""), "tab:blue", mark)
     summary = f"{below:.2f}% of non-zero values below 2^-24, {over:.2f}% above 65504" + _zero_text(zeros)
     axes[0].set_title(summary, fontsize=9)
     notes.append(("Without loss scaling: " if second else "") + summary + ".")
     if second:
-        b2, o2 = _draw_hist(axes[1], second[0], second[1], "tab:cyan", mark)
+        b2, o2 = draw_hist(axes[1], second[0], second[1], "tab:cyan", mark)
         under, over = "below 2^-24", "above 65504"
         if second[2] and second[2]["nonzero"]:  # exact band counts beat the shifted histogram
             b2 = 100 * second[2]["under"] / second[2]["nonzero"]
@@ -524,7 +526,7 @@ def _loss_scale(spec, runs, profile, problems, notes):
 BUILDERS = {"curves": _curves, "exponent_hist": _hist, "samples": _samples, "loss_scale": _loss_scale}
 
 
-def _render(fig: Figure, fmt: str) -> bytes:
+def render(fig: Figure, fmt: str) -> bytes:
     buf = io.BytesIO()
     # No dates in the files, so regenerating unchanged results gives unchanged files.
     meta = {"Date": None} if fmt == "svg" else {"Software": None}
@@ -542,7 +544,7 @@ def build_figure(spec: specs.FigureSpec, runs: list[RunResult], profile: str,
             label = specs.profile_label(profile)
             if label:
                 fig.suptitle(label, color="tab:red", fontsize=10, fontweight="bold")
-            res.png, res.svg = _render(fig, "png"), _render(fig, "svg")
+            res.png, res.svg = render(fig, "png"), render(fig, "svg")
     except Exception as e:  # results we did not foresee must not stop the other figures
         res.missing = f"could not be drawn ({type(e).__name__}: {e}); see problems"
         res.png = res.svg = None
