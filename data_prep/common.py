@@ -154,6 +154,19 @@ def safe_name(name: str, what: str, source) -> str:
     return name
 
 
+@contextlib.contextmanager
+def tar_gz_writer(fileobj):
+    """A tar.gz being written to `fileobj` whose bytes depend on its members only: with add_member's
+    fixed times, and 0 for the gzip header's time (tarfile's "w:gz" writes the current time there, so
+    every generation of the same release had new bytes, digests and data_fingerprint)."""
+    import gzip
+    import tarfile
+
+    with gzip.GzipFile(filename="", mode="wb", fileobj=fileobj, mtime=0) as gz, \
+            tarfile.open(fileobj=gz, mode="w", format=tarfile.USTAR_FORMAT) as tf:
+        yield tf
+
+
 def add_member(tf, name: str, data: bytes) -> None:
     """Add a file to a tar being written, with fixed times and modes (deterministic archives)."""
     import tarfile

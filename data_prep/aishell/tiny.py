@@ -15,12 +15,11 @@ Deterministic given the arguments and the espeak-ng version.
 from __future__ import annotations
 
 import io
-import tarfile
 from pathlib import Path
 
 import numpy as np
 
-from data_prep.common import add_member, generator_command
+from data_prep.common import add_member, generator_command, tar_gz_writer
 from data_prep.speech import encode, espeak
 from mpt.rundir import atomic_write_bytes
 
@@ -48,7 +47,7 @@ def sentences(rng: np.random.Generator, n: int) -> list[list[str]]:
 
 def _speaker(split: str, spk: str, utts: list[tuple[str, list[str]]], variant: str, rng) -> bytes:
     buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz", format=tarfile.USTAR_FORMAT) as tf:
+    with tar_gz_writer(buf) as tf:
         for uid, words in utts:
             x = espeak("".join(words), f"cmn+{variant}", int(rng.integers(110, 181)), int(rng.integers(25, 76)), rng)
             add_member(tf, f"{split}/{spk}/{uid}.wav", encode(x, "WAV"))
@@ -73,7 +72,7 @@ def generate(out: Path, train: int = 480, dev: int = 60, test: int = 20, seed: i
         if split == "train":
             lines.pop()
     buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz", format=tarfile.USTAR_FORMAT) as tf:
+    with tar_gz_writer(buf) as tf:
         for spk, data in speakers:
             add_member(tf, f"{ROOT}/wav/{spk}.tar.gz", data)
         add_member(tf, TRANSCRIPT, "".join(sorted(lines)).encode())

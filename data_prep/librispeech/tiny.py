@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import io
 import re
-import tarfile
 from pathlib import Path
 
 import numpy as np
 
-from data_prep.common import add_member, generator_command
+from data_prep.common import add_member, generator_command, tar_gz_writer
 from data_prep.speech import encode, espeak
 from mpt.errors import UserError
 from mpt.rundir import atomic_write_bytes
@@ -61,7 +60,7 @@ def write_subset(path: Path, subset: str, sentences: list[str], variants, rng, f
                  per_chapter: int = 20) -> None:
     """One <subset>.tar.gz: speakers of `per_chapter`-utterance chapters, one chapter each."""
     buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz", format=tarfile.USTAR_FORMAT) as tf:
+    with tar_gz_writer(buf) as tf:
         add_member(tf, f"{ROOT}/README.TXT", b"Tiny synthetic LibriSpeech (espeak-ng voices); not the corpus.\n")
         for c, start in enumerate(range(0, len(sentences), per_chapter)):
             spk, ch = str(first_speaker + c), str(100 + c)
