@@ -605,11 +605,11 @@ class FP8State:
                     continue
                 ws = [p for p in m.parameters(recurse=False) if p.dim() >= 2]
                 if ws:
-                    layers.append((name or "root", ws))
+                    layers.append((name, ws))
             kept = {0, len(layers) - 1} if ends == "bf16" and layers else set()
             for i, (name, ws) in enumerate(layers):
                 for w in ws or ():
-                    self.sites.setdefault(id(w), (f"{prefix}.{name}" if prefix else name, i in kept))
+                    self.sites.setdefault(id(w), (".".join(x for x in (prefix, name) if x) or "root", i in kept))
 
     def quantizer(self, key: str, fmt: str, record: bool = True):
         """The function that rounds a tensor of slot `key` to `fmt` at the slot's scale; `record`: its
