@@ -337,3 +337,57 @@ def test_resume_is_bit_identical(tmp_path, monkeypatch, kw):
         assert torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k], k
     if "fp8" in kw:
         assert ca["recipe"]["fp8"]["scale"]["0:g"].item() != 1.0  # the delayed scales were in use
+
+
+# ------------------------------------------------------------------------------------------------
+# numerics: the new formats' bands, BF16 swamping, forward-value histograms
+
+
+def test_fp8_bands_by_hand():
+    from mpt.numerics import FORMATS, format_bands
+
+    e4 = torch.tensor([0.0, 2**-11, 2**-10, 1.5 * 2**-10, 2**-6 - 2**-10, 448.0, 464.0, 465.0, float("inf")])
+    assert format_bands(e4, "e4m3") == {"zero": 1, "underflow": 2, "subnormal": 1, "normal": 3, "overflow": 2,
+                                        "nonfinite": 1, "total": 9}
+    e5 = torch.tensor([2**-17, 2**-16, 2**-14 - 2**-18, 57344.0, 61439.0, 61440.0])
+    assert format_bands(e5, "e5m2") == {"zero": 0, "underflow": 1, "subnormal": 1, "normal": 3, "overflow": 1,
+                                        "nonfinite": 0, "total": 6}
+    # the per-tensor scale moves a tensor into range: 2^-20 underflows E5M2, not at scale 2^10
+    assert format_bands(torch.tensor([2**-20]), "e5m2")["underflow"] == 1
+    assert format_bands(torch.tensor([2**-20]), "e5m2", scale=2.0**10)["normal"] == 1
+    # the bands agree with the casts themselves
+    x = torch.logspace(-14, 17, 4001, base=2.0)
+    for fmt, over in (("e4m3", x > 464), ("e5m2", x >= 61440)):  # max + half its ulp: ties go down / up
+        q = precision.fp8_quantize(x, fmt)
+        b = format_bands(x, fmt)
+        assert b["underflow"] == int((q == 0).sum())
+        assert b["overflow"] == int(over.sum()) > 0
+        assert b["subnormal"] == int(((q > 0) & (q < FORMATS[fmt]["min_normal"])).sum())
+
+
+def test_bf16_swamping_by_hand():
+    from mpt.numerics import swamping_fraction
+
+    w = torch.ones(5)
+    u = torch.tensor([2**-9, 2**-8, -(2**-9), -1.5 * 2**-9, 2**-7])
+    s = swamping_fraction([w], [w + u])
+    # BF16 (7 bits): half an ulp of 1 is 2^-8 (ties to even keep 1), 2^-9 below it (the gap under 1)
+    assert s["swamped_bf16"] == 3 and s["frac_swamped_bf16"] == pytest.approx(3 / 5)
+    assert s["swamped"] == 0  # FP16 (10 bits) keeps every one of them
+
+
+def test_numerics_records_forward_values():
+    from mpt.numerics import Numerics
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    num = Numerics(model, every=1)
+    num.begin(0)
+    (model(torch.randn(16, 4) * 1000).sum()).backward()
+    out = num.end(model.named_parameters(), 1.0)
+    assert out["numerics/fwd/overall/count"] == 16 * (8 + 8 + 2)
+    assert out["numerics/max_abs_fwd"] > 448  # beyond E4M3 unscaled
+    assert sum(out["numerics/fwd/0/hist"]) + out["numerics/fwd/0/count"] * out["numerics/fwd/0/frac_zero"] \
+        == pytest.approx(16 * 8)
+    assert out["numerics/advised_loss_scale"] == out["numerics/advised_loss_scale_act"] or \
+        out["numerics/advised_loss_scale"] == out["numerics/advised_loss_scale_weight"]
