@@ -24,7 +24,17 @@ PLACEHOLDER = {"fp32": ("fp32", None, None, False), "mp_noscale": ("fp16", None,
 # Tables 1 and 3 have one MP column, and the paper ran it without loss scaling (4.1, 4.3): an empty
 # table's MP column is our fp16 (S = 1), as the experiments' READMEs say.
 EXTRA_NAME = {"fp32": "TF32 baseline", "bf16": "BF16", "fp16_pure": "FP16 weights, no master copy",
-              "fp16_storage": "FP16 storage, FP32 math"}
+              "fp16_storage": "FP16 storage, FP32 math",
+              # issue 31: the paper's successors, marked as such in every table
+              "fp8_delayed": "beyond the paper: FP8, delayed scaling, BF16 first/last layers",
+              "fp8_current": "beyond the paper: FP8, current scaling, BF16 first/last layers",
+              "fp8_delayed_all": "beyond the paper: FP8, delayed scaling, every layer",
+              "fp8_current_all": "beyond the paper: FP8, current scaling, every layer",
+              "bf16_pure": "beyond the paper: BF16 weights, no master copy, round to nearest",
+              "bf16_pure_stochastic": "beyond the paper: BF16 weights, no master copy, stochastic rounding",
+              "bf16_pure_kahan": "beyond the paper: BF16 weights, no master copy, Kahan summation",
+              "fp16_pure_stochastic": "beyond the paper: FP16 weights, no master copy, stochastic rounding",
+              "fp16_pure_kahan": "beyond the paper: FP16 weights, no master copy, Kahan summation"}
 
 
 @dataclasses.dataclass

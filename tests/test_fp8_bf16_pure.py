@@ -2,6 +2,7 @@
 precision=bf16_pure (BF16 weights without an FP32 master copy, rounding nearest|stochastic|kahan),
 checked against hand-computed values."""
 import json
+import re
 
 import pytest
 import torch
@@ -391,3 +392,75 @@ def test_numerics_records_forward_values():
         == pytest.approx(16 * 8)
     assert out["numerics/advised_loss_scale"] == out["numerics/advised_loss_scale_act"] or \
         out["numerics/advised_loss_scale"] == out["numerics/advised_loss_scale_weight"]
+
+
+# ------------------------------------------------------------------------------------------------
+# tables and figures: the new precisions are their own columns, labelled beyond the paper
+
+
+def _tiny_run(root, precision, seed, top1, cfg_extra=None, numerics=()):
+    import yaml
+
+    from test_paper_tables import write_run
+
+    d = write_run(root, "ilsvrc_cnns", "resnet50_preact", precision, seed, metrics={"top1": top1},
+                  profile="tiny", numerics=numerics, name=f"r-{precision}-{seed}-{abs(hash(str(cfg_extra))) % 1000}")
+    cfg = yaml.safe_load((d / "config.yaml").read_text())
+    cfg.update(cfg_extra or {})
+    (d / "config.yaml").write_text(yaml.safe_dump(cfg))
+    return d
+
+
+def test_tables_label_the_new_precisions_beyond_the_paper(tmp_path):
+    from paper_tables import report, results
+
+    for seed in range(3):
+        _tiny_run(tmp_path, "fp32", seed, 97.0 + seed)
+        _tiny_run(tmp_path, "fp8", seed, 96.0 + seed, {"fp8": {"scaling": "delayed", "ends": "bf16"}})
+        _tiny_run(tmp_path, "fp8", seed, 90.0 + seed, {"fp8": {"scaling": "current", "ends": "fp8"}})
+        _tiny_run(tmp_path, "bf16_pure", seed, 80.0 + seed, {"rounding": "kahan"})
+        _tiny_run(tmp_path, "bf16_pure", seed, 70.0 + seed, {"rounding": "nearest"})
+    runs, problems = results.collect_dir(tmp_path)
+    rep = report.build(runs, problems, "test")
+    sec = next(s for s in rep.sections if s.profile.startswith("tiny"))
+    t = next(t for t in sec.tables if t.spec.id == "table1")
+    by_label = {c.label: t.cells[("resnet50_preact", c.id)] for c in t.columns}
+    want = {"beyond the paper: FP8, delayed scaling, BF16 first/last layers (fp8_delayed)": 97.0,
+            "beyond the paper: FP8, current scaling, every layer (fp8_current_all)": 91.0,
+            "beyond the paper: BF16 weights, no master copy, Kahan summation (bf16_pure_kahan)": 81.0,
+            "beyond the paper: BF16 weights, no master copy, round to nearest (bf16_pure)": 71.0}
+    for label, mean in want.items():
+        assert by_label[label].n == 3 and by_label[label].mean == pytest.approx(mean), label
+    assert by_label["beyond the paper: FP8, delayed scaling, BF16 first/last layers (fp8_delayed)"].ref is not None
+
+
+def test_fp8_ranges_figure(tmp_path):
+    import numpy as np
+
+    from paper_tables import figures, results, specs
+
+    lo, hi = -40, 16
+    e = np.arange(lo, hi + 1)
+
+    def layer(center):
+        return np.round(1000 * np.exp(-0.5 * ((e - center) / 2.0) ** 2)).astype(int).tolist()
+
+    line = {"numerics/hist_lo": lo, "numerics/hist_hi": hi, "numerics/loss_scale": 1.0}
+    # activations around 2^12 (beyond E4M3's 448) and gradients around 2^-22 (below E5M2's 2^-16)
+    for g, center, mx in (("fwd", 12, 2.0**17), ("act", -22, 2.0**-16)):
+        line.update({f"numerics/{g}/overall/hist": layer(center), f"numerics/{g}/l1/hist": layer(center),
+                     f"numerics/{g}/l1/max_abs": mx})
+    _tiny_run(tmp_path, "fp32", 0, 97.0, numerics=[line])
+    runs, problems = results.collect_dir(tmp_path)
+    spec = next(s for s in specs.FIGURES if s.id == "fp8_ranges")
+    f = figures.build_figure(spec, runs, runs[0].profile, problems)
+    assert f.missing is None and f.png.startswith(b"\x89PNG"), f.missing
+    text = " ".join(f.notes)
+    # unscaled: the activations overflow E4M3, the gradients underflow E5M2; scaled: both fit
+    m = re.search(r"activations \(forward values\) vs E4M3: as measured \(no scale\): ([\d.]+)% below 2\^-10 "
+                  r"\(zero in E4M3\), ([\d.]+)% above 2\^9; with each layer's per-tensor scale: ([\d.]+)% below "
+                  r"2\^-10 \(zero in E4M3\), ([\d.]+)% above 2\^9", text)
+    assert m and float(m.group(2)) > 90 and float(m.group(4)) == 0.0, text
+    m = re.search(r"activation gradients vs E5M2: as measured \(no scale\): ([\d.]+)% below 2\^-17 .*? "
+                  r"([\d.]+)% above 2\^16; with each layer's per-tensor scale: ([\d.]+)% below", text)
+    assert m and float(m.group(1)) > 50 and float(m.group(3)) < 1, text
