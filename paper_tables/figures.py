@@ -525,9 +525,9 @@ def _loss_scale(spec, runs, profile, problems, notes):
 
 
 # ----------------------------------------------------------------------------- FP8 ranges (issue 31)
-# (numerics group, FP8 format, what it is, exponent of the smallest subnormal, smallest normal, largest)
-FP8_ROLES = (("fwd", "E4M3", "activations (forward values)", -9, -6, 8),
-             ("act", "E5M2", "activation gradients", -16, -14, 15))
+# (numerics group, format, what, smallest-subnormal exponent, smallest-normal exponent, top exponent, max)
+FP8_ROLES = (("fwd", "E4M3", "activations (forward values)", -9, -6, 8, 448.0),
+             ("act", "E5M2", "activation gradients", -16, -14, 15, 57344.0))
 
 
 def _layer_hists(line: dict, group: str):
@@ -569,12 +569,11 @@ def _fp8_hist(spec, runs, profile, problems, notes):
         best[k] = max(best.get(k, 0), sc)
     key = max(groups, key=lambda k: (best[k], k[2][0] in spec.precisions, _rank(k[0], spec.experiments),
                                      _rank(k[2][0], spec.precisions), str(k)))
-    fig = Figure(figsize=(10, 7.2), layout="constrained")
+    fig = Figure(figsize=(10, 8), layout="constrained")
     axes = fig.subplots(2, 1, squeeze=False).ravel()
     desc = f"{key[0]}/{key[1]}, {variant_label(key[2])}"
     snaps = collections.Counter()
-    for ax, (group, fmt, what, sub, normal, top) in zip(axes, FP8_ROLES):
-        fmt_max = 2.0 ** top * (2 - 2.0 ** -(3 if fmt == "E4M3" else 2))  # 448, 57344
+    for ax, (group, fmt, what, sub, normal, top, fmt_max) in zip(axes, FP8_ROLES):
         raw, scaled = collections.Counter(), collections.Counter()
         for r in groups[key]:
             for line in r.lines(problems).numerics:
@@ -612,7 +611,7 @@ def _fp8_hist(spec, runs, profile, problems, notes):
         ax.set_yscale("log")
         ax.set_ylabel("% of non-zero values")
         ax.grid(alpha=0.3, axis="y")
-        ax.set_title(f"{what} vs {fmt}\n" + "; ".join(lines), fontsize=8)
+        ax.set_title(f"{what} vs {fmt}\n" + "\n".join(lines), fontsize=8)
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         notes.append(f"{what} vs {fmt}: " + "; ".join(lines) + ".")
     notes.insert(0, f"Ours: {desc}, {len(groups[key])} run(s) ({_seeds(groups[key])}); "
