@@ -103,6 +103,17 @@ class NumericsCfg:
 
 
 @dataclass
+class FP8Cfg:
+    # precision=fp8 only (beyond the paper, issue 31; mpt.precision.FP8State). Defaults: Transformer
+    # Engine's DelayedScaling (history 1024, "max", margin 0) and the FP8 paper's 16-bit first/last layers.
+    scaling: str = "delayed"  # delayed (amax history) | current (amax of the tensor now)
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"  # max | most_recent
+    margin: int = 0  # scale = FP8_MAX / amax / 2^margin
+    ends: str = "bf16"  # bf16: first and last weight-bearing layer of each model in BF16 | fp8: every layer
+
+
+@dataclass
 class WandbCfg:
     mode: str = infra("auto")  # auto (online with WANDB_API_KEY, else offline) | online | offline | disabled
     project: str = infra("mixed-precision-training-1710.03740")
@@ -117,7 +128,7 @@ class Config:
     width: float = 1.0  # channel multiplier: tiny variants for tests and the demo
     profile: str = "paper"  # paper | tiny (CPU smoke data) -- tables never mix them
     seed: int = 0
-    precision: str = "fp32"  # fp32 | fp16 | mixed | bf16 | fp16_pure | fp16_storage   (mpt.precision)
+    precision: str = "fp32"  # fp32 | fp16 | mixed | bf16 | fp16_pure | fp16_storage | fp8 | bf16_pure (mpt.precision)
     impl: str = "autocast"  # autocast | paper
     # FP16/BF16 dot products on a CPU: emulated (FP32 math on the FP16 operands, rounded once: section
     # 3.3's arithmetic) | native (PyTorch's CPU kernels) | auto (emulated; BF16 native where the CPU has
@@ -125,6 +136,10 @@ class Config:
     # what auto picked.
     half_math: str = "auto"
     loss_scale: str = "auto"  # auto | dynamic | <number>
+    # fp16_pure / bf16_pure: how the optimizer's FP32 result is rounded into the weights (issue 31):
+    # nearest | stochastic (seeded, checkpointed) | kahan (a compensation buffer per weight)
+    rounding: str = "nearest"
+    fp8: FP8Cfg = field(default_factory=FP8Cfg)
     tf32: bool = False  # off by default so FP32 baselines are strict
     channels_last: bool = False
     device: str = infra("auto")
@@ -422,7 +437,7 @@ def canonical_loss_scale(value: str, precision: str = "") -> str:
         return "auto" if v == "dynamic" and precision == "mixed" else v
     if not math.isfinite(f):
         return v
-    if f == 1 and precision in ("fp32", "bf16", "fp16"):
+    if f == 1 and precision in ("fp32", "bf16", "fp16", "bf16_pure", "fp8"):
         return "auto"
     return str(int(f)) if f.is_integer() and abs(f) < 2 ** 53 else repr(f)
 
@@ -546,7 +561,7 @@ def _flat(d: dict, prefix: str = "") -> dict:
 # Keys added after runs were stored, with the value that reproduces those runs: at that value a key is
 # left out of the content id (the runs keep their ids and directories) and a stored config without it
 # is the same run. Another value is another run.
-_ADDED_KEYS = {"half_math": "auto"}
+_ADDED_KEYS = {"half_math": "auto", "rounding": "nearest", "fp8": dataclasses.asdict(FP8Cfg())}
 
 
 def config_difference(stored: dict, cfg: Config) -> str | None:
@@ -555,7 +570,7 @@ def config_difference(stored: dict, cfg: Config) -> str | None:
     new = _flat(json.loads(json.dumps(_strip_infra(cfg), default=str)))
     old = _flat(json.loads(json.dumps(stored, default=str))) if isinstance(stored, dict) else {}
     if isinstance(stored, dict):
-        old = {**_ADDED_KEYS, **old}
+        old = {**_flat(_ADDED_KEYS), **old}
     for d in (new, old):  # one spelling per loss scale, as in cell_id
         if "loss_scale" in d:
             d["loss_scale"] = canonical_loss_scale(d["loss_scale"], str(d.get("precision", "")))

@@ -52,6 +52,29 @@ SWAMP_RATIO = 2.0 ** -(FP16_MANTISSA_BITS + 1)
 FP16_ROUNDS_TO_ZERO = 2.0**-25
 FP16_ROUNDS_TO_NORMAL = 2.0**-14 - 2.0**-25
 FP16_ROUNDS_TO_INF = 65520.0
+# The other narrow formats (issue 31, beyond the paper): smallest subnormal, smallest normal, largest
+# finite value, explicit mantissa bits. E4M3 (no infinities: its top binade reaches 448) and E5M2 are the
+# FP8 formats of Micikevicius et al. 2022; BF16 has FP32's exponent range with 7 mantissa bits.
+FORMATS = {
+    "fp16": {"min_subnormal": 2.0**-24, "min_normal": 2.0**-14, "max": 65504.0, "mantissa": 10},
+    "bf16": {"min_subnormal": 2.0**-133, "min_normal": 2.0**-126, "max": (2 - 2.0**-7) * 2.0**127, "mantissa": 7},
+    "e4m3": {"min_subnormal": 2.0**-9, "min_normal": 2.0**-6, "max": 448.0, "mantissa": 3},
+    "e5m2": {"min_subnormal": 2.0**-16, "min_normal": 2.0**-14, "max": 57344.0, "mantissa": 2},
+}
+
+
+def format_thresholds(fmt: str) -> tuple[float, float, float]:
+    """(rounds to zero at or below, rounds to a normal from, overflows from) for round to nearest
+    even: half the smallest subnormal ties to 0 (even); the largest subnormal (odd) and the smallest
+    normal tie to the normal; the largest finite value plus half its ulp ties away from it (its
+    mantissa is odd) -- to inf in FP16/BF16/E5M2, to a saturated maximum in the casts of
+    mpt.precision (E4M3 has no inf: its 448 + 16 would be a NaN code, and a saturating cast keeps 448,
+    so there overflow starts just above 464)."""
+    f = FORMATS[fmt]
+    half_ulp_top = 2.0 ** (math.floor(math.log2(f["max"])) - f["mantissa"] - 1)
+    return f["min_subnormal"] / 2, f["min_normal"] - f["min_subnormal"] / 2, f["max"] + half_ulp_top
+
+
 # Default exponent range of the histograms: the paper's Figures 2b and 3 draw exponents far below
 # FP16's 2^-24, down to about 2^-60 by our reading of Figure 3 (an image we could not re-check here),
 # so -64 leaves a margin; the end bins also count everything beyond.
@@ -96,16 +119,21 @@ def _exponent_counts(v: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     return counts[:nbins]
 
 
-def _band_counts(v: torch.Tensor) -> torch.Tensor:
+def _band_counts(v: torch.Tensor, fmt: str = "fp16") -> torch.Tensor:
     """int64 [zero, underflow, subnormal, normal, nonfinite] counts of v (non-negative FP64), each
-    value banded by what rounding it to FP16 gives. Overflow (rounds to inf, or non-finite) is the
-    remainder: numel minus the first four."""
+    value banded by what rounding it to `fmt` gives. Overflow (rounds to inf or saturates, or
+    non-finite) is the remainder: numel minus the first four."""
+    if fmt == "fp16":
+        to_zero, to_normal, to_inf = FP16_ROUNDS_TO_ZERO, FP16_ROUNDS_TO_NORMAL, FP16_ROUNDS_TO_INF
+    else:
+        to_zero, to_normal, to_inf = format_thresholds(fmt)
+    normal = (v >= to_normal) & ((v <= to_inf) if fmt == "e4m3" else (v < to_inf))
     return torch.stack(
         [
             (v == 0).sum(),
-            ((v > 0) & (v <= FP16_ROUNDS_TO_ZERO)).sum(),
-            ((v > FP16_ROUNDS_TO_ZERO) & (v < FP16_ROUNDS_TO_NORMAL)).sum(),
-            ((v >= FP16_ROUNDS_TO_NORMAL) & (v < FP16_ROUNDS_TO_INF)).sum(),
+            ((v > 0) & (v <= to_zero)).sum(),
+            ((v > to_zero) & (v < to_normal)).sum(),
+            normal.sum(),
             (~torch.isfinite(v)).sum(),
         ]
     )
@@ -130,6 +158,26 @@ def exponent_histogram(t: torch.Tensor, lo: int = HIST_LO, hi: int = HIST_HI) ->
     for v in _abs64_chunks(t):
         counts += _exponent_counts(v, lo, hi)
     return counts
+
+
+def format_bands(t: torch.Tensor, fmt: str = "fp16", scale: float = 1.0) -> dict[str, int]:
+    """fp16_bands for any format of FORMATS (E4M3, E5M2, BF16 too): the values |x| * scale banded by
+    what rounding them to `fmt` gives. For FP8, `scale` is the per-tensor scale (mpt.precision's
+    FP8_MAX / amax), so format_bands(t, "e4m3", 448 / amax) is what the simulated FP8 recipe keeps."""
+    if fmt not in FORMATS:
+        raise ValueError(f"format_bands fmt={fmt!r}: choose one of {', '.join(FORMATS)}")
+    scale = float(scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"format_bands scale={scale}: need a finite positive number")
+    acc = torch.zeros(5, dtype=torch.int64, device=t.device)
+    for v in _abs64_chunks(t):
+        if scale != 1.0:
+            v.mul_(scale)
+        acc += _band_counts(v, fmt)
+    zero, under, sub, normal, nonfinite = acc.tolist()
+    n = t.numel()
+    return {"zero": zero, "underflow": under, "subnormal": sub, "normal": normal,
+            "overflow": n - zero - under - sub - normal, "nonfinite": nonfinite, "total": n}
 
 
 def fp16_bands(t: torch.Tensor, scale: float = 1.0) -> dict[str, int]:
@@ -170,18 +218,20 @@ def fp16_bands(t: torch.Tensor, scale: float = 1.0) -> dict[str, int]:
     }
 
 
-def _fp16_keeps(w16: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def _fp16_keeps(w16: torch.Tensor, u: torch.Tensor, fmt: str = "fp16") -> torch.Tensor:
     """True where rounding w16 + u to FP16 (nearest, ties to even) gives w16 back: |u| below half the
     gap to w16's neighbour in u's direction, or exactly half and w16's mantissa even. Decided from
     the exact values (u FP64), not by converting the sum: torch converts FP64 to FP16 through FP32,
-    which can round twice."""
+    which can round twice. fmt="bf16": the same for a BF16 weight w16 (BF16 tensor)."""
+    f = FORMATS[fmt]
+    min_sub_exp = round(math.log2(f["min_subnormal"]))
     a = w16.abs().to(torch.float64)
     _, e = torch.frexp(a)  # a = m 2^e, m in [0.5, 1): floor(log2 a) = e - 1
-    ulp = torch.ldexp(torch.ones_like(a), (e.to(torch.int64) - 1 - FP16_MANTISSA_BITS).clamp_(min=-24))
-    ulp = torch.where(a == 0, FP16_MIN_SUBNORMAL, ulp)
-    # Below a normal power of two (above 2^-14) the neighbour is half an ulp away.
+    ulp = torch.ldexp(torch.ones_like(a), (e.to(torch.int64) - 1 - f["mantissa"]).clamp_(min=min_sub_exp))
+    ulp = torch.where(a == 0, f["min_subnormal"], ulp)
+    # Below a normal power of two (above the smallest normal) the neighbour is half an ulp away.
     toward_zero = (u * w16.to(torch.float64)) < 0
-    power_of_two = (a > FP16_MIN_NORMAL) & (torch.ldexp(torch.ones_like(a), e.to(torch.int64) - 1) == a)
+    power_of_two = (a > f["min_normal"]) & (torch.ldexp(torch.ones_like(a), e.to(torch.int64) - 1) == a)
     half_gap = torch.where(toward_zero & power_of_two, ulp / 4, ulp / 2)
     even = (w16.view(torch.int16) & 1) == 0
     abs_u = u.abs()
@@ -210,6 +260,9 @@ def swamping_fraction(before: Sequence[torch.Tensor], after: Sequence[torch.Tens
       that FP16 keeps (about 1.4x the exact count on random pairs).
     - "update_underflow" / "frac_update_underflow": changed with 0 < |u| <= 2^-25, which FP16
       cannot even represent (section 3.1's first reason, Figure 2b: they round to zero), over changed.
+    - "swamped_bf16" / "frac_swamped_bf16" (beyond the paper, issue 31): what a BF16 weight would
+      lose, bf16(bf16(w) + u) == bf16(w), exactly (7 mantissa bits: updates below 2^-8 |w| or so;
+      bf16_pure measures its own loss in "frac_swamped", on the BF16 weights it updates).
 
     One tensor at a time, in bounded FP64 chunks; no per-element Python; one host sync.
     """
@@ -231,7 +284,7 @@ def swamping_fraction(before: Sequence[torch.Tensor], after: Sequence[torch.Tens
         b_flat = b_t.detach().reshape(-1)
         a_flat = a_t.detach().reshape(-1).to(b_flat.device)
         r_flat = r_t.detach().reshape(-1).to(b_flat.device) if r_t is not None else None
-        acc = per_device.setdefault(b_flat.device, torch.zeros(4, dtype=torch.int64, device=b_flat.device))
+        acc = per_device.setdefault(b_flat.device, torch.zeros(5, dtype=torch.int64, device=b_flat.device))
         for i in range(0, b_flat.numel(), _CHUNK):
             w = b_flat[i : i + _CHUNK].to(torch.float64)
             u = a_flat[i : i + _CHUNK].to(torch.float64) - w
@@ -247,12 +300,13 @@ def swamping_fraction(before: Sequence[torch.Tensor], after: Sequence[torch.Tens
                     (changed & lost).sum(),
                     (changed & (abs_u < SWAMP_RATIO * w.abs())).sum(),
                     (changed & (abs_u <= FP16_ROUNDS_TO_ZERO)).sum(),
+                    (changed & _fp16_keeps(b_flat[i : i + _CHUNK].to(torch.bfloat16), u, "bf16")).sum(),
                 ]
             )
-    sums = [0, 0, 0, 0]
+    sums = [0, 0, 0, 0, 0]
     for acc in per_device.values():
         sums = [s + c for s, c in zip(sums, acc.tolist())]
-    changed, swamped, swamped_2048, update_underflow = sums
+    changed, swamped, swamped_2048, update_underflow, swamped_bf16 = sums
     return {
         "total": total,
         "changed": changed,
@@ -264,6 +318,8 @@ def swamping_fraction(before: Sequence[torch.Tensor], after: Sequence[torch.Tens
         "frac_swamped_2048": swamped_2048 / changed if changed else 0.0,
         "update_underflow": update_underflow,
         "frac_update_underflow": update_underflow / changed if changed else 0.0,
+        "swamped_bf16": swamped_bf16,
+        "frac_swamped_bf16": swamped_bf16 / changed if changed else 0.0,
     }
 
 
@@ -563,6 +619,7 @@ class Numerics:
         self.margin = float(margin)
         self._handles: list[Any] = []
         self._act: dict[str, _Group] = {}
+        self._fwd: dict[str, _Group] = {}  # the module outputs themselves (issue 31: FP8's E4M3 range)
         self._active = False
         self._generation = 0  # tensor hooks from an earlier sample find a newer generation and do nothing
         self._divisor = 1.0
@@ -585,6 +642,7 @@ class Numerics:
             return
         self._remove_hooks()
         self._act = {}
+        self._fwd = {}
         self._errors = []
         self._generation += 1
         self._step = step
@@ -619,9 +677,12 @@ class Numerics:
             numerics/advised_loss_scale_act, numerics/advised_loss_scale_weight   the advisor's
                                                  S for each (None if that group holds inf/nan)
             numerics/advised_loss_scale          the smaller of the two (None if either is None)
+            numerics/fwd/L/...                   the same keys for the module outputs themselves
+                                                 (forward values, no loss scale; beyond the paper:
+                                                 FP8's E4M3 range), numerics/max_abs_fwd
             numerics/error                       only if something failed: what
 
-        The act keys are absent if `begin` was not called for this step. Returns {} when off.
+        The act and fwd keys are absent if `begin` was not called for this step. Returns {} when off.
         """
         if self.every <= 0:
             return {}
@@ -634,6 +695,7 @@ class Numerics:
             self._remove_hooks()
             self._active = False
             self._act = {}
+            self._fwd = {}
 
     def swamping(self, before: Sequence[torch.Tensor], after: Sequence[torch.Tensor],
                  received: Sequence[torch.Tensor] | None = None) -> dict:
@@ -697,6 +759,11 @@ class Numerics:
                         if any(t is x for x in ins):
                             continue  # passed through unchanged: the producer already records it
                     t.register_hook(self._grad_hook(name, generation))
+                    with torch.no_grad(), self._lock:  # the activation itself (forward values)
+                        group = self._fwd.get(name)
+                        if group is None:
+                            group = self._fwd[name] = _Group(t.device)
+                        group.add(t.detach(), 1.0)
             except Exception as e:  # noqa: BLE001
                 self._note_error(f"forward hook {name}", e)
             return None
@@ -755,6 +822,9 @@ class Numerics:
             out[f"numerics/advised_loss_scale_{kind}"] = advised[kind]
         values = list(advised.values())
         out["numerics/advised_loss_scale"] = None if None in values else min(values)
+        if self._active and self._fwd:
+            # Forward values (issue 31): where activations lie against E4M3's range; no loss scale.
+            out["numerics/max_abs_fwd"] = self._emit(out, "fwd", dict(self._fwd), 0, 1.0)
         if self._errors:
             out["numerics/error"] = "; ".join(self._errors)
         return out

@@ -32,6 +32,33 @@ Recipes (cfg.precision):
                 output. No loss scaling unless loss_scale is set. The FP32 temporaries autograd
                 saves make its memory and speed those of FP32: it reproduces the numerics only.
 
+Beyond the paper (issue 31: its successors, labelled so in every table):
+  fp8           FP8 for the operands of every dot product of a weight-bearing layer (linear,
+                convolution, recurrent): E4M3 for weights and activations in the forward pass, E5M2
+                for the gradient of the layer's output in the backward pass (Micikevicius et al.
+                2022, "FP8 Formats for Deep Learning"; Transformer Engine's HYBRID format), each
+                tensor with its own scale, by `fp8.scaling`: `current` (FP8_MAX / amax of this
+                tensor now) or `delayed` (FP8_MAX / the max over an amax history of
+                fp8.amax_history_len iterations, Transformer Engine's DelayedScaling defaults: 1024,
+                "max", margin 0; the scale starts at 1 and is recomputed once per iteration). FP32
+                master weights (the model's own parameters), FP32 accumulation and outputs, no loss
+                scaling (the per-tensor scales replace it). `fp8.ends=bf16` (default) keeps the first
+                and the last weight-bearing layer of each model (registration order) in BF16, as the
+                FP8 paper kept them in 16 bits; `fp8.ends=fp8` quantises them too. Simulated on every
+                device: quantise-dequantise (torch.float8_e4m3fn / float8_e5m2 casts, saturating at
+                +-448 / +-57344) around the FP32 kernels, as the FP8 paper itself simulated -- the
+                numerics, not the speed. Both impls run this one recipe. Not quantised: a recurrent
+                layer's state inside its fused kernel (its input sequence and weights are; the
+                gradient of its output sequence is), dot products without a weight (attention's),
+                embeddings (lookups), modules marked keep_fp32.
+  bf16_pure     BF16 weights updated directly, no FP32 master copy (fp16_pure's scheme in BF16,
+                Zamirai et al. 2020, "Revisiting BFloat16 Training"), with `rounding=` deciding how
+                the FP32 result of the optimizer is written back into the BF16 weights: `nearest`
+                (round to nearest even: small updates are lost, section 3.1), `stochastic` (up or
+                down with probabilities that make it unbiased; seeded from cfg.seed, its generator
+                in the checkpoint) or `kahan` (a BF16 compensation buffer per weight carries what
+                the rounding lost into the next update). `rounding` applies to fp16_pure too.
+
 Implementations (cfg.impl):
   autocast   torch.autocast + torch.amp.GradScaler: parameters stay FP32 (they *are* the master
              copy) and matmuls/convolutions run in FP16 on autocast's casts.
@@ -76,9 +103,18 @@ from mpt import torch_private as TP
 from mpt.errors import UserError
 from mpt.numerics import first_nonfinite
 
-PRECISIONS = ("fp32", "fp16", "mixed", "bf16", "fp16_pure", "fp16_storage")
-# Precisions that store the model in FP16 whatever cfg.impl says (see the module docstring).
-_PAPER_ONLY = ("fp16_pure", "fp16_storage")
+PRECISIONS = ("fp32", "fp16", "mixed", "bf16", "fp16_pure", "fp16_storage", "fp8", "bf16_pure")
+# Precisions that store the model in FP16 (BF16) whatever cfg.impl says (see the module docstring).
+_PAPER_ONLY = ("fp16_pure", "fp16_storage", "bf16_pure")
+# Precisions without an FP32 master copy: how the optimizer's FP32 result is rounded into the weights.
+_PURE = ("fp16_pure", "bf16_pure")
+ROUNDINGS = ("nearest", "stochastic", "kahan")
+FP8_SCALINGS = ("delayed", "current")
+FP8_AMAX_ALGOS = ("max", "most_recent")
+FP8_ENDS = ("bf16", "fp8")
+# (torch dtype, largest finite magnitude): E4M3 has no infinities, so its top binade reaches 448;
+# E5M2 is IEEE-like, 57344 (FP8 paper, Table 1).
+FP8_FORMATS = {"e4m3": (torch.float8_e4m3fn, 448.0), "e5m2": (torch.float8_e5m2, 57344.0)}
 IMPLS = ("autocast", "paper")
 HALF_MATHS = ("auto", "emulated", "native")
 # Norm layers keep FP32 parameters and statistics; their kernels read FP16 input with FP32
@@ -113,13 +149,16 @@ def parse_loss_scale(value: str, precision: str):
         raise UserError(f"loss_scale={value!r} is not a number; use a positive number, 'dynamic' or 'auto'") from None
     if not math.isfinite(s) or s <= 0:
         raise UserError(f"loss_scale={value!r} must be a positive finite number (the paper used 8 to 32K)")
-    if precision in ("fp32", "bf16") and s != 1:
+    if precision in ("fp32", "bf16", "bf16_pure") and s != 1:
         raise UserError(f"loss_scale={value} does nothing for precision={precision}; leave it at auto")
+    if precision == "fp8" and s != 1:
+        raise UserError(f"precision=fp8 scales each tensor on its own (fp8.scaling); loss_scale={value} "
+                        f"is not used: leave it at auto")
     if precision == "fp16" and s != 1:
         raise UserError(
             f"precision=fp16 is the paper's 'without loss scaling' mode (S = 1); "
             f"for S = {value} use precision=mixed loss_scale={value}")
-    if precision in ("fp32", "bf16", "fp16"):
+    if precision in ("fp32", "bf16", "fp16", "bf16_pure", "fp8"):
         return None
     return s
 
@@ -132,6 +171,23 @@ def check(cfg) -> None:
     if getattr(cfg, "half_math", "auto") not in HALF_MATHS:
         raise UserError(f"unknown half_math {cfg.half_math!r}; choose one of: {', '.join(HALF_MATHS)}")
     parse_loss_scale(cfg.loss_scale, cfg.precision)
+    rounding = getattr(cfg, "rounding", "nearest")
+    if rounding not in ROUNDINGS:
+        raise UserError(f"unknown rounding {rounding!r}; choose one of: {', '.join(ROUNDINGS)}")
+    if rounding != "nearest" and cfg.precision not in _PURE:
+        raise UserError(f"rounding={rounding} is how weights without an FP32 master copy are updated; it needs "
+                        f"precision={' or '.join(_PURE)}, not {cfg.precision}")
+    f8 = getattr(cfg, "fp8", None)
+    if f8 is not None:
+        for key, value, allowed in (("scaling", f8.scaling, FP8_SCALINGS),
+                                    ("amax_compute_algo", f8.amax_compute_algo, FP8_AMAX_ALGOS),
+                                    ("ends", f8.ends, FP8_ENDS)):
+            if value not in allowed:
+                raise UserError(f"unknown fp8.{key} {value!r}; choose one of: {', '.join(allowed)}")
+        if f8.amax_history_len < 1:
+            raise UserError(f"fp8.amax_history_len={f8.amax_history_len} must be >= 1")
+        if cfg.precision != "fp8" and type(f8)() != f8:
+            raise UserError(f"fp8.* keys do nothing for precision={cfg.precision}; leave them at their defaults")
     s = cfg.scaler
     if not (s.init_scale > 0 and s.growth_factor > 1 and 0 < s.backoff_factor < 1 and s.growth_interval >= 1):
         raise UserError("scaler needs init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1, growth_interval >= 1")
@@ -412,7 +468,8 @@ def half_math_used(cfg, device) -> str:
     """resolve_half_math for a run's config (what build(cfg, device).half_math will be)."""
     if cfg.precision == "fp16_storage":
         return "emulated"  # FP32Math on every device: the precision's definition
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(cfg.precision, torch.float16)
+    dtype = {"fp32": torch.float32, "fp8": torch.float32, "bf16": torch.bfloat16,
+             "bf16_pure": torch.bfloat16}.get(cfg.precision, torch.float16)
     return resolve_half_math(getattr(cfg, "half_math", "auto"), dtype, device)
 
 
@@ -436,6 +493,250 @@ class FP32Math(HalfMath):
 
     def __init__(self):
         super().__init__(torch.float16)
+
+
+# ------------------------------------------------------------------------------------------------
+# FP8, simulated (precision=fp8; beyond the paper, issue 31)
+#
+# Quantise-dequantise: x -> fp8(clamp(x * s, -max, max)) / s, computed in FP32; the dot product then
+# runs on the FP32 values of the FP8 numbers (exact), accumulating in FP32 -- what an FP8 GEMM with
+# FP32 accumulation computes, up to summation order. Both casts saturate finite values (Transformer
+# Engine's choice: a value beyond the delayed scale's range is clipped, not made inf). E4M3 has no
+# infinities, so inf saturates too; E5M2 keeps inf (it has one); nan stays nan in both, so a
+# diverging run is still seen as one.
+
+
+def fp8_quantize(x: torch.Tensor, fmt: str, scale=1.0) -> torch.Tensor:
+    """x rounded to FP8 format `fmt` ("e4m3" | "e5m2") at per-tensor `scale` (a number or a 0-dim
+    tensor) and returned in FP32 at x's magnitude: fp8(x * scale) / scale, round to nearest even,
+    saturating at the format's largest value, subnormals kept."""
+    dtype, top = FP8_FORMATS[fmt]
+    y = x.float() * scale
+    q = y.clamp(-top, top).to(dtype).float()
+    if fmt == "e5m2":
+        q = torch.where(torch.isinf(y), y, q)
+    return q / scale
+
+
+def bf16_quantize(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to BF16 (nearest even) and returned in FP32: fp8.ends=bf16's 16-bit operands."""
+    return x.to(torch.bfloat16).float()
+
+
+class _FP8Operand(torch.autograd.Function):
+    """Forward: an operand of a dot product rounded (E4M3 at its scale, or BF16); backward: the
+    gradient passes through unchanged (straight-through) -- the gradient that reaches the
+    operand was already computed from the quantised output gradient (_FP8Grad)."""
+
+    @staticmethod
+    def forward(ctx, x, quant):
+        return quant(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _FP8Grad(torch.autograd.Function):
+    """Forward: the dot product's output, unchanged (a copy: a later in-place op on it must not
+    write into this function's output view); backward: the gradient arriving at the output rounded
+    to E5M2 (or BF16) at its own scale before both backward products (input and weight gradients)
+    read it, as an FP8 GEMM's backward reads it."""
+
+    @staticmethod
+    def forward(ctx, y, quant):
+        ctx.quant = quant
+        return y.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.quant(g), None
+
+
+def _amax(t: torch.Tensor) -> torch.Tensor:
+    """Largest finite |t| as an FP32 0-dim tensor (0 for an empty or all-non-finite tensor)."""
+    a = t.detach().abs().float()
+    return torch.where(torch.isfinite(a), a, torch.zeros_like(a)).amax() if a.numel() else a.new_zeros(())
+
+
+class FP8State:
+    """The per-tensor scales of precision=fp8: one slot per (layer, role) -- role "x" (the input,
+    E4M3), "w<i>" (a weight, E4M3), "g" (the gradient of the output, E5M2).
+
+    current: each quantisation computes scale = FP8_MAX / amax(tensor) / 2^margin from the tensor
+    itself (amax 0: scale 1).
+    delayed (Transformer Engine's DelayedScaling): each slot has an amax history of `history_len`
+    entries (index 0 the newest) and a scale. During an iteration the slot's scale is fixed and the
+    amax of every tensor it quantises (several per iteration for a layer called several times) is
+    recorded; `update()` -- once per iteration, after the optimizer steps -- rolls the history, puts
+    the iteration's amax first and recomputes scale = FP8_MAX / reduce(history) / 2^margin, with
+    reduce = max (default) or most_recent; where that is 0 or not finite the scale is kept. The
+    scale starts at 1, before any history exists. Only training passes (grad enabled) record amax;
+    evaluation uses the scales as they are. Slots are keyed by parameter names, so the state is
+    checkpointed and a resumed run continues bit-identically."""
+
+    def __init__(self, scaling: str = "delayed", history_len: int = 1024, algo: str = "max", margin: int = 0):
+        self.scaling, self.history_len, self.algo, self.margin = scaling, int(history_len), algo, int(margin)
+        self.sites: dict[int, tuple[str, bool]] = {}  # id(weight parameter) -> (layer name, in BF16)
+        self.history: dict[str, torch.Tensor] = {}
+        self.scale: dict[str, torch.Tensor] = {}
+        self._seen: dict[str, torch.Tensor] = {}  # this iteration's amax per slot (delayed)
+
+    def register(self, model: nn.Module, ends: str = "bf16") -> None:
+        """Find the weight-bearing layers: every module owning a parameter of 2 or more dimensions.
+        Lookups (nn.Embedding) and keep_fp32 modules (with everything inside them) are layers too,
+        but never quantised. With ends="bf16" the first and the last layer of each model (registration
+        order; each entry of an nn.ModuleDict is a model) compute on BF16 operands instead of FP8 --
+        where that layer is an embedding or a keep_fp32 softmax (the bigLSTM), it already is in
+        higher precision, and every layer between is FP8."""
+        self.sites = {}
+        tops = list(model.items()) if isinstance(model, nn.ModuleDict) else [("", model)]
+        for prefix, top in tops:
+            layers, skip = [], ()
+            for name, m in top.named_modules():
+                if skip and name.startswith(skip):
+                    continue
+                if getattr(m, "keep_fp32", False):
+                    layers.append((name, None))  # FP32 whole: nothing inside it is quantised
+                    skip = name + "."
+                    continue
+                if isinstance(m, _SPARSE_CAPABLE):
+                    layers.append((name, None))
+                    continue
+                ws = [p for p in m.parameters(recurse=False) if p.dim() >= 2]
+                if ws:
+                    layers.append((name, ws))
+            kept = {0, len(layers) - 1} if ends == "bf16" and layers else set()
+            for i, (name, ws) in enumerate(layers):
+                for w in ws or ():
+                    self.sites.setdefault(id(w), (".".join(x for x in (prefix, name) if x) or "root", i in kept))
+
+    def quantizer(self, key: str, fmt: str, record: bool = True):
+        """The function that rounds a tensor of slot `key` to `fmt` at the slot's scale; `record`: its
+        amax goes into this iteration's history entry (training, not evaluation)."""
+        top = FP8_FORMATS[fmt][1] / 2.0 ** self.margin
+
+        def quant(t: torch.Tensor) -> torch.Tensor:
+            if self.scaling == "current":
+                a = _amax(t)
+                s = torch.where(a > 0, top / a, torch.ones_like(a))
+            else:
+                s = self.scale.get(key)
+                if s is None:
+                    s = self.scale[key] = torch.ones((), device=t.device)
+                    self.history[key] = torch.zeros(self.history_len, device=t.device)
+                if record:
+                    a = _amax(t)
+                    seen = self._seen.get(key)
+                    self._seen[key] = a if seen is None else torch.maximum(seen, a)
+            return fp8_quantize(t, fmt, s)
+        return quant
+
+    def update(self) -> None:
+        """Delayed scaling, once per iteration: push this iteration's amax, recompute the scales."""
+        if self.scaling != "delayed":
+            return
+        for key, a in self._seen.items():
+            h = self.history[key]
+            h.copy_(torch.roll(h, 1))
+            h[0] = a
+            ref = h.max() if self.algo == "max" else h[0]
+            top = {"g": FP8_FORMATS["e5m2"][1]}.get(key.rpartition(":")[2], FP8_FORMATS["e4m3"][1])
+            new = top / ref / 2.0 ** self.margin
+            self.scale[key] = torch.where((ref > 0) & torch.isfinite(new), new, self.scale[key])
+        self._seen = {}
+
+    def state_dict(self) -> dict:
+        return {"history": {k: v.clone() for k, v in self.history.items()},
+                "scale": {k: v.clone() for k, v in self.scale.items()}}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.history = {k: v.clone() for k, v in sd["history"].items()}
+        self.scale = {k: v.clone() for k, v in sd["scale"].items()}
+        self._seen = {}
+
+
+# The dot products precision=fp8 quantises when one of their operands is a registered weight.
+_FP8_OPS = ({F.linear, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d}
+            | _ops(torch, ("gru", "lstm", "rnn_tanh", "rnn_relu", "gru_cell", "lstm_cell", "rnn_tanh_cell",
+                           "rnn_relu_cell")))
+
+
+class FP8Math(TorchFunctionMode):
+    """Within this context every dot product of _FP8_OPS that reads a registered weight runs on
+    quantised operands: its input (args[0]) and each registered weight rounded to E4M3 at their
+    scales (BF16 for a first/last layer under fp8.ends=bf16), the FP32 kernel, and in the backward
+    the gradient of its (first) output rounded to E5M2 at its scale (BF16). Anything else runs as
+    it would without the mode."""
+
+    def __init__(self, state: FP8State):
+        super().__init__()
+        self.state = state
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in _FP8_OPS:
+            return func(*args, **kwargs)
+        sites = self.state.sites
+        weights = [t for t in _floats(kwargs.values(), _floats(args, [])) if id(t) in sites]
+        if not weights or "out" in kwargs:
+            return func(*args, **kwargs)
+        layer, keep16 = sites[id(weights[0])]
+        st = self.state
+        # Only training passes feed the delayed scales (autograd Functions run their forward without
+        # grad, so the decision is taken here); the backward's gradient is training's by definition.
+        record = torch.is_grad_enabled()
+        q = (lambda key, fmt: bf16_quantize) if keep16 else \
+            (lambda key, fmt: st.quantizer(f"{layer}:{key}", fmt, record or fmt == "e5m2"))
+        order = {id(w): i for i, w in enumerate(weights)}
+
+        def operand(t):
+            if id(t) in order:
+                return _FP8Operand.apply(t, q(f"w{order[id(t)]}", "e4m3"))
+            return t
+
+        x = args[0]
+        new_args = list(_map(tuple(args), operand))
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and id(x) not in order:
+            new_args[0] = _FP8Operand.apply(x, q("x", "e4m3"))
+        out = func(*new_args, **_map(kwargs, operand))
+        grad_q = q("g", "e5m2")
+        if isinstance(out, torch.Tensor):
+            return _FP8Grad.apply(out, grad_q) if out.requires_grad else out
+        if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor) and out[0].requires_grad:
+            return (_FP8Grad.apply(out[0], grad_q), *out[1:])
+        return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Rounding an update into weights without an FP32 master copy (fp16_pure, bf16_pure; issue 31)
+
+
+def stochastic_round(x: torch.Tensor, dtype: torch.dtype, generator: torch.Generator | None = None) -> torch.Tensor:
+    """x (FP32) rounded to `dtype` stochastically: to the nearer neighbour r or the farther one r'
+    with probability |x - r| / |r' - r|, so that E[result] = x exactly (up to the FP32 rounding of
+    that probability). Exact values stay as they are; non-finite ones round to nearest."""
+    x = x.float()
+    r = x.to(dtype)
+    rf = r.float()
+    d = x - rf  # exact: x and its nearest neighbour in a narrower format are within one of its ulps
+    other = torch.nextafter(r, torch.where(d > 0, torch.inf, -torch.inf).to(dtype))
+    gap = other.float() - rf
+    p = torch.where((d != 0) & torch.isfinite(gap), d / gap, torch.zeros_like(d))
+    u = torch.rand(x.shape, generator=generator, device=x.device)
+    return torch.where(u < p, other, r)
+
+
+def kahan_round_(w: torch.Tensor, target: torch.Tensor, comp: torch.Tensor) -> None:
+    """Write the FP32 `target` (= w + the optimizer's update) into the low-precision weights `w`
+    with Kahan compensation (Zamirai et al. 2020): y = (target - w) - comp, t = round(w + y),
+    comp = round((t - w) - y), w = t. `comp` (same dtype as w) holds what the last roundings lost,
+    so a stream of updates each too small to move w still adds up. In place on w and comp."""
+    wf = w.float()
+    y = (target.float() - wf) - comp.float()
+    t = (wf + y).to(w.dtype)
+    comp.copy_((t.float() - wf) - y)
+    w.copy_(t)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -647,13 +948,18 @@ def _both(outer, inner):
         yield
 
 
-def _cast_floats(obj, dtype):
+def _cast_floats(obj, dtype, keep_dicts: bool = False):
+    """Floating tensors in obj cast to dtype. keep_dicts: mappings (a detector's targets) are left as
+    they are -- the model-input cast under BF16, whose 8-bit mantissa would move a 300-px box corner
+    by up to a pixel (and torchvision's detectors refuse BF16 boxes; they accept FP16 ones)."""
+    if keep_dicts and isinstance(obj, dict):
+        return obj
     if isinstance(obj, torch.Tensor):
         return obj.to(dtype) if obj.is_floating_point() and obj.dtype != dtype else obj
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(_cast_floats(o, dtype) for o in obj))
+        return type(obj)(*(_cast_floats(o, dtype, keep_dicts) for o in obj))
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_cast_floats(o, dtype) for o in obj)
+        return type(obj)(_cast_floats(o, dtype, keep_dicts) for o in obj)
     if isinstance(obj, dict):
         return {k: _cast_floats(v, dtype) for k, v in obj.items()}
     return obj
@@ -681,9 +987,11 @@ def convert_model(model: nn.Module, dtype: torch.dtype) -> list:
             handles.append(m.register_forward_hook(lambda mod, args, out: _cast_floats(out, dtype)))
     # Several named models (a GAN's generator and discriminator) are called one by one, never
     # through their container: each gets the FP16-in / FP32-out boundary.
+    keep = dtype == torch.bfloat16
     for m in (model.values() if isinstance(model, nn.ModuleDict) else [model]):
         handles.append(m.register_forward_pre_hook(
-            lambda mod, args, kwargs: (_cast_floats(args, dtype), _cast_floats(kwargs, dtype)), with_kwargs=True))
+            lambda mod, args, kwargs: (_cast_floats(args, dtype, keep), _cast_floats(kwargs, dtype, keep)),
+            with_kwargs=True))
         handles.append(m.register_forward_hook(lambda mod, args, out: _cast_floats(out, torch.float32)))
     return handles
 
@@ -711,9 +1019,15 @@ class Paper(Recipe):
     impl = "paper"
 
     def __init__(self, device, name: str, dtype: torch.dtype, scale, scaler_cfg=None, master: bool = True,
-                 fp32_math: bool = False, half_math: str = "auto"):
+                 fp32_math: bool = False, half_math: str = "auto", rounding: str = "nearest", seed: int = 0):
         super().__init__(device)
         self.name, self.compute_dtype, self.master, self.fp32_math = name, dtype, master, fp32_math
+        # Without a master copy: how the optimizer's FP32 result is written into the weights.
+        self.rounding = "nearest" if master else rounding
+        self._gen = None
+        if self.rounding == "stochastic":  # seeded, and in the checkpoint: a resume is bit-identical
+            self._gen = torch.Generator(device=self.device).manual_seed(1_000_003 * (int(seed) + 1))
+        self._comp: dict[tuple[int, int], torch.Tensor] = {}  # kahan: (optimizer, position) -> buffer
         # fp16_storage is FP32 math on FP16 values on every device, whatever the setting.
         self.half_math = "emulated" if fp32_math else resolve_half_math(half_math, dtype, self.device)
         c = scaler_cfg
@@ -832,7 +1146,18 @@ class Paper(Recipe):
         optimizer.step()
         if copied:  # round the updated FP32 weights back into the FP16 model (3.1)
             with torch.no_grad():
-                TP.foreach_copy_([model_p[i] for i in copied], [fp32[i] for i in copied])
+                if self.rounding == "nearest":
+                    TP.foreach_copy_([model_p[i] for i in copied], [fp32[i] for i in copied])
+                elif self.rounding == "stochastic":
+                    for i in copied:
+                        model_p[i].copy_(stochastic_round(fp32[i], model_p[i].dtype, self._gen))
+                else:  # kahan
+                    k = self.optimizers.index(optimizer)
+                    for i in copied:
+                        c = self._comp.get((k, i))
+                        if c is None:
+                            c = self._comp[(k, i)] = torch.zeros_like(model_p[i])
+                        kahan_round_(model_p[i], fp32[i], c)
         return True
 
     def update(self):
@@ -856,6 +1181,10 @@ class Paper(Recipe):
         sd["scaler"] = self.scaler.state_dict()
         if self.master:  # only the separate copies: the FP32 model parameters are in the model's state_dict
             sd["master"] = [[fp32[i].detach().clone() for i in own] for _, fp32, own in self._pairs]
+        if self._gen is not None:
+            sd["rounding_rng"] = self._gen.get_state()
+        if self._comp:
+            sd["kahan"] = {f"{k}:{i}": c.clone() for (k, i), c in self._comp.items()}
         return sd
 
     def load_state_dict(self, sd):
@@ -869,6 +1198,52 @@ class Paper(Recipe):
                     for i, s in zip(idx, saved):
                         fp32[i].copy_(s)
             self.sync_model_from_master()
+        if self._gen is not None and "rounding_rng" in sd:
+            self._gen.set_state(sd["rounding_rng"])
+        self._comp = {}
+        for key, c in sd.get("kahan", {}).items():
+            k, i = (int(v) for v in key.split(":"))
+            self._comp[(k, i)] = c.clone().to(self.device)
+
+
+class FP8(Recipe):
+    """precision=fp8 (beyond the paper, issue 31; the module docstring): FP32 parameters that are the
+    master copy, every weight-bearing dot product on FP8 operands (FP8Math), per-tensor scales
+    (FP8State, checkpointed), no loss scaling. The same recipe for impl=autocast and impl=paper."""
+
+    name = "fp8"
+
+    def __init__(self, device, f8, impl: str = "autocast"):
+        super().__init__(device)
+        self.impl = impl
+        self.ends = f8.ends
+        self.state = FP8State(f8.scaling, f8.amax_history_len, f8.amax_compute_algo, f8.margin)
+
+    def prepare(self, model, optimizers):
+        self.state.register(model, self.ends)
+        return super().prepare(model, optimizers)
+
+    def autocast(self):
+        return FP8Math(self.state)
+
+    def update(self):
+        import torch.distributed as dist
+
+        if self.state._seen and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # Every rank must quantise with the same scales: the amax of the global batch.
+            keys = sorted(self.state._seen)
+            t = torch.stack([self.state._seen[k] for k in keys])
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            self.state._seen = dict(zip(keys, t.unbind()))
+        self.state.update()
+        super().update()
+
+    def state_dict(self):
+        return {**super().state_dict(), "fp8": self.state.state_dict()}
+
+    def load_state_dict(self, sd):
+        super().load_state_dict(sd)
+        self.state.load_state_dict(sd["fp8"])
 
 
 def build(cfg, device) -> Recipe:
@@ -878,14 +1253,16 @@ def build(cfg, device) -> Recipe:
     p, scale = cfg.precision, parse_loss_scale(cfg.loss_scale, cfg.precision)
     if p == "fp32":
         return FP32(device)
-    dtype = torch.bfloat16 if p == "bf16" else torch.float16
-    if p == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise UserError(f"precision=bf16 needs a GPU with BF16 (Ampere or newer); "
+    if p == "fp8":
+        return FP8(device, cfg.fp8, cfg.impl)
+    dtype = torch.bfloat16 if p in ("bf16", "bf16_pure") else torch.float16
+    if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise UserError(f"precision={p} needs a GPU with BF16 (Ampere or newer); "
                         f"{torch.cuda.get_device_name(device)} has none: use precision=mixed")
     hm = getattr(cfg, "half_math", "auto")
     if p in _PAPER_ONLY:
-        return Paper(device, p, dtype, scale, cfg.scaler, master=p != "fp16_pure", fp32_math=p == "fp16_storage",
-                     half_math=hm)
+        return Paper(device, p, dtype, scale, cfg.scaler, master=p not in _PURE, fp32_math=p == "fp16_storage",
+                     half_math=hm, rounding=getattr(cfg, "rounding", "nearest"), seed=cfg.seed)
     if cfg.impl == "paper":
         return Paper(device, p, dtype, scale, cfg.scaler, master=True, half_math=hm)
     return Autocast(device, p, dtype, scale, cfg.scaler, half_math=hm)

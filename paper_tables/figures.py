@@ -18,7 +18,7 @@ import matplotlib.image
 
 from paper_tables import specs
 from paper_tables.results import Problem, RunResult
-from paper_tables.tables import _variant_key
+from paper_tables.tables import EXTRA_NAME, _variant_key
 
 # FP16's exponent range (section 3): smallest subnormal 2^-24, smallest normal 2^-14, largest
 # finite 65504 < 2^16, so normal exponents run -14..15 and subnormals -24..-15.
@@ -26,7 +26,10 @@ FP16_SUBNORMAL = (-24, -15)
 FP16_NORMAL = (-14, 15)
 MAX_POINTS = 4000  # per curve: keeps the SVGs small; the shape of a training curve survives
 COLORS = {"fp32": "black", "fp16": "tab:orange", "mixed": "tab:blue", "bf16": "tab:green",
-          "fp16_pure": "tab:red", "fp16_storage": "tab:purple"}
+          "fp16_pure": "tab:red", "fp16_storage": "tab:purple",
+          "fp8_delayed": "tab:brown", "fp8_current": "tab:pink", "fp8_delayed_all": "tab:olive",
+          "fp8_current_all": "tab:cyan", "bf16_pure": "tab:gray", "bf16_pure_stochastic": "darkgreen",
+          "bf16_pure_kahan": "navy"}
 # mpt.numerics' keys first (its "weight"/"act" histograms are of the gradients), then spellings
 # an older or other logger might use.
 HIST_KEYS = {
@@ -78,6 +81,8 @@ def variant_label(v) -> str:
         base += ", dynamic S" if scale == "dynamic" else (f", S={scale}" if scale is not None else "")
     elif prec in ("fp16_pure", "fp16_storage") and scale not in (None, 1):
         base += f", S={scale}"
+    if prec in EXTRA_NAME and prec not in ("fp32", "bf16", "fp16_pure", "fp16_storage"):
+        base = EXTRA_NAME[prec]  # issue 31's, labelled "beyond the paper"
     if tf32:
         base += " (TF32)"
     if impl and impl != "autocast":
@@ -523,7 +528,105 @@ def _loss_scale(spec, runs, profile, problems, notes):
     return fig, None
 
 
-BUILDERS = {"curves": _curves, "exponent_hist": _hist, "samples": _samples, "loss_scale": _loss_scale}
+# ----------------------------------------------------------------------------- FP8 ranges (issue 31)
+# (numerics group, format, what, smallest-subnormal exponent, smallest-normal exponent, top exponent, max)
+FP8_ROLES = (("fwd", "E4M3", "activations (forward values)", -9, -6, 8, 448.0),
+             ("act", "E5M2", "activation gradients", -16, -14, 15, 57344.0))
+
+
+def _layer_hists(line: dict, group: str):
+    """{layer: ({exponent: count}, max_abs)} of one numerics line's group, the overall row excluded."""
+    out = {}
+    for k in line:
+        m = re.fullmatch(rf"numerics/{group}/(.+)/hist", str(k))
+        if not m or m.group(1) == "overall":
+            continue
+        h, why = _parse_hist(line, k)
+        mx = line.get(f"numerics/{group}/{m.group(1)}/max_abs")
+        if h is not None and isinstance(mx, (int, float)) and not isinstance(mx, bool):
+            out[m.group(1)] = (h, float(mx))
+    return out
+
+
+def _fp8_hist(spec, runs, profile, problems, notes):
+    """Where the values an FP8 recipe quantises lie against E4M3 (activations) and E5M2 (activation
+    gradients): as measured, and with each layer's per-tensor scale -- its histogram shifted by
+    floor(log2(format max / the layer's max |value|)), the power of two at or below the scale that
+    puts the layer's amax at the format's maximum (current scaling; delayed scaling's amax history
+    can only lower the scale). A run without forward-value histograms (numerics before issue 31)
+    gives the gradient panel only."""
+    def score_run(r):
+        lines = r.lines(problems).numerics
+        return max((("numerics/fwd/overall/hist" in ln) + ("numerics/act/overall/hist" in ln) for ln in lines),
+                   default=0)
+
+    mine = [(score_run(r), r) for r in runs if r.profile == profile]
+    mine = [(sc, r) for sc, r in mine if sc > 0]
+    if not mine:
+        return None, (f"no {profile}-profile run has activation or activation-gradient histograms "
+                      "(numerics/fwd/..., numerics/act/...: numerics.every > 0)")
+    groups = collections.defaultdict(list)
+    best = {}
+    for sc, r in mine:
+        k = (r.experiment, r.model, r.variant)
+        groups[k].append(r)
+        best[k] = max(best.get(k, 0), sc)
+    key = max(groups, key=lambda k: (best[k], k[2][0] in spec.precisions, _rank(k[0], spec.experiments),
+                                     _rank(k[2][0], spec.precisions), str(k)))
+    fig = Figure(figsize=(10, 8), layout="constrained")
+    axes = fig.subplots(2, 1, squeeze=False).ravel()
+    desc = f"{key[0]}/{key[1]}, {variant_label(key[2])}"
+    snaps = collections.Counter()
+    for ax, (group, fmt, what, sub, normal, top, fmt_max) in zip(axes, FP8_ROLES):
+        raw, scaled = collections.Counter(), collections.Counter()
+        for r in groups[key]:
+            for line in r.lines(problems).numerics:
+                if f"numerics/{group}/overall/hist" not in line:
+                    continue
+                h, _ = _parse_hist(line, f"numerics/{group}/overall/hist")
+                if h is None:
+                    continue
+                raw.update(h)
+                snaps[group] += 1
+                for lh, mx in _layer_hists(line, group).values():
+                    shift = math.floor(math.log2(fmt_max / mx)) if mx > 0 else 0
+                    scaled.update({e + shift: c for e, c in lh.items()})
+        ax.axvspan(sub - 0.5, normal - 0.5, color="tab:orange", alpha=0.15,
+                   label=f"{fmt} subnormal [2^{sub}, 2^{normal})")
+        ax.axvspan(normal - 0.5, top + 0.5, color="tab:green", alpha=0.12, label=f"{fmt} normal [2^{normal}, {fmt_max:g}]")
+        ax.set_xlabel(f"log2 |{what}|")
+        if not raw:
+            ax.set_title(f"{what}: no histograms in this run's numerics", fontsize=9)
+            notes.append(f"{what} vs {fmt}: no histograms in this run's numerics.")
+            continue
+        lines = []
+        for hist, label, color, off in ((raw, "as measured (no scale)", "tab:blue", -0.2),
+                                        (scaled, "with each layer's per-tensor scale", "tab:red", 0.2)):
+            if not hist:
+                lines.append(f"{label}: no per-layer maxima recorded")
+                continue
+            exps = np.array(sorted(hist))
+            counts = np.array([hist[e] for e in exps], dtype=float)
+            total = counts.sum()
+            ax.bar(exps + off, 100 * counts / total, width=0.4, color=color, label=label)
+            below = 100 * counts[exps < sub - 1].sum() / total
+            over = 100 * counts[exps > top].sum() / total
+            lines.append(f"{label}: {below:.2f}% below 2^{sub - 1} (zero in {fmt}), {over:.2f}% above 2^{top + 1}")
+        ax.set_yscale("log")
+        ax.set_ylabel("% of non-zero values")
+        ax.grid(alpha=0.3, axis="y")
+        ax.set_title(f"{what} vs {fmt}\n" + "\n".join(lines), fontsize=8)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        notes.append(f"{what} vs {fmt}: " + "; ".join(lines) + ".")
+    notes.insert(0, f"Ours: {desc}, {len(groups[key])} run(s) ({_seeds(groups[key])}); "
+                    f"{max(snaps.values(), default=0)} snapshot(s) summed; non-zero values only; the end bins "
+                    "also hold everything beyond them; the scaled histogram shifts each layer by a whole power "
+                    "of two, so it may sit up to one binade below the exact per-tensor scale.")
+    return fig, None
+
+
+BUILDERS = {"curves": _curves, "exponent_hist": _hist, "samples": _samples, "loss_scale": _loss_scale,
+            "fp8_hist": _fp8_hist}
 
 
 def render(fig: Figure, fmt: str) -> bytes:

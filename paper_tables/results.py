@@ -197,6 +197,19 @@ def read_jsonl(path: pathlib.Path) -> Lines:
     return out
 
 
+def run_precision(precision: str, cfg: dict) -> str:
+    """A run's column: its precision, except issue 31's, which name what makes them another recipe --
+    fp8_<scaling> (fp8.ends=bf16, the FP8 paper's 16-bit first/last layers) or fp8_<scaling>_all
+    (every layer FP8), and <fp16|bf16>_pure_<rounding> for a rounding other than nearest."""
+    cfg = cfg if isinstance(cfg, dict) else {}
+    if precision == "fp8":
+        f8 = cfg.get("fp8") if isinstance(cfg.get("fp8"), dict) else {}
+        return f"fp8_{f8.get('scaling', 'delayed')}" + ("" if f8.get("ends", "bf16") == "bf16" else "_all")
+    if precision in ("fp16_pure", "bf16_pure") and cfg.get("rounding", "nearest") != "nearest":
+        return f"{precision}_{cfg['rounding']}"
+    return precision
+
+
 # ----------------------------------------------------------------------------- one run
 def make_run(summary: dict, cfg: dict, env: dict, *, where: str, name: str, updated_fallback: float,
              guess_experiment: str | None, problems: list[Problem], run_dir=None,
@@ -231,7 +244,7 @@ def make_run(summary: dict, cfg: dict, env: dict, *, where: str, name: str, upda
     status = fields["status"]
     if status not in specs.STATUSES:
         return skip(f"unknown status {status!r} (expected one of {', '.join(specs.STATUSES)})")
-    precision = fields["precision"]
+    precision = run_precision(fields["precision"], cfg)
     metrics = summary.get("metrics")
     if not isinstance(metrics, dict):
         if metrics is not None:

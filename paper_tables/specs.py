@@ -14,10 +14,14 @@ PAPER_NUMBERS = pathlib.Path(__file__).with_name("paper_numbers.yaml")
 TINY_LABEL = "TINY PROFILE (CPU smoke data, not comparable to the paper)"
 STATUSES = ("completed", "running", "interrupted", "diverged", "failed")
 # Orders columns and legends: the paper's three modes first (section 4), then later practice.
-PRECISION_ORDER = ("fp32", "fp16", "mixed", "bf16", "fp16_pure", "fp16_storage")
+# Beyond the paper (issue 31, its successors): FP8 by scaling rule and first/last-layer choice, and BF16
+# weights without a master copy by rounding -- results.run_precision names a run's column so.
+BEYOND_PAPER = ("fp8_delayed", "fp8_current", "fp8_delayed_all", "fp8_current_all",
+                "bf16_pure", "bf16_pure_stochastic", "bf16_pure_kahan", "fp16_pure_stochastic", "fp16_pure_kahan")
+PRECISION_ORDER = ("fp32", "fp16", "mixed", "bf16", "fp16_pure", "fp16_storage") + BEYOND_PAPER
 # Precisions that run without a loss scaler: their loss_scale setting means nothing, so it must not
-# split a cell (BF16 has FP32's exponent range; "Later practice" in the fact sheet).
-NO_SCALER = ("fp32", "bf16")
+# split a cell (BF16 has FP32's exponent range; "Later practice" in the fact sheet; FP8 scales per tensor).
+NO_SCALER = ("fp32", "bf16") + tuple(p for p in BEYOND_PAPER if not p.startswith("fp16"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +60,10 @@ TABLES: tuple[TableSpec, ...] = (
     TableSpec("table1", "ilsvrc_cnns", ("top1",), higher_is_better=True, decimals=2),
     TableSpec("table2", "voc_detection", ("mAP", "map"), higher_is_better=True, decimals=1),
     TableSpec("table3", "deepspeech2", ("cer", "CER"), higher_is_better=False, decimals=2),
+    # Not the paper's (issue 31): end-of-training numbers of the experiments the paper shows as figures.
+    TableSpec("final_lm", "lm_biglstm", ("ppl",), higher_is_better=False, decimals=2),
+    TableSpec("final_nmt", "wmt_translation", ("perplexity",), higher_is_better=False, decimals=2),
+    TableSpec("final_gan", "dcgan", ("swd",), higher_is_better=False, decimals=1),
 )
 
 FIGURES: tuple[FigureSpec, ...] = (
@@ -83,6 +91,10 @@ FIGURES: tuple[FigureSpec, ...] = (
                params=(("metric", "swd"), ("metric_note", "SWD x 1e3 to held-out faces, lower is better"),
                        ("extra", ("mixed",)))),
     FigureSpec("loss_scale", "loss_scale", any_experiment=True, precisions=("mixed", "fp16_pure", "fp16")),
+    # Beyond the paper (issue 31): the values an FP8 recipe quantises, against E4M3 / E5M2, unscaled and
+    # with each layer's per-tensor scale; from any run whose numerics hold forward-value histograms.
+    FigureSpec("fp8_ranges", "fp8_hist", experiments=("ilsvrc_cnns", "voc_detection", "deepspeech2"),
+               any_experiment=True, precisions=("fp32", "fp8_delayed", "fp8_current")),
 )
 
 # Experiments with no table or figure of their own whose runs are still results (Figure 2a, the

@@ -311,7 +311,7 @@ def test_paper_impl_stores_fp16_keeps_norms_fp32():
 
 
 @pytest.mark.parametrize("kw,msg", [
-    (dict(prec="fp8"), "unknown precision 'fp8'"),
+    (dict(prec="fp4"), "unknown precision 'fp4'"),
     (dict(impl="apex"), "unknown impl 'apex'"),
     (dict(prec="mixed", loss_scale="0"), "must be a positive"),
     (dict(prec="mixed", loss_scale="lots"), "is not a number"),
