@@ -81,8 +81,8 @@ def variant_label(v) -> str:
         base += ", dynamic S" if scale == "dynamic" else (f", S={scale}" if scale is not None else "")
     elif prec in ("fp16_pure", "fp16_storage") and scale not in (None, 1):
         base += f", S={scale}"
-    if prec in EXTRA_NAME and prec not in ("fp32", "bf16", "fp16_pure", "fp16_storage"):
-        base = EXTRA_NAME[prec]  # issue 31's, labelled "beyond the paper"
+    if EXTRA_NAME.get(prec, "").startswith("beyond the paper"):
+        base = EXTRA_NAME[prec]  # issue 31's successors, labelled as such
     if tf32:
         base += " (TF32)"
     if impl and impl != "autocast":
