@@ -115,7 +115,7 @@ def test_wandb_offline_run_readable_by_wandb(tiny_imagenet, tmp_path):
 @pytest.mark.parametrize("argv,msg", [
     (["foo=1"], "unknown config key 'foo'"),
     (["optim.lr=fast"], "expects a number"),
-    (["precision=fp8"], "unknown precision 'fp8'"),
+    (["precision=fp4"], "unknown precision 'fp4'"),
     (["model=lenet"], "unknown model 'lenet'"),
     (["profile=tiny", "task.data_root=/nonexistent/imagenet"], "no prepared ImageNet at /nonexistent/imagenet"),
 ])
