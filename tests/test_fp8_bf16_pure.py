@@ -326,7 +326,7 @@ def test_resume_is_bit_identical(tmp_path, monkeypatch, kw):
     assert s["status"] == "interrupted"
     done = engine.run(_toy(tmp_path / "cut", **kw), ToyMLP())
     assert done["status"] == "completed"
-    ca, cb = (torch.load(tmp_path / d / "toy_mlp" / ref["run_name"] / "checkpoint.pt", weights_only=False)
+    ca, cb = (torch.load(tmp_path / d / "toy_mlp" / ref["run_name"] / "checkpoint.pt", weights_only=True)
               for d in ("ref", "cut"))
     assert ca["step"] == cb["step"] == 6
     for k in ca["model"]:
