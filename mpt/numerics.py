@@ -197,25 +197,7 @@ def fp16_bands(t: torch.Tensor, scale: float = 1.0) -> dict[str, int]:
     Also "nonfinite" (inf/nan, a subset of "overflow") and "total" (numel). The scale is applied
     on an FP64 copy, so neither it nor the measurement underflows.
     """
-    scale = float(scale)
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"fp16_bands scale={scale}: need a finite positive number")
-    acc = torch.zeros(5, dtype=torch.int64, device=t.device)
-    for v in _abs64_chunks(t):
-        if scale != 1.0:
-            v.mul_(scale)
-        acc += _band_counts(v)
-    zero, under, sub, normal, nonfinite = acc.tolist()
-    n = t.numel()
-    return {
-        "zero": zero,
-        "underflow": under,
-        "subnormal": sub,
-        "normal": normal,
-        "overflow": n - zero - under - sub - normal,
-        "nonfinite": nonfinite,
-        "total": n,
-    }
+    return format_bands(t, "fp16", scale)
 
 
 def _fp16_keeps(w16: torch.Tensor, u: torch.Tensor, fmt: str = "fp16") -> torch.Tensor:
