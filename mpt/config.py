@@ -423,6 +423,10 @@ def _read_marker(path: str, mtime_ns: int, size: int) -> tuple[Any, str | None]:
     return info, None
 
 
+# Precisions that never scale the loss: there S = 1 is what `auto` means (mpt.precision.parse_loss_scale).
+UNSCALED_PRECISIONS = ("fp32", "bf16", "fp16", "bf16_pure", "fp8")
+
+
 def canonical_loss_scale(value: str, precision: str = "") -> str:
     """One spelling per loss scale, so that equal recipes are one cell (one content id, one run
     directory): 8, 8.0, "8.0" and 8e0 are all "8"; 0.5 stays "0.5"; auto and dynamic in lower case.
@@ -437,7 +441,7 @@ def canonical_loss_scale(value: str, precision: str = "") -> str:
         return "auto" if v == "dynamic" and precision == "mixed" else v
     if not math.isfinite(f):
         return v
-    if f == 1 and precision in ("fp32", "bf16", "fp16", "bf16_pure", "fp8"):
+    if f == 1 and precision in UNSCALED_PRECISIONS:
         return "auto"
     return str(int(f)) if f.is_integer() and abs(f) < 2 ** 53 else repr(f)
 

@@ -100,6 +100,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from mpt import torch_private as TP
+from mpt.config import UNSCALED_PRECISIONS
 from mpt.errors import UserError
 from mpt.numerics import first_nonfinite
 
@@ -158,7 +159,7 @@ def parse_loss_scale(value: str, precision: str):
         raise UserError(
             f"precision=fp16 is the paper's 'without loss scaling' mode (S = 1); "
             f"for S = {value} use precision=mixed loss_scale={value}")
-    if precision in ("fp32", "bf16", "fp16", "bf16_pure", "fp8"):
+    if precision in UNSCALED_PRECISIONS:
         return None
     return s
 
