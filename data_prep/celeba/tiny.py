@@ -89,26 +89,31 @@ def draw_face(rng: np.random.Generator) -> tuple[Image.Image, dict]:
 
 
 def generate(out: Path, train: int = 2000, valid: int = 200, test: int = 200, seed: int = 0) -> Path:
-    out = Path(out)
     if min(train, valid, test) < 1:
         raise UserError("--train, --valid and --test must each be at least 1")
     rng = np.random.default_rng(seed)
-    n = train + valid + test
-    buf, part, attr = io.BytesIO(), [], [str(n), " ".join(ATTRS)]
+    return write_release(out, (draw_face(rng) for _ in range(train + valid + test)), ATTRS, train, valid)
+
+
+def write_release(out: Path, images, attrs: list[str], train: int, valid: int) -> Path:
+    """Write `images` -- (178x218 PIL image, {attribute: bool}) pairs, train then valid then test --
+    as img_align_celeba.zip, list_eval_partition.txt and list_attr_celeba.txt in `out`. Fixed zip
+    times, so the same images give the same bytes."""
+    out = Path(out)
+    buf, part, rows = io.BytesIO(), [], []
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as zf:
         zf.writestr(zipfile.ZipInfo(f"{FOLDER}/", (2015, 1, 1, 0, 0, 0)), b"")
-        for i in range(n):
+        for i, (im, a) in enumerate(images):
             name = f"{i + 1:06d}.jpg"
-            im, a = draw_face(rng)
             jb = io.BytesIO()
             im.save(jb, format="JPEG", quality=90)
             zf.writestr(zipfile.ZipInfo(f"{FOLDER}/{name}", (2015, 1, 1, 0, 0, 0)), jb.getvalue())
             part.append(f"{name} {0 if i < train else 1 if i < train + valid else 2}")
-            attr.append(name + "  " + " ".join("1" if a[k] else "-1" for k in ATTRS))
+            rows.append(name + "  " + " ".join("1" if a[k] else "-1" for k in attrs))
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out / ZIP, buf.getvalue())
     atomic_write_text(out / PARTITION, "\n".join(part) + "\n")
-    atomic_write_text(out / ATTR, "\n".join(attr) + "\n")
+    atomic_write_text(out / ATTR, "\n".join([str(len(rows)), " ".join(attrs)] + rows) + "\n")
     return out
 
 
