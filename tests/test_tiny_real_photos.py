@@ -120,16 +120,18 @@ def test_celeba_real_photos_official_format_deterministic(tmp_path):
 @needs_photos
 @pytest.mark.slow
 def test_dcgan_learns_real_photos(tmp_path):
-    """The DCGAN tiny profile on real photograph crops: after 400 steps its samples are closer (SWD) to
-    crops of the held-out strips than the untrained generator's are (measured: experiments/dcgan/README.md)."""
+    """The DCGAN tiny profile as it is (800 iterations) on real photograph crops: its samples end far
+    closer (SWD) to crops of the held-out strips than the untrained generator's (measured: 304 untrained,
+    181-189 after 800 iterations, seeds 0-2; experiments/dcgan/README.md), and the coarse level (16 px)
+    gets most of the way to where the training crops themselves are (98)."""
     from data_prep.celeba import prepare as prep
     from data_prep.celeba import real_photos as celeba_photos
     from experiments.dcgan import main
 
     celeba_photos.generate(tmp_path / "arch")
     prep.prepare(tmp_path / "arch", tmp_path / "data", log=lambda *_: None)
-    s = main(tiny_overrides(tmp_path / "data", tmp_path / "runs", "train.max_steps=400", "task.eval_samples=100"))
-    untrained = main(tiny_overrides(tmp_path / "data", tmp_path / "untrained", "train.max_steps=1", "optim.lr=0",
-                                    "task.eval_samples=100"))["metrics"]["swd"]
+    s = main(tiny_overrides(tmp_path / "data", tmp_path / "runs"))
+    untrained = main(tiny_overrides(tmp_path / "data", tmp_path / "untrained", "train.max_steps=1", "optim.lr=0"))
     assert s["status"] == "completed"
-    assert s["metrics"]["swd"] < 0.75 * untrained, (s["metrics"], untrained)
+    assert s["metrics"]["swd"] < 0.75 * untrained["metrics"]["swd"], (s["metrics"], untrained["metrics"])
+    assert s["metrics"]["swd_16"] < 0.6 * untrained["metrics"]["swd_16"], (s["metrics"], untrained["metrics"])
