@@ -1,4 +1,4 @@
-"""The demo, end to end on this machine: `python -m experiments` (574 s measured on 2 idle cores: README)
+"""The demo, end to end on this machine: `python -m experiments` (its time on 2 idle cores: README)
 
 Every table and figure of the paper at CPU scale, from the real tools and the tiny data generators:
 1. writes each tiny release in its official archive format (ILSVRC2012, PASCAL VOC, LibriSpeech,
