@@ -157,27 +157,65 @@ def _run(fam, emulated, seed=0):
 FAMILIES = ("linear", "matmul", "conv", "conv_transpose", "lstm", "gru", "bmm_attention", "embedding")
 
 
+def _stats(a: torch.Tensor, b: torch.Tensor) -> dict:
+    """How two FP16 tensors differ: the share of elements that differ, the largest and the 99.9th-percentile
+    difference in ulps, and the largest difference relative to b's largest magnitude."""
+    u = ulps(a, b).float()
+    return {"share": (u > 0).float().mean().item(), "max_ulp": int(u.max()),
+            "p999_ulp": float(u.quantile(0.999)) if u.numel() <= 2 ** 24 else None,
+            "rel": ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()}
+
+
 def agreement(fam, seed=0) -> list[dict]:
-    """Per tensor (forward, then each input's gradient): share of elements that differ between
-    emulated and native, the largest and the 99.9th-percentile difference in ulps, and the largest
-    difference relative to the tensor's largest magnitude."""
-    out = []
-    for e, n in zip(_run(fam, True, seed), _run(fam, False, seed)):
-        u = ulps(e, n).float()
-        out.append({"share": (u > 0).float().mean().item(), "max_ulp": int(u.max()),
-                    "p999_ulp": float(u.quantile(0.999)) if u.numel() <= 2 ** 24 else None,
-                    "rel": ((e.float() - n.float()).abs().max() / n.float().abs().max().clamp_min(1e-30)).item()})
-    return out
+    """Per tensor (forward, then each input's gradient): how emulated and native differ (_stats)."""
+    return [_stats(e, n) for e, n in zip(_run(fam, True, seed), _run(fam, False, seed))]
 
 
-@pytest.mark.parametrize("fam", ["linear", "matmul", "conv", "conv_transpose", "bmm_attention"])
-def test_dot_products_agree_with_native_fp16_to_summation_order(fam):
-    """GEMMs and convolutions: PyTorch's CPU FP16 kernels also accumulate in FP32 and round once, so
-    the two differ only by summation order: measured at most 0.24% of elements per tensor, by 1 ulp
-    at the 99.9th percentile (a few more where a sum cancels to near zero), 4.1e-4 of the tensor's
-    largest value at most."""
-    for r in agreement(fam):
-        assert r["share"] <= 0.005 and r["p999_ulp"] <= 1 and r["rel"] <= 1e-3, r
+def _exact(fam, seed=0) -> list[torch.Tensor]:
+    """_run's tensors computed exactly -- in FP64 from the same FP16 weights, inputs and output gradient --
+    and rounded to FP16 once: the paper's arithmetic (3.3) up to summation order. For the module families
+    and the plain matmul."""
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    m, x = _family(fam, g)
+    if fam == "matmul":
+        a = torch.randn(256, 512, generator=g).half().double().requires_grad_()
+        b = (torch.randn(512, 256, generator=g) / 20).half().double().requires_grad_()
+        y, leaves = a @ b, [a, b]
+    else:
+        m, x = m.half().double(), x.half().double().requires_grad_()
+        y, leaves = m(x), [x] + list(m.parameters())
+    gy = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed + 2)).half().double()
+    return [t.half() for t in [y.detach()] + list(torch.autograd.grad(y, leaves, gy))]
+
+
+def _summation_order(r: dict) -> bool:
+    """Two roundings of one exact result that differ only by the order of the FP32 sums: at most 0.5% of
+    elements differ, by 1 ulp at the 99.9th percentile, 1e-3 of the largest value at most."""
+    return r["share"] <= 0.005 and r["p999_ulp"] <= 1 and r["rel"] <= 1e-3
+
+
+@pytest.mark.parametrize("fam", ["linear", "matmul", "conv", "conv_transpose"])
+def test_dot_products_round_once_and_agree_with_native_fp16(fam):
+    """GEMMs and convolutions, forward and every gradient: emulated equals the exact result rounded once
+    to summation order (measured: at most 0.4% of elements differ, by 1 ulp at the 99.9th percentile). Where
+    this CPU's native FP16 kernels also round once -- they did on an Intel Xeon (AVX-512) and, for
+    the forward convolution, on an AMD EPYC (Zen 4) -- emulated agrees with them just as closely (0.16-0.24%
+    of elements, 1 ulp). Where they do not -- the EPYC's FP16 convolution backward (oneDNN 3.12): 53-59% of
+    elements off the exact result, mean ~3 ulps, up to 18,800 -- there is nothing exact to agree with, and
+    the comparison is left out for that tensor."""
+    emulated, native, exact = _run(fam, True), _run(fam, False), _exact(fam)
+    for i, (e, n, x) in enumerate(zip(emulated, native, exact)):
+        assert _summation_order(_stats(e, x)), (i, _stats(e, x))
+        if _summation_order(_stats(n, x)):
+            assert _summation_order(_stats(e, n)), (i, _stats(e, n))
+
+
+def test_attention_bmm_agrees_with_native_fp16():
+    """Attention's two batched GEMMs with an FP32 softmax between them (3.3): emulated and native agree to
+    summation order (measured: identical on two CPUs)."""
+    for r in agreement("bmm_attention"):
+        assert _summation_order(r), r
 
 
 def test_embedding_gradient_accumulates_in_fp32():
@@ -229,7 +267,8 @@ def test_recurrent_layers_emulated_vs_native_and_cudnn(fam):
     differ on most elements by a few ulps (relative 1e-3 of the largest value; gradients 2.4e-3).
     Against the cuDNN model (FP32 gate math, h rounded each step), emulated is the closer one: mean
     0.9 ulp against native's 4.0 (GRU), 0.24 against 0.94 (LSTM, cell state FP32); with the LSTM's
-    cell state rounded each step too, the two are about equally close (0.95 and 0.86 ulp)."""
+    cell state rounded each step too, emulated is no farther (0.95 against 0.86 ulp on an Intel Xeon, 3.03
+    on an AMD EPYC, whose native FP16 LSTM rounds more)."""
     for r in agreement(fam):
         assert r["share"] <= 0.95 and r["rel"] <= 5e-3, r
     torch.manual_seed(0)
@@ -243,9 +282,11 @@ def test_recurrent_layers_emulated_vs_native_and_cudnn(fam):
     e, n = ulps(emulated, ref).float().mean(), ulps(native, ref).float().mean()
     assert e < 0.5 * n, (e, n)
     if fam == "lstm":
+        # Were cuDNN to keep the cell state in FP16, emulated would still be no farther from it than native
+        # (Intel Xeon: 0.95 against 0.86 ulp; AMD EPYC: 0.95 against 3.03).
         ref_c16 = _cudnn_model(m, x, round_c=True)
         e, n = ulps(emulated, ref_c16).float().mean(), ulps(native, ref_c16).float().mean()
-        assert 0.7 < e / n < 1.5, (e, n)
+        assert e < 1.5 * n, (e, n)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -295,6 +336,12 @@ def test_fp16_flush_of_activation_gradients_is_equal():
     underflow) at S = 1: equal between emulated and native within 0.002 absolute, at three gradient
     magnitudes (measured: equal to every digit; zeros 0.206 / 0.756 / 0.997 and subnormals 0.696 /
     0.244 / 0.003 at loss x 1 / 1e-3 / 1e-5)."""
+    off = _stats(_run("conv", False)[1], _exact("conv")[1])
+    if not _summation_order(off):
+        pytest.skip("this CPU's native FP16 convolution backward does not round once (data gradient: "
+                    f"{off['share']:.0%} of elements off the exact result): its flush shares are its own "
+                    "arithmetic's, not the paper's; test_dot_products_round_once_and_agree_with_native_fp16 "
+                    "checks emulated against the exact result instead")
     zeros = []
     for scale in (1.0, 1e-3, 1e-5):
         (ze, se), (zn, sn) = _act_grad_bands("emulated", scale), _act_grad_bands("native", scale)

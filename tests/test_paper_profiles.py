@@ -62,8 +62,9 @@ CPU_FORCED = {
 
 
 def paper_grids() -> dict[str, list[Path]]:
-    """{experiment: its grid files}, for every experiment folder with a config.yaml."""
-    return {cfg.parent.name: sorted(cfg.parent.glob("grid*.yaml"))
+    """{experiment: its grid files that have a paper profile}, for every experiment folder with a config.yaml
+    (the real-data grids -- grid_gettext, grid_longer, grid_photos -- are CPU checks with a tiny profile only)."""
+    return {cfg.parent.name: sorted(p for p in cfg.parent.glob("grid*.yaml") if "paper" in G.load_spec(p)["profiles"])
             for cfg in sorted((REPO / "experiments").glob("*/config.yaml"))}
 
 
