@@ -201,7 +201,7 @@ def test_dot_products_round_once_and_agree_with_native_fp16(fam):
     to summation order (measured: at most 0.4% of elements differ, by 1 ulp at the 99.9th percentile). Where
     this CPU's native FP16 kernels also round once -- they did on an Intel Xeon (AVX-512) and, for
     the forward convolution, on an AMD EPYC (Zen 4) -- emulated agrees with them just as closely (0.16-0.24%
-    of elements, 1 ulp). Where they do not -- the EPYC's FP16 convolution backward (oneDNN 3.12): 53-59% of
+    of elements, 1 ulp). Where they do not -- the EPYC's FP16 convolution backward (oneDNN 3.12): 52-59% of
     elements off the exact result, mean ~3 ulps, up to 18,800 -- there is nothing exact to agree with, and
     the comparison is left out for that tensor."""
     emulated, native, exact = _run(fam, True), _run(fam, False), _exact(fam)
