@@ -347,7 +347,6 @@ def test_trained_cer_below_untrained(tmp_path_factory):
     assert m["cer"] < 0.8 * m0["cer"] and m["loss"] < 0.25 * m0["loss"], (m, m0)
 
 
-
 @pytest.mark.slow
 @needs_espeak
 def test_longer_grid_learns_clearly(tmp_path_factory):
@@ -371,6 +370,7 @@ def test_longer_grid_learns_clearly(tmp_path_factory):
     m, m0 = trained["metrics"], untrained["metrics"]
     # a quarter of the untrained CER is ~2.7x what every seed and precision reached (6.0-14.2%)
     assert m["cer"] < 0.25 * m0["cer"] and m["loss"] < 0.1 * m0["loss"], (m, m0)
+
 
 # ------------------------------------------------------------------------------------------------
 # batch norm over the valid frames, and padding to a multiple (no host reads on a GPU)

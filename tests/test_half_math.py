@@ -128,16 +128,20 @@ def _family(fam, g):
     return None, None
 
 
-def _run(fam, emulated, seed=0):
-    """Forward and the gradients of every input (FP16 model and inputs, as impl=paper runs them)."""
+def _run(fam, emulated, seed=0, exact=False):
+    """Forward and the gradients of every input (FP16 model and inputs, as impl=paper runs them). exact:
+    the same FP16 weights, inputs and output gradient computed in FP64 and each result rounded to FP16
+    once -- the paper's arithmetic (3.3) up to summation order (module families and the plain matmul)."""
+    assert not (exact and fam in ("bmm_attention", "embedding")), fam
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed + 1)
     m, x = _family(fam, g)
+    h = (lambda t: t.half().double()) if exact else (lambda t: t.half())
     ctx = HalfMath() if emulated else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
     with ctx:
         if fam == "matmul":
-            a = torch.randn(256, 512, generator=g).half().requires_grad_()
-            b = (torch.randn(512, 256, generator=g) / 20).half().requires_grad_()
+            a = h(torch.randn(256, 512, generator=g)).requires_grad_()
+            b = h(torch.randn(512, 256, generator=g) / 20).requires_grad_()
             y, leaves = a @ b, [a, b]
         elif fam == "bmm_attention":  # scores, FP32 softmax (3.3), weighted sum
             q, k, v = (torch.randn(8, n, 64, generator=g).half().requires_grad_() for n in (32, 48, 48))
@@ -147,11 +151,11 @@ def _run(fam, emulated, seed=0):
             m = m.half()
             y, leaves = m(x), [m.weight]
         else:
-            m, x = m.half(), x.half().requires_grad_()
+            m, x = (m.half().double() if exact else m.half()), h(x).requires_grad_()
             y = m(x)
             y, leaves = (y[0] if isinstance(y, tuple) else y), [x] + list(m.parameters())
-    gy = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed + 2)).half()
-    return [y.detach()] + list(torch.autograd.grad(y, leaves, gy))
+    gy = h(torch.randn(y.shape, generator=torch.Generator().manual_seed(seed + 2)))
+    return [t.half() for t in [y.detach()] + list(torch.autograd.grad(y, leaves, gy))]
 
 
 FAMILIES = ("linear", "matmul", "conv", "conv_transpose", "lstm", "gru", "bmm_attention", "embedding")
@@ -171,24 +175,6 @@ def agreement(fam, seed=0) -> list[dict]:
     return [_stats(e, n) for e, n in zip(_run(fam, True, seed), _run(fam, False, seed))]
 
 
-def _exact(fam, seed=0) -> list[torch.Tensor]:
-    """_run's tensors computed exactly -- in FP64 from the same FP16 weights, inputs and output gradient --
-    and rounded to FP16 once: the paper's arithmetic (3.3) up to summation order. For the module families
-    and the plain matmul."""
-    torch.manual_seed(seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    m, x = _family(fam, g)
-    if fam == "matmul":
-        a = torch.randn(256, 512, generator=g).half().double().requires_grad_()
-        b = (torch.randn(512, 256, generator=g) / 20).half().double().requires_grad_()
-        y, leaves = a @ b, [a, b]
-    else:
-        m, x = m.half().double(), x.half().double().requires_grad_()
-        y, leaves = m(x), [x] + list(m.parameters())
-    gy = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed + 2)).half().double()
-    return [t.half() for t in [y.detach()] + list(torch.autograd.grad(y, leaves, gy))]
-
-
 def _summation_order(r: dict) -> bool:
     """Two roundings of one exact result that differ only by the order of the FP32 sums: at most 0.5% of
     elements differ, by 1 ulp at the 99.9th percentile, 1e-3 of the largest value at most."""
@@ -204,7 +190,7 @@ def test_dot_products_round_once_and_agree_with_native_fp16(fam):
     of elements, 1 ulp). Where they do not -- the EPYC's FP16 convolution backward (oneDNN 3.12): 52-59% of
     elements off the exact result, mean ~3 ulps, up to 18,800 -- there is nothing exact to agree with, and
     the comparison is left out for that tensor."""
-    emulated, native, exact = _run(fam, True), _run(fam, False), _exact(fam)
+    emulated, native, exact = _run(fam, True), _run(fam, False), _run(fam, False, exact=True)
     for i, (e, n, x) in enumerate(zip(emulated, native, exact)):
         assert _summation_order(_stats(e, x)), (i, _stats(e, x))
         if _summation_order(_stats(n, x)):
@@ -336,7 +322,7 @@ def test_fp16_flush_of_activation_gradients_is_equal():
     underflow) at S = 1: equal between emulated and native within 0.002 absolute, at three gradient
     magnitudes (measured: equal to every digit; zeros 0.206 / 0.756 / 0.997 and subnormals 0.696 /
     0.244 / 0.003 at loss x 1 / 1e-3 / 1e-5)."""
-    off = _stats(_run("conv", False)[1], _exact("conv")[1])
+    off = _stats(_run("conv", False)[1], _run("conv", False, exact=True)[1])
     if not _summation_order(off):
         pytest.skip("this CPU's native FP16 convolution backward does not round once (data gradient: "
                     f"{off['share']:.0%} of elements off the exact result): its flush shares are its own "

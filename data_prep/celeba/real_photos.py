@@ -39,8 +39,7 @@ def generate(out: Path, photos: str = str(real_photos.PHOTOS), train: int = 2000
         raise UserError("--train, --valid and --test must each be at least 1")
     images = real_photos.load(Path(photos))
     rng = np.random.default_rng(seed)
-    places = [real_photos.VAL_PLACES[int(i)] for i in rng.integers(0, len(real_photos.VAL_PLACES), len(images))]
-    split = [real_photos.regions(p.shape[1], place) for p, place in zip(images, places)]
+    split, _ = real_photos.held_out_splits(images, rng)
     side = CROP_BOX[2] - CROP_BOX[0]
 
     def draw(i: int):

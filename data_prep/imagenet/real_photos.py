@@ -81,6 +81,13 @@ def regions(width: int, place: float) -> tuple[tuple[int, int], list[tuple[int, 
     return (a, b), train
 
 
+def held_out_splits(images: list[np.ndarray], rng: np.random.Generator):
+    """Per photograph, (val column range, train column ranges): the held-out strip placed left, middle or
+    right by one draw from `rng` per photograph (regions)."""
+    places = [VAL_PLACES[int(i)] for i in rng.integers(0, len(VAL_PLACES), len(images))]
+    return [regions(p.shape[1], place) for p, place in zip(images, places)], places
+
+
 def crop(photo: np.ndarray, cols: list[tuple[int, int]], size: int, rng: np.random.Generator) -> np.ndarray:
     """One sample: a square crop wholly inside one of the column ranges `cols` (chosen in proportion to
     the places a crop can take there), flipped, jittered, resized to size x size uint8."""
@@ -110,8 +117,7 @@ def generate(out: Path, photos: str = str(PHOTOS), size: int = 96, train_per_cla
     images = load(Path(photos))
     rng = np.random.default_rng(seed)
     classes = len(NAMES)
-    places = [VAL_PLACES[int(i)] for i in rng.integers(0, len(VAL_PLACES), classes)]
-    split = [regions(p.shape[1], place) for p, place in zip(images, places)]
+    split, places = held_out_splits(images, rng)
     wnids = [wnid(k) for k in range(classes)]
     ids = [int(i) + 1 for i in rng.permutation(classes)]  # ILSVRC2012_ID of class k, as in the real devkit
     words = [f"photograph {n} (mate-backgrounds), val strip at {p:.0%} of the width" for n, p in zip(NAMES, places)]
