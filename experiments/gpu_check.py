@@ -1,22 +1,31 @@
-"""The first GPU hour in one command: what a GPU tells us that the CPU cannot, in under 10 minutes
-on one H100, into one results file.
+"""The first GPU call in one command: what a GPU tells us that the CPU cannot, in one call of at
+most 6 minutes on one H100 or H200 (a short lease: the machine's start and a rerun must fit beside it),
+into one results file.
 
-    python -m experiments.gpu_check [--out experiments/speed_memory/results] [--parts a,b] [--budget 570]
+    python -m experiments.gpu_check [--out DIR] [--parts a,b] [--budget 360]
     python -m experiments.gpu_check --cpu-smoke [--out DIR]      # the same steps, tiny, on the CPU
 
-Parts (each in its own process, with its own time limit; a failure is recorded and the others run):
+--out defaults to $OUT when that variable is set (a remote runner that returns only that folder), else
+experiments/speed_memory/results.
+
+Parts, most valuable first (each in its own process, with its own time limit; a failure is recorded
+and the others run):
   headline   ResNet-50 (pre-activation) at batch 256: strict FP32, TF32, mixed (autocast), mixed
-             (impl=paper): images/s, step time, peak memory, GPU-busy fraction, the speed_memory goals
-  models     every Table 1 and Table 3 model (6 ILSVRC CNNs, DeepSpeech 2 English and Mandarin) for a
-             few steps in fp32, mixed and fp16_storage at the paper grid's batch per GPU
-  ds2_worst  DeepSpeech 2 at its worst paper batch: the longest utterances, paper batch per GPU: does it fit?
+             (impl=paper), channels_last then NCHW: images/s, step time, peak memory, GPU-busy
+             fraction, the speed_memory goals
   resume     a tiny run on the GPU stopped after a few steps (checkpoint), restarted: the engine's
              resume must load its checkpoint there and finish
-  ddp        a 2-rank DDP run (torchrun) when two GPUs are visible; skipped otherwise (the CPU smoke
-             runs it with 2 gloo ranks, so the path is exercised)
+  ds2_worst  DeepSpeech 2 at its worst paper batch: the longest utterances, paper batch per GPU: does it fit?
+  models     every Table 1 and Table 3 model (6 ILSVRC CNNs, DeepSpeech 2 English and Mandarin) for a
+             few steps in fp32, mixed and fp16_storage at the paper grid's batch per GPU, as time allows
+  ddp        a 2-rank DDP run (torchrun) when two GPUs are visible; skipped at no cost otherwise (the
+             CPU smoke runs it with 2 gloo ranks, so the path is exercised)
 
 Writes <out>/<device>-<date>-gpu_check.json (cpu-<date>-gpu_check-smoke.json for --cpu-smoke), atomically,
-after every part; prints a summary table. Exit status 1 if any part failed, 2 on bad command-line input.
+while every part runs (its finished rows every few seconds) and after it: a part killed at its limit,
+a SIGINT/SIGTERM, even a SIGKILL of the whole call keeps what was finished. Prints a summary table.
+Exit status 1 if any part failed, 2 on bad command-line input, 130 when interrupted.
+Imports nothing beyond torch, torchvision, numpy and yaml (a GPU image may lack wandb, submitit, soundfile).
 Every measurement is the repository's own code: the speed/memory benchmark's step
 (experiments/speed_memory/bench.py, i.e. mpt.step.loss_step) and the engine's run/resume/DDP paths.
 """
@@ -40,17 +49,23 @@ from pathlib import Path
 from mpt.errors import UserError, cli, one_line
 
 SCHEMA = "gpu_check/1"
-PARTS = ("headline", "models", "ds2_worst", "resume", "ddp")
-DEFAULT_OUT = "experiments/speed_memory/results"
-# Hard time limits per part on one H100, in seconds (the part's process is killed past it; what it
-# measured until then is kept). Not measured yet (no GPU in the session that wrote this): estimates
-# from FLOP counts (strict-FP32 ResNet-50 ~0.4 s a step at batch 256; DS2 English at 64 x 35 s a few
-# seconds a step) with room for cudnn.benchmark's searches, model builds and the first mixed steps
-# that overflow. Their sum (570 s) plus the environment probe (a few seconds) stays under 10 minutes
-# even if every part runs to its limit.
-GPU_BUDGET_S = {"headline": 120, "models": 210, "ds2_worst": 120, "resume": 60, "ddp": 60}
+PARTS = ("headline", "resume", "ds2_worst", "models", "ddp")
+RESULTS_DIR = "experiments/speed_memory/results"
+# The whole call's default limit, the environment probe included: 6 minutes. A lease of 15 minutes
+# spends 1-2 on the machine's start; 6 here leaves room for a second call that reruns what failed.
+DEFAULT_CALL_S = 360
+PROBE_S = 60  # importing torch and reading the device: ~10-20 s with CUDA's first initialisation
+# Each part's limit on one H100/H200, in seconds (its process is killed past it; what it finished is
+# kept), argued from FLOP counts until a GPU call measures them (the results file records each part's
+# seconds): strict-FP32 ResNet-50 at batch 256 ~3.1 TFLOP a step, ~0.1-0.3 s on 50-60 TFLOP/s of FP32;
+# 8 headline rows of 5 warm-up + 20 timed + 3 profiled + 1-2 memory steps, each with a model build and
+# cudnn.benchmark's search (~5-10 s): ~10-15 s a row. resume: tiny data and two 6-step runs, ~20 s.
+# ds2_worst: 6 cells of 2-3 steps on 35 s utterances (a few seconds a step in FP32). models gets what
+# is left (24 cells of ~5-10 s: the first of them). ddp needs a second GPU.
+GPU_BUDGET_S = {"headline": 150, "resume": 45, "ds2_worst": 80, "models": 120, "ddp": 60}
 # The CPU smoke's limits: generous (a loaded 2-core machine), they only catch a hang.
 SMOKE_BUDGET_S = {"headline": 120, "models": 180, "ds2_worst": 120, "resume": 120, "ddp": 180}
+SMOKE_CALL_S = PROBE_S + sum(SMOKE_BUDGET_S.values())
 RN = "resnet50_preact"
 TABLE1 = ("alexnet", "vgg16", "googlenet", "inception_v2", "inception_v3", RN)
 TABLE3 = ("english", "mandarin")
@@ -122,7 +137,7 @@ def _measure(model: str, precision: str, impl: str | None, o: dict, ctx: Ctx) ->
     with bench.restored_backend_flags():
         row = bench.measure(model, precision, impl, o, ctx.device)
     row["seconds"] = round(time.time() - t0, 1)
-    print(f"{model:16s} {precision:12s} {impl or '-':8s} {row['status']:7s} {_ms(row):>10s} {_mib(row):>12s}"
+    print(f"{model:16s} {precision:12s} {impl or '-':8s} {'NHWC' if o['channels_last'] else 'NCHW'} {row['status']:7s} {_ms(row):>10s} {_mib(row):>12s}"
           f"  ({row['seconds']:.0f} s){'  ' + row['note'] if row.get('note') else ''}", file=sys.stderr, flush=True)
     return row
 
@@ -137,13 +152,20 @@ def part_headline(ctx: Ctx) -> dict:
     out = {"options": o, "rows": [], "gpu_busy_fraction_is": (
         "over 3 extra profiled steps (torch.profiler, CUDA activity): time with at least one kernel running / "
         "span from the first kernel's start to the last kernel's end; below ~0.85 the GPU waits on the host")}
-    for prec, impl in (("fp32", None), ("tf32", None), ("mixed", "autocast"), ("mixed", "paper")):
-        out["rows"].append(_measure(RN, prec, impl, o, ctx))
-        ctx.emit(out)
-    report.add_ratios(out["rows"])
+    # channels_last first: NHWC is what the tensor cores' convolutions read (the CNNs' default on CUDA),
+    # so the best figures come first; NCHW after, the layout the paper's frameworks used.
     env = bench.environment(ctx.device)
-    res = {"rows": out["rows"], "env": env, "options": o, "paper_models": [RN], "engine_overhead": []}
-    out["goals"] = [g for g in report.goals(res) if g["id"].startswith("resnet50_")]
+    out["goals"] = []
+    for cl in (True, False):
+        for prec, impl in (("fp32", None), ("tf32", None), ("mixed", "autocast"), ("mixed", "paper")):
+            out["rows"].append(_measure(RN, prec, impl, {**o, "channels_last": cl}, ctx))
+            report.add_ratios(out["rows"])
+            ctx.emit(out)
+        rows = [r for r in out["rows"] if r["channels_last"] == cl]
+        res = {"rows": rows, "env": env, "options": o, "paper_models": [RN], "engine_overhead": []}
+        fmt = "channels_last" if cl else "nchw"
+        out["goals"] += [{**g, "id": f"{g['id']}_{fmt}"} for g in report.goals(res) if g["id"].startswith("resnet50_")]
+        ctx.emit(out)
     bad = [r for r in out["rows"] if r["status"] not in ("ok", "skipped")]
     if bad:
         out["status"] = "failed"
@@ -188,7 +210,7 @@ def part_models(ctx: Ctx) -> dict:
         b = s.batch or pb[m]["per_gpu"]
         size = str(s.speech_frames) if m in TABLE3 else s.image_size
         o = _bench_options(ctx, models=m, batch=b, size=size, width=s.width, steps=s.steps, warmup=s.warmup,
-                           kernels=False)
+                           kernels=False, channels_last=m in TABLE1 and ctx.device.type == "cuda")
         for prec, impl in (("fp32", None), ("mixed", pb[m]["mixed_impl"]), ("fp16_storage", "paper")):
             out["rows"].append(_measure(m, prec, impl, o, ctx))
             ctx.emit(out)
@@ -407,9 +429,21 @@ def child_main(part: str, state: Path, smoke: bool, work: Path) -> int:
 # the parent: one process per part, time limits, the results file, the summary
 
 
-def run_part(part: str, smoke: bool, work: Path, timeout: float) -> dict:
+def _read_part(state: Path, seconds: float, timeout: float) -> dict:
+    """What the part's process has written so far, as one record of the results file."""
+    try:
+        got = json.loads(state.read_text())
+    except (OSError, ValueError):
+        got = {}
+    return {"status": got.get("status", "running"), "seconds": round(seconds, 1), "budget_s": round(timeout),
+            "error": got.get("error"), "traceback": got.get("traceback"), "note": got.get("note"),
+            "result": got.get("result") or {}}
+
+
+def run_part(part: str, smoke: bool, work: Path, timeout: float, save=lambda rec: None, every: float = 5.0) -> dict:
     """The part in a child process (a CUDA error or a leak cannot reach the next part; a hang is
-    killed at `timeout`); its output is echoed live, indented."""
+    killed at `timeout`); its output is echoed live, indented. Every `every` seconds what it has
+    finished goes to save(record), so a kill of the whole call loses at most those seconds."""
     state = work / f"{part}.state.json"
     state.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "experiments.gpu_check", "--_part", part, "--_state", str(state),
@@ -432,25 +466,30 @@ def run_part(part: str, smoke: bool, work: Path, timeout: float) -> dict:
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
-    timed_out = False
+    timed_out, rc = False, None
     try:
-        rc = proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        os.killpg(proc.pid, signal.SIGKILL)  # the part's whole process group (torchrun's ranks too)
-        rc = proc.wait()
-    except BaseException:
+        while rc is None:
+            left = timeout - (time.time() - t0)
+            if left <= 0:
+                timed_out = True
+                os.killpg(proc.pid, signal.SIGKILL)  # the part's whole process group (torchrun's ranks too)
+                rc = proc.wait()
+                break
+            try:
+                rc = proc.wait(timeout=min(every, left))
+            except subprocess.TimeoutExpired:
+                save(_read_part(state, time.time() - t0, timeout))
+    except BaseException as e:  # SIGINT / SIGTERM of the call: stop the part, keep what it finished
         os.killpg(proc.pid, signal.SIGKILL)
-        raise
+        proc.wait()
+        rec = _read_part(state, time.time() - t0, timeout)
+        rec.update(status="interrupted", error=f"interrupted ({one_line(e) or type(e).__name__}) while running: "
+                                               f"its finished rows are kept")
+        raise Interrupted(rec) from None
     reader.join(timeout=5)
-    seconds = round(time.time() - t0, 1)
-    try:
-        got = json.loads(state.read_text())
-    except (OSError, ValueError):
-        got = {}
-    rec = {"status": got.get("status", "failed"), "seconds": seconds, "budget_s": round(timeout),
-           "error": got.get("error"), "traceback": got.get("traceback"), "note": got.get("note"),
-           "result": got.get("result") or {}}
+    rec = _read_part(state, time.time() - t0, timeout)
+    if rec["status"] == "running":
+        rec["status"] = "failed"
     if timed_out:
         rec.update(status="failed", error=f"timeout: killed after its {timeout:.0f} s budget (what it measured "
                                           f"until then is kept)", traceback="\n".join(tail))
@@ -458,6 +497,18 @@ def run_part(part: str, smoke: bool, work: Path, timeout: float) -> dict:
         rec.update(status="failed", error=f"the part's process exited with {rc} and left no result",
                    traceback="\n".join(tail))
     return rec
+
+
+class Interrupted(Exception):
+    """The call was stopped (SIGINT, SIGTERM) while a part ran; carries that part's record."""
+
+    def __init__(self, record: dict):
+        super().__init__("interrupted")
+        self.record = record
+
+
+def _sigterm(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def summary_text(res: dict) -> str:
@@ -473,13 +524,14 @@ def summary_text(res: dict) -> str:
     if h.get("rows"):
         lines += ["", f"headline: {RN}, batch {h['options']['batch']}, width {h['options']['width']}, "
                       f"size {h['rows'][0]['size']}",
-                  f"  {'precision':20s} {'status':8s} {'img/s':>9s} {'ms/step':>9s} {'peak MiB':>9s} {'GPU busy':>8s}"
+                  f"  {'precision':20s} {'layout':6s} {'status':8s} {'img/s':>9s} {'ms/step':>9s} {'peak MiB':>9s} {'GPU busy':>8s}"
                   f" {'speed-up':>8s} {'mem/FP32':>8s}"]
         for r in h["rows"]:
             f = (r.get("ratios") or {}).get("vs_fp32") or {}
             busy = r.get("gpu_busy_fraction")
             prec = r["precision"] + (f" ({r['impl']})" if r.get("impl") else "")
-            lines.append(f"  {prec:20s} {r['status']:8s} {_num(r.get('throughput'), '{:9.0f}')} "
+            lines.append(f"  {prec:20s} {'NHWC' if r.get('channels_last') else 'NCHW':6s} {r['status']:8s} "
+                         f"{_num(r.get('throughput'), '{:9.0f}')} "
                          f"{_num((r.get('step_ms') or {}).get('median'), '{:9.1f}')} "
                          f"{_num((r.get('peak_gpu_mem_bytes') or 0) / 2**20 or None, '{:9,.0f}')} "
                          f"{_num(busy, '{:8.2f}')} {_num(f.get('speedup'), '{:7.2f}x')} "
@@ -528,10 +580,12 @@ class _Parser(argparse.ArgumentParser):
 def _parse(argv):
     p = _Parser(prog="python -m experiments.gpu_check", description=__doc__.split("\n\n")[0])
     p.add_argument("--cpu-smoke", action="store_true", help="the same steps at tiny size on the CPU")
-    p.add_argument("--out", default=DEFAULT_OUT, help=f"folder of the results file (default {DEFAULT_OUT})")
+    p.add_argument("--out", default=None,
+                   help=f"folder of the results file (default: $OUT when set, else {RESULTS_DIR})")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of: {','.join(PARTS)}")
     p.add_argument("--budget", type=float, default=None,
-                   help="total seconds for all parts (default: the sum of the parts' limits)")
+                   help=f"seconds for the whole call, the environment probe included (default {DEFAULT_CALL_S} "
+                        f"on a GPU; the CPU smoke: {SMOKE_CALL_S})")
     p.add_argument("--_part", help=argparse.SUPPRESS)
     p.add_argument("--_state", help=argparse.SUPPRESS)
     p.add_argument("--_work", help=argparse.SUPPRESS)
@@ -552,17 +606,19 @@ def main(argv=None) -> int:
         return child_main(a._part, Path(a._state), a.cpu_smoke, Path(a._work))
     from mpt.rundir import atomic_write_json, now
 
-    out = Path(a.out)
+    out = Path(a.out or os.environ.get("OUT") or RESULTS_DIR)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"--out {out}: cannot create it ({e.strerror})") from None
     budgets = SMOKE_BUDGET_S if a.cpu_smoke else GPU_BUDGET_S
-    total = a.budget or sum(budgets[p] for p in a.parts)
+    total = a.budget or (SMOKE_CALL_S if a.cpu_smoke else DEFAULT_CALL_S)
     work = Path(tempfile.mkdtemp(prefix="gpu_check_"))
+    t0 = time.time()  # the whole call's budget, the probe included
+    signal.signal(signal.SIGTERM, _sigterm)  # a runner's stop: the same as Ctrl-C, finished rows kept
+    res, path, failed, current = None, None, [], None
     try:
-        probe = run_part("env", a.cpu_smoke, work, 120)
-        t0 = time.time()  # the parts' budgets start here; the probe takes a few seconds
+        probe = run_part("env", a.cpu_smoke, work, min(PROBE_S, total))
         if probe["status"] != "ok":
             if "no CUDA GPU" in (probe["error"] or ""):
                 raise UserError(probe["error"].split(": ", 1)[-1])
@@ -576,22 +632,45 @@ def main(argv=None) -> int:
                "part_budgets_s": {p: budgets[p] for p in a.parts}, "parts": {}, "wall_s": None, "exit_code": None}
         print(f"gpu_check on {env['device_name']}: parts {', '.join(a.parts)}; budget {total:.0f} s; -> {path}",
               file=sys.stderr, flush=True)
+
+        def save(p=None, rec=None):
+            if p is not None:
+                res["parts"][p] = rec
+            res["wall_s"] = round(time.time() - t0, 1)
+            atomic_write_json(path, res)
+
         for p in a.parts:
             left = total - (time.time() - t0)
-            if left < 5:
-                res["parts"][p] = {"status": "failed", "seconds": 0.0, "budget_s": 0, "result": {}, "traceback": None,
-                                   "note": None, "error": "not run: the total time budget was spent"}
+            if p == "ddp" and not a.cpu_smoke and probe["result"]["env"].get("gpu_count", 0) < 2:
+                # Decided from the probe: no process, no CUDA initialisation, no time spent.
+                n = probe["result"]["env"].get("gpu_count", 0)
+                save(p, {"status": "skipped", "seconds": 0.0, "budget_s": 0, "result": {}, "traceback": None,
+                         "error": None, "note": f"{n} GPU visible; a DDP step needs 2 (run on a 2-GPU machine)"})
+            elif left < 5:
+                save(p, {"status": "failed", "seconds": 0.0, "budget_s": 0, "result": {}, "traceback": None,
+                         "note": None, "error": "not run: the call's time budget was spent"})
             else:
                 print(f"== {p} (limit {min(budgets[p], left):.0f} s)", file=sys.stderr, flush=True)
-                res["parts"][p] = run_part(p, a.cpu_smoke, work, min(budgets[p], left))
+                current = p
+                save(p, run_part(p, a.cpu_smoke, work, min(budgets[p], left), save=lambda rec, p=p: save(p, rec)))
                 print(f"== {p}: {res['parts'][p]['status']} in {res['parts'][p]['seconds']:.1f} s"
                       + (f": {res['parts'][p]['error']}" if res["parts"][p]["error"] else ""), file=sys.stderr, flush=True)
-            res["wall_s"] = round(time.time() - t0, 1)
-            atomic_write_json(path, res)  # after every part: an interrupted check keeps what it measured
         failed = [p for p, r in res["parts"].items() if r["status"] == "failed"]
         res["exit_code"] = 1 if failed else 0
-        res["wall_s"] = round(time.time() - t0, 1)
-        atomic_write_json(path, res)
+        save()
+    except (Interrupted, KeyboardInterrupt) as e:
+        if res is None:
+            raise UserError("interrupted before the device was read: nothing measured") from None
+        if isinstance(e, Interrupted):
+            res["parts"][current] = e.record
+        for p in a.parts:
+            res["parts"].setdefault(p, {"status": "failed", "seconds": 0.0, "budget_s": 0, "result": {},
+                                        "traceback": None, "note": None, "error": "not run: the call was interrupted"})
+        res["exit_code"] = 130
+        save()
+        print(summary_text(res))
+        print(f"\ninterrupted; wrote what was finished to {path}", file=sys.stderr)
+        return 130
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(summary_text(res))

@@ -141,7 +141,10 @@ class Config:
     rounding: str = "nearest"
     fp8: FP8Cfg = field(default_factory=FP8Cfg)
     tf32: bool = False  # off by default so FP32 baselines are strict
-    channels_last: bool = False
+    # NHWC activations and weights: on CUDA the tensor cores' convolutions read them directly (no
+    # transposes). A speed setting, not part of a run's identity; auto = on for the image CNNs on CUDA
+    # (Task.channels_last), off elsewhere. What a run used is in its env.json.
+    channels_last: typing.Literal["auto", True, False] = infra("auto")
     device: str = infra("auto")
     out_dir: str = infra("runs")
     optim: OptimCfg = field(default_factory=OptimCfg)
@@ -168,6 +171,13 @@ def _coerce(value, tp, key: str, what: str = "config key"):
     origin = typing.get_origin(tp)
     if tp is Any:
         return value
+    if origin is typing.Literal:  # a closed set of values, e.g. channels_last: auto | true | false
+        args = typing.get_args(tp)
+        for a in args:
+            if value == a and type(value) is type(a):
+                return a
+        show = ", ".join(str(a).lower() if isinstance(a, bool) else str(a) for a in args)
+        raise UserError(f"{what} {key!r} expects one of {show}, got {value!r}")
     if origin is list:
         (item_tp,) = typing.get_args(tp) or (Any,)
         if not isinstance(value, (list, tuple)):

@@ -52,6 +52,10 @@ class Run:
         self.cfg, self.task = cfg, task
         self.rank, self.world, self.local_rank = distributed_env()
         self.device = pick_device(cfg.device, self.local_rank)
+        # channels_last=auto: NHWC for the tasks that declare it (image CNNs) on CUDA only; on a CPU
+        # NCHW convolutions are the ones oneDNN and the emulated FP16 math serve best.
+        self.channels_last = cfg.channels_last if isinstance(cfg.channels_last, bool) else \
+            (self.device.type == "cuda" and task.channels_last)
         self.main = self.rank == 0
         self.dir = config.run_dir(cfg)
         self.name = config.run_name(cfg)
@@ -143,9 +147,8 @@ class Run:
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo",
                                     timeout=datetime.timedelta(minutes=cfg.train.dist_timeout_min),
                                     device_id=self.device if self.device.type == "cuda" else None)
-        # TF32 is a separate baseline: off unless asked, and recorded in env.json (paper notes).
-        torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
-        torch.backends.cudnn.allow_tf32 = cfg.tf32
+        # TF32 off unless asked, FP16/BF16 products reduced in FP32; recorded in env.json.
+        precision.set_backend_flags(cfg.tf32)
         self.check_identity()
         # Rank 0 claims the directory and reads what an earlier invocation left. A final result
         # (completed, diverged) is kept as it is: a later invocation writes nothing into its directory
@@ -170,7 +173,7 @@ class Run:
         self.final = final
         if final is not None:
             return
-        self.env = env_info(self.device, self.world, cfg)
+        self.env = {**env_info(self.device, self.world, cfg), "channels_last": self.channels_last}
         if self.main:
             atomic_write_text(self.dir / "config.yaml", config.dump_yaml(cfg))
             atomic_write_json(self.dir / "env.json", self.env)
@@ -215,7 +218,7 @@ class Run:
         """The model, its named optimizers, the precision recipe around both, one schedule each."""
         cfg = self.cfg
         model = self.task.build_model(cfg).to(self.device)
-        if cfg.channels_last:
+        if self.channels_last:
             model = model.to(memory_format=torch.channels_last)
         self.optimizers = self.build_optimizers(model)
         self.optimizer = next(iter(self.optimizers.values()))  # the first: its lr is the logged "lr"
@@ -454,7 +457,7 @@ class Run:
             self.numerics.begin(self.step)
         meter = SavedTensorBytes(self.model) if self.act_bytes is None else None  # the first step only
         ctx = StepContext(self, len(micro_batches), meter)
-        micro = [to_device(b, self.device, self.cfg.channels_last) for b in micro_batches]
+        micro = [to_device(b, self.device, self.channels_last) for b in micro_batches]
         logs, n = self.task.train_step(ctx, micro)
         self._close_phases()
         recipe.update()  # once per iteration, after every optimizer's step (GradScaler's rule)

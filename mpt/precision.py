@@ -435,6 +435,26 @@ class HalfMath(TorchFunctionMode):
 
 
 @functools.lru_cache(maxsize=None)
+def set_backend_flags(tf32: bool) -> dict:
+    """The process-wide math settings of a run, set in one place (the engine and the speed benchmark):
+    TF32 only where asked (a separate baseline, not the paper's FP32); FP16 and BF16 products reduced
+    in FP32. cuBLAS may otherwise add a split-K product's partial sums in FP16/BF16 (PyTorch's default
+    allows it), where section 3.3's recipe accumulates FP16 products into FP32. Returns what was set,
+    for env.json."""
+    m = torch.backends.cuda.matmul
+    m.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
+    m.allow_fp16_reduced_precision_reduction = False
+    m.allow_bf16_reduced_precision_reduction = False
+    return backend_flags()
+
+
+def backend_flags() -> dict:
+    m = torch.backends.cuda.matmul
+    return {"tf32_matmul": bool(m.allow_tf32), "tf32_cudnn": bool(torch.backends.cudnn.allow_tf32),
+            "fp16_reduced_precision_reduction": bool(m.allow_fp16_reduced_precision_reduction),
+            "bf16_reduced_precision_reduction": bool(m.allow_bf16_reduced_precision_reduction)}
+
+
 def cpu_has_fast_bf16() -> tuple[bool, str]:
     """(whether this CPU has BF16 dot-product instructions, what says so). oneDNN's BF16 kernels use
     AVX512-BF16 / AMX-BF16 and beat FP32 there; without them BF16 is converted in software (measured

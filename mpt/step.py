@@ -101,7 +101,7 @@ class EvalContext:
         validation batches (batches()) under autocast, then over ranks."""
         run, sums = self._run, {}
         for b in self.batches():
-            b = to_device(b, self.device, run.cfg.channels_last)
+            b = to_device(b, self.device, run.channels_last)
             with run.recipe.autocast():
                 for key, v in eval_sums(self.model, b).items():
                     sums[key] = sums.get(key, 0.0) + float(v)

@@ -40,6 +40,7 @@ from mpt.optim import build_optimizer, update_factor
 class Task:
     primary_metric: str = ""  # key of evaluate()'s metrics that tables show, e.g. "top1"
     higher_is_better: bool = True
+    channels_last: bool = False  # an image CNN: NHWC pays on CUDA (config key channels_last=auto)
     shuffle_train: bool = True  # False: samples in dataset order (a language model's streams)
     data_files: tuple[str, ...] = ()
     # The prepared data task.data_root must hold: (the "dataset" its prepared.json records, the data_prep

@@ -51,6 +51,7 @@ def generate(generator, n: int, latent: int, seed: int, device, autocast, batch:
 class Task(BaseTask):
     prepared_data = ("celeba", "celeba")  # prepared.json's "dataset", by data_prep.celeba
     primary_metric = "swd"  # multi-scale sliced Wasserstein distance x 1e3 (Karras et al. 2018)
+    channels_last = True  # a CNN on images: NHWC on CUDA (channels_last=auto)
     higher_is_better = False
 
     def __init__(self):

@@ -59,6 +59,7 @@ def transforms(c: TaskCfg, train: bool):
 class Task(BaseTask):
     prepared_data = ("ILSVRC2012", "imagenet")  # prepared.json's "dataset", by data_prep.imagenet
     primary_metric = "top1"
+    channels_last = True  # a CNN on images: NHWC on CUDA (channels_last=auto)
     higher_is_better = True
     data_files = ("classes.json",)  # the class list beside the marker: part of the run identity
 

@@ -346,7 +346,8 @@ def measure(model_name: str, precision: str, impl: str | None, o: dict, device: 
     wl = WORKLOADS[model_name]
     size = wl.default_size if o["size"] == "auto" else int(o["size"])
     row = {"model": model_name, "precision": precision, "impl": impl, "status": "ok", "note": None,
-           "batch": o["batch"], "size": size, "width": o["width"], "unit": wl.unit}
+           "batch": o["batch"], "size": size, "width": o["width"], "unit": wl.unit,
+           "channels_last": bool(o["channels_last"])}
     reason = skip_reason(precision, device)
     if reason:
         row.update(status="skipped", note=reason)
@@ -373,7 +374,7 @@ def _measure(wl: Workload, model_name, precision, impl, size, o, device) -> dict
     cfg = config_for(wl, model_name, precision, impl, o, device)
     # The engine's settings (mpt/engine.py setup): TF32 only where asked; cudnn.benchmark picks the
     # fastest convolution algorithms for these shapes during the warm-up.
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.tf32
+    recipes.set_backend_flags(cfg.tf32)
     torch.backends.cudnn.benchmark = o["cudnn_benchmark"]
     torch.manual_seed(0)
     task = wl.make_task()
@@ -495,9 +496,13 @@ def device_slug(env: dict) -> str:
 
 @contextlib.contextmanager
 def restored_backend_flags():
-    """Leave TF32 / cudnn.benchmark as they were (the benchmark sets them per row)."""
-    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark)
+    """Leave the math flags (TF32, reduced-precision reductions) and cudnn.benchmark as they were (the
+    benchmark sets them per row)."""
+    m = torch.backends.cuda.matmul
+    saved = (m.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark,
+             m.allow_fp16_reduced_precision_reduction, m.allow_bf16_reduced_precision_reduction)
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark = saved
+        (m.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark,
+         m.allow_fp16_reduced_precision_reduction, m.allow_bf16_reduced_precision_reduction) = saved

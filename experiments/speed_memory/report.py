@@ -69,11 +69,12 @@ def _impl(r: dict) -> str:
 
 def add_ratios(rows: list[dict]) -> None:
     """Ratios to FP32 (and TF32 where measured) of the same model, from this run's rows only."""
-    base = {(r["model"], r["precision"]): r for r in rows
+    # Same memory format too: a channels_last mixed row is compared with a channels_last FP32 row.
+    base = {(r["model"], r["precision"], r.get("channels_last")): r for r in rows
             if r["precision"] in ("fp32", "tf32") and r.get("status") == "ok"}
     for r in rows:
-        r["ratios"] = {"vs_fp32": ratios(r, base.get((r["model"], "fp32"))),
-                       "vs_tf32": ratios(r, base.get((r["model"], "tf32")))}
+        r["ratios"] = {"vs_fp32": ratios(r, base.get((r["model"], "fp32", r.get("channels_last")))),
+                       "vs_tf32": ratios(r, base.get((r["model"], "tf32", r.get("channels_last"))))}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -90,6 +91,14 @@ def _row(rows, model, precision, impl=None):
 
 def _goal(gid, goal, target, measured, status, detail=""):
     return {"id": gid, "goal": goal, "target": target, "measured": measured, "status": status, "detail": detail}
+
+
+# ResNet-50 training throughput per GPU in NVIDIA's MLPerf Training v4.0 submissions (8-GPU systems / 8),
+# images/s: the anchor of the throughput goal. A PyTorch step is not MLPerf's (DALI, fused MXNet
+# kernels); NVIDIA's own A100 figures put PyTorch at ~0.73 of MLPerf, the aim. The floor, 3,600 on
+# an H100 (0.503 of MLPerf), is above the best published single-A100 figure (3,411, MXNet).
+MLPERF_RESNET50_PER_GPU = {"H100": 7160, "H200": 7950}
+MIN_OF_MLPERF, AIM_OF_MLPERF = 0.503, 0.73
 
 
 def goals(result: dict) -> list[dict]:
@@ -145,10 +154,11 @@ def goals(result: dict) -> list[dict]:
 
     # G3-G6: ResNet-50 on one H100 at batch 256, 224 px, full width.
     conds = []
+    mlperf = next((v for k, v in MLPERF_RESNET50_PER_GPU.items() if gpu and k in gpu["name"]), None)
     if gpu is None:
         conds.append("no GPU")
-    elif "H100" not in gpu["name"]:
-        conds.append(f"device is {gpu['name']}, the goal is for an H100")
+    elif mlperf is None:
+        conds.append(f"device is {gpu['name']}; the goal is set for an H100 or H200")
     if o["batch"] != 256:
         conds.append(f"batch {o['batch']} (goal: 256)")
     if o["width"] != 1.0:
@@ -171,11 +181,14 @@ def goals(result: dict) -> list[dict]:
 
     best = max(mixed, key=lambda i: mixed[i]["throughput"]) if mixed else None
     v = mixed[best]["throughput"] if best else None
-    out.append(_goal("resnet50_mixed_throughput", "ResNet-50 mixed-precision training throughput (one H100, batch 256, synthetic data)",
-                     ">= 3000 images/s",
+    floor, aim = (round(MIN_OF_MLPERF * mlperf), round(AIM_OF_MLPERF * mlperf)) if mlperf else (3600, 5200)
+    out.append(_goal("resnet50_mixed_throughput", "ResNet-50 mixed-precision training throughput (one GPU, batch 256, synthetic data)",
+                     f">= {floor} images/s (aim {aim})",
                      ", ".join(f"{i} {r['throughput']:.0f} images/s" for i, r in mixed.items()) or None,
-                     status_of(None if v is None else v >= 3000),
-                     "anchors: NVIDIA 2,470 on A100 80GB; third party 2,790 on H100 SXM (NVIDIA's scripts)"))
+                     status_of(None if v is None else v >= floor),
+                     f"MLPerf per-GPU figure for this GPU ~{mlperf or '?'} images/s; floor {MIN_OF_MLPERF} of it "
+                     f"(3,600 on an H100: above the best published single-A100 figure, 3,411 with MXNet), aim "
+                     f"{AIM_OF_MLPERF} of it (the PyTorch-vs-MLPerf ratio of NVIDIA's own A100 figures)"))
     for gid, base, name, target in (("resnet50_speedup_vs_fp32", fp32, "strict FP32 (TF32 off)", 3.0),
                                      ("resnet50_speedup_vs_tf32", tf32, "TF32", 1.5)):
         sp = {i: _div(base["step_ms"]["median"], r["step_ms"]["median"]) for i, r in mixed.items()} \

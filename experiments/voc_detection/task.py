@@ -106,6 +106,7 @@ def collate(samples):
 class Task(BaseTask):
     prepared_data = ("voc", "voc")  # prepared.json's "dataset", by data_prep.voc
     primary_metric = "mAP"  # VOC2007 test, 11-point AP at IoU 0.5, percent
+    channels_last = True  # a CNN on images: NHWC on CUDA (channels_last=auto)
     higher_is_better = True
 
     def datasets(self, cfg):
