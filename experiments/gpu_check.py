@@ -586,6 +586,8 @@ def _parse(argv):
     p.add_argument("--budget", type=float, default=None,
                    help=f"seconds for the whole call, the environment probe included (default {DEFAULT_CALL_S} "
                         f"on a GPU; the CPU smoke: {SMOKE_CALL_S})")
+    p.add_argument("--limit", default="", help="part=seconds,... : other limits for some parts (a rerun of what "
+                   "a first call cut, e.g. --parts headline --limit headline=240)")
     p.add_argument("--_part", help=argparse.SUPPRESS)
     p.add_argument("--_state", help=argparse.SUPPRESS)
     p.add_argument("--_work", help=argparse.SUPPRESS)
@@ -594,6 +596,15 @@ def _parse(argv):
     unknown = [x for x in a.parts if x not in PARTS]
     if unknown or not a.parts:
         raise UserError(f"--parts {','.join(unknown) or '(empty)'}: choose from {','.join(PARTS)}")
+    a.limits = {}
+    for item in filter(None, (x.strip() for x in a.limit.split(","))):
+        k, _, v = item.partition("=")
+        try:
+            a.limits[k.strip()] = float(v)
+        except ValueError:
+            a.limits[k.strip()] = -1.0
+        if k.strip() not in PARTS or a.limits[k.strip()] <= 0:
+            raise UserError(f"--limit {item}: write part=seconds with a part of {','.join(PARTS)}, e.g. headline=240")
     if a.budget is not None and a.budget <= 0:
         raise UserError(f"--budget {a.budget:g}: give a positive number of seconds")
     return a
@@ -611,7 +622,7 @@ def main(argv=None) -> int:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"--out {out}: cannot create it ({e.strerror})") from None
-    budgets = SMOKE_BUDGET_S if a.cpu_smoke else GPU_BUDGET_S
+    budgets = {**(SMOKE_BUDGET_S if a.cpu_smoke else GPU_BUDGET_S), **a.limits}
     total = a.budget or (SMOKE_CALL_S if a.cpu_smoke else DEFAULT_CALL_S)
     work = Path(tempfile.mkdtemp(prefix="gpu_check_"))
     t0 = time.time()  # the whole call's budget, the probe included
