@@ -203,6 +203,8 @@ def paper_batches() -> dict[str, dict]:
 def part_models(ctx: Ctx) -> dict:
     """Every Table 1 and Table 3 model, a few steps in fp32, mixed (the impl its paper grid runs) and
     fp16_storage (the paper's speech recipe) at the paper grid's batch per GPU."""
+    from mpt.precision import HALF_COMPUTE
+
     s = ctx.sizes
     pb = paper_batches()
     out = {"paper_batch": pb, "rows": []}
@@ -210,9 +212,11 @@ def part_models(ctx: Ctx) -> dict:
         b = s.batch or pb[m]["per_gpu"]
         size = str(s.speech_frames) if m in TABLE3 else s.image_size
         o = _bench_options(ctx, models=m, batch=b, size=size, width=s.width, steps=s.steps, warmup=s.warmup,
-                           kernels=False, channels_last=m in TABLE1 and ctx.device.type == "cuda")
+                           kernels=False)
         for prec, impl in (("fp32", None), ("mixed", pb[m]["mixed_impl"]), ("fp16_storage", "paper")):
-            out["rows"].append(_measure(m, prec, impl, o, ctx))
+            # The layout a run of this cell gets by default (channels_last=auto, precision.channels_last_pays)
+            cl = m in TABLE1 and ctx.device.type == "cuda" and prec in HALF_COMPUTE
+            out["rows"].append(_measure(m, prec, impl, {**o, "channels_last": cl}, ctx))
             ctx.emit(out)
     bad = [r for r in out["rows"] if r["status"] != "ok"]
     if bad:
@@ -379,6 +383,21 @@ def part_env(ctx: Ctx) -> dict:
 
 PART_FNS = {"env": part_env, "headline": part_headline, "models": part_models, "ds2_worst": part_ds2_worst,
             "resume": part_resume, "ddp": part_ddp}
+
+
+def source_digest(root: Path | None = None) -> str:
+    """sha256 of the repository's Python sources (path and bytes, sorted): names the code that ran where
+    the copy on a remote machine carries no usable git state. `--source-digest` prints it here, to
+    compare with a results file's."""
+    import hashlib
+
+    root = root or Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for d in ("mpt", "experiments", "models", "data_prep", "slurm", "paper_tables"):
+        for f in sorted((root / d).rglob("*.py")):
+            if "__pycache__" not in f.parts:
+                h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
 
 
 def _brief(s: dict) -> dict:
@@ -566,10 +585,105 @@ def summary_text(res: dict) -> str:
     return "\n".join(lines)
 
 
+def merge(results: list[dict]) -> dict:
+    """Several calls of one machine (a first call and the rerun of what it cut) as one result: each
+    part from the last call where it ended ok, else from the one that finished the most rows."""
+    def rank(i_rec):
+        i, rec = i_rec
+        return (rec["status"] in ("ok", "skipped"), len((rec.get("result") or {}).get("rows") or []), i)
+
+    out = {"env": results[-1]["env"], "date": results[-1]["date"], "mode": results[-1]["mode"], "parts": {},
+           "calls": [{"command": r["command"], "date": r["date"], "wall_s": r["wall_s"]} for r in results]}
+    for p in PARTS:
+        recs = [(i, r["parts"][p]) for i, r in enumerate(results) if p in r["parts"]]
+        if recs:
+            i, rec = max(recs, key=rank)
+            out["parts"][p] = {**rec, "call": i + 1}
+    return out
+
+
+def markdown(res: dict) -> str:
+    """The tables the README quotes, from one or more results files (merge)."""
+    env, P = res["env"], res["parts"]
+    g = env.get("gpu") or {}
+    lines = [f"# gpu_check on {env.get('device_name')}", "",
+             f"torch {env.get('torch')}, CUDA {env.get('cuda')}, cuDNN {env.get('cudnn')}, driver {env.get('driver')}, "
+             f"{g.get('sm_count', '?')} SMs, {(g.get('total_memory_bytes') or 0) / 2**30:.0f} GiB. Calls:", ""]
+    lines += [f"{i}. `{c['command']}` ({c['date']}, {c['wall_s']} s)" for i, c in enumerate(res["calls"], 1)]
+    lines += ["", "| part | status | from call | seconds | limit |", "|---|---|---|---|---|"]
+    lines += [f"| {p} | {r['status']} | {r['call']} | {r['seconds']} | {r['budget_s']} |" for p, r in P.items()]
+    h = (P.get("headline") or {}).get("result") or {}
+    if h.get("rows"):
+        lines += ["", f"## ResNet-50 (pre-activation), batch {h['options']['batch']}, 224 px, synthetic data", "",
+                  "| precision | layout | images/s | ms/step (median) | peak MiB | GPU busy | vs strict FP32 (same layout) | memory / FP32 |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in h["rows"]:
+            f = (r.get("ratios") or {}).get("vs_fp32") or {}
+            lines.append(f"| {r['precision']}{' (' + r['impl'] + ')' if r.get('impl') else ''} | "
+                         f"{'NHWC' if r.get('channels_last') else 'NCHW'} | {_md(r.get('throughput'), '{:,.0f}')} | "
+                         f"{_md((r.get('step_ms') or {}).get('median'), '{:.1f}')} | "
+                         f"{_md((r.get('peak_gpu_mem_bytes') or 0) / 2**20 or None, '{:,.0f}')} | "
+                         f"{_md(r.get('gpu_busy_fraction'), '{:.2f}')} | {_md(f.get('speedup'), '{:.2f}x')} | "
+                         f"{_md(f.get('peak_gpu_mem'), '{:.2f}')} |")
+        lines += ["", "| goal | target | measured | status |", "|---|---|---|---|"]
+        lines += [f"| {x['id']} | {x['target']} | {x['measured']} | {x['status']} |" for x in h.get("goals", [])]
+    for name, title in (("ds2_worst", "DeepSpeech 2 at its worst paper batch (longest utterances: English 35 s, "
+                                      "Mandarin 15 s)"),
+                        ("models", "Every Table 1 and Table 3 model at the paper grid's batch per GPU")):
+        m = (P.get(name) or {}).get("result") or {}
+        if not m.get("rows"):
+            continue
+        lines += ["", f"## {title}", "", "| model | precision | layout | batch | size | status | ms/step | peak MiB |"
+                  + (" reserved / device |" if name == "ds2_worst" else ""),
+                  "|---|---|---|---|---|---|---|---|" + ("---|" if name == "ds2_worst" else "")]
+        for r in m["rows"]:
+            lines.append(f"| {r['model']} | {r['precision']}{' (' + r['impl'] + ')' if r.get('impl') else ''} | "
+                         f"{'NHWC' if r.get('channels_last') else 'NCHW'} | {r['batch']} | {r['size']} | {r['status']} | "
+                         f"{_md((r.get('step_ms') or {}).get('median'), '{:.1f}')} | "
+                         f"{_md((r.get('peak_gpu_mem_bytes') or 0) / 2**20 or None, '{:,.0f}')} |"
+                         + (f" {_md(r.get('reserved_of_device'), '{:.0%}')} |" if name == "ds2_worst" else ""))
+        if name == "models" and P[name]["status"] != "ok":
+            done = {r["model"] for r in m["rows"]}
+            lines.append(f"\nNot reached in its time limit: {', '.join(x for x in TABLE1 + TABLE3 if x not in done) or '-'}.")
+    r = (P.get("resume") or {}).get("result") or {}
+    if r.get("second"):
+        lines += ["", f"Resume on the device: stopped at step {r['first']['step']} ({r['first']['status']}), restarted: "
+                      f"{r['second']['status']} at step {r['second']['step']}, {r['steps_second']} steps trained after "
+                      f"the checkpoint, model on {r['model_device']}."]
+    if P.get("ddp", {}).get("note"):
+        lines += ["", f"DDP: {P['ddp']['status']}: {P['ddp']['note']}."]
+    return "\n".join(lines) + "\n"
+
+
+def _md(v, fmt: str) -> str:
+    return "-" if v is None else fmt.format(v)
+
+
 def _num(v, fmt: str) -> str:
     if v is None:
         return f"{'-':>{len(fmt.format(0.0))}s}"
     return fmt.format(v)
+
+
+def write_report(paths: list[Path]) -> int:
+    from mpt.rundir import atomic_write_text
+
+    results = []
+    for p in paths:
+        try:
+            r = json.loads(p.read_text())
+        except (OSError, ValueError) as e:
+            raise UserError(f"--report {p}: not a readable results file ({one_line(e)})") from None
+        if r.get("schema") != SCHEMA:
+            raise UserError(f"--report {p}: schema {r.get('schema')!r}, not {SCHEMA} (a gpu_check results file)")
+        results.append(r)
+    md = markdown(merge(results))
+    stem = paths[0].name.removesuffix(".json")
+    stem = stem[: stem.index("-gpu_check") + len("-gpu_check")] if "-gpu_check" in stem else stem
+    dest = paths[0].with_name(stem + ".md")
+    atomic_write_text(dest, md)
+    print(md + f"\nwrote {dest}")
+    return 0
 
 
 class _Parser(argparse.ArgumentParser):
@@ -580,6 +694,8 @@ class _Parser(argparse.ArgumentParser):
 def _parse(argv):
     p = _Parser(prog="python -m experiments.gpu_check", description=__doc__.split("\n\n")[0])
     p.add_argument("--cpu-smoke", action="store_true", help="the same steps at tiny size on the CPU")
+    p.add_argument("--report", nargs="+", metavar="JSON", help="no run: merge these results files (one machine's "
+                   "calls, in order) into Markdown tables, written beside the first as <...>-gpu_check.md")
     p.add_argument("--out", default=None,
                    help=f"folder of the results file (default: $OUT when set, else {RESULTS_DIR})")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of: {','.join(PARTS)}")
@@ -588,6 +704,9 @@ def _parse(argv):
                         f"on a GPU; the CPU smoke: {SMOKE_CALL_S})")
     p.add_argument("--limit", default="", help="part=seconds,... : other limits for some parts (a rerun of what "
                    "a first call cut, e.g. --parts headline --limit headline=240)")
+    p.add_argument("--source-digest", action="store_true", help="print the digest of this tree's Python "
+                   "sources (as a results file records it) and exit")
+    p.add_argument("--_save_every", type=float, default=5.0, help=argparse.SUPPRESS)  # tests: sooner
     p.add_argument("--_part", help=argparse.SUPPRESS)
     p.add_argument("--_state", help=argparse.SUPPRESS)
     p.add_argument("--_work", help=argparse.SUPPRESS)
@@ -615,6 +734,11 @@ def main(argv=None) -> int:
     a = _parse(sys.argv[1:] if argv is None else argv)
     if a._part:  # a child: one part
         return child_main(a._part, Path(a._state), a.cpu_smoke, Path(a._work))
+    if a.report:
+        return write_report([Path(x) for x in a.report])
+    if a.source_digest:
+        print(source_digest())
+        return 0
     from mpt.rundir import atomic_write_json, now
 
     out = Path(a.out or os.environ.get("OUT") or RESULTS_DIR)
@@ -629,7 +753,7 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, _sigterm)  # a runner's stop: the same as Ctrl-C, finished rows kept
     res, path, failed, current = None, None, [], None
     try:
-        probe = run_part("env", a.cpu_smoke, work, min(PROBE_S, total))
+        probe = run_part("env", a.cpu_smoke, work, PROBE_S)  # counted in the budget, but never cut by it
         if probe["status"] != "ok":
             if "no CUDA GPU" in (probe["error"] or ""):
                 raise UserError(probe["error"].split(": ", 1)[-1])
@@ -639,6 +763,7 @@ def main(argv=None) -> int:
         path = out / f"{slug}-{date[:10]}-gpu_check{'-smoke' if a.cpu_smoke else ''}.json"
         res = {"schema": SCHEMA, "command": "python -m experiments.gpu_check " + " ".join(argv or sys.argv[1:]),
                "mode": "cpu-smoke" if a.cpu_smoke else "gpu", "date": date, "env": env,
+               "source_digest": source_digest(),
                "sizes": dataclasses.asdict(SMOKE if a.cpu_smoke else GPU), "budget_s": round(total),
                "part_budgets_s": {p: budgets[p] for p in a.parts}, "parts": {}, "wall_s": None, "exit_code": None}
         print(f"gpu_check on {env['device_name']}: parts {', '.join(a.parts)}; budget {total:.0f} s; -> {path}",
@@ -663,7 +788,8 @@ def main(argv=None) -> int:
             else:
                 print(f"== {p} (limit {min(budgets[p], left):.0f} s)", file=sys.stderr, flush=True)
                 current = p
-                save(p, run_part(p, a.cpu_smoke, work, min(budgets[p], left), save=lambda rec, p=p: save(p, rec)))
+                save(p, run_part(p, a.cpu_smoke, work, min(budgets[p], left), save=lambda rec, p=p: save(p, rec),
+                                 every=a._save_every))
                 print(f"== {p}: {res['parts'][p]['status']} in {res['parts'][p]['seconds']:.1f} s"
                       + (f": {res['parts'][p]['error']}" if res["parts"][p]["error"] else ""), file=sys.stderr, flush=True)
         failed = [p for p, r in res["parts"].items() if r["status"] == "failed"]

@@ -142,8 +142,9 @@ class Config:
     fp8: FP8Cfg = field(default_factory=FP8Cfg)
     tf32: bool = False  # off by default so FP32 baselines are strict
     # NHWC activations and weights: on CUDA the tensor cores' convolutions read them directly (no
-    # transposes). A speed setting, not part of a run's identity; auto = on for the image CNNs on CUDA
-    # (Task.channels_last), off elsewhere. What a run used is in its env.json.
+    # transposes). A speed setting, not part of a run's identity; auto = on for the image CNNs
+    # (Task.channels_last) on CUDA in the precisions that compute in FP16/BF16/TF32, off elsewhere
+    # (precision.channels_last_pays). What a run used is in its env.json.
     channels_last: typing.Literal["auto", True, False] = infra("auto")
     device: str = infra("auto")
     out_dir: str = infra("runs")

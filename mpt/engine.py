@@ -52,10 +52,7 @@ class Run:
         self.cfg, self.task = cfg, task
         self.rank, self.world, self.local_rank = distributed_env()
         self.device = pick_device(cfg.device, self.local_rank)
-        # channels_last=auto: NHWC for the tasks that declare it (image CNNs) on CUDA only; on a CPU
-        # NCHW convolutions are the ones oneDNN and the emulated FP16 math serve best.
-        self.channels_last = cfg.channels_last if isinstance(cfg.channels_last, bool) else \
-            (self.device.type == "cuda" and task.channels_last)
+        self.channels_last = precision.channels_last_pays(cfg, self.device, task.channels_last)
         self.main = self.rank == 0
         self.dir = config.run_dir(cfg)
         self.name = config.run_name(cfg)

@@ -116,6 +116,9 @@ FP8_ENDS = ("bf16", "fp8")
 # (torch dtype, largest finite magnitude): E4M3 has no infinities, so its top binade reaches 448;
 # E5M2 is IEEE-like, 57344 (FP8 paper, Table 1).
 FP8_FORMATS = {"e4m3": (torch.float8_e4m3fn, 448.0), "e5m2": (torch.float8_e5m2, 57344.0)}
+# Precisions whose convolutions and matmuls a GPU runs in FP16/BF16 (tensor cores). fp16_storage
+# computes in FP32 (section 4.3) and fp8 is simulated around FP32 kernels: neither is among them.
+HALF_COMPUTE = ("fp16", "mixed", "bf16", "fp16_pure", "bf16_pure")
 IMPLS = ("autocast", "paper")
 HALF_MATHS = ("auto", "emulated", "native")
 # Norm layers keep FP32 parameters and statistics; their kernels read FP16 input with FP32
@@ -392,6 +395,36 @@ _SOFTMAX = _ops(torch, ("softmax", "log_softmax")) | _ops(torch.Tensor, ("softma
     | _ops(F, ("softmax", "log_softmax"))
 
 
+def channels_last_pays(cfg, device, task_is_cnn: bool) -> bool:
+    """channels_last=auto: NHWC for an image CNN on CUDA where tensor cores run its convolutions (FP16,
+    BF16, TF32). Measured on an H200 (cuDNN 9.19, ResNet-50 at batch 256, experiments/speed_memory/
+    results/nvidia-h200-2026-11-27-gpu_check-call2.json), NHWC / NCHW step time: mixed 0.51-0.52,
+    TF32 0.70, but strict FP32 2.13 (cuDNN's FP32 NHWC kernels are the slow ones). On a CPU, NCHW."""
+    if isinstance(cfg.channels_last, bool):
+        return cfg.channels_last
+    return device.type == "cuda" and task_is_cnn and (cfg.precision in HALF_COMPUTE or cfg.tf32)
+
+
+def set_backend_flags(tf32: bool) -> dict:
+    """The process-wide math settings of a run, set in one place (the engine and the speed benchmark):
+    TF32 only where asked (a separate baseline, not the paper's FP32); FP16 and BF16 products reduced
+    in FP32. cuBLAS may otherwise add a split-K product's partial sums in FP16/BF16 (PyTorch's default
+    allows it), where section 3.3's recipe accumulates FP16 products into FP32. Returns what was set,
+    for env.json."""
+    m = torch.backends.cuda.matmul
+    m.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
+    m.allow_fp16_reduced_precision_reduction = False
+    m.allow_bf16_reduced_precision_reduction = False
+    return backend_flags()
+
+
+def backend_flags() -> dict:
+    m = torch.backends.cuda.matmul
+    return {"tf32_matmul": bool(m.allow_tf32), "tf32_cudnn": bool(torch.backends.cudnn.allow_tf32),
+            "fp16_reduced_precision_reduction": bool(m.allow_fp16_reduced_precision_reduction),
+            "bf16_reduced_precision_reduction": bool(m.allow_bf16_reduced_precision_reduction)}
+
+
 class HalfMath(TorchFunctionMode):
     """Within this context every dot product (_HALF_MATH) whose floating operands are all of `dtype`
     computes in FP32 on exact FP32 copies and rounds its floating results to `dtype` once (section
@@ -435,26 +468,6 @@ class HalfMath(TorchFunctionMode):
 
 
 @functools.lru_cache(maxsize=None)
-def set_backend_flags(tf32: bool) -> dict:
-    """The process-wide math settings of a run, set in one place (the engine and the speed benchmark):
-    TF32 only where asked (a separate baseline, not the paper's FP32); FP16 and BF16 products reduced
-    in FP32. cuBLAS may otherwise add a split-K product's partial sums in FP16/BF16 (PyTorch's default
-    allows it), where section 3.3's recipe accumulates FP16 products into FP32. Returns what was set,
-    for env.json."""
-    m = torch.backends.cuda.matmul
-    m.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
-    m.allow_fp16_reduced_precision_reduction = False
-    m.allow_bf16_reduced_precision_reduction = False
-    return backend_flags()
-
-
-def backend_flags() -> dict:
-    m = torch.backends.cuda.matmul
-    return {"tf32_matmul": bool(m.allow_tf32), "tf32_cudnn": bool(torch.backends.cudnn.allow_tf32),
-            "fp16_reduced_precision_reduction": bool(m.allow_fp16_reduced_precision_reduction),
-            "bf16_reduced_precision_reduction": bool(m.allow_bf16_reduced_precision_reduction)}
-
-
 def cpu_has_fast_bf16() -> tuple[bool, str]:
     """(whether this CPU has BF16 dot-product instructions, what says so). oneDNN's BF16 kernels use
     AVX512-BF16 / AMX-BF16 and beat FP32 there; without them BF16 is converted in software (measured
@@ -671,9 +684,11 @@ class FP8State:
         return {"history": {k: v.clone() for k, v in self.history.items()},
                 "scale": {k: v.clone() for k, v in self.scale.items()}}
 
-    def load_state_dict(self, sd: dict) -> None:
-        self.history = {k: v.clone() for k, v in sd["history"].items()}
-        self.scale = {k: v.clone() for k, v in sd["scale"].items()}
+    def load_state_dict(self, sd: dict, device=None) -> None:
+        """`device`: where the model is. A checkpoint is read onto the CPU; scales left there would cost
+        a host-device copy at every quantisation (~160 a ResNet-50 step) after a resume on CUDA."""
+        self.history = {k: v.to(device).clone() for k, v in sd["history"].items()}
+        self.scale = {k: v.to(device).clone() for k, v in sd["scale"].items()}
         self._seen = {}
 
 
@@ -1264,7 +1279,7 @@ class FP8(Recipe):
 
     def load_state_dict(self, sd):
         super().load_state_dict(sd)
-        self.state.load_state_dict(sd["fp8"])
+        self.state.load_state_dict(sd["fp8"], self.device)
 
 
 def build(cfg, device) -> Recipe:

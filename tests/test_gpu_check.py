@@ -24,27 +24,60 @@ def test_bad_input_is_one_line_and_exit_2(argv, says, capsys):
     assert e.value.code == 2 and says in err and err.count("\n") == 1
 
 
+BLOCKED = ("wandb", "submitit", "soundfile")  # not in the GPU machines' image
+
+
+def _blocking_env(tmp_path, **extra) -> dict:
+    """An environment in which importing wandb, submitit or soundfile fails, as on a GPU image without them."""
+    site = tmp_path / "block_site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class _Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        f"        if name.split('.')[0] in {BLOCKED!r}:\n"
+        "            raise ImportError('blocked for the test: ' + name)\n"
+        "sys.meta_path.insert(0, _Block())\n")
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(site), **extra}
+
+
+def test_the_import_block_blocks(tmp_path):
+    r = subprocess.run([sys.executable, "-c", "import wandb"], env=_blocking_env(tmp_path), capture_output=True,
+                       text=True, cwd=REPO)
+    assert r.returncode != 0 and "blocked for the test: wandb" in r.stderr
+
+
 @pytest.mark.heavy
 def test_cpu_smoke_runs_every_part(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, "-m", "experiments.gpu_check", "--cpu-smoke", "--out", str(tmp_path)],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    """With OUT set and wandb/submitit/soundfile unimportable (a GPU machine's image): every part ok,
+    every file under $OUT (at most 8: what such a runner brings back), within the call's budget."""
+    out = tmp_path / "out"
+    out.mkdir()
+    results = REPO / gpu_check.RESULTS_DIR
+    before = sorted(results.iterdir()) if results.exists() else []
+    r = subprocess.run([sys.executable, "-m", "experiments.gpu_check", "--cpu-smoke"], cwd=REPO,
+                       env=_blocking_env(tmp_path, OUT=str(out)), capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    files = list(tmp_path.glob("cpu-*-gpu_check-smoke.json"))
-    assert len(files) == 1, files
-    res = json.loads(files[0].read_text())
+    assert "blocked for the test" not in r.stdout + r.stderr
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert len(files) <= 8 and [p.name for p in files if p.name.endswith("gpu_check-smoke.json")], files
+    assert (sorted(results.iterdir()) if results.exists() else []) == before  # nothing in the repository
+    res = json.loads(next(out.glob("cpu-*-gpu_check-smoke.json")).read_text())
     assert res["schema"] == gpu_check.SCHEMA and res["mode"] == "cpu-smoke" and res["exit_code"] == 0
+    assert res["wall_s"] <= res["budget_s"] == gpu_check.SMOKE_CALL_S
     parts = res["parts"]
     assert list(parts) == list(gpu_check.PARTS)
     assert {p: v["status"] for p, v in parts.items()} == {p: "ok" for p in gpu_check.PARTS}, \
         {p: v["error"] for p, v in parts.items()}
 
     head = parts["headline"]["result"]["rows"]
-    assert [(x["precision"], x["impl"], x["status"]) for x in head] == [
-        ("fp32", None, "ok"), ("tf32", None, "skipped"), ("mixed", "autocast", "ok"), ("mixed", "paper", "ok")]
+    # channels_last (the CNNs' layout on CUDA) first, then NCHW; each with the four precisions
+    assert [(x["channels_last"], x["precision"], x["impl"], x["status"]) for x in head] == [
+        (cl, p, i, st) for cl in (True, False) for p, i, st in
+        (("fp32", None, "ok"), ("tf32", None, "skipped"), ("mixed", "autocast", "ok"), ("mixed", "paper", "ok"))]
     assert all(x["throughput"] > 0 for x in head if x["status"] == "ok")
-    assert {g["id"] for g in parts["headline"]["result"]["goals"]} >= {"resnet50_mixed_throughput",
-                                                                       "resnet50_speedup_vs_fp32"}
+    assert {g["id"] for g in parts["headline"]["result"]["goals"]} >= {
+        f"resnet50_{g}_{fmt}" for g in ("mixed_throughput", "speedup_vs_fp32") for fmt in ("channels_last", "nchw")}
 
     models = parts["models"]["result"]["rows"]
     assert {(x["model"], x["precision"]) for x in models} == {
@@ -90,3 +123,90 @@ def test_a_spent_budget_fails_the_command_with_a_results_file(tmp_path, capsys):
     res = json.loads(next(tmp_path.glob("*-gpu_check-smoke.json")).read_text())
     assert res["parts"]["resume"]["status"] == "failed" and "budget was spent" in res["parts"]["resume"]["error"]
     assert res["exit_code"] == 1 and "FAILED: resume" in capsys.readouterr().out
+
+
+@pytest.mark.heavy
+def test_an_interrupted_call_keeps_the_finished_rows(tmp_path):
+    """SIGTERM (a runner's stop) in the middle of a part: the part's process is killed, the rows it
+    finished are in the results file, marked interrupted, and the call exits 130 with its summary."""
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "experiments.gpu_check", "--cpu-smoke", "--parts", "models,resume",
+                             "--_save_every", "0.3"], cwd=REPO, env=_blocking_env(tmp_path, OUT=str(out)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    rows, t0 = [], time.time()
+    try:
+        while time.time() - t0 < 300 and proc.poll() is None:
+            time.sleep(0.2)
+            f = next(out.glob("*-gpu_check-smoke.json"), None)
+            try:
+                rows = json.loads(f.read_text())["parts"]["models"]["result"]["rows"] if f else []
+            except (KeyError, ValueError):
+                rows = []
+            if len(rows) >= 2:
+                break
+        assert proc.poll() is None and len(rows) >= 2, "the models part ended before two of its rows were saved"
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, stderr[-2000:]
+    res = json.loads(next(out.glob("*-gpu_check-smoke.json")).read_text())
+    models = res["parts"]["models"]
+    assert models["status"] == "interrupted" and len(models["result"]["rows"]) >= len(rows)
+    assert all(r["status"] == "ok" for r in models["result"]["rows"])
+    assert res["parts"]["resume"]["status"] == "failed" and "interrupted" in res["parts"]["resume"]["error"]
+    assert res["exit_code"] == 130 and "interrupted" in stderr
+
+
+def test_ddp_on_one_gpu_costs_nothing(tmp_path, monkeypatch):
+    """On a GPU call the probe's GPU count decides ddp: with one GPU no process is started."""
+    started = []
+    monkeypatch.setattr(gpu_check, "run_part", lambda part, *a, **k: started.append(part) or {
+        "status": "ok", "seconds": 0.1, "budget_s": 60, "error": None, "traceback": None, "note": None,
+        "result": {"env": {"device_name": "GPU", "gpu_count": 1}, "slug": "gpu"}})
+    assert gpu_check.main(["--out", str(tmp_path), "--parts", "ddp"]) == 0
+    assert started == ["env"]
+    res = json.loads(next(tmp_path.glob("gpu-*-gpu_check.json")).read_text())
+    assert res["parts"]["ddp"]["status"] == "skipped" and res["parts"]["ddp"]["seconds"] == 0.0
+
+
+def test_out_defaults_to_the_out_variable(tmp_path, monkeypatch):
+    monkeypatch.setenv("OUT", str(tmp_path / "remote_out"))
+    monkeypatch.setattr(gpu_check, "run_part", lambda part, *a, **k: {
+        "status": "ok", "seconds": 0.1, "budget_s": 60, "error": None, "traceback": None, "note": None,
+        "result": {"env": {"device_name": "GPU", "gpu_count": 1}, "slug": "gpu"}})
+    assert gpu_check.main(["--parts", "ddp"]) == 0
+    assert [p.name.endswith("-gpu_check.json") for p in (tmp_path / "remote_out").iterdir()] == [True]
+
+
+def test_limit_and_budget_defaults():
+    assert gpu_check.DEFAULT_CALL_S <= 360  # a 15-minute lease: start + this + a rerun
+    assert gpu_check.PARTS[:3] == ("headline", "resume", "ds2_worst")  # most valuable first
+    with pytest.raises(SystemExit) as e:
+        gpu_check.main(["--limit", "headline=abc"])
+    assert e.value.code == 2
+
+
+def test_report_merges_a_machines_calls(tmp_path):
+    """--report on the committed H200 calls: each part from the call where it ended ok (the headline and
+    ds2_worst from the rerun, resume from the first), the cut models part with the rows it finished."""
+    import shutil
+
+    src = REPO / gpu_check.RESULTS_DIR
+    calls = [shutil.copy(src / f"nvidia-h200-2026-11-27-gpu_check-call{i}.json", tmp_path) for i in (1, 2)]
+    res = gpu_check.merge([json.loads(open(c).read()) for c in calls])
+    assert {p: (r["call"], r["status"]) for p, r in res["parts"].items()} == {
+        "headline": (2, "ok"), "resume": (1, "ok"), "ds2_worst": (2, "ok"), "models": (1, "failed"),
+        "ddp": (1, "skipped")}
+    assert gpu_check.main(["--report", *map(str, calls)]) == 0
+    md = (tmp_path / "nvidia-h200-2026-11-27-gpu_check.md").read_text()
+    assert "| mixed (paper) | NHWC | 6,018 |" in md and "Not reached in its time limit: resnet50_preact" in md
+    bad = tmp_path / "x.json"
+    bad.write_text("{}")
+    with pytest.raises(SystemExit) as e:
+        gpu_check.main(["--report", str(bad)])
+    assert e.value.code == 2

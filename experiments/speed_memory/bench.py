@@ -280,8 +280,15 @@ def summarize_kernels(kern: list[tuple[str, float, float]]) -> dict:
     span = max(e for _, _, e in kern) - min(s for _, s, _ in kern)
     total = sum(e - s for _, s, e in kern)
     mm = sum(e - s for n, s, e in kern if _MATMUL_KERNEL.search(n))
+    by_name: dict[str, float] = {}
+    for n, s, e in kern:
+        by_name[n] = by_name.get(n, 0.0) + (e - s)
+    # The kernels that take the time, by name: which algorithms cuDNN/cuBLAS chose (a TF32 or an FP32
+    # convolution, an NHWC or an NCHW one, layout transposes).
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:8]
     return {"gpu_busy_fraction": busy_union([(s, e) for _, s, e in kern]) / span if span > 0 else None,
-            "matmul_conv_kernel_fraction": mm / total if total > 0 else None}
+            "matmul_conv_kernel_fraction": mm / total if total > 0 else None,
+            "top_kernels": [{"name": n[:160], "share": round(t / total, 4)} for n, t in top] if total > 0 else []}
 
 
 def limit_text(row: dict, device: torch.device) -> str:
@@ -473,6 +480,7 @@ def environment(device: torch.device) -> dict:
     e = env_info(device)
     # TF32 is set per row (on only for precision=tf32), not once per run.
     e["tf32_matmul"] = e["tf32_cudnn"] = "per row: on only where precision=tf32"
+    e["fp16_reduced_precision_reduction"] = e["bf16_reduced_precision_reduction"] = "per row: off (FP32 sums)"
     e["threads"] = torch.get_num_threads()
     # Other processes on the machine slow CPU-side work (and a GPU step's launches): recorded at the
     # start and, by the command, at the end of the run.
