@@ -577,6 +577,9 @@ def _flat(d: dict, prefix: str = "") -> dict:
 # left out of the content id (the runs keep their ids and directories) and a stored config without it
 # is the same run. Another value is another run.
 _ADDED_KEYS = {"half_math": "auto", "rounding": "nearest", "fp8": dataclasses.asdict(FP8Cfg())}
+# Keys that became infrastructure (speed settings) after runs were stored, with the value those runs'
+# ids were computed with: the id still counts that value, so every earlier run keeps its id.
+_NOW_INFRA_KEYS = {"channels_last": False}
 
 
 def config_difference(stored: dict, cfg: Config) -> str | None:
@@ -605,6 +608,7 @@ def cell_id(cfg: Config) -> str:
     for k, default in _ADDED_KEYS.items():
         if ident.get(k) == default:
             del ident[k]
+    ident.update(_NOW_INFRA_KEYS)
     blob = json.dumps(ident, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 
