@@ -49,11 +49,11 @@ from mpt import precision as recipes
 from mpt.config import Config
 from mpt.errors import UserError, cli
 from mpt.memory import ActivationMeter
-from mpt.numerics import (FP16_MAX, FP16_ROUNDS_TO_INF, HIST_HI, HIST_LO, FirstOverflow, Numerics,
+from mpt.numerics import (FP16_MAX, FP16_ROUNDS_TO_INF, HIST_HI, HIST_LO, FirstOverflow, Numerics, NumericsObserver,
                           ValueRanges, advise_loss_scale)
 from mpt.ranks import pick_device, to_device
 from mpt.rundir import atomic_write_bytes, atomic_write_json, atomic_write_text
-from mpt.step import loss_step
+from mpt.step import TrainStep, loss_body
 from mpt.task import Task
 
 STEPS = 20
@@ -239,7 +239,7 @@ def train(patient: Patient, precision: str, loss_scale: str = "auto", steps: int
     model = copy.deepcopy(patient.model).to(device)
     opt = patient.optimizer(model)
     model = recipe.prepare(model, [opt])
-    num = Numerics(model, every=1 if numerics else 0)
+    num = NumericsObserver(Numerics(model, every=1 if numerics else 0))
     forward = ValueRanges()
     weights = ValueRanges()
     if numerics:
@@ -248,30 +248,19 @@ def train(patient: Patient, precision: str, loss_scale: str = "auto", steps: int
     meter = ActivationMeter(model)
     watch = FirstOverflow(model) if watch else None
     loss_fn = patient.loss_fn()
+    # The engine's iteration (mpt.step.TrainStep), numerics sampled as a run samples them: the true
+    # gradients of every step, then the update's fate (3.1).
+    train_step = TrainStep(loss_body(lambda m, b: _mean_loss(loss_fn, m, b, patient.name)), model, {"main": opt},
+                           recipe, device=device, observers=(num,), measure_first=False)
     torch.manual_seed(patient.seed)  # the same steps: dropout masks and sampled negatives too
     losses, samples, skipped = [], [], 0
     for i in range(steps):
-        batch = to_device(patient.batches[i % len(patient.batches)], device, False)
-        sample: dict = {}
-
-        def step():
-            before = None
-            if numerics:  # as Run.optimizer_step samples: true gradients, then the update's fate (3.1)
-                sample.update(num.end(model.named_parameters(), recipe.loss_scale))
-                before = [w.detach().clone() for w in recipe.weights_of(opt)]
-            applied = recipe.step(opt)
-            if numerics:
-                sample.update(num.swamping(before, recipe.params_of(opt), recipe.weights_of(opt)))
-            return applied
-
-        num.begin(i)
         with forward.recording(model), (watch.watching(i) if watch else contextlib.nullcontext()):
-            loss, _, applied = loss_step(recipe, lambda b: _mean_loss(loss_fn, model, b, patient.name), [batch],
-                                         step, meter=meter if i == 0 else None)
-        losses.append(float(loss))
-        skipped += not applied
+            logs, _ = train_step([patient.batches[i % len(patient.batches)]], meter=meter if i == 0 else None)
+        losses.append(float(logs["loss"]))
+        skipped += not train_step.applied["main"]
         if numerics:
-            samples.append(sample)
+            samples.append(num.stats)
     return {"precision": precision, "loss_scale": loss_scale, "final_loss_scale": recipe.loss_scale,
             "half_math": recipe.half_math, "losses": losses, "skipped": skipped,
             "nonfinite_losses": sum(not math.isfinite(v) for v in losses), "forward": forward.summary(),

@@ -842,3 +842,57 @@ class Numerics:
             out[prefix + "nonfinite"] = nonfinite
             out[prefix + "max_abs"] = max_abs
         return tot_max
+
+
+class NumericsObserver:
+    """Numerics sampling as an observer of the training step (mpt.step.Observer's hooks): on a sampled
+    iteration, for each optimizer update, the true gradients its backward produced (taken before
+    unscaling, divided by that backward's S) and, around the update, what the optimizer intended
+    against what the weights received (3.1); whether the update was skipped and, if so, the first
+    parameter holding a non-finite gradient. With several optimizers (a GAN's phases) each update's
+    keys are named numerics/<optimizer>/... and hooks restart for the next phase's backward.
+    `stats` holds the current iteration's sample ({} when it is not sampled)."""
+
+    def __init__(self, numerics: Numerics):
+        self.numerics = numerics
+        self.stats: dict = {}
+        self._sample = False
+        self._pending: dict = {}
+        self._before: list = []
+
+    def begin(self, step) -> None:
+        self.stats = {}
+        self._sample = self.numerics.should_sample(step.iteration)
+        if self._sample:
+            self.numerics.begin(step.iteration)
+
+    def before_update(self, step, name: str, opt) -> None:
+        if not self._sample:
+            return
+        model = step.model
+        # The gradients of the model this optimizer trains (a GAN: its entry of the ModuleDict).
+        named = list(model.named_parameters()) if len(step.optimizers) == 1 or not isinstance(model, nn.ModuleDict) \
+            or name not in model else list(model[name].named_parameters(prefix=name))
+        self._pending = self.numerics.end(named, step.recipe.loss_scale)
+        # The trained weights (FP32 masters; fp16_pure's FP16 weights) before the update (3.1).
+        self._before = [w.detach().clone() for w in step.recipe.weights_of(opt)]
+
+    def after_update(self, step, name: str, opt, applied: bool) -> None:
+        if not self._sample:
+            return
+        stats, self._pending = self._pending, {}
+        # The update the optimizer intended (params_of) against what the weights received.
+        stats.update(self.numerics.swamping(self._before, step.recipe.params_of(opt), step.recipe.weights_of(opt)))
+        self._before = []
+        stats["numerics/skipped"] = not applied
+        if not applied:
+            stats["numerics/overflow_param"] = step.recipe.last_overflow
+        if len(step.optimizers) == 1:
+            self.stats.update(stats)
+        else:
+            self.stats.update({k.replace("numerics/", f"numerics/{name}/", 1): v for k, v in stats.items()})
+            self.numerics.begin(step.iteration)  # the next phase's backward
+
+    def end(self, step) -> None:
+        if self._sample and len(step.optimizers) > 1:
+            self.numerics.end([], None)  # drop the hooks of a phase that never stepped

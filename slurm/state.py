@@ -183,7 +183,7 @@ def cell_state(run_dir, cell_id: str, latest: dict | None, queue: dict[str, str]
     st = _cell_state(run_dir, summary, job, latest, queue)
     if st.state not in FINAL and st.state != "not submitted":
         failed = rank_failure(run_dir, job)
-        # Not when rank 0's own summary already names that rank (mpt.engine._record_failure).
+        # Not when rank 0's own summary already names that rank (mpt.record.RunRecord.record_failure).
         if failed and f"rank {failed[0]} failed" not in (st.error or ""):
             if st.state == "running":  # the other ranks are about to time out or be killed
                 st.error = failed[1]

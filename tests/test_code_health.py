@@ -1,6 +1,7 @@
 """Issue 16 items 4 and 5: every option works or is gone, and each shared piece exists once -- the
 training step (engine, speed/memory benchmark, bigLSTM memory estimate), the key=value option
 parser, the device choice, tolerant JSON reads, the data_prep command line."""
+import contextlib
 import math
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,7 +17,6 @@ from mpt.errors import UserError
 from mpt.task import Task as BaseTask
 from mpt.optim import lr_factor
 from mpt.ranks import pick_device
-from mpt.step import loss_step
 
 torch.set_num_threads(1)
 
@@ -99,6 +99,10 @@ class _Recorder(precision.FP32):
         self.calls.append(("backward", round(loss.item(), 6)))
         super().backward(loss)
 
+    def step(self, optimizer, clip_grad_norm=0.0):
+        self.calls.append("step")
+        return super().step(optimizer, clip_grad_norm)
+
     def update(self):
         self.calls.append("update")
 
@@ -107,33 +111,48 @@ class _Recorder(precision.FP32):
         super().zero_grad()
 
 
-def test_loss_step_order_mean_loss_and_what_step_returns():
+def test_the_iteration_order_mean_loss_and_what_observers_see():
+    """TrainStep's order: forward/backward of each micro-batch (DDP's all-reduce held back but on the
+    last), the update, one scale update, zero_grad; an observer reads the gradients between the update
+    and zero_grad; the mean loss over micro-batches and the gradient of that mean."""
     from mpt.memory import SavedTensorBytes
+    from mpt.step import Observer, TrainStep, loss_body
 
-    net = nn.Linear(3, 1, bias=False)
+    synced = []
+
+    class Net(nn.Linear):
+        def no_sync(self):  # DDP's: record which micro-batches hold back the all-reduce
+            synced.append(len(r.calls))
+            return contextlib.nullcontext()
+
+    net = Net(3, 1, bias=False)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     r = _Recorder()
     r.prepare(net, [opt])
     micro = [torch.full((2, 3), float(i + 1)) for i in range(3)]
-    synced, meter = [], SavedTensorBytes(net)
+    meter = SavedTensorBytes(net)
 
-    def sync(i):
-        synced.append(i)
-        return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)  # any context
+    class Seen(Observer):
+        def before_update(self, step, name, o):
+            r.calls.append("before " + name)
 
-    def step():
-        r.calls.append("step")
-        return net.weight.grad.clone()  # read between the update and zero_grad
+        def after_update(self, step, name, o, applied):
+            r.calls.append(f"after {name} {applied}")
+            self.grad = net.weight.grad.clone()
 
+    seen = Seen()
+    step = TrainStep(loss_body(lambda m, b: (m(b).mean(), len(b))), net, {"main": opt}, r, world=2,
+                     observers=(seen,), measure_first=False)
     with torch.no_grad():
         net.weight.fill_(1.0)
-    loss, n, grad = loss_step(r, lambda b: (net(b).mean(), len(b)), micro, step, sync=sync, meter=meter)
-    assert loss.dtype == torch.float64 and loss.item() == pytest.approx((3 + 6 + 9) / 3) and n == 6
+    logs, n = step(micro, meter=meter)
+    assert logs["loss"].dtype == torch.float64 and logs["loss"].item() == pytest.approx((3 + 6 + 9) / 3) and n == 6
     assert r.calls == ["autocast", ("backward", 1.0), "autocast", ("backward", 2.0), "autocast",
-                       ("backward", 3.0), "step", "update", "zero_grad"]
-    assert synced == [0, 1, 2] and meter.bytes == 2 * 3 * 4  # micro-batch 0's input, FP32
-    assert torch.allclose(grad, torch.full((1, 3), 2.0))  # mean over micro-batches of d(mean)/dw
-    assert net.weight.grad is None
+                       ("backward", 3.0), "before main", "step", "after main True", "update", "zero_grad"]
+    assert synced == [0, 2]  # micro-batches 0 and 1 hold back the all-reduce; the last does not
+    assert meter.bytes == 2 * 3 * 4  # micro-batch 0's input, FP32
+    assert torch.allclose(seen.grad, torch.full((1, 3), 2.0))  # mean over micro-batches of d(mean)/dw
+    assert net.weight.grad is None and step.iteration == 1 and step.applied == {"main": True}
 
 
 def test_engine_benchmark_and_memory_estimate_train_like_a_plain_loop(monkeypatch, tmp_path):

@@ -314,7 +314,7 @@ def test_table3_and_figure2_regenerated(runs, tmp_path):
 
 
 def test_unprepared_data_is_one_line(tmp_path, capsys):
-    from mpt.engine import cli_main
+    from mpt.cli import cli_main
 
     with pytest.raises(SystemExit) as e:  # the command's own entry point, in-process (no interpreter start)
         cli_main("deepspeech2", run_overrides("english", tmp_path / "nowhere", tmp_path))

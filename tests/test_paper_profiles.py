@@ -1,6 +1,6 @@
 """Every paper profile starts: each experiment's paper grid cells, resolved as a cluster job resolves
 them (slurm.grid.load -> the cell's `python -m experiments.<name> profile=paper ...` overrides ->
-mpt.engine.main), with every model at the paper's size, run two optimizer steps, an evaluation and a
+mpt.cli.main), with every model at the paper's size, run two optimizer steps, an evaluation and a
 checkpoint on the CPU at batch 2 on the tiny data each data_prep tiny generator makes. A config, shape
 or recipe error in a paper profile fails here instead of in a cluster job.
 
@@ -36,7 +36,7 @@ import torch
 
 from conftest import REPO
 from mpt import config as C
-from mpt import engine
+from mpt import cli
 from slurm import grid as G
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
@@ -348,7 +348,7 @@ def test_paper_profile_starts(case, request, tmp_path):
     assert changed_keys(cell.cfg, cfg) <= CPU_FORCED
     t0 = time.time()
     try:
-        s = engine.main(exp, args)
+        s = cli.main(exp, args)
         print(f"\n{case_id(case)}: {time.time() - t0:.1f} s")
         assert s["status"] == "completed", s.get("error")
         assert s["step"] == STEPS and s["primary_metric"] in s["metrics"], s

@@ -21,7 +21,8 @@ import torch
 from conftest import REPO, run_interrupted
 from conftest import mount_tmpfs as _mount_tmpfs
 from mpt import config as C
-from mpt import engine
+from mpt import cli, engine
+from mpt.record import RunRecord
 from mpt.errors import UserError, one_line
 from mpt.rundir import RunDirBusy, RunLock, atomic_torch_save
 from mpt.signals import STOP_SIGNALS
@@ -146,7 +147,7 @@ def test_kill_between_final_checkpoint_and_summary_logs_one_final_eval(tmp_path,
         raise _Killed(status)
 
     monkeypatch.setattr(engine.Run, "finish", finish)
-    monkeypatch.setattr(engine, "_record_failure", lambda *a, **k: None)
+    monkeypatch.setattr(RunRecord, "record_failure", lambda *a, **k: None)
     with pytest.raises(_Killed, match="completed"):
         engine.run(config(tmp_path), ToyGan())
     monkeypatch.undo()
@@ -173,7 +174,7 @@ def _check_stopped_then_resumed(d, out, sig, reference):
 
 
 def test_sigterm_from_another_process_checkpoints_exits_143_and_resumes(tmp_path, reference):
-    """A real `kill` of a real command (tests/toy_cli.py runs mpt.engine.cli_run, as experiments do)."""
+    """A real `kill` of a real command (tests/toy_cli.py runs mpt.cli.cli_run, as experiments do)."""
     out = tmp_path / "sig"
     d = out / "toy_gan" / reference[0]["run_name"]
     p = subprocess.Popen([sys.executable, str(REPO / "tests" / "toy_cli.py"), str(out), "12", "0.3"],
@@ -208,7 +209,7 @@ def test_ctrl_c_checkpoints_exits_130_and_resumes(tmp_path, reference):
     old = {s: signal.getsignal(s) for s in STOP_SIGNALS}
     try:
         with pytest.raises(SystemExit) as e:
-            engine.cli_run(lambda: engine.run(config(tmp_path), CtrlC()))
+            cli.cli_run(lambda: engine.run(config(tmp_path), CtrlC()))
     finally:
         for s, h in old.items():
             signal.signal(s, h)

@@ -33,7 +33,7 @@ def digits(tmp_path_factory) -> Path:
 
 
 def _top1(root, out_dir, model, precision, seed=0) -> dict:
-    from mpt.engine import main
+    from mpt.cli import main
 
     s = main("ilsvrc_cnns", tiny_overrides(root, out_dir, f"model={model}", f"precision={precision}",
                                            f"seed={seed}"))

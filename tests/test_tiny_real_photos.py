@@ -74,7 +74,7 @@ def photos(tmp_path_factory) -> Path:
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "mixed"])
 def test_tiny_resnet_learns_real_photos(photos, tmp_path, precision):
-    from mpt.engine import main
+    from mpt.cli import main
 
     s = main("ilsvrc_cnns", tiny_overrides(photos, tmp_path, "model=resnet50_preact", f"precision={precision}",
                                            "seed=0"))

@@ -157,7 +157,7 @@ def test_buckets_collate_and_order(tiny_wmt):
 @pytest.fixture(scope="module")
 def tiny_runs(tiny_wmt, tmp_path_factory):
     """Two steps per precision (FP16 on a CPU is slow), two FP32 seeds for Figure 4's band."""
-    from mpt.engine import main
+    from mpt.cli import main
 
     out = tmp_path_factory.mktemp("wmt_runs")
     summaries, args = {}, {}
@@ -264,7 +264,7 @@ def test_figure4_tiny_regenerated(tiny_runs):
 def test_trained_bleu_far_above_untrained(tiny_wmt, tmp_path):
     """The tiny profile's model learns the synthetic pair: BLEU after training far above the
     untrained model's (which emits near-random words). Minutes on 2 cores: slow tier."""
-    from mpt.engine import main
+    from mpt.cli import main
 
     untrained = main("wmt_translation", tiny_overrides(tiny_wmt, tmp_path, "train.max_steps=1", "optim.lr=0.0",
                                                        "task.bleu_max_sentences=40"))
@@ -308,7 +308,7 @@ def test_plateau_decay_follows_translate_py_and_resumes_exactly():
 def test_plateau_decay_runs_in_the_engine(tiny_wmt, tmp_path):
     """Through the engine, window = 1 step: the checkpointed decay state equals translate.py's rule
     applied to the logged training losses."""
-    from mpt.engine import main
+    from mpt.cli import main
 
     args = tiny_overrides(tiny_wmt, tmp_path, "width=0.03125", "train.max_steps=6", "train.log_every=1",
                           "train.batch_size=16", "task.bleu=false", "task.plateau_decay=0.5", "task.plateau_window=1")

@@ -109,7 +109,7 @@ def test_real_pair_tiny_run_learns(tmp_path):
     names and identifiers), and the perplexity far below the untrained one."""
     import sacrebleu
 
-    from mpt.engine import main
+    from mpt.cli import main
     from slurm.grid import load
 
     installed_pairs()

@@ -1,4 +1,4 @@
-"""The toy GAN run as a command (mpt.engine.cli_run: the stop signals, the exit status), slowed
+"""The toy GAN run as a command (mpt.cli.cli_run: the stop signals, the exit status), slowed
 down so that a test can signal it mid-run (tests/test_reliability.py).
 
     python tests/toy_cli.py OUT_DIR MAX_STEPS SECONDS_PER_STEP
@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from mpt import engine  # noqa: E402
+from mpt import cli, engine  # noqa: E402
 from toy_gan import ToyGan, config  # noqa: E402
 
 
@@ -28,4 +28,4 @@ class SlowToyGan(ToyGan):
 
 torch.set_num_threads(1)
 out, steps, pause = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
-engine.cli_run(lambda: engine.run(config(out, train={"max_steps": steps}), SlowToyGan(pause)))
+cli.cli_run(lambda: engine.run(config(out, train={"max_steps": steps}), SlowToyGan(pause)))

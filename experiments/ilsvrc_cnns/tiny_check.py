@@ -4,7 +4,7 @@
         [--seeds 0 1 2] [--models alexnet vgg16 ...] [--precisions fp32 fp16 mixed] \\
         [--out /tmp/tiny_check] [--threads N] [key=value ...]
 
-Each cell is one ordinary run (mpt.engine.main("ilsvrc_cnns", ["profile=tiny", ...])) writing its
+Each cell is one ordinary run (mpt.cli.main("ilsvrc_cnns", ["profile=tiny", ...])) writing its
 run directory under --out; a completed cell is reused, not retrained. Extra key=value overrides go
 to every run (for trying a recipe change before writing it into config.yaml). Prints, per dataset, top-1
 mean +- std (n) per model x precision, the runs that did not complete, and the mean wall time per run.
@@ -28,7 +28,7 @@ PRECISIONS = ["fp32", "fp16", "mixed"]
 def run_cell(data: Path, model: str, precision: str, seed: int, out: Path, extra=()) -> dict:
     """One tiny-profile run through the normal entry point; returns its summary.json content
     (status, metrics.top1, wall_time_s, skipped_steps, ...)."""
-    from mpt.engine import main
+    from mpt.cli import main
     from mpt.errors import UserError
 
     overrides = ["profile=tiny", f"model={model}", f"precision={precision}", f"seed={seed}",

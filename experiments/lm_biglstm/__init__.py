@@ -4,6 +4,6 @@ from experiments.lm_biglstm.task import Task, TaskCfg  # noqa: F401
 
 
 def main(overrides: list[str]) -> dict:
-    from mpt.engine import main as _main
+    from mpt.cli import main as _main
 
     return _main("lm_biglstm", overrides)

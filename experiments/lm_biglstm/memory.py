@@ -39,7 +39,7 @@ from mpt.config import Config, OptimCfg
 from mpt.errors import cli
 from mpt.memory import SavedTensorBytes
 from mpt.optim import build_optimizer
-from mpt.step import loss_step
+from mpt.step import Observer, TrainStep, loss_body
 
 RECIPES = [("fp32", "autocast", "auto"), ("mixed", "paper", "128"), ("mixed", "autocast", "128"),
            ("fp16", "paper", "auto"), ("bf16", "autocast", "auto")]
@@ -100,16 +100,19 @@ def measure(prec: str, impl: str, scale: str, shape) -> dict:
                 "master": _bytes(masters) / n, "master_grads": _bytes(m.grad for m in masters) / n,
                 "optimizer": _bytes(state) / n}
 
-    def step():  # the state after the update, before zero_grad frees the gradients
-        recipe.step(opt)
-        parts = {"softmax": part("softmax"), "rest": part("rest")}
-        total = {k: sum(parts[g][k] * parts[g]["params"] for g in parts) / n_params
-                 for k in ("weights", "grads", "master", "master_grads", "optimizer")}
-        return {"params": n_params, **total, "parts": parts,
-                "grad_dtype_bytes": next(p.grad for p in params if p.grad is not None).element_size()}
+    class State(Observer):  # the state after the update, before zero_grad frees the gradients
+        def after_update(self, step, name, opt, applied):
+            parts = {"softmax": part("softmax"), "rest": part("rest")}
+            total = {k: sum(parts[g][k] * parts[g]["params"] for g in parts) / n_params
+                     for k in ("weights", "grads", "master", "master_grads", "optimizer")}
+            self.out = {"params": n_params, **total, "parts": parts,
+                        "grad_dtype_bytes": next(p.grad for p in params if p.grad is not None).element_size()}
 
-    meter = SavedTensorBytes(model)
-    _, _, out = loss_step(recipe, loss, [(x, y, mask)], step, meter=meter)  # the engine's step order
+    state, meter = State(), SavedTensorBytes(model)
+    # The engine's iteration (mpt.step.TrainStep): forward, backward, update, scale update, zero_grad.
+    TrainStep(loss_body(lambda m, batch: loss(batch)), model, {"main": opt}, recipe, device=x.device,
+              observers=(state,))([(x, y, mask)], meter=meter)
+    out = state.out
     return {**out, "activations": meter.bytes}
 
 

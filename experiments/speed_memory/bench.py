@@ -33,7 +33,7 @@ import models
 from mpt import config
 from mpt import precision as recipes
 from mpt.optim import build_optimizer
-from mpt.step import loss_step
+from mpt.step import Observer, TrainStep, loss_body
 from mpt.errors import UserError
 from mpt.memory import ActivationMeter
 from mpt.rundir import env_info
@@ -377,6 +377,17 @@ def measure(model_name: str, precision: str, impl: str | None, o: dict, device: 
     return row
 
 
+class _StateProbe(Observer):
+    """The bytes of weights, gradients and optimizer state between the optimizer step and zero_grad,
+    when `on`."""
+
+    def __init__(self, net, recipe):
+        self.net, self.recipe, self.on, self.state = net, recipe, False, None
+
+    def after_update(self, step, name, opt, applied):
+        self.state = state_bytes(self.net, self.recipe, opt) if self.on else None
+
+
 def _measure(wl: Workload, model_name, precision, impl, size, o, device) -> dict:
     cfg = config_for(wl, model_name, precision, impl, o, device)
     # The engine's settings (mpt/engine.py setup): TF32 only where asked; cudnn.benchmark picks the
@@ -393,32 +404,33 @@ def _measure(wl: Workload, model_name, precision, impl, size, o, device) -> dict
     net = recipe.prepare(net, [opt])
     half_math = recipe.half_math  # what computed the FP16/BF16 dot products (emulated | native | device | none)
     batch = wl.make_batch(o["batch"], size, device, o["channels_last"], torch.Generator().manual_seed(0))
+    run = torch.compile(net) if o["compile"] else net
+    probe = _StateProbe(net, recipe)
+    # The engine's iteration (mpt.step.TrainStep) on the timed model, and on the eager one for memory
+    # (torch.compile saves other tensors): one optimizer, no schedule, no clipping.
+    kw = dict(device=device, channels_last=o["channels_last"], measure_first=False)
+    timed = TrainStep(loss_body(task.loss), net, {"main": opt}, recipe, ddp=run, **kw)
+    eager = TrainStep(loss_body(task.loss), net, {"main": opt}, recipe, observers=(probe,), **kw)
     items = 0
 
-    def train_step(m, meter: ActivationMeter | None = None) -> tuple[bool, dict | None]:
-        """The engine's step (mpt.step.loss_step, one micro-batch). With a meter: activation memory
-        as the engine measures it, and the bytes of weights, gradients and optimizer state between
-        the optimizer step and zero_grad."""
+    def train_step(step: TrainStep, meter: ActivationMeter | None = None) -> tuple[bool, dict | None]:
+        """One iteration. With a meter: activation memory as the engine measures it, and the bytes of
+        weights, gradients and optimizer state between the optimizer step and zero_grad."""
         nonlocal items
-
-        def step():
-            applied = recipe.step(opt)
-            return applied, (state_bytes(net, recipe, opt) if meter is not None else None)
-
-        _, items, out = loss_step(recipe, lambda b: task.loss(m, b), [batch], step, meter=meter)
-        return out
+        probe.on = meter is not None
+        _, items = step([batch], meter=meter)
+        return step.applied["main"], probe.state
 
     out = dict(step_ms=None, throughput=None, peak_gpu_mem_bytes=None, peak_gpu_reserved_bytes=None,
                gpu_busy_fraction=None, matmul_conv_kernel_fraction=None)
-    run = torch.compile(net) if o["compile"] else net
     for _ in range(o["warmup"]):  # cudnn.benchmark's search, torch.compile, allocator, loss-scale back-off
-        train_step(run)
+        train_step(timed)
     skipped0 = recipe.skipped_steps
     if o["steps"] > 0:
         if device.type == "cuda":
             sync(device)
             torch.cuda.reset_peak_memory_stats(device)
-        times, wall = time_steps(lambda: train_step(run), o["steps"], device)
+        times, wall = time_steps(lambda: train_step(timed), o["steps"], device)
         out["step_ms"] = step_stats(times)
         out["throughput"] = items * o["steps"] / wall
         if device.type == "cuda":
@@ -428,7 +440,7 @@ def _measure(wl: Workload, model_name, precision, impl, size, o, device) -> dict
     out["skipped_steps_timed"] = recipe.skipped_steps - skipped0
     if device.type == "cuda" and o["kernels"] and o["steps"] > 0:
         try:
-            out.update(kernel_profile(lambda: train_step(run), 3, device))
+            out.update(kernel_profile(lambda: train_step(timed), 3, device))
         except Exception as e:  # noqa: BLE001 -- a profiler failure (e.g. no CUPTI) loses only this diagnosis
             out["note"] = f"kernel profile failed: {type(e).__name__}: {str(e)[:200]}"
 
@@ -436,12 +448,12 @@ def _measure(wl: Workload, model_name, precision, impl, size, o, device) -> dict
     # an update is applied, since optimizer state only exists after one (the dynamic loss scale
     # starts at 2^16 and may skip the first steps, section 3.2).
     meter = ActivationMeter(net)
-    applied, state = train_step(net, meter)
+    applied, state = train_step(eager, meter)
     out.update(meter.breakdown())
     for _ in range(50):
         if applied:
             break
-        applied, state = train_step(net, ActivationMeter(net))
+        applied, state = train_step(eager, ActivationMeter(net))
     out.update(state)
     if not applied:
         out["optimizer_state_bytes"] = None

@@ -110,7 +110,7 @@ def measure(model: str, precision: str, *, width: float, batch: int, size: int |
         for r in range(rounds):  # rotate the order so drift in machine load hits every loop alike
             for fn in loops[r % 3:] + loops[:r % 3]:
                 times[fn].append(block(fn))
-        run.wandb.finish(0)
+        run.record.wandb.finish(0)
         del run
         sync(dev)
     hand, eng, ctl = times[hand_step], times[engine_step], times[control_step]

@@ -1,4 +1,4 @@
-from mpt.engine import cli_main
+from mpt.cli import cli_main
 
 if __name__ == "__main__":
     cli_main("wmt_translation")

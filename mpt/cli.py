@@ -1,0 +1,69 @@
+"""The command line of every experiment: `python -m experiments.<name> [--print-config] key=value ...`.
+
+Stop signals (SIGTERM, SIGINT, SIGUSR1) checkpoint at the next step and stop; starting the same command
+again resumes. User errors are one line (exit 2); the exit status says how the run ended (exit_code).
+"""
+from __future__ import annotations
+
+import signal
+import sys
+
+from mpt import config
+from mpt.engine import run
+from mpt.errors import cli
+from mpt.rundir import FINAL
+from mpt.signals import STOP, install_stop_handlers
+
+
+def main(experiment: str, overrides: list[str]) -> dict:
+    cfg = config.resolve(experiment, overrides)
+    mod = config.experiment_module(experiment)
+    return run(cfg, mod.Task())
+
+
+def exit_code(summary: dict) -> int:
+    """A command's exit status for a run's summary: 0 for a result (completed or diverged), 1 for a
+    failure, 128 + the signal for a run a signal stopped (130 Ctrl-C, 143 SIGTERM), as a shell
+    reports a process killed by it -- so a scheduler or script sees that the run is not done."""
+    status = summary.get("status")
+    if status in FINAL:
+        return 0
+    if status == "interrupted":
+        return 128 + (STOP.signum or signal.SIGTERM)
+    return 1
+
+
+def cli_main(experiment: str, argv: list[str] | None = None) -> None:
+    """`python -m experiments.<name> key=value ...`"""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("-h", "--help"):
+        print(f"usage: python -m experiments.{experiment} [--print-config] [key=value ...]\n"
+              f"e.g.   python -m experiments.{experiment} profile=tiny precision=mixed\n"
+              f"keys:  see mpt/config.py and experiments/{experiment}/config.yaml\n"
+              f"--print-config: print the resolved config and its run directory; run nothing\n"
+              f"SIGTERM, SIGINT (Ctrl-C) and SIGUSR1 checkpoint at the next step and stop (exit 128 + signal); "
+              f"starting the same command again resumes")
+        return
+    if argv and argv[0] == "--print-config":
+        # What a grid cell will do, before it does it (the same resolution as a run).
+        cfg = cli(config.resolve)(experiment, argv[1:])
+        print(config.dump_yaml(cfg), end="")
+        print(f"# run directory: {config.run_dir(cfg)}")
+        return
+    cli_run(lambda: main(experiment, argv), where=lambda: config.run_dir(config.resolve(experiment, argv)))
+
+
+def cli_run(start, where=None) -> None:
+    """Run `start()` (-> a run's summary) as a command: stop signals checkpoint instead of losing work,
+    user errors are one line, and the exit status says how the run ended (exit_code)."""
+    install_stop_handlers()
+    try:
+        s = cli(start)()
+    except KeyboardInterrupt:
+        print("aborted (second Ctrl-C): the run resumes from its last checkpoint", file=sys.stderr)
+        raise SystemExit(130) from None
+    print(f"{s['status']}: {s['run_name']} {s['metrics']}" + (f" ({s['error']})" if s.get("error") else "")
+          + (f" -> {where()}" if where is not None else ""))
+    code = exit_code(s)
+    if code:
+        raise SystemExit(code)
