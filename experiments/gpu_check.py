@@ -27,7 +27,7 @@ a SIGINT/SIGTERM, even a SIGKILL of the whole call keeps what was finished. Prin
 Exit status 1 if any part failed, 2 on bad command-line input, 130 when interrupted.
 Imports nothing beyond torch, torchvision, numpy and yaml (a GPU image may lack wandb, submitit, soundfile).
 Every measurement is the repository's own code: the speed/memory benchmark's step
-(experiments/speed_memory/bench.py, i.e. mpt.step.loss_step) and the engine's run/resume/DDP paths.
+(experiments/speed_memory/bench.py, i.e. mpt.step.TrainStep) and the engine's run/resume/DDP paths.
 """
 from __future__ import annotations
 

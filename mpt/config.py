@@ -164,10 +164,6 @@ class Config:
 # setting values with type checks
 
 
-def _is_dc(t) -> bool:
-    return isinstance(t, type) and dataclasses.is_dataclass(t)
-
-
 def _coerce(value, tp, key: str, what: str = "config key"):
     origin = typing.get_origin(tp)
     if tp is Any:
@@ -363,6 +359,8 @@ def resolve(experiment: str, overrides: list[str] | tuple = ()) -> Config:
         set_key(cfg, k, v, where="command line")
     cfg.loss_scale = canonical_loss_scale(cfg.loss_scale, cfg.precision)
     task_cls = getattr(mod, "Task", None)
+    if task_cls is not None:
+        task_cls.check(cfg)  # the task's own keys, before any run directory or data is touched
     root = getattr(cfg.task, "data_root", None)
     if root:
         check_path_length("task.data_root", root, pathlib.Path(root) / "prepared.json")
@@ -543,6 +541,10 @@ def validate(cfg: Config) -> None:
     if n.hist_lo > n.hist_hi:
         raise UserError(f"numerics.hist_lo={n.hist_lo} must be <= numerics.hist_hi={n.hist_hi} "
                         f"(exponents of the first and last histogram bins)")
+    t = cfg.train
+    if t.batch_size % t.accum_steps:  # the world size divides it too: checked when the ranks are known
+        raise UserError(f"train.batch_size={t.batch_size} must divide by train.accum_steps={t.accum_steps} "
+                        f"(each micro-batch the same size)")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ TARGET is one of:
   experiment:NAME    one of this repository's experiments, with --profile and key=value overrides as a run
                      takes them (its data must be prepared).
 
-What it does, through the one recipe and step code every run uses (mpt.precision, mpt.step.loss_step):
+What it does, through the one recipe and step code every run uses (mpt.precision, mpt.step.TrainStep):
   1. trains a copy of the model for --steps steps in FP32 with every measurement on (mpt.numerics:
      gradient exponent histograms per layer, section 3.1's swamping, ValueRanges for the forward pass;
      mpt.memory.ActivationMeter for the bytes saved for backward);

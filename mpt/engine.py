@@ -62,7 +62,7 @@ class LogWindow:
         self.open()
 
     def open(self) -> None:
-        self.sums, self.items, self.t0 = {}, 0, time.time()
+        self.sums, self.items, self.t0 = {}, 0, time.monotonic()
         self.finite = torch.zeros((), dtype=torch.int64, device=self.device)
 
     def add(self, logs: dict, items: int, step: int) -> None:
@@ -110,7 +110,9 @@ class Run:
         self.numerics = None  # mpt.numerics.NumericsObserver when numerics.every > 0
         self.window: LogWindow | None = None
         self.wall = 0.0  # training seconds of earlier invocations (from the checkpoint)
-        self.t_start = self.last_ckpt = time.time()
+        # Intervals (training time, timed checkpoints, throughput) on the monotonic clock: a wall clock
+        # stepped back by NTP would give a negative time and stop timed checkpoints until it caught up.
+        self.t_start = self.last_ckpt = time.monotonic()
 
     @property
     def step(self) -> int:
@@ -317,12 +319,12 @@ class Run:
 
     def save(self) -> None:
         """A checkpoint (every rank takes part: the rank states are gathered on rank 0)."""
-        self.record.save({**self.train.state_dict(), "wall": self.wall + (time.time() - self.t_start)},
+        self.record.save({**self.train.state_dict(), "wall": self.wall + (time.monotonic() - self.t_start)},
                          # What differs between ranks and must survive a restart: the random streams
                          # (dropout, sampled negatives) and the task's state (the bigLSTM's recurrent
                          # state of this rank's streams).
                          {"rng": rng_state(self.device), "task": self.task.state_dict()})
-        self.last_ckpt = time.time()
+        self.last_ckpt = time.monotonic()
 
     def release(self) -> None:
         from mpt.torch_private import shutdown_loader_workers
@@ -375,7 +377,7 @@ class Run:
 
     def ckpt_due_by_time(self) -> bool:
         m = self.cfg.train.ckpt_every_minutes
-        return m > 0 and time.time() - self.last_ckpt > 60 * m
+        return m > 0 and time.monotonic() - self.last_ckpt > 60 * m
 
     def epoch(self) -> float:
         return self.step / self.data.steps_per_epoch
@@ -383,7 +385,7 @@ class Run:
     def loop(self) -> dict:
         t, rec = self.cfg.train, self.record
         self.train.model.train()
-        self.t_start = self.last_ckpt = time.time()
+        self.t_start = self.last_ckpt = time.monotonic()
         bar = None
         if self.main and t.progress:
             from tqdm import tqdm
@@ -407,13 +409,13 @@ class Run:
                                                                  self.world)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
-                dt = time.time() - win.t0
+                dt = time.monotonic() - win.t0
                 throughput = win.items * self.world / dt if dt > 0 else None
                 recipe, opts = self.train.recipe, self.train.optimizers
                 line = {"kind": "train", "step": self.step, "epoch": self.epoch(), **means,
                         "lr": next(iter(opts.values())).param_groups[0]["lr"], "loss_scale": recipe.loss_scale,
                         "skipped_steps": recipe.skipped_steps, "throughput": throughput,
-                        "time": self.wall + time.time() - self.t_start}
+                        "time": self.wall + time.monotonic() - self.t_start}
                 if len(opts) > 1:
                     for k, o in opts.items():
                         line[f"lr/{k}"], line[f"skipped/{k}"] = o.param_groups[0]["lr"], self.train.skipped[k]
@@ -465,7 +467,7 @@ class Run:
 
     def finish(self, status: str, metrics: dict, throughput, error: str | None = None) -> dict:
         peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
-        wall = self.wall + time.time() - self.t_start
+        wall = self.wall + time.monotonic() - self.t_start
         rec = self.record
         s = rec.write_summary(self.progress(), status=status, metrics=metrics, throughput=throughput,
                               peak_gpu_mem_bytes=peak, wall_time_s=wall, error=error)

@@ -5,6 +5,9 @@ but `datasets` and `build_model` has a default, so a subclass writes only what i
 in. Which hook wins is never a question: there is one of each, and a default calls the others.
 
 Lifecycle, in the engine's order (Run.setup), on every rank:
+  0. check(cfg)                              when the config is resolved (mpt.config.resolve), before
+                                             any run directory exists: --print-config and a grid's
+                                             --dry-run refuse a bad task key in one line.
   1. datasets(cfg) -> (train, val)           under torch.manual_seed(cfg.seed). Data-derived facts the
                                              later hooks need (a vocabulary, a class count) are kept on
                                              the task here, never written into cfg.
@@ -47,7 +50,7 @@ class Task:
     # module that writes it), e.g. ("celeba", "celeba"); None: not checked (a task without prepared data).
     prepared_data: tuple[str, str] | None = None
 
-    HOOKS = ("datasets", "build_model", "optimizers", "param_groups", "schedules", "train_step", "loss", "evaluate",
+    HOOKS = ("check", "datasets", "build_model", "optimizers", "param_groups", "schedules", "train_step", "loss", "evaluate",
              "eval_sums", "eval_metrics", "collate", "train_order", "state_dict", "load_state_dict",
              "expected_data")
 
@@ -60,6 +63,13 @@ class Task:
             if close:
                 raise TypeError(f"{cls.__qualname__}.{name} looks like a misspelt Task hook {close[0]!r}: "
                                 f"rename it (the engine calls {close[0]})")
+
+    # -- 0: the config ---------------------------------------------------------------------------------
+    @classmethod
+    def check(cls, cfg) -> None:
+        """Refuse a config this task cannot run, with a UserError naming the key and the fix. Only what
+        the config alone decides (a choice out of a list, a range); what depends on the data (a class
+        count, a vocabulary) is checked where the data is read. Default: nothing to check."""
 
     # -- 1, 2: data and model (required) ----------------------------------------------------------
     def datasets(self, cfg) -> tuple[Any, Any]:
@@ -90,7 +100,7 @@ class Task:
     def train_step(self, ctx, micro_batches: list) -> tuple[dict, Any]:
         """One iteration -> (logs: name -> device tensor, holding "loss"; items). Default: forward
         each micro-batch through self.loss under autocast, backward of loss / k, one optimizer step
-        (mpt.step.forward_backward). A task with several losses or optimizers writes its own body with
+        (mpt.step.TrainStep.forward_backward). A task with several losses or optimizers writes its own body with
         ctx.autocast, ctx.backward, ctx.sync and ctx.step (mpt.step.StepContext)."""
         return ctx.loss_step(self.loss, micro_batches)
 

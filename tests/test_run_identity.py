@@ -175,3 +175,32 @@ def test_env_json_records_the_layout_and_the_fp32_reductions(tiny_imagenet, tmp_
     assert s["status"] == "completed" and env["channels_last"] is True
     assert env["fp16_reduced_precision_reduction"] is False and env["bf16_reduced_precision_reduction"] is False
     assert env["tf32_matmul"] is False
+
+
+def test_a_batch_the_accumulation_does_not_divide_is_refused_before_anything_runs(capsys):
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    r = subprocess.run([sys.executable, "-m", "experiments.ilsvrc_cnns", "--print-config", "profile=tiny",
+                        "train.batch_size=10", "train.accum_steps=3"], cwd=REPO, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
+    assert "train.batch_size=10 must divide by train.accum_steps=3" in r.stderr
+
+
+@pytest.mark.parametrize("experiment, bad, says", [
+    ("voc_detection", "task.ap_rule=foo", "task.ap_rule='foo'; choose one of"),
+    ("voc_detection", "impl=paper", "voc_detection runs impl=autocast only"),
+    ("ilsvrc_cnns", "task.init=xavier", "unknown task.init='xavier'"),
+    ("deepspeech2", "model=english task.pad_to_multiple=0", "task.pad_to_multiple=0 must be >= 1"),
+    ("dcgan", "train.accum_steps=2", "train.accum_steps must be 1"),
+    ("wmt_translation", "task.plateau_decay=1.5", "task.plateau_decay=1.5 must be in (0, 1)"),
+    ("lm_biglstm", "task.emb_grad_scale=0", "task.emb_grad_scale=0.0 must be positive"),
+])
+def test_a_bad_task_key_is_refused_when_the_config_is_resolved(experiment, bad, says):
+    """Task.check runs at resolve time: --print-config (and a grid's --dry-run, which resolves every
+    cell the same way) refuses the cell in one line, before any run directory or data exists."""
+    with pytest.raises(UserError, match=re.escape(says)):
+        C.resolve(experiment, ["profile=tiny", "task.data_root=/nonexistent", *bad.split()])

@@ -57,14 +57,17 @@ class Task(BaseTask):
     def __init__(self):
         self._real = None
 
+    @classmethod
+    def check(cls, cfg):
+        if cfg.train.accum_steps != 1:
+            raise UserError("dcgan alternates D and G updates per batch: train.accum_steps must be 1")
+        if cfg.task.grid < 1 or cfg.task.eval_samples < 2:
+            raise UserError("task.grid must be >= 1 and task.eval_samples >= 2")
+
     def datasets(self, cfg):
         from data_prep.celeba.dataset import CelebA
 
         c = cfg.task
-        if cfg.train.accum_steps != 1:
-            raise UserError("dcgan alternates D and G updates per batch: train.accum_steps must be 1")
-        if c.grid < 1 or c.eval_samples < 2:
-            raise UserError("task.grid must be >= 1 and task.eval_samples >= 2")
         self.cfg = cfg
         train = CelebA(c.data_root, "train", transform(c.image_size), cache=c.cache_images)
         val = CelebA(c.data_root, "valid", transform(c.image_size), cache=c.cache_images)

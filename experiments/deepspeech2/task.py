@@ -120,6 +120,13 @@ class Task(BaseTask):
         """English reads LibriSpeech, Mandarin AISHELL-1 (prepared.json's "dataset", data_prep module)."""
         return ("librispeech", "librispeech") if cfg.model == "english" else ("aishell", "aishell")
 
+    @classmethod
+    def check(cls, cfg):
+        _window(cfg.task)
+        if cfg.task.pad_to_multiple < 1:
+            raise UserError(f"task.pad_to_multiple={cfg.task.pad_to_multiple} must be >= 1 (1: pad to the "
+                            f"longest utterance)")
+
     def __init__(self, chars: str | None = None):
         # The output alphabet: read from the prepared data by datasets(), or given (the speed/memory
         # benchmark builds the model without data: English's alphabet, or ~4.2K Mandarin characters).
@@ -139,8 +146,6 @@ class Task(BaseTask):
                           c.cache_features)
         val = SpeechSet(root, [c.val_set], self.chars, lower, n_fft, hop, cache=c.cache_features)
         self.sortagrad, self.n_train = c.sortagrad, len(train)
-        if c.pad_to_multiple < 1:
-            raise UserError(f"task.pad_to_multiple={c.pad_to_multiple} must be >= 1 (1: pad to the longest utterance)")
         self.pad_to_multiple = c.pad_to_multiple
         return train, val
 

@@ -63,6 +63,14 @@ class Task(BaseTask):
     higher_is_better = True
     data_files = ("classes.json",)  # the class list beside the marker: part of the run identity
 
+    @classmethod
+    def check(cls, cfg):
+        c = cfg.task
+        if c.augment not in ("caffe", "torchvision"):
+            raise UserError(f"unknown task.augment={c.augment!r}; choose one of: caffe, torchvision")
+        if c.init not in ("reference", "kaiming"):
+            raise UserError(f"unknown task.init={c.init!r}; choose one of: reference, kaiming")
+
     def __init__(self, num_classes: int | None = None):
         # Read from the prepared data's class folders by datasets(), or given (the speed/memory
         # benchmark builds the model without data: ILSVRC12's 1,000).
@@ -93,8 +101,6 @@ class Task(BaseTask):
                     torch.nn.init.kaiming_normal_(m.weight, nonlinearity="relu")
                     if m.bias is not None:
                         torch.nn.init.zeros_(m.bias)
-        elif cfg.task.init != "reference":
-            raise UserError(f"unknown task.init={cfg.task.init!r}; choose one of: reference, kaiming")
         if cfg.task.sync_bn and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             if not torch.cuda.is_available():
                 raise UserError("task.sync_bn=true needs GPUs (SyncBatchNorm syncs CUDA tensors only); "

@@ -73,14 +73,17 @@ class Task(BaseTask):
         self._loaded: list | None = None
 
     # -- data and model -----------------------------------------------------------------------------
+    @classmethod
+    def check(cls, cfg):
+        if cfg.task.emb_grad_scale <= 0:
+            raise UserError(f"task.emb_grad_scale={cfg.task.emb_grad_scale} must be positive")
+
     def datasets(self, cfg):
         from data_prep.lm1b.dataset import Prepared, StreamWindows, TokenStream
 
         c, t = cfg.task, cfg.train
         data = Prepared(c.data_root)
         self.vocab_size = len(data.vocab)
-        if t.batch_size % t.accum_steps:
-            raise UserError(f"train.batch_size={t.batch_size} must divide by train.accum_steps={t.accum_steps}")
         # One stream per row of a global batch: S = batch_size for training, batch_size / accum_steps for
         # evaluation (the engine evaluates in micro-batches); see dataset.py for why this continues streams.
         self.streams = {"train": t.batch_size, "eval": t.batch_size // t.accum_steps}
@@ -112,8 +115,6 @@ class Task(BaseTask):
 
     def param_groups(self, model, cfg):
         c = cfg.task
-        if c.emb_grad_scale <= 0:
-            raise UserError(f"task.emb_grad_scale={c.emb_grad_scale} must be positive")
         groups = [
             {"params": [model.embedding.weight],
              "initial_accumulator_value": cfg.optim.initial_accumulator_value / c.emb_grad_scale ** 2},

@@ -109,15 +109,21 @@ class Task(BaseTask):
     channels_last = True  # a CNN on images: NHWC on CUDA (channels_last=auto)
     higher_is_better = True
 
+    @classmethod
+    def check(cls, cfg):
+        c = cfg.task
+        if c.ap_rule not in RULES:
+            raise UserError(f"task.ap_rule={c.ap_rule!r}; choose one of: {', '.join(RULES)}")
+        if c.augment not in AUGMENTS:
+            raise UserError(f"task.augment={c.augment!r}; choose one of: {', '.join(AUGMENTS)}")
+        if cfg.impl != "autocast":
+            # The paper impl casts every floating input of the model to FP16, the ground-truth boxes too.
+            raise UserError("voc_detection runs impl=autocast only (impl=paper would cast the target boxes to FP16)")
+
     def datasets(self, cfg):
         from data_prep.voc.dataset import VOCDetectionSet, read_marker
 
         c = cfg.task
-        if c.ap_rule not in RULES:
-            raise UserError(f"task.ap_rule={c.ap_rule!r}; choose one of: {', '.join(RULES)}")
-        if cfg.impl != "autocast":
-            # The paper impl casts every floating input of the model to FP16, the ground-truth boxes too.
-            raise UserError("voc_detection runs impl=autocast only (impl=paper would cast the target boxes to FP16)")
         classes = read_marker(c.data_root)["classes"]
         self.num_classes = len(classes) + 1  # + background; kept here, never in the config
         self.cfg = cfg

@@ -86,15 +86,22 @@ class Task(BaseTask):
     primary_metric = "perplexity"
     higher_is_better = False
 
+    @classmethod
+    def check(cls, cfg):
+        c = cfg.task
+        b = [tuple(x) for x in c.buckets]
+        if not b or any(len(x) != 2 or min(x) < 1 for x in b) or b != sorted(b):
+            raise UserError(f"task.buckets={c.buckets} must be increasing [source, target] length pairs >= 1")
+        if c.plateau_decay > 0 and (not 0 < c.plateau_decay < 1 or c.plateau_window < 1):
+            raise UserError(f"task.plateau_decay={c.plateau_decay} must be in (0, 1) (0: off) and "
+                            f"task.plateau_window={c.plateau_window} >= 1")
+
     # -- data and model -----------------------------------------------------------------------------
     def datasets(self, cfg):
         from data_prep.wmt15.dataset import Prepared
 
         c = cfg.task
-        b = [tuple(x) for x in c.buckets]
-        if not b or any(len(x) != 2 or min(x) < 1 for x in b) or b != sorted(b):
-            raise UserError(f"task.buckets={c.buckets} must be increasing [source, target] length pairs >= 1")
-        self.buckets = np.array(b)
+        self.buckets = np.array([tuple(x) for x in c.buckets])
         self.data = Prepared(c.data_root)
         sp = self.data.special
         self.pad, self.bos, self.eos = sp["pad"], sp["bos"], sp["eos"]
@@ -166,9 +173,6 @@ class Task(BaseTask):
         if self.cfg.plateau_decay <= 0:
             self._plateau = None
             return super().schedules(optimizers, cfg, steps_per_epoch, total_epochs)
-        if not 0 < self.cfg.plateau_decay < 1 or self.cfg.plateau_window < 1:
-            raise UserError(f"task.plateau_decay={self.cfg.plateau_decay} must be in (0, 1) (0: off) and "
-                            f"task.plateau_window={self.cfg.plateau_window} >= 1")
         (name, opt), = optimizers.items()
         self._plateau = PlateauLR(opt, update_factor(cfg.sched, steps_per_epoch, total_epochs),
                                   self.cfg.plateau_decay, self.cfg.plateau_window)
