@@ -701,7 +701,7 @@ def figure(rep: dict) -> bytes:
     """Exponent histograms with FP16's bands: forward activations, activation and weight gradients."""
     from matplotlib.figure import Figure
 
-    from paper_tables.figures import draw_hist, render
+    from mpt.plots import draw_hist, render
 
     lo = rep["hist_lo"]
     panels = [("forward activations (FP32)", rep["forward_hist"], "tab:gray", ())]
