@@ -1,4 +1,4 @@
-"""mpt.doctor (issue 30): on models whose FP16 answer is known (mpt/doctor_examples.py) the report says it, the
+"""mpt.doctor: on models whose FP16 answer is known (mpt/doctor/examples.py) the report says it, the
 static loss scale it advises trains the underflowing toy through the engine without a skipped step while S = 1
 does not learn, and bad input is a one-line error."""
 import json
@@ -10,8 +10,13 @@ import pytest
 import torch
 
 from conftest import REPO
-from mpt import doctor, engine
-from mpt import doctor_examples as ex
+from mpt import engine
+from mpt.doctor import examples as ex
+from mpt.doctor import verdict
+from mpt.doctor.__main__ import main
+from mpt.doctor.examination import examine
+from mpt.doctor.report import write
+from mpt.doctor.targets import load
 from mpt.errors import UserError, cli
 from mpt.numerics import ValueRanges
 from toy_mlp import config
@@ -20,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _examine(name, steps=20):
-    return doctor.examine(doctor.load(f"mpt.doctor_examples:{name}"), steps=steps)
+    return examine(load(f"mpt.doctor.examples:{name}"), steps=steps)
 
 
 def test_value_ranges_band_forward_values_by_what_fp16_stores():
@@ -41,7 +46,7 @@ def test_value_ranges_band_forward_values_by_what_fp16_stores():
 @pytest.mark.heavy
 def test_overflow_toy_is_flagged_and_bf16_advised(tmp_path):
     rep = _examine("overflow")
-    doctor.write(rep, tmp_path)  # its NaN losses as strict JSON
+    write(rep, tmp_path)  # its NaN losses as strict JSON
     saved = json.loads((tmp_path / "report.json").read_text(), parse_constant=lambda c: pytest.fail(c))
     assert "nan" in saved["runs"]["fp16"]["losses"]
     fw = rep["forward"]
@@ -109,12 +114,12 @@ def test_underflow_toy_advised_static_scale_trains_without_skips_where_s1_does_n
 
 @pytest.mark.heavy
 def test_task_class_target_and_written_report(tmp_path, capsys):
-    rep = doctor.main(["mpt.doctor_examples:UnderflowTask", "--steps", "6", "--out", str(tmp_path)])
+    rep = main(["mpt.doctor.examples:UnderflowTask", "--steps", "6", "--out", str(tmp_path)])
     printed = capsys.readouterr().out
     assert "Verdict: precision=mixed" in printed and "optimizer: the task's own optimizers()" in printed
     saved = json.loads((tmp_path / "report.json").read_text())
     assert saved["verdict"] == json.loads(json.dumps(rep["verdict"]))
-    assert (tmp_path / "report.md").read_text().startswith("# Precision report: mpt.doctor_examples:UnderflowTask")
+    assert (tmp_path / "report.md").read_text().startswith("# Precision report: mpt.doctor.examples:UnderflowTask")
     assert (tmp_path / "histograms.png").read_bytes()[:4] == b"\x89PNG"
     assert not list(tmp_path.glob(".*.tmp"))  # written atomically: no temp files left
 
@@ -141,7 +146,7 @@ def _bad_module(tmp_path, monkeypatch, body):
 def test_bad_input_is_one_line_naming_the_fix(tmp_path, monkeypatch, capsys, target, body, msg):
     _bad_module(tmp_path, monkeypatch, body)
     with pytest.raises(SystemExit) as e:
-        cli(doctor.main)([target, "--steps", "1", "--out", str(tmp_path / "out")])
+        cli(main)([target, "--steps", "1", "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("error: "), err
     import re
@@ -152,7 +157,7 @@ def test_bad_input_is_one_line_naming_the_fix(tmp_path, monkeypatch, capsys, tar
 
 def test_overrides_only_for_experiments():
     with pytest.raises(UserError, match="experiment:NAME targets"):
-        doctor.load("mpt.doctor_examples:healthy", ["optim.lr=0.1"])
+        load("mpt.doctor.examples:healthy", ["optim.lr=0.1"])
 
 
 def _readme_section() -> str:
@@ -169,7 +174,7 @@ def test_readme_patient_module_is_the_form_the_doctor_takes(tmp_path, monkeypatc
     (tmp_path / "my_model.py").write_text(code)
     monkeypatch.syspath_prepend(str(tmp_path))
     sys.modules.pop("my_model", None)
-    rep = doctor.examine(doctor.load("my_model:patient"), steps=4)
+    rep = examine(load("my_model:patient"), steps=4)
     assert rep["verdict"]["precision"] in ("fp16", "mixed", "bf16") and rep["runs"]["fp32"]["progress"] == 1.0
 
 
@@ -206,7 +211,7 @@ def _bw(s_low, s_high, hist_exps, max_abs=1.0):
 ])
 def test_no_single_scale_fits_dynamic_when_little_is_lost_else_bf16(exps, want):
     fp = {"nonfinite_losses": 0}
-    v = doctor._verdict([], None, _bw(2.0**20, 2.0**10, exps), fp)
+    v = verdict._verdict([], None, _bw(2.0**20, 2.0**10, exps), fp)
     assert (v["precision"], v["loss_scale"]) == want, v
     assert "no single loss scale fits" in v["why"] and "2^10" in v["why"]
 
@@ -222,7 +227,7 @@ def test_repository_models_at_tiny_scale(tmp_path):
     for name, data, extra in [("ilsvrc_cnns", "imagenet", []), ("lm_biglstm", "lm1b", []),
                               ("voc_detection", "voc", ["model=ssd300_vgg16"])]:
         root = _prepare(data, tmp_path / f"tiny_{data}")
-        reps[name] = doctor.examine(doctor.load(f"experiment:{name}", [f"task.data_root={root}", *extra], "tiny"))
+        reps[name] = examine(load(f"experiment:{name}", [f"task.data_root={root}", *extra], "tiny"))
     weight = {n: r["backward"]["kinds"]["weight"] for n, r in reps.items()}
     flushed = {n: w["overall"]["flushed_s1"] for n, w in weight.items()}
     assert flushed["ilsvrc_cnns"] < 1e-3 < flushed["lm_biglstm"] and 1e-3 < flushed["voc_detection"], flushed
