@@ -20,10 +20,12 @@ WIDE = 16.0  # a static S is advised when the usable range spans at least this f
 
 
 def pct(x: float | None) -> str:
+    """A share as the verdict's reasons and the report print it: two significant digits below 0.1%."""
     return "n/a" if x is None else f"{100 * x:.1f}%" if abs(x) >= 0.001 or x == 0 else f"{100 * x:.2g}%"
 
 
 def pow2(s: float | None) -> str:
+    """A loss scale as 2^k (a power of two, as every S the doctor advises) or as its value."""
     if s is None:
         return "none"
     k = math.log2(s)
