@@ -1,8 +1,9 @@
-"""mpt.doctor (issue 30): on models whose FP16 answer is known (mpt/doctor_examples.py) the report says it, the
+"""mpt.doctor: on models whose FP16 answer is known (mpt/doctor/examples.py) the report says it, the
 static loss scale it advises trains the underflowing toy through the engine without a skipped step while S = 1
 does not learn, and bad input is a one-line error."""
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -10,8 +11,12 @@ import pytest
 import torch
 
 from conftest import REPO
-from mpt import doctor, engine
-from mpt import doctor_examples as ex
+from mpt import engine
+from mpt.doctor import examples as ex
+from mpt.doctor.__main__ import main
+from mpt.doctor.examination import examine
+from mpt.doctor.report import write
+from mpt.doctor.targets import load
 from mpt.errors import UserError, cli
 from mpt.numerics import ValueRanges
 from toy_mlp import config
@@ -20,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _examine(name, steps=20):
-    return doctor.examine(doctor.load(f"mpt.doctor_examples:{name}"), steps=steps)
+    return examine(load(f"mpt.doctor.examples:{name}"), steps=steps)
 
 
 def test_value_ranges_band_forward_values_by_what_fp16_stores():
@@ -41,7 +46,7 @@ def test_value_ranges_band_forward_values_by_what_fp16_stores():
 @pytest.mark.heavy
 def test_overflow_toy_is_flagged_and_bf16_advised(tmp_path):
     rep = _examine("overflow")
-    doctor.write(rep, tmp_path)  # its NaN losses as strict JSON
+    write(rep, tmp_path)  # its NaN losses as strict JSON
     saved = json.loads((tmp_path / "report.json").read_text(), parse_constant=lambda c: pytest.fail(c))
     assert "nan" in saved["runs"]["fp16"]["losses"]
     fw = rep["forward"]
@@ -109,17 +114,17 @@ def test_underflow_toy_advised_static_scale_trains_without_skips_where_s1_does_n
 
 @pytest.mark.heavy
 def test_task_class_target_and_written_report(tmp_path, capsys):
-    rep = doctor.main(["mpt.doctor_examples:UnderflowTask", "--steps", "6", "--out", str(tmp_path)])
+    rep = main(["mpt.doctor.examples:UnderflowTask", "--steps", "6", "--out", str(tmp_path)])
     printed = capsys.readouterr().out
     assert "Verdict: precision=mixed" in printed and "optimizer: the task's own optimizers()" in printed
     saved = json.loads((tmp_path / "report.json").read_text())
     assert saved["verdict"] == json.loads(json.dumps(rep["verdict"]))
-    assert (tmp_path / "report.md").read_text().startswith("# Precision report: mpt.doctor_examples:UnderflowTask")
+    assert (tmp_path / "report.md").read_text().startswith("# Precision report: mpt.doctor.examples:UnderflowTask")
     assert (tmp_path / "histograms.png").read_bytes()[:4] == b"\x89PNG"
     assert not list(tmp_path.glob(".*.tmp"))  # written atomically: no temp files left
 
 
-def _bad_module(tmp_path, monkeypatch, body):
+def _patient_module(tmp_path, monkeypatch, body):
     (tmp_path / "patient_mod.py").write_text(body)
     monkeypatch.syspath_prepend(str(tmp_path))
     sys.modules.pop("patient_mod", None)
@@ -139,20 +144,18 @@ def _bad_module(tmp_path, monkeypatch, body):
     ("nocolon", "", r"write module:function"),
 ])
 def test_bad_input_is_one_line_naming_the_fix(tmp_path, monkeypatch, capsys, target, body, msg):
-    _bad_module(tmp_path, monkeypatch, body)
+    _patient_module(tmp_path, monkeypatch, body)
     with pytest.raises(SystemExit) as e:
-        cli(doctor.main)([target, "--steps", "1", "--out", str(tmp_path / "out")])
+        cli(main)([target, "--steps", "1", "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("error: "), err
-    import re
-
     assert re.search(msg, err), err
     assert not (tmp_path / "out").exists()
 
 
 def test_overrides_only_for_experiments():
     with pytest.raises(UserError, match="experiment:NAME targets"):
-        doctor.load("mpt.doctor_examples:healthy", ["optim.lr=0.1"])
+        load("mpt.doctor.examples:healthy", ["optim.lr=0.1"])
 
 
 def _readme_section() -> str:
@@ -162,14 +165,12 @@ def _readme_section() -> str:
 
 @pytest.mark.heavy
 def test_readme_patient_module_is_the_form_the_doctor_takes(tmp_path, monkeypatch):
-    import re
-
     code = re.search(r"```python\n(.*?)```", _readme_section(), re.S).group(1)
     assert "python -m mpt.doctor my_model:patient" in code
     (tmp_path / "my_model.py").write_text(code)
     monkeypatch.syspath_prepend(str(tmp_path))
     sys.modules.pop("my_model", None)
-    rep = doctor.examine(doctor.load("my_model:patient"), steps=4)
+    rep = examine(load("my_model:patient"), steps=4)
     assert rep["verdict"]["precision"] in ("fp16", "mixed", "bf16") and rep["runs"]["fp32"]["progress"] == 1.0
 
 
@@ -188,27 +189,49 @@ def test_readme_example_runs_from_the_command_line_in_under_a_minute(tmp_path):
     assert len(p.stdout.splitlines()) <= 40  # one screen
 
 
-def _bw(s_low, s_high, hist_exps, max_abs=1.0):
-    """A backward finding whose one gradient kind holds one value at each exponent of hist_exps."""
-    from mpt.numerics import HIST_HI, HIST_LO
+# A linear model over unnormalised features: a share of them 2^40 times smaller than the rest (a unit far too
+# large), so their weights' gradients sit ~2^40 below the others' -- more binades than FP16 holds (2^-24 ..
+# 65504) at any one S.
+WIDE_RANGE = """
+import torch, torch.nn as nn, torch.nn.functional as F
 
-    hist = [0] * (HIST_HI - HIST_LO + 1)
-    for e in hist_exps:
-        hist[e - HIST_LO] += 1
-    kinds = {"weight": {"overall": {"flushed_s1": 0.5}, "hist": hist, "s_min": s_low}}
-    return {"kinds": kinds, "s_low": s_low, "s_high": s_high, "advised": s_high / 2, "tolerance": 1e-3,
-            "first_overflow": {"kind": "weight", "layer": "fc", "max_abs": max_abs, "at_scale": 2 * s_high}}
+def patient():
+    torch.manual_seed(0)
+    n = 1000
+    tiny = round(n * SHARE)
+    unit = torch.full((n,), 16.0)
+    unit[:tiny] *= 2.0**-40
+    batches = []
+    for _ in range(4):
+        x = torch.randn(32, n)
+        batches.append((x * unit, x[:, tiny:tiny + 8].sum(1, keepdim=True)))
+    return (nn.Linear(n, 1), lambda m, b: F.mse_loss(m(b[0]), b[1]), batches,
+            lambda m: torch.optim.SGD(m.parameters(), lr=1e-5))
+"""
 
 
-@pytest.mark.parametrize("exps,want", [
-    ([-10] * 999 + [-40], ("mixed", "dynamic")),  # 0.1% lost at the largest safe S: FP16 + dynamic S
-    ([-10] * 90 + [-40] * 10, ("bf16", "auto")),  # 10% lost even there: BF16
+@pytest.mark.parametrize("share,verdict_line,edge", [
+    (0.005, "Verdict: precision=mixed loss_scale=dynamic", "(<= 1.0%): a dynamic scaler keeps S at that edge"),
+    (0.1, "Verdict: precision=bf16", "(> 1.0%); BF16 keeps them"),
 ])
-def test_no_single_scale_fits_dynamic_when_little_is_lost_else_bf16(exps, want):
-    fp = {"nonfinite_losses": 0}
-    v = doctor._verdict([], None, _bw(2.0**20, 2.0**10, exps), fp)
-    assert (v["precision"], v["loss_scale"]) == want, v
-    assert "no single loss scale fits" in v["why"] and "2^10" in v["why"]
+def test_no_single_scale_fits_dynamic_when_little_is_lost_else_bf16(tmp_path, monkeypatch, capsys, share,
+                                                                     verdict_line, edge):
+    """No loss scale keeps all but 0.1% of these gradients without overflowing the largest: at the largest
+    safe S FP16 still flushes the tiny features' share, and the verdict follows it -- FP16 with a dynamic S
+    when that share is at most 1%, else BF16."""
+    _patient_module(tmp_path, monkeypatch, f"SHARE = {share}\n" + WIDE_RANGE)
+    rep = main(["patient_mod:patient", "--steps", "4", "--no-verify", "--out", str(tmp_path / "out")])
+    printed = capsys.readouterr().out
+    bw = rep["backward"]
+    assert bw["s_low"] is None or bw["s_low"] > bw["s_high"], bw
+    assert verdict_line + "\n" in printed, printed
+    said = " ".join(printed.split())  # the report's lines unfolded
+    edge_s = f"2^{round(math.log2(bw['s_high']))}"
+    assert "because no single loss scale fits" in said and f"overflows above S = {edge_s}," in said, said
+    lost = re.search(r"where FP16 still flushes ([\d.]+)% of a gradient kind's non-zero values", said)
+    assert lost and float(lost.group(1)) / 100 == pytest.approx(share, rel=0.1), said
+    assert edge in said, said
+    assert verdict_line in (tmp_path / "out" / "report.md").read_text()
 
 
 @pytest.mark.slow
@@ -222,7 +245,7 @@ def test_repository_models_at_tiny_scale(tmp_path):
     for name, data, extra in [("ilsvrc_cnns", "imagenet", []), ("lm_biglstm", "lm1b", []),
                               ("voc_detection", "voc", ["model=ssd300_vgg16"])]:
         root = _prepare(data, tmp_path / f"tiny_{data}")
-        reps[name] = doctor.examine(doctor.load(f"experiment:{name}", [f"task.data_root={root}", *extra], "tiny"))
+        reps[name] = examine(load(f"experiment:{name}", [f"task.data_root={root}", *extra], "tiny"))
     weight = {n: r["backward"]["kinds"]["weight"] for n, r in reps.items()}
     flushed = {n: w["overall"]["flushed_s1"] for n, w in weight.items()}
     assert flushed["ilsvrc_cnns"] < 1e-3 < flushed["lm_biglstm"] and 1e-3 < flushed["voc_detection"], flushed

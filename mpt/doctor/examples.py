@@ -1,4 +1,4 @@
-"""Models whose FP16 answer is known, for `python -m mpt.doctor mpt.doctor_examples:<name>` (README, "Check
+"""Models whose FP16 answer is known, for `python -m mpt.doctor mpt.doctor.examples:<name>` (README, "Check
 your own model") and its tests. Each function is the form the doctor takes: it returns (model, loss, batches,
 optimizer), with loss(model, batch) -> mean loss and optimizer(model) -> a torch optimizer.
 
@@ -54,7 +54,7 @@ def healthy():
 
 # The loss is multiplied by 2^-22 and the learning rate by 2^22: SGD's update lr x grad is unchanged (both
 # powers of two, so exactly), FP32 trains as `healthy` does, and only where the gradients sit moves. At 2^-20
-# (the issue's example) the output layer's largest weight gradients stay above 2^-24 and FP16 at S = 1 still
+# the output layer's largest weight gradients stay above 2^-24 and FP16 at S = 1 still
 # gets 44% of FP32's loss reduction in 20 steps (81% in 40); at 2^-22 it gets none.
 UNDERFLOW_SHIFT = 2.0**-22
 

@@ -1,0 +1,37 @@
+"""Can my model train in FP16, and how? `python -m mpt.doctor TARGET` measures it on the user's own model.
+
+TARGET is one of:
+  module:function    function() returns (model, loss, batches) or (model, loss, batches, optimizer), or a
+                     dict with those keys: `loss(model, batch)` gives the mean loss (or (mean loss, items),
+                     as Task.loss), `batches` is a list of batches (tensors, or tuples/dicts of tensors),
+                     `optimizer(model)` builds the optimizer (default: SGD, lr 0.01, momentum 0.9);
+                     mpt/doctor/examples.py has four.
+  module:TaskClass   a subclass of mpt.task.Task (its datasets, model, optimizer and loss under the
+                     default Config); a function returning a Task instance works too.
+  experiment:NAME    one of this repository's experiments, with --profile and key=value overrides as a run
+                     takes them (its data must be prepared).
+
+What it does, through the one recipe and step code every run uses (mpt.precision, mpt.step.TrainStep):
+  1. trains a copy of the model for --steps steps in FP32 with every measurement on (mpt.numerics:
+     gradient exponent histograms per layer, section 3.1's swamping, ValueRanges for the forward pass;
+     mpt.memory.ActivationMeter for the bytes saved for backward);
+  2. replays the same steps from the same weights and random stream in FP16 without loss scaling
+     (precision=fp16, S = 1), watching for the first operation that makes inf/nan (FirstOverflow);
+  3. decides a verdict from the measurements: fp16 as it is, fp16 + a static S (which), fp16 + dynamic S,
+     or bf16 / layers kept in FP32 -- and replays the same steps once more in the recipe it recommends,
+     so the verdict says whether that recipe then trains (skipped steps, progress against FP32).
+It prints a one-screen report and writes report.md, report.json and histograms.png (--out).
+
+"Progress" is how far a replay got, as a share of how far FP32 got: its mean loss over the last quarter of the
+steps against the untrained model's and FP32's on the same batches, (untrained - it) / (untrained - FP32);
+100% = learned as FP32 did, 0 = did not learn.
+
+The package, in the order of an examination:
+  targets.py      TARGET -> a Patient (the model, its loss, batches and optimizer)
+  replay.py       train(): the patient's steps under one precision, measured
+  verdict.py      measurements -> findings, the recipe to use, and whether its replay confirms it
+  examination.py  examine(): the replays and the verdict in order -> the report as a dict (report.json)
+  report.py       the one-screen text, report.md, report.json and histograms.png
+  __main__.py     the command line
+  examples.py     toys whose answers are known (the tests' and the README's patients)
+"""

@@ -1,0 +1,111 @@
+"""One phase of the examination: the patient's steps replayed under one precision, with every measurement
+the verdict reads; and the measure of how far a replay got ("progress", the package docstring)."""
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+
+import torch
+
+from mpt import precision as recipes
+from mpt.config import Config
+from mpt.doctor.targets import STEPS, Patient
+from mpt.errors import UserError
+from mpt.memory import ActivationMeter
+from mpt.numerics import FirstOverflow, Numerics, NumericsObserver, ValueRanges
+from mpt.ranks import to_device
+from mpt.step import TrainStep, loss_body
+
+
+def tail_steps(steps: int) -> range:
+    """The steps whose losses measure where training got: the last quarter (at least one)."""
+    return range(steps - max(1, steps // 4), steps)
+
+
+def untrained_losses(patient: Patient, steps: int, device) -> list[float]:
+    """The initial model's FP32 losses on the batches of the tail steps: the level "no learning" stays at."""
+    model = copy.deepcopy(patient.model).to(device)  # a copy: a forward in train mode moves norm statistics
+    out, loss_fn = [], patient.loss_fn()
+    torch.manual_seed(patient.seed)
+    with torch.no_grad():
+        for i in tail_steps(steps):
+            loss = loss_fn(model, to_device(patient.batches[i % len(patient.batches)], device, False))
+            out.append(float(loss[0] if isinstance(loss, tuple) else loss))
+    return out
+
+
+def progress(losses: list[float], ref: list[float], untrained: list[float]) -> float | None:
+    """How far a run got on the tail steps' batches, as a share of how far FP32 got from the untrained
+    model's losses on the same batches: 1 = as FP32, 0 = not at all (None: non-finite, or FP32 did not learn)."""
+    tail = tail_steps(len(ref))
+    mine = sum(losses[i] for i in tail) / len(tail)
+    theirs = sum(ref[i] for i in tail) / len(tail)
+    start = sum(untrained) / len(untrained)
+    if not math.isfinite(mine) or not start - theirs > 0:
+        return None
+    return (start - mine) / (start - theirs)
+
+
+def _mean_loss(loss_fn, model, batch, where: str):
+    out = loss_fn(model, batch)
+    loss, items = out if isinstance(out, tuple) and len(out) == 2 else (out, 1)
+    if not isinstance(loss, torch.Tensor):
+        raise UserError(f"{where}: loss(model, batch) returned a {type(loss).__name__}; "
+                        f"return the mean loss as a tensor")
+    if loss.numel() != 1:
+        raise UserError(f"{where}: loss(model, batch) returned a tensor of shape {tuple(loss.shape)}; "
+                        f"return the mean loss (a scalar), e.g. F.mse_loss(...) with reduction='mean'")
+    if not loss.requires_grad:
+        raise UserError(f"{where}: the loss does not depend on the model's parameters (no gradient); "
+                        f"compute it from model(batch)")
+    return loss.reshape(()), items
+
+
+# ------------------------------------------------------------------------------------------------
+# train(): one replay, whole. Every phase (FP32 measured, FP16 at S = 1, the recommended recipe) runs
+# through it, so their steps differ only in the recipe: same weights, batches and random stream.
+
+
+def train(patient: Patient, precision: str, loss_scale: str = "auto", steps: int = STEPS,
+          device: torch.device | str = "cpu", numerics: bool = True, half_math: str = "auto",
+          watch: bool = False) -> dict:
+    """Train a copy of the patient's model for `steps` steps under `precision` (mpt.precision.build: the same
+    recipes as every run) and measure: losses, skipped steps, forward value ranges per layer, and with
+    `numerics` the gradient histograms and swamping of every step (mpt.numerics.Numerics, as the engine
+    samples them) and the initial weights' ranges; with `watch`, the first operation whose FP16/BF16 result is
+    inf/nan from finite inputs (mpt.numerics.FirstOverflow). Returns a dict of plain values."""
+    device = torch.device(device)
+    recipe = recipes.build(Config(precision=precision, loss_scale=loss_scale, half_math=half_math), device)
+    model = copy.deepcopy(patient.model).to(device)
+    opt = patient.optimizer(model)
+    model = recipe.prepare(model, [opt])
+    num = NumericsObserver(Numerics(model, every=1 if numerics else 0))
+    forward = ValueRanges()
+    weights = ValueRanges()
+    if numerics:
+        for pname, p in model.named_parameters():
+            weights.add(pname.rpartition(".")[0] or "root", p)
+    meter = ActivationMeter(model)
+    watch = FirstOverflow(model) if watch else None
+    loss_fn = patient.loss_fn()
+    # The engine's iteration (mpt.step.TrainStep), numerics sampled as a run samples them: the true
+    # gradients of every step, then the update's fate (3.1).
+    train_step = TrainStep(loss_body(lambda m, b: _mean_loss(loss_fn, m, b, patient.name)), model, {"main": opt},
+                           recipe, device=device, observers=(num,), measure_first=False)
+    torch.manual_seed(patient.seed)  # the same steps: dropout masks and sampled negatives too
+    losses, samples, skipped = [], [], 0
+    for i in range(steps):
+        with forward.recording(model), (watch.watching(i) if watch else contextlib.nullcontext()):
+            logs, _ = train_step([patient.batches[i % len(patient.batches)]], meter=meter if i == 0 else None)
+        losses.append(float(logs["loss"]))
+        skipped += not train_step.applied["main"]
+        if numerics:
+            samples.append(num.stats)
+    return {"precision": precision, "loss_scale": loss_scale, "final_loss_scale": recipe.loss_scale,
+            "half_math": recipe.half_math, "losses": losses, "skipped": skipped,
+            "nonfinite_losses": sum(not math.isfinite(v) for v in losses), "forward": forward.summary(),
+            "weights": weights.summary(), "numerics": samples, "memory": meter.breakdown(),
+            "first_inf": watch.first if watch else None,
+            "types": {name or "root": type(m).__name__ for name, m in model.named_modules()}}
+

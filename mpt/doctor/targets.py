@@ -1,0 +1,156 @@
+"""The patient: TARGET on the command line (module:function, module:TaskClass, experiment:NAME; the package
+docstring says what each returns) loaded as a model, its loss, its batches and its optimizer."""
+from __future__ import annotations
+
+import copy
+import importlib
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from mpt.config import Config
+from mpt.errors import UserError
+from mpt.task import Task
+
+STEPS = 20  # training steps of every phase; also how many batches a Task's patient draws
+FORM = ("return (model, loss, batches) or (model, loss, batches, optimizer), or a dict with those keys, "
+        "where loss(model, batch) gives the mean loss and optimizer(model) builds the optimizer "
+        "(see mpt/doctor/examples.py)")
+
+
+@dataclass
+class Patient:
+    """The model under examination. Every phase trains its own deep copy of `model` (same weights)."""
+    name: str
+    model: nn.Module
+    loss: Callable  # loss(model, batch) -> mean loss, or (mean loss, items)
+    batches: list
+    optimizer: Callable[[nn.Module], torch.optim.Optimizer]
+    notes: list[str] = field(default_factory=list)
+    seed: int = 0  # every phase starts the random stream here: the replays draw the same dropout masks, samples
+    task: Task | None = None  # a Task's loss is called on a fresh copy of it in every phase (state it carries
+    #                           across batches, the bigLSTM's recurrent state, must start afresh in each replay)
+
+    def loss_fn(self) -> Callable:
+        return copy.deepcopy(self.task).loss if self.task is not None else self.loss
+
+
+def default_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+
+def load(target: str, overrides: list[str] = (), profile: str | None = None, steps: int = STEPS) -> Patient:
+    """The Patient named by TARGET (the package docstring)."""
+    if ":" not in target:
+        raise UserError(f"{target!r}: write module:function (e.g. mpt.doctor.examples:underflow) or experiment:NAME")
+    mod_name, attr = target.split(":", 1)
+    if mod_name == "experiment":
+        return _from_experiment(attr, list(overrides), profile, steps)
+    if overrides or profile:
+        raise UserError(f"--profile and key=value overrides are for experiment:NAME targets, not {target!r}")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise UserError(f"cannot import module {mod_name!r} ({type(e).__name__}: {e}); give a module importable "
+                        f"from the current directory, e.g. mpt.doctor.examples:underflow") from None
+    obj = getattr(mod, attr, None)
+    if obj is None:
+        public = sorted(k for k, v in vars(mod).items() if callable(v) and not k.startswith("_")
+                        and getattr(v, "__module__", None) == mod.__name__)
+        raise UserError(f"module {mod_name!r} has no {attr!r}; it defines: {', '.join(public) or 'nothing callable'}")
+    if inspect.isclass(obj) and issubclass(obj, Task):
+        return _from_task(obj(), Config(), target, steps)
+    if not callable(obj):
+        raise UserError(f"{target} is a {type(obj).__name__}, not a function; {FORM}")
+    got = obj()
+    if isinstance(got, Task):
+        return _from_task(got, Config(), target, steps)
+    return _from_value(got, target)
+
+
+def _from_value(got: Any, target: str) -> Patient:
+    keys = ("model", "loss", "batches", "optimizer")
+    if isinstance(got, dict):
+        unknown = set(got) - set(keys)
+        if unknown or not {"model", "loss", "batches"} <= set(got):
+            raise UserError(f"{target} returned a dict with keys {sorted(got)}; {FORM}")
+        parts = [got.get(k) for k in keys]
+    elif isinstance(got, (tuple, list)) and len(got) in (3, 4):
+        parts = list(got) + [None] * (4 - len(got))
+    else:
+        what = f"a {len(got)}-tuple" if isinstance(got, (tuple, list)) else f"a value of type {type(got).__name__}"
+        raise UserError(f"{target} returned {what}; {FORM}")
+    model, loss, batches, opt = parts
+    if not isinstance(model, nn.Module):
+        raise UserError(f"{target}: the model is a {type(model).__name__}, not a torch.nn.Module; {FORM}")
+    if not callable(loss):
+        raise UserError(f"{target}: the loss is a {type(loss).__name__}, not a function loss(model, batch); {FORM}")
+    if opt is not None and not callable(opt):
+        raise UserError(f"{target}: the optimizer is a {type(opt).__name__}, not a function optimizer(model); {FORM}")
+    try:
+        batches = list(batches)
+    except TypeError:
+        raise UserError(f"{target}: the batches are a {type(batches).__name__}, not a list of batches; "
+                        f"{FORM}") from None
+    if not batches:
+        raise UserError(f"{target}: no batches; give at least one (the doctor cycles through them)")
+    note = "optimizer: SGD, lr 0.01, momentum 0.9 (the default; return your own as the 4th item)"
+    return Patient(target, model, loss, batches, opt or default_optimizer, [] if opt else [note])
+
+
+def _from_task(task: Task, cfg, name: str, steps: int) -> Patient:
+    """A Task's model, optimizer, loss and first `steps` training batches, as the engine would draw them
+    (mpt.data's seeded sampler and dataset, the task's collate and order); one optimizer, constant lr."""
+    from torch.utils.data import DataLoader
+
+    from mpt.data import EpochSampler, SeededDataset
+
+    if type(task).train_step is not Task.train_step:
+        raise UserError(f"{name}: {type(task).__qualname__} has its own train_step (several losses or optimizers); "
+                        f"the doctor runs the default loss step: give module:function returning one model and loss")
+    torch.manual_seed(cfg.seed)
+    train, _ = task.datasets(cfg)
+    model = task.build_model(cfg)
+    if isinstance(model, nn.ModuleDict):
+        raise UserError(f"{name}: the task builds several models ({', '.join(model)}); the doctor examines one")
+    micro = max(1, cfg.train.batch_size // cfg.train.accum_steps)
+    if len(train) < micro:
+        raise UserError(f"{name}: train.batch_size={micro} is larger than the training set ({len(train)})")
+    ds = SeededDataset(train, cfg.seed)
+    sampler = EpochSampler(len(train), cfg.seed, task.shuffle_train, batch_size=micro, order=task.train_order,
+                           with_epoch=True)
+    loader = DataLoader(ds, batch_size=micro, sampler=sampler, drop_last=True, collate_fn=task.collate)
+    batches, epoch = [], 0
+    while len(batches) < steps:
+        sampler.set_epoch(epoch)
+        ds.set_epoch(epoch)
+        for b in loader:
+            batches.append(b)
+            if len(batches) == steps:
+                break
+        epoch += 1
+
+    def optimizer(m):
+        opts = dict(task.optimizers(m, cfg))
+        if len(opts) != 1:
+            raise UserError(f"{name}: the task has {len(opts)} optimizers; the doctor examines one")
+        return next(iter(opts.values()))
+
+    notes = [f"batches: the first {steps} training batches of {micro} (train.batch_size / accum_steps)",
+             ("optimizer: the task's own optimizers()" if type(task).optimizers is not Task.optimizers
+              else f"optimizer: optim.name={cfg.optim.name}, optim.lr={cfg.optim.lr}") + "; no schedule applied"]
+    return Patient(name, model, task.loss, batches, optimizer, notes, cfg.seed, task)
+
+
+def _from_experiment(name: str, overrides: list[str], profile: str | None, steps: int) -> Patient:
+    from mpt import config
+
+    args = ([f"profile={profile}"] if profile else []) + overrides
+    cfg = config.resolve(name, args)
+    mod = config.experiment_module(name)
+    label = f"experiment:{name} ({cfg.model}, profile {cfg.profile})"
+    return _from_task(mod.Task(), cfg, label, steps)
+
