@@ -142,6 +142,11 @@ def _patient_module(tmp_path, monkeypatch, body):
     ("patient_mod:build", "import torch\ndef build():\n    return torch.nn.Linear(2, 1), lambda m, b: m(b), "
                           "[torch.ones(4, 2)]\n", r"returned a tensor of shape \(4, 1\); return the mean loss"),
     ("nocolon", "", r"write module:function"),
+    # a model whose loss is NaN in FP32 already: no precision question before that is fixed
+    ("patient_mod:build", "import torch\nclass M(torch.nn.Linear):\n    def forward(self, x):\n"
+                          "        return super().forward(x) * float('nan')\n"
+                          "def build():\n    return M(2, 1), lambda m, b: m(b).mean(), [torch.ones(4, 2)]\n",
+     r"the loss is nan in FP32 already \(step 0 of 1; 1 non-finite\): fix the model"),
 ])
 def test_bad_input_is_one_line_naming_the_fix(tmp_path, monkeypatch, capsys, target, body, msg):
     _patient_module(tmp_path, monkeypatch, body)

@@ -2,6 +2,7 @@
 recommends -- each phase a replay.train of the same patient -- gathered into the report's dict."""
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -10,6 +11,7 @@ import torch.nn as nn
 from mpt.doctor.replay import progress, tail_steps, train, untrained_losses
 from mpt.doctor.targets import STEPS, Patient
 from mpt.doctor.verdict import MARGIN, TOLERANCE, analyse, confirm
+from mpt.errors import UserError
 from mpt.numerics import FP16_MAX, HIST_HI, HIST_LO
 
 
@@ -20,6 +22,13 @@ def examine(patient: Patient, steps: int = STEPS, device="cpu", tol: float = TOL
     t0 = time.time()
     device = torch.device(device)
     fp32 = train(patient, "fp32", steps=steps, device=device)
+    bad = [i for i, x in enumerate(fp32["losses"]) if not math.isfinite(x)]
+    if bad:
+        # No precision can fix what FP32 already breaks: an overflow "above 65504" or a BF16 advice
+        # would send the user after the wrong cause.
+        raise UserError(f"{patient.name}: the loss is {fp32['losses'][bad[0]]} in FP32 already (step {bad[0]} of "
+                        f"{steps}; {len(bad)} non-finite): fix the model, its data or its learning rate in FP32 "
+                        f"before asking which lower precision it can train in")
     fp16 = train(patient, "fp16", steps=steps, device=device, watch=True)
     untrained = untrained_losses(patient, steps, device)
     found = analyse(fp32, fp16, untrained, tol, margin)
