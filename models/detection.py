@@ -32,7 +32,7 @@ from torchvision.models.detection.ssd import SSD
 from torchvision.models.detection.anchor_utils import AnchorGenerator, DefaultBoxGenerator
 from torchvision.models.detection.faster_rcnn import FastRCNNPredictor
 from torchvision.models.detection.roi_heads import RoIHeads
-from torchvision.models.detection.rpn import RPNHead
+from torchvision.models.detection.rpn import RegionProposalNetwork, RPNHead
 from torchvision.models.detection.ssd import SSDHead
 from torchvision.ops import RoIPool
 
@@ -66,6 +66,29 @@ def vgg16_features(width: float, batch_norm: bool = False) -> nn.Sequential:
 
 def _pools(feats: nn.Sequential) -> list[int]:
     return [i for i, m in enumerate(feats) if isinstance(m, nn.MaxPool2d)]
+
+
+VGG_CONVS = ("conv1_1", "conv1_2", "conv2_1", "conv2_2", "conv3_1", "conv3_2", "conv3_3", "conv4_1", "conv4_2",
+             "conv4_3", "conv5_1", "conv5_2", "conv5_3")
+
+
+def freeze_through(vgg_layers, last: str) -> None:
+    """Fix the VGG convolutions conv1_1 .. `last` (lr_mult 0 in both Caffe references: SSD's ssd_pascal.py
+    freeze_layers conv1_1-conv2_2, py-faster-rcnn's VGG-16 train.prototxt likewise); "" fixes none.
+    `vgg_layers`: the VGG modules in order (their BatchNorm layers, if any, follow their convolution)."""
+    if not last:
+        return
+    if last not in VGG_CONVS:
+        raise UserError(f"task.freeze_through={last!r}: name a VGG-16 convolution ({', '.join(VGG_CONVS)}), "
+                        f"or '' to train every layer")
+    n, k = VGG_CONVS.index(last) + 1, 0
+    for m in vgg_layers:
+        if isinstance(m, nn.Conv2d):
+            k += 1
+            if k > n:
+                break
+        for p in m.parameters(recurse=False):
+            p.requires_grad_(False)
 
 
 def _check_init(backbone: str, batch_norm: bool) -> None:
@@ -254,9 +277,10 @@ def ssd_anchors(size: int, n_maps: int) -> DefaultBoxGenerator:
 
 @register("ssd300_vgg16")
 def ssd300_vgg16(num_classes: int = 21, width: float = 1.0, size: int = 300, backbone: str = "scratch",
-                 batch_norm: bool = False) -> nn.Module:
+                 batch_norm: bool = False, freeze: str = "") -> nn.Module:
     """num_classes counts the background (VOC: 21). batch_norm: VGG-16-BN layers (not the paper's model:
-    the tiny profile's from-scratch variant, see experiments/voc_detection/README.md)."""
+    the tiny profile's from-scratch variant, see experiments/voc_detection/README.md). freeze: the last
+    VGG convolution kept fixed (freeze_through)."""
     if size < 32:
         raise UserError(f"ssd300_vgg16: size={size} is too small (>= 32 px)")
     _check_init(backbone, batch_norm)
@@ -267,6 +291,7 @@ def ssd300_vgg16(num_classes: int = 21, width: float = 1.0, size: int = 300, bac
         body.load_imagenet(backbone, width)
         caffe_xavier_init(body.extras)
         caffe_xavier_init(head)
+    freeze_through(body.vgg, freeze)
     return SSD(body, anchors, (size, size), num_classes, image_mean=list(IMAGENET_MEAN),
                image_std=list(IMAGENET_STD), head=FP32Out(head),
                # SSD's test settings (Caffe ssd_pascal.py): confidence 0.01, NMS 0.45, top 200, 400 candidates
@@ -326,11 +351,38 @@ class CaffeRoIHeads(RoIHeads):
                     "loss_box_reg": box_loss / labels.numel()}
 
 
+class InsideAnchorsRPN(RegionProposalNetwork):
+    """torchvision's RPN, trained as py-faster-rcnn's anchor_target_layer.py trains it: anchors that
+    cross the image border by more than `allowed_border` pixels (0 there) get no target, neither object
+    nor background (label -1: left out of the 256 sampled per image). Ren et al. 2015, section 3.3:
+    cross-boundary anchors left in make training not converge. Proposals at inference are torchvision's
+    (clipped to the image). Unlike py-faster-rcnn, an object's best-matching anchor is chosen among all
+    anchors before the outside ones are dropped, so an object whose best anchor crosses the border gets
+    its positives from the IoU >= 0.7 rule only."""
+
+    allowed_border = 0
+
+    def forward(self, images, features, targets=None):
+        self._image_sizes = images.image_sizes  # (h, w) of each image before padding, for the targets
+        return super().forward(images, features, targets)
+
+    def assign_targets_to_anchors(self, anchors, targets):
+        labels, matched = super().assign_targets_to_anchors(anchors, targets)
+        b = self.allowed_border
+        for lab, a, (h, w) in zip(labels, anchors, self._image_sizes):
+            outside = (a[:, 0] < -b) | (a[:, 1] < -b) | (a[:, 2] >= w + b) | (a[:, 3] >= h + b)
+            lab[outside] = -1.0
+        return labels, matched
+
+
 @register("faster_rcnn_vgg16")
 def faster_rcnn_vgg16(num_classes: int = 21, width: float = 1.0, size: int = 600, backbone: str = "scratch",
-                      max_size: int = 1000, batch_norm: bool = False) -> nn.Module:
+                      max_size: int = 1000, batch_norm: bool = False, freeze: str = "",
+                      rpn_allowed_border: int = -1) -> nn.Module:
     """num_classes counts the background. `size` is the shorter image side (600 in py-faster-rcnn);
-    anchors are 128, 256, 512 px at 600 and scale with it (a 128-px tiny image gets 27, 55, 109)."""
+    anchors are 128, 256, 512 px at 600 and scale with it (a 128-px tiny image gets 27, 55, 109).
+    freeze: the last VGG convolution kept fixed (freeze_through). rpn_allowed_border: the RPN trains only
+    on anchors inside the image by at most this many pixels (py-faster-rcnn: 0); -1 trains on all."""
     c = _scaler(width)
     _check_init(backbone, batch_norm)
     body = VGGConv5(width, batch_norm)
@@ -346,9 +398,7 @@ def faster_rcnn_vgg16(num_classes: int = 21, width: float = 1.0, size: int = 600
             for i, j in ((1, 0), (4, 3)):
                 fc[i].weight.copy_(sd[f"classifier.{j}.weight"])
                 fc[i].bias.copy_(sd[f"classifier.{j}.bias"])
-        # py-faster-rcnn's VGG-16 train.prototxt: conv1_1 .. conv2_2 are not trained (lr_mult 0).
-        for p in body.body[:10].parameters():
-            p.requires_grad_(False)
+    freeze_through(body.body, freeze)
     k = size / 600
     anchors = AnchorGenerator(sizes=(tuple(max(4, round(s * k)) for s in (128, 256, 512)),),
                               aspect_ratios=((0.5, 1.0, 2.0),))
@@ -373,4 +423,7 @@ def faster_rcnn_vgg16(num_classes: int = 21, width: float = 1.0, size: int = 600
     # FasterRCNN's constructor accepts only RoIAlign poolers; the RoI head calls any module alike.
     model.roi_heads.box_roi_pool = RoIPool7()
     model.roi_heads.__class__ = CaffeRoIHeads  # its box loss only (no new state): see CaffeRoIHeads
+    if rpn_allowed_border >= 0:
+        model.rpn.__class__ = InsideAnchorsRPN  # its training targets only: see InsideAnchorsRPN
+        model.rpn.allowed_border = rpn_allowed_border
     return model

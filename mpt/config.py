@@ -36,6 +36,13 @@ def infra(default=dataclasses.MISSING, **kw):
     return field(default=default, metadata={"infra": True}, **kw)
 
 
+def added(default):
+    """A key added after runs were stored, whose `default` reproduces them: at that value it is left out
+    of the content id (those runs keep their ids and directories, and a stored config without it is the
+    same run); any other value is another run."""
+    return field(default=default, metadata={"added": default})
+
+
 @dataclass
 class OptimCfg:
     name: str = "sgd"  # sgd | adam | adamw | adagrad | rmsprop
@@ -558,9 +565,9 @@ def to_dict(cfg) -> dict:
 def _strip_infra(dc) -> dict:
     out = {}
     for f in dataclasses.fields(dc):
-        if f.metadata.get("infra"):
-            continue
         v = getattr(dc, f.name)
+        if f.metadata.get("infra") or ("added" in f.metadata and v == f.metadata["added"]):
+            continue
         out[f.name] = _strip_infra(v) if dataclasses.is_dataclass(v) else v
     return out
 

@@ -349,7 +349,6 @@ def test_paper_size_parameter_counts_and_backbone_weights(tmp_path):
     assert torch.equal(s.backbone.vgg[0].weight, vgg.features[0].weight)
     f = models.build("faster_rcnn_vgg16", width=1 / 16, size=64, backbone=str(tmp_path / "vgg.pt"))
     assert torch.equal(f.roi_heads.box_head[1].weight, vgg.classifier[0].weight)
-    assert not f.backbone.body[0].weight.requires_grad  # conv1/conv2 fixed, as in py-faster-rcnn
     with pytest.raises(UserError, match="not found"):
         models.build("ssd300_vgg16", width=1 / 16, size=64, backbone=str(tmp_path / "none.pt"))
     with pytest.raises(UserError, match="this model \\(width\\) needs"):
@@ -608,3 +607,51 @@ def test_ssd_augmentation_keeps_boxes_labels_and_difficult_aligned(tiny_voc):
         h, w = img.shape[-2:]
         b = t["boxes"]
         assert n == 0 or (b[:, 0].min() >= 0 and b[:, 2].max() <= w and b[:, 3].max() <= h and (b[:, 2] > b[:, 0]).all())
+
+
+def test_both_paper_recipes_fix_conv1_1_to_conv2_2():
+    """SSD (ssd_pascal.py freeze_layers) and py-faster-rcnn (lr_mult 0) train VGG-16 from conv3_1 on: the
+    paper profile of each says so and builds it so; the tiny profile (from scratch) trains every layer."""
+    import models
+    from mpt import config as C
+
+    for name in ("ssd300_vgg16", "faster_rcnn_vgg16"):
+        cfg = C.resolve("voc_detection", [f"model={name}", "task.data_root=/nonexistent"])
+        assert cfg.task.freeze_through == "conv2_2", name
+        assert C.resolve("voc_detection", ["profile=tiny", f"model={name}"]).task.freeze_through == ""
+        m = models.build(name, width=1 / 16, size=64, freeze="conv2_2")
+        vgg = m.backbone.vgg if name == "ssd300_vgg16" else m.backbone.body
+        convs = [x for x in vgg if isinstance(x, torch.nn.Conv2d)]
+        assert [c.weight.requires_grad for c in convs[:6]] == [False] * 4 + [True] * 2, name
+        assert all(p.requires_grad for p in m.head.parameters()) if name == "ssd300_vgg16" else True
+    with pytest.raises(UserError, match="task.freeze_through='conv9_9'"):
+        models.build("ssd300_vgg16", width=1 / 16, size=64, freeze="conv9_9")
+
+
+def test_the_rpn_trains_on_no_anchor_that_crosses_the_image_border():
+    """py-faster-rcnn's anchor_target_layer (allowed_border 0; Ren et al. 2015, 3.3): an anchor that
+    crosses the border is neither object nor background. The paper profile sets the rule; without it
+    (the tiny profile) every anchor keeps its label."""
+    import models
+    from torchvision.models.detection.image_list import ImageList
+
+    from mpt import config as C
+
+    assert C.resolve("voc_detection", ["model=faster_rcnn_vgg16", "task.data_root=/nonexistent"]).task.rpn_allowed_border == 0
+    torch.manual_seed(0)
+    images = ImageList(torch.zeros(1, 3, 128, 160), [(128, 160)])
+    target = [{"boxes": torch.tensor([[4.0, 4.0, 60.0, 60.0]]), "labels": torch.tensor([1])}]
+    labels = {}
+    for border in (0, -1):
+        m = models.build("faster_rcnn_vgg16", width=1 / 16, size=128, rpn_allowed_border=border)
+        feats = m.backbone(images.tensors)
+        anchors = m.rpn.anchor_generator(images, list(feats.values()))
+        if border >= 0:
+            m.rpn._image_sizes = images.image_sizes
+        labels[border], _ = m.rpn.assign_targets_to_anchors(anchors, target)
+        a = anchors[0]
+    outside = (a[:, 0] < 0) | (a[:, 1] < 0) | (a[:, 2] >= 160) | (a[:, 3] >= 128)
+    assert 0 < outside.sum() < len(a)
+    assert (labels[0][0][outside] == -1).all()  # no target at all
+    assert (labels[-1][0][outside] >= 0).any()  # labelled without the rule
+    assert torch.equal(labels[0][0][~outside], labels[-1][0][~outside])  # inside: the same labels

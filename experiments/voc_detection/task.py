@@ -16,7 +16,7 @@ from torchvision import tv_tensors
 from torchvision.transforms import v2
 
 from experiments.voc_detection.voc_eval import RULES, voc07_map
-from mpt.config import infra
+from mpt.config import added, infra
 from mpt.errors import UserError
 from mpt.task import Task as BaseTask
 
@@ -33,6 +33,12 @@ class TaskCfg:
     augment: str = "ssd"  # ssd: photometric distortion, zoom out, IoU crop, flip | flip | none
     train_difficult: bool = True  # SSD trains on difficult boxes (use_difficult_gt), py-faster-rcnn does not
     backbone: str = "scratch"  # scratch | a VGG-16 weights file (torchvision state dict or our vgg16 checkpoint)
+    # The last VGG convolution kept fixed: both Caffe references train from conv3_1 on ("conv2_2"; SSD's
+    # ssd_pascal.py freeze_layers, py-faster-rcnn's lr_mult 0); "" trains every layer (from scratch).
+    freeze_through: str = added("")
+    # Faster R-CNN: the RPN's training anchors must lie inside the image by this margin in pixels
+    # (py-faster-rcnn's allowed_border 0, Ren et al. 2015 section 3.3); -1 keeps every anchor.
+    rpn_allowed_border: int = added(-1)
     batch_norm: bool = False  # VGG-16-BN layers: the tiny profile's from-scratch variant, not the paper's model
     eval_max_images: int = 0  # 0 = the whole test set
     # Biases are weight-decayed in py-faster-rcnn (train.prototxt: no decay_mult, so 1), not in SSD
@@ -138,9 +144,10 @@ class Task(BaseTask):
         import models
 
         c = cfg.task
-        kw = {"max_size": c.max_size} if cfg.model == "faster_rcnn_vgg16" else {}
+        kw = {"max_size": c.max_size, "rpn_allowed_border": c.rpn_allowed_border} \
+            if cfg.model == "faster_rcnn_vgg16" else {}
         return models.build(cfg.model, num_classes=self.num_classes, width=cfg.width, size=c.image_size,
-                            backbone=c.backbone, batch_norm=c.batch_norm, **kw)
+                            backbone=c.backbone, batch_norm=c.batch_norm, freeze=c.freeze_through, **kw)
 
     collate = staticmethod(collate)
 
