@@ -1,6 +1,6 @@
-"""Issue 16 items 4 and 5: every option works or is gone, and each shared piece exists once -- the
-training step (engine, speed/memory benchmark, bigLSTM memory estimate), the key=value option
-parser, the device choice, tolerant JSON reads, the data_prep command line."""
+"""Every option works or is gone, and each shared piece exists once -- the training step (engine,
+speed/memory benchmark, bigLSTM memory estimate), the key=value option parser, the device choice,
+tolerant JSON reads, the data_prep command line."""
 import contextlib
 import math
 from pathlib import Path
@@ -21,20 +21,43 @@ from mpt.ranks import pick_device
 torch.set_num_threads(1)
 
 
-# -- item 4: options that work, options that are gone ------------------------------------------------
+# -- options that work, options that are gone -------------------------------------------------------
 
-@pytest.mark.parametrize("kw,epoch,want", [
-    (dict(name="constant"), 7.3, 1.0),
-    (dict(name="step", step_epochs=2, gamma=0.5), 5.0, 0.5 ** 2),
-    (dict(name="multistep", milestones=[1, 3], gamma=0.1), 3.0, 0.1 ** 2),
-    (dict(name="poly", power=2.0), 2.5, (1 - 2.5 / 10) ** 2),
-    (dict(name="cosine"), 5.0, 0.5),
-    (dict(name="cosine"), 10.0, 0.0),
-    (dict(name="exponential", gamma=0.9), 2.5, 0.9 ** 2.5),  # smooth: between the epochs' factors
-    (dict(name="exponential", gamma=0.9, warmup_epochs=2), 1.0, 0.5 * 0.9),  # warmup multiplies
-])
-def test_every_schedule_gives_its_factor(kw, epoch, want):
-    assert lr_factor(SchedCfg(**kw), epoch, 10.0) == pytest.approx(want, rel=1e-12, abs=1e-15)
+def _torch_schedule(name: str, opt, total: int):
+    """The same schedule from torch.optim.lr_scheduler, stepped once per epoch: the oracle."""
+    S = torch.optim.lr_scheduler
+    return {"constant": lambda: S.ConstantLR(opt, factor=1.0, total_iters=0),
+            "step": lambda: S.StepLR(opt, step_size=2, gamma=0.5),
+            "multistep": lambda: S.MultiStepLR(opt, milestones=[1, 3], gamma=0.1),
+            "poly": lambda: S.PolynomialLR(opt, total_iters=total, power=2.0),
+            "cosine": lambda: S.CosineAnnealingLR(opt, T_max=total),
+            "exponential": lambda: S.ExponentialLR(opt, gamma=0.9)}[name]()
+
+
+@pytest.mark.parametrize("kw", [dict(name="constant"), dict(name="step", step_epochs=2, gamma=0.5),
+                                dict(name="multistep", milestones=[1, 3], gamma=0.1), dict(name="poly", power=2.0),
+                                dict(name="cosine"), dict(name="exponential", gamma=0.9)])
+def test_every_schedule_agrees_with_torchs_at_every_epoch(kw):
+    """At whole epochs each schedule's factor is what torch's own scheduler gives after that many epochs."""
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0)
+    ref = _torch_schedule(kw["name"], opt, 10)
+    for epoch in range(11):
+        assert lr_factor(SchedCfg(**kw), float(epoch), 10.0) == pytest.approx(opt.param_groups[0]["lr"], rel=1e-9,
+                                                                              abs=1e-12), (kw, epoch)
+        opt.step()
+        ref.step()
+
+
+def test_between_epochs_and_under_warmup():
+    """Between whole epochs the factor moves smoothly (exponential: 0.9 ** 2.5 at 2.5), and warm-up
+    multiplies every schedule by epoch / warmup_epochs until warm."""
+    f = lambda **kw: lr_factor(SchedCfg(**kw), 2.5, 10.0)  # noqa: E731
+    assert min(lr_factor(SchedCfg(name="exponential", gamma=0.9), e, 10.0) for e in (2.0, 3.0)) < \
+        f(name="exponential", gamma=0.9) < lr_factor(SchedCfg(name="exponential", gamma=0.9), 2.0, 10.0)
+    cold = lr_factor(SchedCfg(name="exponential", gamma=0.9, warmup_epochs=2), 1.0, 10.0)
+    assert cold == pytest.approx(0.5 * lr_factor(SchedCfg(name="exponential", gamma=0.9), 1.0, 10.0))
+    assert lr_factor(SchedCfg(name="cosine", warmup_epochs=2), 3.0, 10.0) == \
+        lr_factor(SchedCfg(name="cosine"), 3.0, 10.0)  # warm: no effect
 
 
 def test_unknown_schedule_and_removed_keys_are_one_line_errors():
@@ -73,18 +96,26 @@ def test_paper_impl_computes_marked_layers_in_fp32(layer, inside):
     assert (lrn_in[0] if inside is None else lay.seen) == (torch.float32 if inside is None else inside)
 
 
-def test_overflow_culprit_comes_from_numerics_first_nonfinite(monkeypatch):
-    calls = []
-    monkeypatch.setattr(precision, "first_nonfinite", lambda named: calls.append(1) or "w")
-    net = nn.Linear(2, 1)
+def test_a_skipped_step_names_the_parameter_whose_gradient_overflowed():
+    """Of two parameters, only b's gradient is infinite: the skipped step names b, not the first
+    parameter of the model."""
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Parameter(torch.ones(1)), nn.Parameter(torch.ones(1))
+
+        def forward(self, x):
+            return self.a * x[0] + self.b * x[1]
+
+    net = Two()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     r = precision.build(Config(precision="mixed", impl="paper", loss_scale="8"), "cpu")
     r.prepare(net, [opt])
-    r.backward(net(torch.tensor([[math.inf, 1.0]])).sum())
-    assert r.step(opt) is False and r.last_overflow == "w" and calls == [1]
+    r.backward(net(torch.tensor([1.0, math.inf])).sum())
+    assert r.step(opt) is False and r.last_overflow == "b" and r.skipped_steps == 1
 
 
-# -- item 5: one training step -----------------------------------------------------------------------
+# -- one training step --------------------------------------------------------------------------------
 
 class _Recorder(precision.FP32):
     def __init__(self):
@@ -231,7 +262,7 @@ def test_engine_benchmark_and_memory_estimate_train_like_a_plain_loop(monkeypatc
     assert est["activations"] == meter.bytes > 0
 
 
-# -- item 5: one option parser, one device choice, one tolerant JSON read, one data_prep command --------
+# -- one option parser, one device choice, one tolerant JSON read, one data_prep command ---------------
 
 def test_parse_options_types_like_the_defaults(capsys):
     d = {"n": 3, "w": 0.5, "flag": False, "name": "auto"}
