@@ -340,9 +340,7 @@ def _arg(args, kwargs, i, name, default=None):
 
 
 def _conv(transposed: bool, nd: int):
-    from torch.nn.modules.utils import _ntuple
-
-    tup = _ntuple(nd)
+    tup = TP.ntuple(nd)
 
     def run(func, args, kwargs, low):
         x, w, b = args[0], _arg(args, kwargs, 1, "weight"), _arg(args, kwargs, 2, "bias")

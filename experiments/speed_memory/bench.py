@@ -32,6 +32,7 @@ import torch
 import models
 from mpt import config
 from mpt import precision as recipes
+from mpt import torch_private as TP
 from mpt.optim import build_optimizer
 from mpt.step import loss_step
 from mpt.errors import UserError
@@ -373,7 +374,7 @@ def measure(model_name: str, precision: str, impl: str | None, o: dict, device: 
     if device.type == "cuda":
         torch.cuda.empty_cache()
     if o.get("compile"):
-        torch._dynamo.reset()
+        TP.reset_compiled()
     return row
 
 
