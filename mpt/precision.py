@@ -91,7 +91,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from typing import Iterable
 
 import torch
@@ -99,28 +98,20 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from mpt import precisions
 from mpt import torch_private as TP
-from mpt.config import UNSCALED_PRECISIONS
 from mpt.errors import UserError
 from mpt.numerics import first_nonfinite
+from mpt.precisions import (HALF_COMPUTE, HALF_MATHS, IMPLS, PRECISIONS, ROUNDINGS,  # noqa: F401
+                            check, parse_loss_scale)
 
-PRECISIONS = ("fp32", "fp16", "mixed", "bf16", "fp16_pure", "fp16_storage", "fp8", "bf16_pure")
 # Precisions that store the model in FP16 (BF16) whatever cfg.impl says (see the module docstring).
-_PAPER_ONLY = ("fp16_pure", "fp16_storage", "bf16_pure")
+_PAPER_ONLY = tuple(p.name for p in precisions.TABLE if p.impls == ("paper",))
 # Precisions without an FP32 master copy: how the optimizer's FP32 result is rounded into the weights.
-_PURE = ("fp16_pure", "bf16_pure")
-ROUNDINGS = ("nearest", "stochastic", "kahan")
-FP8_SCALINGS = ("delayed", "current")
-FP8_AMAX_ALGOS = ("max", "most_recent")
-FP8_ENDS = ("bf16", "fp8")
+_PURE = tuple(p.name for p in precisions.TABLE if not p.master)
 # (torch dtype, largest finite magnitude): E4M3 has no infinities, so its top binade reaches 448;
 # E5M2 is IEEE-like, 57344 (FP8 paper, Table 1).
 FP8_FORMATS = {"e4m3": (torch.float8_e4m3fn, 448.0), "e5m2": (torch.float8_e5m2, 57344.0)}
-# Precisions whose convolutions and matmuls a GPU runs in FP16/BF16 (tensor cores). fp16_storage
-# computes in FP32 (section 4.3) and fp8 is simulated around FP32 kernels: neither is among them.
-HALF_COMPUTE = ("fp16", "mixed", "bf16", "fp16_pure", "bf16_pure")
-IMPLS = ("autocast", "paper")
-HALF_MATHS = ("auto", "emulated", "native")
 # Norm layers keep FP32 parameters and statistics; their kernels read FP16 input with FP32
 # parameters and reduce in FP32 (section 3.3), so no FP32 copy of the activation is made or saved.
 _NORMS = (TP.NormBase, nn.LayerNorm, nn.GroupNorm)
@@ -132,69 +123,6 @@ _UNWRAPPABLE = (torch.optim.LBFGS, torch.optim.SparseAdam)
 # Layers that can produce sparse gradients (sparse=True): impl=paper copies gradients into dense FP32
 # masters with dense kernels.
 _SPARSE_CAPABLE = (nn.Embedding, nn.EmbeddingBag)
-
-
-# ------------------------------------------------------------------------------------------------
-# config checks
-
-
-def parse_loss_scale(value: str, precision: str):
-    """'auto' | 'dynamic' | a positive number  ->  None (no scaling), 'dynamic' or float S."""
-    v = str(value).strip().lower()
-    if v == "auto":
-        return "dynamic" if precision == "mixed" else None
-    if v == "dynamic":
-        if precision not in ("mixed", "fp16_pure", "fp16_storage"):
-            raise UserError(f"loss_scale=dynamic needs precision=mixed, fp16_pure or fp16_storage, not {precision}")
-        return "dynamic"
-    try:
-        s = float(v)
-    except ValueError:
-        raise UserError(f"loss_scale={value!r} is not a number; use a positive number, 'dynamic' or 'auto'") from None
-    if not math.isfinite(s) or s <= 0:
-        raise UserError(f"loss_scale={value!r} must be a positive finite number (the paper used 8 to 32K)")
-    if precision in ("fp32", "bf16", "bf16_pure") and s != 1:
-        raise UserError(f"loss_scale={value} does nothing for precision={precision}; leave it at auto")
-    if precision == "fp8" and s != 1:
-        raise UserError(f"precision=fp8 scales each tensor on its own (fp8.scaling); loss_scale={value} "
-                        f"is not used: leave it at auto")
-    if precision == "fp16" and s != 1:
-        raise UserError(
-            f"precision=fp16 is the paper's 'without loss scaling' mode (S = 1); "
-            f"for S = {value} use precision=mixed loss_scale={value}")
-    if precision in UNSCALED_PRECISIONS:
-        return None
-    return s
-
-
-def check(cfg) -> None:
-    if cfg.precision not in PRECISIONS:
-        raise UserError(f"unknown precision {cfg.precision!r}; choose one of: {', '.join(PRECISIONS)}")
-    if cfg.impl not in IMPLS:
-        raise UserError(f"unknown impl {cfg.impl!r}; choose one of: {', '.join(IMPLS)}")
-    if getattr(cfg, "half_math", "auto") not in HALF_MATHS:
-        raise UserError(f"unknown half_math {cfg.half_math!r}; choose one of: {', '.join(HALF_MATHS)}")
-    parse_loss_scale(cfg.loss_scale, cfg.precision)
-    rounding = getattr(cfg, "rounding", "nearest")
-    if rounding not in ROUNDINGS:
-        raise UserError(f"unknown rounding {rounding!r}; choose one of: {', '.join(ROUNDINGS)}")
-    if rounding != "nearest" and cfg.precision not in _PURE:
-        raise UserError(f"rounding={rounding} is how weights without an FP32 master copy are updated; it needs "
-                        f"precision={' or '.join(_PURE)}, not {cfg.precision}")
-    f8 = getattr(cfg, "fp8", None)
-    if f8 is not None:
-        for key, value, allowed in (("scaling", f8.scaling, FP8_SCALINGS),
-                                    ("amax_compute_algo", f8.amax_compute_algo, FP8_AMAX_ALGOS),
-                                    ("ends", f8.ends, FP8_ENDS)):
-            if value not in allowed:
-                raise UserError(f"unknown fp8.{key} {value!r}; choose one of: {', '.join(allowed)}")
-        if f8.amax_history_len < 1:
-            raise UserError(f"fp8.amax_history_len={f8.amax_history_len} must be >= 1")
-        if cfg.precision != "fp8" and type(f8)() != f8:
-            raise UserError(f"fp8.* keys do nothing for precision={cfg.precision}; leave them at their defaults")
-    s = cfg.scaler
-    if not (s.init_scale > 0 and s.growth_factor > 1 and 0 < s.backoff_factor < 1 and s.growth_interval >= 1):
-        raise UserError("scaler needs init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1, growth_interval >= 1")
 
 
 # ------------------------------------------------------------------------------------------------
