@@ -1,5 +1,6 @@
-"""The one precision switch (paper section 3). Every experiment runs every precision through here;
-the training loop calls the same five methods whatever the precision and never branches on it:
+"""The one precision switch (paper section 3): build(cfg, device) returns the recipe of cfg.precision
+(a row of mpt/precisions.py) and cfg.impl. Every experiment runs every precision through here; the
+training loop calls the same methods whatever the precision and never branches on it:
 
     recipe = build(cfg, device)                  # from cfg.precision / cfg.impl / cfg.loss_scale
     model = recipe.prepare(model, [optimizer])   # before DDP wrapping and before any step
@@ -11,81 +12,10 @@ the training loop calls the same five methods whatever the precision and never b
     recipe.update()                              # once per iteration, after every optimizer's step
     recipe.zero_grad()
 
-Recipes (cfg.precision):
-  fp32          everything FP32 (TF32 is a separate switch, off by default).
-  fp16          the paper's "MP without loss scaling": FP16 forward/backward, FP32 master weights,
-                S = 1 and no overflow skipping, so a network that diverges (SSD, Table 2) diverges here.
-  mixed         FP16 + FP32 master weights + loss scaling: constant S (the paper's) or dynamic
-                (a later framework feature, section 5); both skip the update on inf/nan.
-  bf16          BF16 compute, FP32 master weights, no scaling (BF16 has FP32's exponent range).
-  fp16_pure     Figure 2a's ablation: FP16 weights updated directly, no FP32 master copy (loss
-                scaling optional). The optimizer's arithmetic and state stay FP32 -- each step it
-                works on an FP32 copy made from the FP16 weights, and its result is rounded back
-                into them; the copy carries nothing to the next step, so whatever the rounding
-                loses is lost (section 3.1). The ablation is about the weights: an Adam eps of
-                1e-8 (0 in FP16) or an FP16 momentum buffer would be a second, different effect.
-  fp16_storage  "FP16 storage, FP32 math", how the paper ran DeepSpeech 2 (section 4.3): weights,
-                activations and gradients stored in FP16, FP32 master weights, and every dot
-                product (linear, matmul, convolution, recurrent layer) and softmax computed in
-                FP32 on the FP16 values, its result stored in FP16. Point-wise ops and reductions
-                run PyTorch's FP16 kernels, which already compute in FP32 and round once on
-                output. No loss scaling unless loss_scale is set. The FP32 temporaries autograd
-                saves make its memory and speed those of FP32: it reproduces the numerics only.
-
-Beyond the paper (issue 31: its successors, labelled so in every table):
-  fp8           FP8 for the operands of every dot product of a weight-bearing layer (linear,
-                convolution, recurrent): E4M3 for weights and activations in the forward pass, E5M2
-                for the gradient of the layer's output in the backward pass (Micikevicius et al.
-                2022, "FP8 Formats for Deep Learning"; Transformer Engine's HYBRID format), each
-                tensor with its own scale, by `fp8.scaling`: `current` (FP8_MAX / amax of this
-                tensor now) or `delayed` (FP8_MAX / the max over an amax history of
-                fp8.amax_history_len iterations, Transformer Engine's DelayedScaling defaults: 1024,
-                "max", margin 0; the scale starts at 1 and is recomputed once per iteration). FP32
-                master weights (the model's own parameters), FP32 accumulation and outputs, no loss
-                scaling (the per-tensor scales replace it). `fp8.ends=bf16` (default) keeps the first
-                and the last weight-bearing layer of each model (registration order) in BF16, as the
-                FP8 paper kept them in 16 bits; `fp8.ends=fp8` quantises them too. Simulated on every
-                device: quantise-dequantise (torch.float8_e4m3fn / float8_e5m2 casts, saturating at
-                +-448 / +-57344) around the FP32 kernels, as the FP8 paper itself simulated -- the
-                numerics, not the speed. Both impls run this one recipe. Not quantised: a recurrent
-                layer's state inside its fused kernel (its input sequence and weights are; the
-                gradient of its output sequence is), dot products without a weight (attention's),
-                embeddings (lookups), modules marked keep_fp32.
-  bf16_pure     BF16 weights updated directly, no FP32 master copy (fp16_pure's scheme in BF16,
-                Zamirai et al. 2020, "Revisiting BFloat16 Training"), with `rounding=` deciding how
-                the FP32 result of the optimizer is written back into the BF16 weights: `nearest`
-                (round to nearest even: small updates are lost, section 3.1), `stochastic` (up or
-                down with probabilities that make it unbiased; seeded from cfg.seed, its generator
-                in the checkpoint) or `kahan` (a BF16 compensation buffer per weight carries what
-                the rounding lost into the next update). `rounding` applies to fp16_pure too.
-
-Implementations (cfg.impl):
-  autocast   torch.autocast + torch.amp.GradScaler: parameters stay FP32 (they *are* the master
-             copy) and matmuls/convolutions run in FP16 on autocast's casts.
-  paper      the paper's own scheme: parameters, activations and gradients stored in FP16, an FP32
-             master copy that the optimizer updates, FP16 gradients unscaled into FP32 master
-             gradients, the updated master rounded back into the FP16 model. Norm layers keep FP32
-             parameters and statistics and compute in FP32 while reading/writing FP16, and the
-             model's outputs are cast to FP32 so softmax and the loss reduce in FP32 (section 3.3).
-             A module with `keep_fp32 = True` (the bigLSTM's softmax, as in its reference code)
-             keeps FP32 parameters and gets FP32 inputs. A parameter kept in FP32 is its own master.
-  fp16_pure and fp16_storage are defined by what the model stores, which autocast's FP32 weights
-  cannot express, so both impls run them the paper's way.
-
-FP16/BF16 math on a CPU (cfg.half_math: auto | emulated | native; HalfMath below):
-  emulated   every dot product (linear, matmul, convolution, a recurrent layer as a whole, the
-             embedding's gradient sum; forward and backward) that reads FP16 (BF16) operands runs as
-             FP32 math on exact FP32 copies of them and its result is rounded once to FP16 (BF16):
-             section 3.3's FP16 dot product (products accumulated in FP32, rounded on write), what
-             tensor cores do.
-             Point-wise ops and reductions keep PyTorch's kernels (they already compute in FP32 and
-             round once). With PyTorch's CPU FP16 kernels a training step took 3.5-42x
-             FP32's here (experiments/speed_memory/README.md); emulated, 0.94-1.5x
-             (width 1/16, batch 32).
-  native     PyTorch's CPU FP16/BF16 kernels.
-  auto       emulated for FP16; for BF16 native where the processor has BF16 dot-product
-             instructions (AVX512-BF16 or AMX-BF16: oneDNN's BF16 kernels beat FP32 there) and
-             emulated where it has none. A GPU always runs its own kernels (the setting is moot there).
+One recipe class per scheme: FP32; Autocast (torch.autocast and GradScaler); the paper's FP16 model
+(HalfModel) with FP32 master weights (MasterCopy), with FP32 math (FP16Storage) or without a master copy
+(NoMasterCopy); FP8. The arithmetic they call lives beside: mpt.half_math (FP16/BF16 dot products on a
+CPU), mpt.fp8, mpt.rounding and mpt.loss_scaler.
 """
 from __future__ import annotations
 
@@ -107,10 +37,6 @@ from mpt.precisions import (HALF_COMPUTE, HALF_MATHS, IMPLS, PRECISIONS, ROUNDIN
                             check, parse_loss_scale)
 from mpt.rounding import kahan_round_, stochastic_round
 
-# Precisions that store the model in FP16 (BF16) whatever cfg.impl says (see the module docstring).
-_PAPER_ONLY = tuple(p.name for p in precisions.TABLE if p.impls == ("paper",))
-# Precisions without an FP32 master copy: how the optimizer's FP32 result is rounded into the weights.
-_PURE = tuple(p.name for p in precisions.TABLE if not p.master)
 # Norm layers keep FP32 parameters and statistics; their kernels read FP16 input with FP32
 # parameters and reduce in FP32 (section 3.3), so no FP32 copy of the activation is made or saved.
 _NORMS = (TP.NormBase, nn.LayerNorm, nn.GroupNorm)
@@ -154,19 +80,6 @@ def backend_flags() -> dict:
             "bf16_reduced_precision_reduction": bool(m.allow_bf16_reduced_precision_reduction)}
 
 
-def half_math_used(cfg, device) -> str:
-    """resolve_half_math for a run's config (what build(cfg, device).half_math will be)."""
-    if cfg.precision == "fp16_storage":
-        return "emulated"  # FP32Math on every device: the precision's definition
-    dtype = {"fp32": torch.float32, "fp8": torch.float32, "bf16": torch.bfloat16,
-             "bf16_pure": torch.bfloat16}.get(cfg.precision, torch.float16)
-    return resolve_half_math(getattr(cfg, "half_math", "auto"), dtype, device)
-
-
-# ------------------------------------------------------------------------------------------------
-# recipes
-
-
 class Recipe:
     """Common state: the optimizers handed to prepare(), skip counting, the overflow culprit."""
 
@@ -183,6 +96,16 @@ class Recipe:
         self.skipped_steps = 0
         self.last_overflow: str | None = None  # first parameter holding a non-finite gradient
         self._found_inf = False  # any optimizer of the current iteration overflowed
+
+    @classmethod
+    def from_config(cls, cfg, device) -> Recipe:
+        """The recipe for a checked config (build)."""
+        return cls(device)
+
+    @classmethod
+    def half_math_for(cls, setting: str, dtype: torch.dtype, device) -> str:
+        """What computes this recipe's `dtype` dot products on `device` under cfg.half_math=setting."""
+        return resolve_half_math(setting, dtype, device)
 
     # -- setup --
     def prepare(self, model: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> nn.Module:
@@ -238,14 +161,14 @@ class Recipe:
         return [p for g in optimizer.param_groups for p in g["params"]]
 
     def master_params(self) -> list[torch.Tensor]:
-        """The tensors the optimizers update (FP32 masters where the recipe keeps them; in fp16_pure
-        the FP32 copies each step starts from the FP16 weights)."""
+        """The tensors the optimizers update (FP32 masters where the recipe keeps them; without a master
+        copy, the FP32 copies each step starts from the FP16 weights)."""
         return [p for opt in self.optimizers for p in self.params_of(opt)]
 
     def weights_of(self, optimizer) -> list[torch.Tensor]:
         """The tensors that hold the weights `optimizer` trains, matched by position with
-        params_of(optimizer): the same tensors, except in fp16_pure, where the optimizer's result
-        (params_of) is what the update intended and these FP16 weights are what they received."""
+        params_of(optimizer): the same tensors, except without a master copy, where the optimizer's
+        result (params_of) is what the update intended and these FP16 weights are what they received."""
         return self.params_of(optimizer)
 
     def broadcast_masters(self, src: int = 0) -> None:
@@ -267,14 +190,16 @@ class FP32(Recipe):
 
 
 class Autocast(Recipe):
-    """torch.autocast for the FP16/BF16 compute; GradScaler for loss scaling and skipping."""
+    """fp16, mixed and bf16 under impl=autocast: torch.autocast for the FP16/BF16 compute, GradScaler for
+    loss scaling and skipping. The parameters stay FP32 (they *are* the master copy) and matmuls and
+    convolutions run in FP16 on autocast's casts."""
 
     impl = "autocast"
 
     def __init__(self, device, name: str, dtype: torch.dtype, scale, scaler_cfg=None, half_math: str = "auto"):
         super().__init__(device)
         self.name, self.compute_dtype = name, dtype
-        self.half_math = resolve_half_math(half_math, dtype, self.device)
+        self.half_math = self.half_math_for(half_math, dtype, self.device)
         self.static_scale = scale if isinstance(scale, float) else None
         if scale is None:
             self.scaler = None  # fp16 without loss scaling / bf16: S = 1, nothing skipped
@@ -284,6 +209,10 @@ class Autocast(Recipe):
             self.scaler = torch.amp.GradScaler(
                 self.device.type, init_scale=init, growth_factor=c.growth_factor,
                 backoff_factor=c.backoff_factor, growth_interval=c.growth_interval)
+
+    @classmethod
+    def from_config(cls, cfg, device):
+        return cls(device, *_half_args(cfg))
 
     def autocast(self):
         if self.half_math != "emulated":
@@ -396,31 +325,37 @@ def check_dense(model: nn.Module, what: str) -> None:
                             f"(or use impl=autocast with precision fp16/mixed/bf16)")
 
 
-class Paper(Recipe):
-    """The paper's scheme (section 3): FP16 model, FP32 master weights, loss scaling.
+def _half_args(cfg) -> tuple:
+    """(name, dtype, loss scale, scaler config, half_math setting) of an FP16/BF16 recipe."""
+    p = cfg.precision
+    return p, _dtype(p), parse_loss_scale(cfg.loss_scale, p), cfg.scaler, getattr(cfg, "half_math", "auto")
 
-    master=False is fp16_pure: the optimizer still updates FP32 tensors, but they are overwritten
-    from the FP16 weights before every step, so nothing survives the rounding back into FP16.
-    fp32_math=True is fp16_storage: autocast() computes the dot products in FP32 (FP32Math).
+
+def _dtype(precision: str) -> torch.dtype:
+    """The dtype a precision stores the model in under the paper's scheme (FP32 for fp32 and fp8)."""
+    return getattr(torch, precisions.BY_NAME[precision].storage)
+
+
+class HalfModel(Recipe):
+    """The paper's scheme (section 3): parameters, activations and gradients stored in FP16 (BF16), the
+    optimizer stepping FP32 tensors, FP16 gradients copied into FP32 gradients and unscaled there
+    (LossScaler), the FP32 result rounded back into the FP16 model. Norm layers keep FP32 parameters
+    and statistics and compute in FP32 while reading and writing FP16, and the model's outputs are cast
+    to FP32 so softmax and the loss reduce in FP32 (section 3.3; convert_model). A module with
+    `keep_fp32 = True` (the bigLSTM's softmax, as in its reference code) keeps FP32 parameters and gets
+    FP32 inputs.
 
     Per optimizer it keeps (model params, FP32 params the optimizer holds, `own`: the positions
     whose FP32 tensor is a separate copy). A model parameter that stays FP32 (norm layers,
-    keep_fp32 modules) is handed to the optimizer itself: it needs no second FP32 copy."""
+    keep_fp32 modules) is handed to the optimizer itself: it needs no second FP32 copy. The
+    subclasses decide what the FP32 copies are between steps and how the result is written back."""
 
     impl = "paper"
 
-    def __init__(self, device, name: str, dtype: torch.dtype, scale, scaler_cfg=None, master: bool = True,
-                 fp32_math: bool = False, half_math: str = "auto", rounding: str = "nearest", seed: int = 0):
+    def __init__(self, device, name: str, dtype: torch.dtype, scale, scaler_cfg=None, half_math: str = "auto"):
         super().__init__(device)
-        self.name, self.compute_dtype, self.master, self.fp32_math = name, dtype, master, fp32_math
-        # Without a master copy: how the optimizer's FP32 result is written into the weights.
-        self.rounding = "nearest" if master else rounding
-        self._gen = None
-        if self.rounding == "stochastic":  # seeded, and in the checkpoint: a resume is bit-identical
-            self._gen = torch.Generator(device=self.device).manual_seed(1_000_003 * (int(seed) + 1))
-        self._comp: dict[tuple[int, int], torch.Tensor] = {}  # kahan: (optimizer, position) -> buffer
-        # fp16_storage is FP32 math on FP16 values on every device, whatever the setting.
-        self.half_math = "emulated" if fp32_math else resolve_half_math(half_math, dtype, self.device)
+        self.name, self.compute_dtype = name, dtype
+        self.half_math = self.half_math_for(half_math, dtype, self.device)
         c = scaler_cfg
         if scale is None:
             self.scaler = LossScaler("none")
@@ -430,9 +365,12 @@ class Paper(Recipe):
             self.scaler = LossScaler("static", scale)
         self._pairs: list[tuple[list[torch.Tensor], list[torch.Tensor], list[int]]] = []
 
+    @classmethod
+    def from_config(cls, cfg, device):
+        return cls(device, *_half_args(cfg))
+
     def autocast(self):
-        # fp16_storage is FP32 math by definition, on every device (FP32Math: HalfMath + softmax).
-        return FP32Math() if self.fp32_math else self._math()
+        return self._math()
 
     @property
     def _what(self) -> str:
@@ -469,28 +407,8 @@ class Paper(Recipe):
             self._pairs.append((model_p, fp32, own))
         return super().prepare(model, optimizers)
 
-    def broadcast_masters(self, src: int = 0) -> None:
-        """Give every rank rank `src`'s FP32 masters. DDP broadcasts the model's (FP16) weights when it
-        wraps it, but the masters were copied before, from each rank's own initial weights: ranks
-        started from different weights would round different masters into their models and drift
-        apart. Call after DDP wrapping, before the first step."""
-        import torch.distributed as dist
-
-        if not (self.master and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-            return
-        with torch.no_grad():
-            for _, fp32, own in self._pairs:
-                for i in own:
-                    dist.broadcast(fp32[i], src)
-        self.sync_model_from_master()
-
     def _pair(self, optimizer):
         return self._pairs[self.optimizers.index(optimizer)]
-
-    def weights_of(self, optimizer) -> list[torch.Tensor]:
-        """The tensors that hold the trained weights: the FP32 masters, or (fp16_pure) the FP16 model."""
-        model_p, fp32, _ = self._pair(optimizer)
-        return fp32 if self.master else model_p
 
     @property
     def loss_scale(self) -> float:
@@ -506,8 +424,7 @@ class Paper(Recipe):
             raise UserError(f"{self._what} got a sparse gradient; the FP32 master copy takes dense ones "
                             f"(build embeddings with sparse=False)")
         with torch.no_grad():
-            if not self.master:  # fp16_pure: the FP32 copy starts every step from the FP16 weights
-                TP.foreach_copy_([fp32[i] for i in own], [model_p[i] for i in own])
+            self._start_step(model_p, fp32, own)
             for i in own:
                 p, m = model_p[i], fp32[i]
                 if p.grad is None:
@@ -535,21 +452,18 @@ class Paper(Recipe):
         if clip_grad_norm > 0:  # on unscaled FP32 gradients
             torch.nn.utils.clip_grad_norm_([fp32[i] for i in live], clip_grad_norm, foreach=True)
         optimizer.step()
-        if copied:  # round the updated FP32 weights back into the FP16 model (3.1)
+        if copied:  # the updated FP32 weights back into the FP16 model (3.1)
             with torch.no_grad():
-                if self.rounding == "nearest":
-                    TP.foreach_copy_([model_p[i] for i in copied], [fp32[i] for i in copied])
-                elif self.rounding == "stochastic":
-                    for i in copied:
-                        model_p[i].copy_(stochastic_round(fp32[i], model_p[i].dtype, self._gen))
-                else:  # kahan
-                    k = self.optimizers.index(optimizer)
-                    for i in copied:
-                        c = self._comp.get((k, i))
-                        if c is None:
-                            c = self._comp[(k, i)] = torch.zeros_like(model_p[i])
-                        kahan_round_(model_p[i], fp32[i], c)
+                self._write_back(optimizer, model_p, fp32, copied)
         return True
+
+    def _start_step(self, model_p, fp32, own) -> None:
+        """What the FP32 copies start the step from, before the gradients are copied in (a master copy:
+        where the last step left them)."""
+
+    def _write_back(self, optimizer, model_p, fp32, copied) -> None:
+        """The updated FP32 weights rounded to nearest into the FP16 model (3.1)."""
+        TP.foreach_copy_([model_p[i] for i in copied], [fp32[i] for i in copied])
 
     def update(self):
         self.scaler.update(self._found_inf)
@@ -559,9 +473,41 @@ class Paper(Recipe):
         # Model (FP16) gradients are freed; the FP32 copies' gradients are kept allocated and overwritten.
         self._free_model_grads()
 
-    def sync_model_from_master(self) -> None:
-        if not self.master:
+    def state_dict(self):
+        sd = super().state_dict()
+        sd["scaler"] = self.scaler.state_dict()
+        return sd
+
+    def load_state_dict(self, sd):
+        super().load_state_dict(sd)
+        self.scaler.load_state_dict(sd["scaler"])
+
+
+class MasterCopy(HalfModel):
+    """fp16, mixed and bf16 under impl=paper: an FP32 master copy of the weights (section 3.1) that the
+    optimizer updates, rounded into the FP16 model after every step. It starts from the model's FP32
+    initial weights, so the FP16 model is derived from it, never the other way round."""
+
+    def weights_of(self, optimizer) -> list[torch.Tensor]:
+        """The FP32 masters."""
+        return self._pair(optimizer)[1]
+
+    def broadcast_masters(self, src: int = 0) -> None:
+        """Give every rank rank `src`'s FP32 masters. DDP broadcasts the model's (FP16) weights when it
+        wraps it, but the masters were copied before, from each rank's own initial weights: ranks
+        started from different weights would round different masters into their models and drift
+        apart. Call after DDP wrapping, before the first step."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             return
+        with torch.no_grad():
+            for _, fp32, own in self._pairs:
+                for i in own:
+                    dist.broadcast(fp32[i], src)
+        self.sync_model_from_master()
+
+    def sync_model_from_master(self) -> None:
         with torch.no_grad():
             for model_p, fp32, own in self._pairs:
                 if own:
@@ -569,9 +515,85 @@ class Paper(Recipe):
 
     def state_dict(self):
         sd = super().state_dict()
-        sd["scaler"] = self.scaler.state_dict()
-        if self.master:  # only the separate copies: the FP32 model parameters are in the model's state_dict
-            sd["master"] = [[fp32[i].detach().clone() for i in own] for _, fp32, own in self._pairs]
+        # Only the separate copies: the FP32 model parameters are in the model's state_dict.
+        sd["master"] = [[fp32[i].detach().clone() for i in own] for _, fp32, own in self._pairs]
+        return sd
+
+    def load_state_dict(self, sd):
+        super().load_state_dict(sd)
+        with torch.no_grad():
+            for (_, fp32, own), saved in zip(self._pairs, sd["master"]):
+                for i, s in zip(own, saved):
+                    fp32[i].copy_(s)
+        self.sync_model_from_master()
+
+
+class FP16Storage(MasterCopy):
+    """fp16_storage, "FP16 storage, FP32 math", how the paper ran DeepSpeech 2 (section 4.3): weights,
+    activations and gradients stored in FP16, FP32 master weights, and every dot product (linear,
+    matmul, convolution, recurrent layer) and softmax computed in FP32 on the FP16 values, its result
+    stored in FP16 (FP32Math, on every device). Point-wise ops and reductions run PyTorch's FP16
+    kernels, which already compute in FP32 and round once on output. No loss scaling unless loss_scale
+    is set. The FP32 temporaries autograd saves make its memory and speed those of FP32: it reproduces
+    the numerics only."""
+
+    @classmethod
+    def half_math_for(cls, setting, dtype, device):
+        return "emulated"  # FP32 math on FP16 values is the precision's definition, whatever the setting
+
+    def autocast(self):
+        return FP32Math()
+
+
+class NoMasterCopy(HalfModel):
+    """fp16_pure (Figure 2a's ablation) and bf16_pure: FP16 (BF16) weights updated directly, with no FP32
+    master copy. The optimizer's arithmetic and state stay FP32 -- each step it works on an FP32 copy
+    made from the FP16 weights, and its result is rounded back into them; the copy carries nothing to
+    the next step, so whatever the rounding loses is lost (section 3.1). The ablation is about the
+    weights: an Adam eps of 1e-8 (0 in FP16) or an FP16 momentum buffer would be a second, different
+    effect.
+
+    `rounding` writes the result into the weights (mpt.rounding): nearest (round to nearest even: small
+    updates are lost), stochastic (up or down with probabilities that make it unbiased; seeded from
+    cfg.seed, its generator in the checkpoint) or kahan (a compensation buffer per weight carries what
+    the rounding lost into the next update)."""
+
+    def __init__(self, device, name: str, dtype: torch.dtype, scale, scaler_cfg=None, half_math: str = "auto",
+                 rounding: str = "nearest", seed: int = 0):
+        super().__init__(device, name, dtype, scale, scaler_cfg, half_math)
+        self.rounding = rounding
+        self._gen = None
+        if rounding == "stochastic":  # seeded, and in the checkpoint: a resume is bit-identical
+            self._gen = torch.Generator(device=self.device).manual_seed(1_000_003 * (int(seed) + 1))
+        self._comp: dict[tuple[int, int], torch.Tensor] = {}  # kahan: (optimizer, position) -> buffer
+
+    @classmethod
+    def from_config(cls, cfg, device):
+        return cls(device, *_half_args(cfg), getattr(cfg, "rounding", "nearest"), cfg.seed)
+
+    def weights_of(self, optimizer) -> list[torch.Tensor]:
+        """The FP16 weights: what the update received (params_of holds what it intended)."""
+        return self._pair(optimizer)[0]
+
+    def _start_step(self, model_p, fp32, own) -> None:
+        TP.foreach_copy_([fp32[i] for i in own], [model_p[i] for i in own])  # nothing survives a step
+
+    def _write_back(self, optimizer, model_p, fp32, copied) -> None:
+        if self.rounding == "nearest":
+            super()._write_back(optimizer, model_p, fp32, copied)
+        elif self.rounding == "stochastic":
+            for i in copied:
+                model_p[i].copy_(stochastic_round(fp32[i], model_p[i].dtype, self._gen))
+        else:  # kahan
+            k = self.optimizers.index(optimizer)
+            for i in copied:
+                c = self._comp.get((k, i))
+                if c is None:
+                    c = self._comp[(k, i)] = torch.zeros_like(model_p[i])
+                kahan_round_(model_p[i], fp32[i], c)
+
+    def state_dict(self):
+        sd = super().state_dict()
         if self._gen is not None:
             sd["rounding_rng"] = self._gen.get_state()
         if self._comp:
@@ -580,15 +602,6 @@ class Paper(Recipe):
 
     def load_state_dict(self, sd):
         super().load_state_dict(sd)
-        self.scaler.load_state_dict(sd["scaler"])
-        if self.master:
-            with torch.no_grad():
-                for (_, fp32, own), saved in zip(self._pairs, sd["master"]):
-                    # Older checkpoints saved a master for every parameter, FP32 ones included.
-                    idx = own if len(saved) == len(own) else range(len(fp32))
-                    for i, s in zip(idx, saved):
-                        fp32[i].copy_(s)
-            self.sync_model_from_master()
         if self._gen is not None and "rounding_rng" in sd:
             self._gen.set_state(sd["rounding_rng"])
         self._comp = {}
@@ -598,9 +611,16 @@ class Paper(Recipe):
 
 
 class FP8(Recipe):
-    """precision=fp8 (beyond the paper, issue 31; the module docstring): FP32 parameters that are the
-    master copy, every weight-bearing dot product on FP8 operands (FP8Math), per-tensor scales
-    (FP8State, checkpointed), no loss scaling. The same recipe for impl=autocast and impl=paper."""
+    """precision=fp8, beyond the paper (mpt.fp8): FP32 parameters that are the master copy, every
+    weight-bearing dot product on FP8 operands (FP8Math), per-tensor scales (FP8State, checkpointed),
+    FP32 accumulation and outputs, no loss scaling (the per-tensor scales replace it). The same recipe
+    for impl=autocast and impl=paper.
+
+    `fp8.scaling`: `current` (FP8_MAX / amax of the tensor now) or `delayed` (FP8_MAX / the max over an
+    amax history of fp8.amax_history_len iterations, Transformer Engine's DelayedScaling defaults: 1024,
+    "max", margin 0; the scale starts at 1 and is recomputed once per iteration). `fp8.ends=bf16`
+    (default) keeps the first and the last weight-bearing layer of each model (registration order) in
+    BF16, as the FP8 paper kept them in 16 bits; `fp8.ends=fp8` quantises them too."""
 
     name = "fp8"
 
@@ -609,6 +629,10 @@ class FP8(Recipe):
         self.impl = impl
         self.ends = f8.ends
         self.state = FP8State(f8.scaling, f8.amax_history_len, f8.amax_compute_algo, f8.margin)
+
+    @classmethod
+    def from_config(cls, cfg, device):
+        return cls(device, cfg.fp8, cfg.impl)
 
     def prepare(self, model, optimizers):
         self.state.register(model, self.ends)
@@ -637,23 +661,28 @@ class FP8(Recipe):
         self.state.load_state_dict(sd["fp8"], self.device)
 
 
+# The recipe of each precision that has one of its own; the others (fp16, mixed, bf16) run the scheme
+# cfg.impl names (precisions.Precision.impls).
+RECIPES: dict[str, type[Recipe]] = {"fp32": FP32, "fp16_pure": NoMasterCopy, "fp16_storage": FP16Storage,
+                                    "fp8": FP8, "bf16_pure": NoMasterCopy}
+IMPL_RECIPES: dict[str, type[Recipe]] = {"autocast": Autocast, "paper": MasterCopy}
+
+
+def recipe_class(precision: str, impl: str) -> type[Recipe]:
+    return RECIPES.get(precision) or IMPL_RECIPES[impl]
+
+
+def half_math_used(cfg, device) -> str:
+    """What build(cfg, device).half_math will be, without building it (env.json)."""
+    cls = recipe_class(cfg.precision, cfg.impl)
+    return cls.half_math_for(getattr(cfg, "half_math", "auto"), _dtype(cfg.precision), torch.device(device))
+
+
 def build(cfg, device) -> Recipe:
     """The recipe named by cfg.precision / cfg.impl / cfg.loss_scale (validated by check())."""
     check(cfg)
     device = torch.device(device)
-    p, scale = cfg.precision, parse_loss_scale(cfg.loss_scale, cfg.precision)
-    if p == "fp32":
-        return FP32(device)
-    if p == "fp8":
-        return FP8(device, cfg.fp8, cfg.impl)
-    dtype = torch.bfloat16 if p in ("bf16", "bf16_pure") else torch.float16
-    if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise UserError(f"precision={p} needs a GPU with BF16 (Ampere or newer); "
+    if _dtype(cfg.precision) == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise UserError(f"precision={cfg.precision} needs a GPU with BF16 (Ampere or newer); "
                         f"{torch.cuda.get_device_name(device)} has none: use precision=mixed")
-    hm = getattr(cfg, "half_math", "auto")
-    if p in _PAPER_ONLY:
-        return Paper(device, p, dtype, scale, cfg.scaler, master=p not in _PURE, fp32_math=p == "fp16_storage",
-                     half_math=hm, rounding=getattr(cfg, "rounding", "nearest"), seed=cfg.seed)
-    if cfg.impl == "paper":
-        return Paper(device, p, dtype, scale, cfg.scaler, master=True, half_math=hm)
-    return Autocast(device, p, dtype, scale, cfg.scaler, half_math=hm)
+    return recipe_class(cfg.precision, cfg.impl).from_config(cfg, device)
