@@ -2,7 +2,8 @@
 speed/memory benchmark and the generated tables and figures (paper_tables) know about it. Imports no
 torch, so the config and paper_tables read it on any machine.
 
-A new precision is a row here and a recipe class in mpt/precision.py (and its tests and README line).
+A new precision is a row here and, where its scheme is new, a recipe class in mpt/precision.py
+(registered in its RECIPES), with its tests and its line in the README.
 """
 from __future__ import annotations
 
