@@ -42,6 +42,9 @@ def _beyond(name: str, what: str, color: str | None = None) -> Column:
 
 @dataclasses.dataclass(frozen=True)
 class Precision:
+    """One precision: what it stores and computes in, how it treats the loss scale, which impls run it,
+    and its columns in the generated tables."""
+
     name: str
     doc: str  # what it is, and where the paper (or the successor it comes from) describes it
     storage: str  # torch dtype of the weights, activations and gradients in the paper's scheme (impl=paper)
@@ -66,8 +69,8 @@ class Precision:
         return self.compute in ("float16", "bfloat16")
 
     @property
-    def config(self) -> str:
-        """cfg.precision of a run in this precision."""
+    def run_as(self) -> str:
+        """cfg.precision of a run in this precision (TF32: fp32, with cfg.tf32 on)."""
         return "fp32" if self.tf32 else self.name
 
 
@@ -139,14 +142,14 @@ BY_NAME = {p.name: p for p in TABLE}
 PRECISIONS = tuple(p.name for p in TABLE if not p.tf32)  # the values of cfg.precision
 # Precisions whose convolutions and matmuls a GPU runs in FP16/BF16 on tensor cores.
 HALF_COMPUTE = tuple(p.name for p in TABLE if p.half_compute)
-# The order of table columns and figure legends: everything of the paper's first, then the
-# precisions beyond it, then the variants beyond it of the paper's own.
+# The order of table columns and figure legends: the paper's precisions and its baselines first, then
+# the precisions beyond the paper, then the variants beyond it of the first (fp16_pure's roundings).
 _OWN = [p for p in TABLE if not p.tf32 and not p.beyond_paper]
 COLUMNS = (tuple(c for p in _OWN for c in p.columns if not c.beyond_paper)
            + tuple(c for p in TABLE if p.beyond_paper for c in p.columns)
            + tuple(c for p in _OWN for c in p.columns if c.beyond_paper))
 _ROW_OF = {c.name: p for p in TABLE if not p.tf32 for c in p.columns}
-_TF32 = {p.config: p.columns[0] for p in TABLE if p.tf32}
+_TF32 = {p.run_as: p.columns[0] for p in TABLE if p.tf32}
 
 
 def column(name: str, tf32: bool = False) -> Column | None:

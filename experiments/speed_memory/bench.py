@@ -334,7 +334,7 @@ def half_maths(precision: str, setting: str) -> list[str]:
 def config_for(wl: Workload, model: str, precision: str, impl: str | None, o: dict, device) -> config.Config:
     row = precisions.BY_NAME[precision]
     return config.resolve(wl.experiment, [
-        f"model={model}", f"precision={row.config}",
+        f"model={model}", f"precision={row.run_as}",
         f"half_math={o.get('half_math', 'auto')}",
         f"impl={impl or 'autocast'}", f"tf32={'true' if row.tf32 else 'false'}",
         f"width={o['width']}", f"train.batch_size={o['batch']}", f"channels_last={str(o['channels_last']).lower()}",
