@@ -140,7 +140,8 @@ TABLE: tuple[Precision, ...] = (
 
 BY_NAME = {p.name: p for p in TABLE}
 PRECISIONS = tuple(p.name for p in TABLE if not p.tf32)  # the values of cfg.precision
-# Precisions whose convolutions and matmuls a GPU runs in FP16/BF16 on tensor cores.
+# Precisions whose convolutions and matmuls a GPU runs in FP16/BF16 on tensor cores. fp16_storage
+# computes in FP32 (section 4.3) and fp8 is simulated around FP32 kernels: neither is among them.
 HALF_COMPUTE = tuple(p.name for p in TABLE if p.half_compute)
 # The order of table columns and figure legends: the paper's precisions and its baselines first, then
 # the precisions beyond the paper, then the variants beyond it of the first (fp16_pure's roundings).
