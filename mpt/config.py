@@ -129,7 +129,7 @@ class Config:
     width: float = 1.0  # channel multiplier: tiny variants for tests and the demo
     profile: str = "paper"  # paper | tiny (CPU smoke data) -- tables never mix them
     seed: int = 0
-    precision: str = "fp32"  # fp32 | fp16 | mixed | bf16 | fp16_pure | fp16_storage | fp8 | bf16_pure (mpt.precisions)
+    precision: str = "fp32"  # one of mpt.precisions.PRECISIONS: fp32 | fp16 | mixed | bf16 | fp16_pure | ...
     impl: str = "autocast"  # autocast | paper
     # FP16/BF16 dot products on a CPU: emulated (FP32 math on the FP16 operands, rounded once: section
     # 3.3's arithmetic) | native (PyTorch's CPU kernels) | auto (emulated; BF16 native where the CPU has
