@@ -25,6 +25,7 @@ from typing import Any
 
 import yaml
 
+from mpt import precisions
 from mpt.errors import UserError
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -111,7 +112,7 @@ class NumericsCfg:
 
 @dataclass
 class FP8Cfg:
-    # precision=fp8 only (beyond the paper, issue 31; mpt.precision.FP8State). Defaults: Transformer
+    # precision=fp8 only (beyond the paper; mpt.fp8.FP8State). Defaults: Transformer
     # Engine's DelayedScaling (history 1024, "max", margin 0) and the FP8 paper's 16-bit first/last layers.
     scaling: str = "delayed"  # delayed (amax history) | current (amax of the tensor now)
     amax_history_len: int = 1024
@@ -135,15 +136,15 @@ class Config:
     width: float = 1.0  # channel multiplier: tiny variants for tests and the demo
     profile: str = "paper"  # paper | tiny (CPU smoke data) -- tables never mix them
     seed: int = 0
-    precision: str = "fp32"  # fp32 | fp16 | mixed | bf16 | fp16_pure | fp16_storage | fp8 | bf16_pure (mpt.precision)
+    precision: str = "fp32"  # one of mpt.precisions.PRECISIONS: fp32 | fp16 | mixed | bf16 | fp16_pure | ...
     impl: str = "autocast"  # autocast | paper
     # FP16/BF16 dot products on a CPU: emulated (FP32 math on the FP16 operands, rounded once: section
     # 3.3's arithmetic) | native (PyTorch's CPU kernels) | auto (emulated; BF16 native where the CPU has
-    # BF16 instructions). A GPU always runs its own kernels. mpt.precision.HalfMath; env.json records
+    # BF16 instructions). A GPU always runs its own kernels. mpt.half_math.HalfMath; env.json records
     # what auto picked.
     half_math: str = "auto"
     loss_scale: str = "auto"  # auto | dynamic | <number>
-    # fp16_pure / bf16_pure: how the optimizer's FP32 result is rounded into the weights (issue 31):
+    # fp16_pure / bf16_pure: how the optimizer's FP32 result is rounded into the weights (mpt.rounding):
     # nearest | stochastic (seeded, checkpointed) | kahan (a compensation buffer per weight)
     rounding: str = "nearest"
     fp8: FP8Cfg = field(default_factory=FP8Cfg)
@@ -439,27 +440,32 @@ def _read_marker(path: str, mtime_ns: int, size: int) -> tuple[Any, str | None]:
     return info, None
 
 
-# Precisions that never scale the loss: there S = 1 is what `auto` means (mpt.precision.parse_loss_scale).
-UNSCALED_PRECISIONS = ("fp32", "bf16", "fp16", "bf16_pure", "fp8")
-
-
 def canonical_loss_scale(value: str, precision: str = "") -> str:
     """One spelling per loss scale, so that equal recipes are one cell (one content id, one run
     directory): 8, 8.0, "8.0" and 8e0 are all "8"; 0.5 stays "0.5"; auto and dynamic in lower case.
-    Given the precision, a spelling of what `auto` means there is `auto` (mpt.precision.parse_loss_scale):
-    dynamic under mixed, and S = 1 under fp32, bf16 and fp16 (which never scale). fp16_pure and
+    Given the precision, a spelling of what `auto` means there (mpt.precisions.parse_loss_scale) is
+    `auto`: dynamic under mixed, and S = 1 under the precisions that never scale. fp16_pure and
     fp16_storage keep 1 and dynamic: there auto is no scaler at all, which skips no overflowing step.
-    What is not a number is left for precision.check to reject."""
+    What is not a number is left for precisions.check to reject."""
     v = str(value).strip().lower()
     try:
         f = float(v)
     except ValueError:
-        return "auto" if v == "dynamic" and precision == "mixed" else v
-    if not math.isfinite(f):
+        f = None
+    if f is not None and not math.isfinite(f):
         return v
-    if f == 1 and precision in UNSCALED_PRECISIONS:
+    if _means_auto(v, precision):
         return "auto"
+    if f is None:
+        return v
     return str(int(f)) if f.is_integer() and abs(f) < 2 ** 53 else repr(f)
+
+
+def _means_auto(value: str, precision: str) -> bool:
+    try:
+        return precisions.parse_loss_scale(value, precision) == precisions.parse_loss_scale("auto", precision)
+    except UserError:  # an unknown precision, or a loss scale it refuses: not auto's spelling
+        return False
 
 
 # Keys of a data_prep marker (prepared.json) that say when or where it was made, not what it holds.
@@ -499,7 +505,7 @@ def _fingerprint(root: str, mtime_ns: int, size: int, files: tuple[str, ...]) ->
     return h.hexdigest()[:16]
 
 
-RANGES = (  # (key, test, what it must be) for the core config (scaler.*: precision.check); a task checks its own keys
+RANGES = (  # (key, test, what it must be) for the core config (scaler.*: precisions.check); a task checks its own keys
     ("width", lambda v: v > 0, "> 0"),
     ("seed", lambda v: v >= 0, ">= 0"),
     ("train.epochs", lambda v: v > 0, "> 0 (train.max_steps > 0 overrides it)"),
@@ -532,9 +538,7 @@ RANGES = (  # (key, test, what it must be) for the core config (scaler.*: precis
 
 
 def validate(cfg: Config) -> None:
-    from mpt import precision  # late import: precision imports torch
-
-    precision.check(cfg)
+    precisions.check(cfg)
     # Every numeric key's range: a value outside it would otherwise become a "result" (max_steps=-1 ->
     # "completed" at step 0, lr=nan -> "completed" with a NaN loss) or a traceback (log_every=0).
     for key, ok, want in RANGES:

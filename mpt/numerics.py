@@ -68,7 +68,7 @@ def format_thresholds(fmt: str) -> tuple[float, float, float]:
     even: half the smallest subnormal ties to 0 (even); the largest subnormal (odd) and the smallest
     normal tie to the normal; the largest finite value plus half its ulp ties away from it (its
     mantissa is odd) -- to inf in FP16/BF16/E5M2, to a saturated maximum in the casts of
-    mpt.precision (E4M3 has no inf: its 448 + 16 would be a NaN code, and a saturating cast keeps 448,
+    mpt.fp8 (E4M3 has no inf: its 448 + 16 would be a NaN code, and a saturating cast keeps 448,
     so there overflow starts just above 464)."""
     f = FORMATS[fmt]
     half_ulp_top = 2.0 ** (math.floor(math.log2(f["max"])) - f["mantissa"] - 1)
@@ -162,7 +162,7 @@ def exponent_histogram(t: torch.Tensor, lo: int = HIST_LO, hi: int = HIST_HI) ->
 
 def format_bands(t: torch.Tensor, fmt: str = "fp16", scale: float = 1.0) -> dict[str, int]:
     """fp16_bands for any format of FORMATS (E4M3, E5M2, BF16 too): the values |x| * scale banded by
-    what rounding them to `fmt` gives. For FP8, `scale` is the per-tensor scale (mpt.precision's
+    what rounding them to `fmt` gives. For FP8, `scale` is the per-tensor scale (mpt.fp8's
     FP8_MAX / amax), so format_bands(t, "e4m3", 448 / amax) is what the simulated FP8 recipe keeps."""
     if fmt not in FORMATS:
         raise ValueError(f"format_bands fmt={fmt!r}: choose one of {', '.join(FORMATS)}")

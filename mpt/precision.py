@@ -1,5 +1,6 @@
-"""The one precision switch (paper section 3). Every experiment runs every precision through here;
-the training loop calls the same five methods whatever the precision and never branches on it:
+"""The one precision switch (paper section 3): build(cfg, device) returns the recipe of cfg.precision
+(a row of mpt/precisions.py) and cfg.impl. Every experiment runs every precision through here; the
+training loop calls the same methods whatever the precision and never branches on it:
 
     recipe = build(cfg, device)                  # from cfg.precision / cfg.impl / cfg.loss_scale
     model = recipe.prepare(model, [optimizer])   # before DDP wrapping and before any step
@@ -11,116 +12,31 @@ the training loop calls the same five methods whatever the precision and never b
     recipe.update()                              # once per iteration, after every optimizer's step
     recipe.zero_grad()
 
-Recipes (cfg.precision):
-  fp32          everything FP32 (TF32 is a separate switch, off by default).
-  fp16          the paper's "MP without loss scaling": FP16 forward/backward, FP32 master weights,
-                S = 1 and no overflow skipping, so a network that diverges (SSD, Table 2) diverges here.
-  mixed         FP16 + FP32 master weights + loss scaling: constant S (the paper's) or dynamic
-                (a later framework feature, section 5); both skip the update on inf/nan.
-  bf16          BF16 compute, FP32 master weights, no scaling (BF16 has FP32's exponent range).
-  fp16_pure     Figure 2a's ablation: FP16 weights updated directly, no FP32 master copy (loss
-                scaling optional). The optimizer's arithmetic and state stay FP32 -- each step it
-                works on an FP32 copy made from the FP16 weights, and its result is rounded back
-                into them; the copy carries nothing to the next step, so whatever the rounding
-                loses is lost (section 3.1). The ablation is about the weights: an Adam eps of
-                1e-8 (0 in FP16) or an FP16 momentum buffer would be a second, different effect.
-  fp16_storage  "FP16 storage, FP32 math", how the paper ran DeepSpeech 2 (section 4.3): weights,
-                activations and gradients stored in FP16, FP32 master weights, and every dot
-                product (linear, matmul, convolution, recurrent layer) and softmax computed in
-                FP32 on the FP16 values, its result stored in FP16. Point-wise ops and reductions
-                run PyTorch's FP16 kernels, which already compute in FP32 and round once on
-                output. No loss scaling unless loss_scale is set. The FP32 temporaries autograd
-                saves make its memory and speed those of FP32: it reproduces the numerics only.
-
-Beyond the paper (issue 31: its successors, labelled so in every table):
-  fp8           FP8 for the operands of every dot product of a weight-bearing layer (linear,
-                convolution, recurrent): E4M3 for weights and activations in the forward pass, E5M2
-                for the gradient of the layer's output in the backward pass (Micikevicius et al.
-                2022, "FP8 Formats for Deep Learning"; Transformer Engine's HYBRID format), each
-                tensor with its own scale, by `fp8.scaling`: `current` (FP8_MAX / amax of this
-                tensor now) or `delayed` (FP8_MAX / the max over an amax history of
-                fp8.amax_history_len iterations, Transformer Engine's DelayedScaling defaults: 1024,
-                "max", margin 0; the scale starts at 1 and is recomputed once per iteration). FP32
-                master weights (the model's own parameters), FP32 accumulation and outputs, no loss
-                scaling (the per-tensor scales replace it). `fp8.ends=bf16` (default) keeps the first
-                and the last weight-bearing layer of each model (registration order) in BF16, as the
-                FP8 paper kept them in 16 bits; `fp8.ends=fp8` quantises them too. Simulated on every
-                device: quantise-dequantise (torch.float8_e4m3fn / float8_e5m2 casts, saturating at
-                +-448 / +-57344) around the FP32 kernels, as the FP8 paper itself simulated -- the
-                numerics, not the speed. Both impls run this one recipe. Not quantised: a recurrent
-                layer's state inside its fused kernel (its input sequence and weights are; the
-                gradient of its output sequence is), dot products without a weight (attention's),
-                embeddings (lookups), modules marked keep_fp32.
-  bf16_pure     BF16 weights updated directly, no FP32 master copy (fp16_pure's scheme in BF16,
-                Zamirai et al. 2020, "Revisiting BFloat16 Training"), with `rounding=` deciding how
-                the FP32 result of the optimizer is written back into the BF16 weights: `nearest`
-                (round to nearest even: small updates are lost, section 3.1), `stochastic` (up or
-                down with probabilities that make it unbiased; seeded from cfg.seed, its generator
-                in the checkpoint) or `kahan` (a BF16 compensation buffer per weight carries what
-                the rounding lost into the next update). `rounding` applies to fp16_pure too.
-
-Implementations (cfg.impl):
-  autocast   torch.autocast + torch.amp.GradScaler: parameters stay FP32 (they *are* the master
-             copy) and matmuls/convolutions run in FP16 on autocast's casts.
-  paper      the paper's own scheme: parameters, activations and gradients stored in FP16, an FP32
-             master copy that the optimizer updates, FP16 gradients unscaled into FP32 master
-             gradients, the updated master rounded back into the FP16 model. Norm layers keep FP32
-             parameters and statistics and compute in FP32 while reading/writing FP16, and the
-             model's outputs are cast to FP32 so softmax and the loss reduce in FP32 (section 3.3).
-             A module with `keep_fp32 = True` (the bigLSTM's softmax, as in its reference code)
-             keeps FP32 parameters and gets FP32 inputs. A parameter kept in FP32 is its own master.
-  fp16_pure and fp16_storage are defined by what the model stores, which autocast's FP32 weights
-  cannot express, so both impls run them the paper's way.
-
-FP16/BF16 math on a CPU (cfg.half_math: auto | emulated | native; HalfMath below):
-  emulated   every dot product (linear, matmul, convolution, a recurrent layer as a whole, the
-             embedding's gradient sum; forward and backward) that reads FP16 (BF16) operands runs as
-             FP32 math on exact FP32 copies of them and its result is rounded once to FP16 (BF16):
-             section 3.3's FP16 dot product (products accumulated in FP32, rounded on write), what
-             tensor cores do.
-             Point-wise ops and reductions keep PyTorch's kernels (they already compute in FP32 and
-             round once). With PyTorch's CPU FP16 kernels a training step took 3.5-42x
-             FP32's here (experiments/speed_memory/README.md); emulated, 0.94-1.5x
-             (width 1/16, batch 32).
-  native     PyTorch's CPU FP16/BF16 kernels.
-  auto       emulated for FP16; for BF16 native where the processor has BF16 dot-product
-             instructions (AVX512-BF16 or AMX-BF16: oneDNN's BF16 kernels beat FP32 there) and
-             emulated where it has none. A GPU always runs its own kernels (the setting is moot there).
+One recipe class per scheme: FP32; Autocast (torch.autocast and GradScaler); the paper's FP16 model
+(HalfModel) with FP32 master weights (MasterCopy), with FP32 math (FP16Storage) or without a master copy
+(NoMasterCopy); FP8. The arithmetic they call lives beside: mpt.half_math (FP16/BF16 dot products on a
+CPU), mpt.fp8, mpt.rounding and mpt.loss_scaler.
 """
 from __future__ import annotations
 
 import contextlib
-import functools
-import math
 from typing import Iterable
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
+from mpt import precisions
 from mpt import torch_private as TP
-from mpt.config import UNSCALED_PRECISIONS
 from mpt.errors import UserError
+from mpt.fp8 import FP8_FORMATS, FP8Math, FP8State, fp8_quantize  # noqa: F401 -- also imported from here
+from mpt.half_math import (FP32Math, HalfMath, cpu_has_fast_bf16, half_math_info,  # noqa: F401
+                           resolve_half_math)
+from mpt.loss_scaler import LossScaler
 from mpt.numerics import first_nonfinite
+from mpt.precisions import (HALF_COMPUTE, HALF_MATHS, IMPLS, PRECISIONS, ROUNDINGS,  # noqa: F401
+                            check, parse_loss_scale)
+from mpt.rounding import kahan_round_, stochastic_round
 
-PRECISIONS = ("fp32", "fp16", "mixed", "bf16", "fp16_pure", "fp16_storage", "fp8", "bf16_pure")
-# Precisions that store the model in FP16 (BF16) whatever cfg.impl says (see the module docstring).
-_PAPER_ONLY = ("fp16_pure", "fp16_storage", "bf16_pure")
-# Precisions without an FP32 master copy: how the optimizer's FP32 result is rounded into the weights.
-_PURE = ("fp16_pure", "bf16_pure")
-ROUNDINGS = ("nearest", "stochastic", "kahan")
-FP8_SCALINGS = ("delayed", "current")
-FP8_AMAX_ALGOS = ("max", "most_recent")
-FP8_ENDS = ("bf16", "fp8")
-# (torch dtype, largest finite magnitude): E4M3 has no infinities, so its top binade reaches 448;
-# E5M2 is IEEE-like, 57344 (FP8 paper, Table 1).
-FP8_FORMATS = {"e4m3": (torch.float8_e4m3fn, 448.0), "e5m2": (torch.float8_e5m2, 57344.0)}
-# Precisions whose convolutions and matmuls a GPU runs in FP16/BF16 (tensor cores). fp16_storage
-# computes in FP32 (section 4.3) and fp8 is simulated around FP32 kernels: neither is among them.
-HALF_COMPUTE = ("fp16", "mixed", "bf16", "fp16_pure", "bf16_pure")
-IMPLS = ("autocast", "paper")
-HALF_MATHS = ("auto", "emulated", "native")
 # Norm layers keep FP32 parameters and statistics; their kernels read FP16 input with FP32
 # parameters and reduce in FP32 (section 3.3), so no FP32 copy of the activation is made or saved.
 _NORMS = (TP.NormBase, nn.LayerNorm, nn.GroupNorm)
@@ -132,267 +48,6 @@ _UNWRAPPABLE = (torch.optim.LBFGS, torch.optim.SparseAdam)
 # Layers that can produce sparse gradients (sparse=True): impl=paper copies gradients into dense FP32
 # masters with dense kernels.
 _SPARSE_CAPABLE = (nn.Embedding, nn.EmbeddingBag)
-
-
-# ------------------------------------------------------------------------------------------------
-# config checks
-
-
-def parse_loss_scale(value: str, precision: str):
-    """'auto' | 'dynamic' | a positive number  ->  None (no scaling), 'dynamic' or float S."""
-    v = str(value).strip().lower()
-    if v == "auto":
-        return "dynamic" if precision == "mixed" else None
-    if v == "dynamic":
-        if precision not in ("mixed", "fp16_pure", "fp16_storage"):
-            raise UserError(f"loss_scale=dynamic needs precision=mixed, fp16_pure or fp16_storage, not {precision}")
-        return "dynamic"
-    try:
-        s = float(v)
-    except ValueError:
-        raise UserError(f"loss_scale={value!r} is not a number; use a positive number, 'dynamic' or 'auto'") from None
-    if not math.isfinite(s) or s <= 0:
-        raise UserError(f"loss_scale={value!r} must be a positive finite number (the paper used 8 to 32K)")
-    if precision in ("fp32", "bf16", "bf16_pure") and s != 1:
-        raise UserError(f"loss_scale={value} does nothing for precision={precision}; leave it at auto")
-    if precision == "fp8" and s != 1:
-        raise UserError(f"precision=fp8 scales each tensor on its own (fp8.scaling); loss_scale={value} "
-                        f"is not used: leave it at auto")
-    if precision == "fp16" and s != 1:
-        raise UserError(
-            f"precision=fp16 is the paper's 'without loss scaling' mode (S = 1); "
-            f"for S = {value} use precision=mixed loss_scale={value}")
-    if precision in UNSCALED_PRECISIONS:
-        return None
-    return s
-
-
-def check(cfg) -> None:
-    if cfg.precision not in PRECISIONS:
-        raise UserError(f"unknown precision {cfg.precision!r}; choose one of: {', '.join(PRECISIONS)}")
-    if cfg.impl not in IMPLS:
-        raise UserError(f"unknown impl {cfg.impl!r}; choose one of: {', '.join(IMPLS)}")
-    if getattr(cfg, "half_math", "auto") not in HALF_MATHS:
-        raise UserError(f"unknown half_math {cfg.half_math!r}; choose one of: {', '.join(HALF_MATHS)}")
-    parse_loss_scale(cfg.loss_scale, cfg.precision)
-    rounding = getattr(cfg, "rounding", "nearest")
-    if rounding not in ROUNDINGS:
-        raise UserError(f"unknown rounding {rounding!r}; choose one of: {', '.join(ROUNDINGS)}")
-    if rounding != "nearest" and cfg.precision not in _PURE:
-        raise UserError(f"rounding={rounding} is how weights without an FP32 master copy are updated; it needs "
-                        f"precision={' or '.join(_PURE)}, not {cfg.precision}")
-    f8 = getattr(cfg, "fp8", None)
-    if f8 is not None:
-        for key, value, allowed in (("scaling", f8.scaling, FP8_SCALINGS),
-                                    ("amax_compute_algo", f8.amax_compute_algo, FP8_AMAX_ALGOS),
-                                    ("ends", f8.ends, FP8_ENDS)):
-            if value not in allowed:
-                raise UserError(f"unknown fp8.{key} {value!r}; choose one of: {', '.join(allowed)}")
-        if f8.amax_history_len < 1:
-            raise UserError(f"fp8.amax_history_len={f8.amax_history_len} must be >= 1")
-        if cfg.precision != "fp8" and type(f8)() != f8:
-            raise UserError(f"fp8.* keys do nothing for precision={cfg.precision}; leave them at their defaults")
-    s = cfg.scaler
-    if not (s.init_scale > 0 and s.growth_factor > 1 and 0 < s.backoff_factor < 1 and s.growth_interval >= 1):
-        raise UserError("scaler needs init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1, growth_interval >= 1")
-
-
-# ------------------------------------------------------------------------------------------------
-# FP32 math on FP16 (BF16) values
-#
-# Section 3.3: an FP16 dot product accumulates its partial products in FP32 and rounds the result to
-# FP16 when it is written. That is exactly: cast the FP16 operands to FP32 (exact), run the FP32
-# kernel, round the output to FP16 once (only the summation order can differ from another
-# FP32-accumulating kernel, by an ulp). HalfMath applies that rule to every dot product a model calls
-# (convolutions, linear layers, matmuls, recurrent layers, the embedding's gradient sum), forward
-# and backward; FP32Math (fp16_storage, section 4.3) is the same mode with softmax added.
-#
-# Why at the function level (a TorchFunctionMode, ~270 calls in a tiny ResNet-50 forward) and not
-# below autograd (a TorchDispatchMode would see every aten op of forward and backward, ~820 there,
-# ~9,200 in a 2-layer GRU over 100 frames): measured here, the dispatch mode's Python call costs
-# ~16 us per op -- 13 ms of a 46 ms ResNet-50 step and 63 ms of an 84 ms GRU step before any
-# arithmetic. Convolutions, linear layers and embeddings get autograd Functions that save the FP16
-# tensors (activation memory stays FP16's) and run the FP32 backward kernels themselves; the other
-# dot products are differentiated through their casts, so autograd saves their FP32 copies.
-
-
-def _ops(owner, names):
-    return {getattr(owner, n) for n in names if hasattr(owner, n)}
-
-
-def _map(obj, f):
-    """f applied to every tensor in obj (tensors, lists and tuples of them; a torch function's arguments
-    and results). Lighter than torch.utils._pytree, whose cost showed at ~50 calls per step."""
-    if isinstance(obj, torch.Tensor):
-        return f(obj)
-    if isinstance(obj, (list, tuple)):
-        items = [_map(o, f) for o in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    if isinstance(obj, dict):
-        return {k: _map(v, f) for k, v in obj.items()}
-    return obj
-
-
-def _floats(obj, out: list) -> list:
-    """The floating-point tensors in obj, appended to out."""
-    for a in obj:
-        if isinstance(a, torch.Tensor):
-            if a.is_floating_point():
-                out.append(a)
-        elif isinstance(a, (list, tuple)):
-            _floats(a, out)
-    return out
-
-
-def _fp32_call(func, args, kwargs, low: torch.dtype):
-    """func(*args, **kwargs) in FP32 on exact FP32 copies of the `low`-precision tensors, floating
-    results rounded to `low` once. Differentiable: the casts are recorded by autograd, so the
-    backward runs in FP32 too and rounds each gradient to `low` once."""
-    up = lambda t: t.float() if t.dtype == low else t  # noqa: E731
-    out = func(*_map(args, up), **_map(kwargs, up))
-    return _map(out, lambda t: t.to(low) if t.dtype == torch.float32 else t)
-
-
-def _round(t, low):
-    return None if t is None else t.to(low)
-
-
-def _no_autocast(device_type: str):
-    return torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) \
-        else contextlib.nullcontext()
-
-
-_CONV_BACKWARD = torch.ops.aten.convolution_backward.default
-
-
-class _Conv(torch.autograd.Function):
-    """aten.convolution on FP32 copies of FP16 operands, output rounded; saves the FP16 input and
-    weight; backward = aten.convolution_backward in FP32, each gradient rounded once."""
-
-    @staticmethod
-    def forward(ctx, x, w, b, stride, padding, dilation, transposed, output_padding, groups):
-        # What the backward needs, as PyTorch's own convolution saves it: the input only for the
-        # weight's gradient, the weight only for the input's.
-        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, w if ctx.needs_input_grad[0] else None)
-        ctx.shapes, ctx.low = (x.shape, w.shape), x.dtype
-        ctx.conf = (stride, padding, dilation, transposed, output_padding, groups)
-        ctx.bias = None if b is None else list(b.shape)
-        return torch.convolution(x.float(), w.float(), None if b is None else b.float(), *ctx.conf).to(x.dtype)
-
-    @staticmethod
-    def backward(ctx, gy):
-        x, w = ctx.saved_tensors
-        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.bias is not None and ctx.needs_input_grad[2]]
-        # convolution_backward takes both tensors; the one whose gradient is not asked for is not read
-        x = torch.empty(ctx.shapes[0], device=gy.device) if x is None else x.float()
-        w = torch.empty(ctx.shapes[1], device=gy.device) if w is None else w.float()
-        with _no_autocast(gy.device.type):
-            gx, gw, gb = _CONV_BACKWARD(gy.float(), x, w, ctx.bias, *ctx.conf, mask)
-        low = ctx.low
-        return (_round(gx, low) if mask[0] else None, _round(gw, low) if mask[1] else None,
-                _round(gb, low) if mask[2] else None, None, None, None, None, None, None)
-
-
-class _Linear(torch.autograd.Function):
-    """F.linear in FP32 on FP16 operands, output rounded; saves the FP16 input and weight."""
-
-    @staticmethod
-    def forward(ctx, x, w, b):
-        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, w if ctx.needs_input_grad[0] else None)
-        ctx.has_bias, ctx.low = b is not None, x.dtype
-        return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
-
-    @staticmethod
-    def backward(ctx, gy):
-        x, w = ctx.saved_tensors
-        low, g = ctx.low, gy.float()
-        gx = gw = gb = None
-        if ctx.needs_input_grad[0]:
-            gx = (g @ w.float()).to(low)
-        g2 = g.reshape(-1, g.shape[-1])
-        if ctx.needs_input_grad[1]:
-            gw = (g2.t() @ x.float().reshape(-1, x.shape[-1])).to(low)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            gb = g2.sum(0).to(low)
-        return gx, gw, gb
-
-
-class _Embedding(torch.autograd.Function):
-    """The lookup is exact in FP16; the gradient sums the rows of repeated tokens (a dot product with
-    a one-hot matrix): in FP32, rounded once, as CUDA's kernel accumulates it."""
-
-    @staticmethod
-    def forward(ctx, idx, w, padding_idx, scale_grad_by_freq):
-        ctx.save_for_backward(idx)
-        ctx.conf = (w.shape[0], padding_idx, scale_grad_by_freq)
-        return torch.embedding(w, idx, padding_idx, scale_grad_by_freq, False)
-
-    @staticmethod
-    def backward(ctx, gy):
-        (idx,) = ctx.saved_tensors
-        n, pad, freq = ctx.conf
-        gw = torch.ops.aten.embedding_dense_backward(gy.float(), idx, n, pad, freq).to(gy.dtype)
-        return None, gw, None, None
-
-
-def _arg(args, kwargs, i, name, default=None):
-    return args[i] if len(args) > i else kwargs.get(name, default)
-
-
-def _conv(transposed: bool, nd: int):
-    from torch.nn.modules.utils import _ntuple
-
-    tup = _ntuple(nd)
-
-    def run(func, args, kwargs, low):
-        x, w, b = args[0], _arg(args, kwargs, 1, "weight"), _arg(args, kwargs, 2, "bias")
-        stride = tup(_arg(args, kwargs, 3, "stride", 1))
-        padding = _arg(args, kwargs, 4, "padding", 0)
-        if isinstance(padding, str) or x.dim() != nd + 2:  # "same"/"valid", unbatched input: via the casts
-            return _fp32_call(func, args, kwargs, low)
-        if transposed:
-            out_pad = tup(_arg(args, kwargs, 5, "output_padding", 0))
-            groups, dilation = _arg(args, kwargs, 6, "groups", 1), tup(_arg(args, kwargs, 7, "dilation", 1))
-        else:
-            out_pad = tup(0)
-            dilation, groups = tup(_arg(args, kwargs, 5, "dilation", 1)), _arg(args, kwargs, 6, "groups", 1)
-        return _Conv.apply(x, w, b, list(stride), list(tup(padding)), list(dilation), transposed, list(out_pad), groups)
-    return run
-
-
-def _linear(func, args, kwargs, low):
-    return _Linear.apply(args[0], _arg(args, kwargs, 1, "weight"), _arg(args, kwargs, 2, "bias"))
-
-
-def _embedding(func, args, kwargs, low):
-    idx, w = args[0], _arg(args, kwargs, 1, "weight")
-    pad = _arg(args, kwargs, 2, "padding_idx")
-    if _arg(args, kwargs, 3, "max_norm") is not None or _arg(args, kwargs, 6, "sparse", False):
-        return func(*args, **kwargs)  # renormalises the table in place / sparse gradients: PyTorch's own
-    if pad is not None and pad < 0:
-        pad += w.shape[0]
-    return _Embedding.apply(idx, w, -1 if pad is None else pad, _arg(args, kwargs, 5, "scale_grad_by_freq", False))
-
-
-# The dot products (section 3.3's first category) and how each runs. Recurrent layers run whole, in
-# FP32, with their outputs rounded: the cell's gates computed in FP32 as cuDNN computes them for FP16
-# data (PyTorch sets its math precision to FP32, mathPrec = CUDNN_DATA_FLOAT); unlike cuDNN, the hidden
-# state is rounded to FP16 only where the layer writes it, not at every time step (README, issue 32).
-_GENERIC = (_ops(torch, ("matmul", "mm", "bmm", "addmm", "baddbmm", "addbmm", "einsum",
-                         "gru", "lstm", "rnn_tanh", "rnn_relu", "gru_cell", "lstm_cell", "rnn_tanh_cell",
-                         "rnn_relu_cell"))
-            | _ops(torch.Tensor, ("matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "addmm", "baddbmm", "addbmm"))
-            | _ops(F, ("bilinear",)))
-_HALF_MATH = {f: (lambda func, args, kwargs, low: _fp32_call(func, args, kwargs, low)) for f in _GENERIC}
-_HALF_MATH.update({F.conv1d: _conv(False, 1), F.conv2d: _conv(False, 2), F.conv3d: _conv(False, 3),
-                   F.conv_transpose1d: _conv(True, 1), F.conv_transpose2d: _conv(True, 2),
-                   F.conv_transpose3d: _conv(True, 3), F.linear: _linear, F.embedding: _embedding})
-# Dot products autocast leaves in FP32 (not in its CPU/CUDA lower-precision lists): matrix-vector
-# products. Under autocast only these read FP32 operands as FP32; the rest are rounded to the autocast
-# dtype first, as autocast's own casts would.
-_NOT_AUTOCAST = _ops(torch, ("mv", "addmv", "dot")) | _ops(torch.Tensor, ("mv", "addmv", "dot")) | {F.embedding}
-_SOFTMAX = _ops(torch, ("softmax", "log_softmax")) | _ops(torch.Tensor, ("softmax", "log_softmax")) \
-    | _ops(F, ("softmax", "log_softmax"))
 
 
 def channels_last_pays(cfg, device, task_is_cnn: bool) -> bool:
@@ -425,393 +80,6 @@ def backend_flags() -> dict:
             "bf16_reduced_precision_reduction": bool(m.allow_bf16_reduced_precision_reduction)}
 
 
-class HalfMath(TorchFunctionMode):
-    """Within this context every dot product (_HALF_MATH) whose floating operands are all of `dtype`
-    computes in FP32 on exact FP32 copies and rounds its floating results to `dtype` once (section
-    3.3), forward and backward. Under torch.autocast of the same dtype, the FP32 operands of the dot
-    products autocast lowers are rounded to `dtype` first (what autocast's casts do), so the result is
-    autocast's with FP32 arithmetic. Anything else -- other ops, FP32 operands (an FP32-kept module),
-    mixed dtypes (which PyTorch rejects), an out= or dtype= call -- runs as it would without the mode.
-
-    Limit: a Python function with its own __torch_function__ dispatch that is not listed (e.g.
-    F.multi_head_attention_forward) runs whole and unseen, its inner dot products on PyTorch's kernels."""
-
-    extra: frozenset = frozenset()
-
-    def __init__(self, dtype: torch.dtype = torch.float16):
-        super().__init__()
-        self.dtype = dtype
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        run = _HALF_MATH.get(func)
-        if run is None:
-            if func not in self.extra:
-                return func(*args, **kwargs)
-            run = _HALF_MATH[torch.matmul]  # the generic rule
-        if "out" in kwargs or kwargs.get("dtype") is not None or any(isinstance(a, torch.dtype) for a in args):
-            return func(*args, **kwargs)  # the caller chose the output's dtype
-        flat = _floats(kwargs.values(), _floats(args, []))
-        if not flat:
-            return func(*args, **kwargs)
-        dev = flat[0].device.type
-        if (func not in _NOT_AUTOCAST and torch.is_autocast_enabled(dev)
-                and torch.get_autocast_dtype(dev) == self.dtype):
-            # autocast's casts, made here: the FP32 operands rounded to the autocast dtype
-            down = lambda t: t.to(self.dtype) if t.dtype == torch.float32 else t  # noqa: E731
-            args, kwargs = _map(args, down), _map(kwargs, down)
-            flat = [down(a) for a in flat]
-        if any(a.dtype != self.dtype for a in flat):
-            return func(*args, **kwargs)
-        with _no_autocast(dev):  # the FP32 kernels must not be cast back down
-            return run(func, args, kwargs, self.dtype)
-
-
-@functools.lru_cache(maxsize=None)
-def cpu_has_fast_bf16() -> tuple[bool, str]:
-    """(whether this CPU has BF16 dot-product instructions, what says so). oneDNN's BF16 kernels use
-    AVX512-BF16 / AMX-BF16 and beat FP32 there; without them BF16 is converted in software (measured
-    ~25x slower than FP32 on an AVX2-only machine, issue 32)."""
-    caps = {}
-    try:
-        caps = torch.cpu.get_capabilities()
-    except Exception:  # noqa: BLE001 -- older torch or an unknown platform: judge by the ISA level
-        pass
-    found = [k for k in ("avx512_bf16", "amx_bf16") if caps.get(k)]
-    if found:
-        return True, "+".join(found)
-    return False, f"no avx512_bf16/amx_bf16 (torch CPU capability {torch.backends.cpu.get_cpu_capability()})"
-
-
-def resolve_half_math(setting: str, dtype: torch.dtype, device) -> str:
-    """What computes `dtype` dot products on `device`: 'device' (a GPU's own kernels, whatever the
-    setting), 'emulated' or 'native' (see the module docstring); 'none' for FP32."""
-    device = torch.device(device)
-    if dtype == torch.float32:
-        return "none"
-    if device.type != "cpu":
-        return "device"
-    if setting in ("emulated", "native"):
-        return setting
-    if dtype == torch.bfloat16 and cpu_has_fast_bf16()[0]:
-        return "native"
-    return "emulated"
-
-
-def half_math_used(cfg, device) -> str:
-    """resolve_half_math for a run's config (what build(cfg, device).half_math will be)."""
-    if cfg.precision == "fp16_storage":
-        return "emulated"  # FP32Math on every device: the precision's definition
-    dtype = {"fp32": torch.float32, "fp8": torch.float32, "bf16": torch.bfloat16,
-             "bf16_pure": torch.bfloat16}.get(cfg.precision, torch.float16)
-    return resolve_half_math(getattr(cfg, "half_math", "auto"), dtype, device)
-
-
-def half_math_info(device) -> dict:
-    """What half_math=auto picks on `device` and why (env.json)."""
-    device = torch.device(device)
-    info = {"auto_float16": resolve_half_math("auto", torch.float16, device),
-            "auto_bfloat16": resolve_half_math("auto", torch.bfloat16, device)}
-    if device.type == "cpu":
-        info["bf16_basis"] = cpu_has_fast_bf16()[1]
-    return info
-
-
-class FP32Math(HalfMath):
-    """fp16_storage (section 4.3): HalfMath for FP16 on any device (a GPU too), with softmax and
-    log_softmax also computed in FP32 on the FP16 values and stored in FP16. Point-wise ops and
-    reductions are left to PyTorch's FP16 kernels, which compute in FP32 and round their output
-    once -- the same numbers as FP32 math on FP16 storage."""
-
-    extra = frozenset(_SOFTMAX)
-
-    def __init__(self):
-        super().__init__(torch.float16)
-
-
-# ------------------------------------------------------------------------------------------------
-# FP8, simulated (precision=fp8; beyond the paper, issue 31)
-#
-# Quantise-dequantise: x -> fp8(clamp(x * s, -max, max)) / s, computed in FP32; the dot product then
-# runs on the FP32 values of the FP8 numbers (exact), accumulating in FP32 -- what an FP8 GEMM with
-# FP32 accumulation computes, up to summation order. Both casts saturate finite values (Transformer
-# Engine's choice: a value beyond the delayed scale's range is clipped, not made inf). E4M3 has no
-# infinities, so inf saturates too; E5M2 keeps inf (it has one); nan stays nan in both, so a
-# diverging run is still seen as one.
-
-
-def fp8_quantize(x: torch.Tensor, fmt: str, scale=1.0) -> torch.Tensor:
-    """x rounded to FP8 format `fmt` ("e4m3" | "e5m2") at per-tensor `scale` (a number or a 0-dim
-    tensor) and returned in FP32 at x's magnitude: fp8(x * scale) / scale, round to nearest even,
-    saturating at the format's largest value, subnormals kept."""
-    dtype, top = FP8_FORMATS[fmt]
-    y = x.float() * scale
-    q = y.clamp(-top, top).to(dtype).float()
-    if fmt == "e5m2":
-        q = torch.where(torch.isinf(y), y, q)
-    return q / scale
-
-
-def bf16_quantize(x: torch.Tensor) -> torch.Tensor:
-    """x rounded to BF16 (nearest even) and returned in FP32: fp8.ends=bf16's 16-bit operands."""
-    return x.to(torch.bfloat16).float()
-
-
-class _FP8Operand(torch.autograd.Function):
-    """Forward: an operand of a dot product rounded (E4M3 at its scale, or BF16); backward: the
-    gradient passes through unchanged (straight-through) -- the gradient that reaches the
-    operand was already computed from the quantised output gradient (_FP8Grad)."""
-
-    @staticmethod
-    def forward(ctx, x, quant):
-        return quant(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
-
-
-class _FP8Grad(torch.autograd.Function):
-    """Forward: the dot product's output, unchanged (a copy: a later in-place op on it must not
-    write into this function's output view); backward: the gradient arriving at the output rounded
-    to E5M2 (or BF16) at its own scale before both backward products (input and weight gradients)
-    read it, as an FP8 GEMM's backward reads it."""
-
-    @staticmethod
-    def forward(ctx, y, quant):
-        ctx.quant = quant
-        return y.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        return ctx.quant(g), None
-
-
-def _amax(t: torch.Tensor) -> torch.Tensor:
-    """Largest finite |t| as an FP32 0-dim tensor (0 for an empty or all-non-finite tensor)."""
-    a = t.detach().abs().float()
-    return torch.where(torch.isfinite(a), a, torch.zeros_like(a)).amax() if a.numel() else a.new_zeros(())
-
-
-class FP8State:
-    """The per-tensor scales of precision=fp8: one slot per (layer, role) -- role "x" (the input,
-    E4M3), "w<i>" (a weight, E4M3), "g" (the gradient of the output, E5M2).
-
-    current: each quantisation computes scale = FP8_MAX / amax(tensor) / 2^margin from the tensor
-    itself (amax 0: scale 1).
-    delayed (Transformer Engine's DelayedScaling): each slot has an amax history of `history_len`
-    entries (index 0 the newest) and a scale. During an iteration the slot's scale is fixed and the
-    amax of every tensor it quantises (several per iteration for a layer called several times) is
-    recorded; `update()` -- once per iteration, after the optimizer steps -- rolls the history, puts
-    the iteration's amax first and recomputes scale = FP8_MAX / reduce(history) / 2^margin, with
-    reduce = max (default) or most_recent; where that is 0 or not finite the scale is kept. The
-    scale starts at 1, before any history exists. Only training passes (grad enabled) record amax;
-    evaluation uses the scales as they are. Slots are keyed by parameter names, so the state is
-    checkpointed and a resumed run continues bit-identically."""
-
-    def __init__(self, scaling: str = "delayed", history_len: int = 1024, algo: str = "max", margin: int = 0):
-        self.scaling, self.history_len, self.algo, self.margin = scaling, int(history_len), algo, int(margin)
-        self.sites: dict[int, tuple[str, bool]] = {}  # id(weight parameter) -> (layer name, in BF16)
-        self.history: dict[str, torch.Tensor] = {}
-        self.scale: dict[str, torch.Tensor] = {}
-        self._seen: dict[str, torch.Tensor] = {}  # this iteration's amax per slot (delayed)
-
-    def register(self, model: nn.Module, ends: str = "bf16") -> None:
-        """Find the weight-bearing layers: every module owning a parameter of 2 or more dimensions.
-        Lookups (nn.Embedding) and keep_fp32 modules (with everything inside them) are layers too,
-        but never quantised. With ends="bf16" the first and the last layer of each model (registration
-        order; each entry of an nn.ModuleDict is a model) compute on BF16 operands instead of FP8 --
-        where that layer is an embedding or a keep_fp32 softmax (the bigLSTM), it already is in
-        higher precision, and every layer between is FP8."""
-        self.sites = {}
-        tops = list(model.items()) if isinstance(model, nn.ModuleDict) else [("", model)]
-        for prefix, top in tops:
-            layers, skip = [], ()
-            for name, m in top.named_modules():
-                if skip and name.startswith(skip):
-                    continue
-                if getattr(m, "keep_fp32", False):
-                    layers.append((name, None))  # FP32 whole: nothing inside it is quantised
-                    skip = name + "."
-                    continue
-                if isinstance(m, _SPARSE_CAPABLE):
-                    layers.append((name, None))
-                    continue
-                ws = [p for p in m.parameters(recurse=False) if p.dim() >= 2]
-                if ws:
-                    layers.append((name, ws))
-            kept = {0, len(layers) - 1} if ends == "bf16" and layers else set()
-            for i, (name, ws) in enumerate(layers):
-                for w in ws or ():
-                    self.sites.setdefault(id(w), (".".join(x for x in (prefix, name) if x) or "root", i in kept))
-
-    def quantizer(self, key: str, fmt: str, record: bool = True):
-        """The function that rounds a tensor of slot `key` to `fmt` at the slot's scale; `record`: its
-        amax goes into this iteration's history entry (training, not evaluation)."""
-        top = FP8_FORMATS[fmt][1] / 2.0 ** self.margin
-
-        def quant(t: torch.Tensor) -> torch.Tensor:
-            if self.scaling == "current":
-                a = _amax(t)
-                s = torch.where(a > 0, top / a, torch.ones_like(a))
-            else:
-                s = self.scale.get(key)
-                if s is None:
-                    s = self.scale[key] = torch.ones((), device=t.device)
-                    self.history[key] = torch.zeros(self.history_len, device=t.device)
-                if record:
-                    a = _amax(t)
-                    seen = self._seen.get(key)
-                    self._seen[key] = a if seen is None else torch.maximum(seen, a)
-            return fp8_quantize(t, fmt, s)
-        return quant
-
-    def update(self) -> None:
-        """Delayed scaling, once per iteration: push this iteration's amax, recompute the scales."""
-        if self.scaling != "delayed":
-            return
-        for key, a in self._seen.items():
-            h = self.history[key]
-            h.copy_(torch.roll(h, 1))
-            h[0] = a
-            ref = h.max() if self.algo == "max" else h[0]
-            top = {"g": FP8_FORMATS["e5m2"][1]}.get(key.rpartition(":")[2], FP8_FORMATS["e4m3"][1])
-            new = top / ref / 2.0 ** self.margin
-            self.scale[key] = torch.where((ref > 0) & torch.isfinite(new), new, self.scale[key])
-        self._seen = {}
-
-    def state_dict(self) -> dict:
-        return {"history": {k: v.clone() for k, v in self.history.items()},
-                "scale": {k: v.clone() for k, v in self.scale.items()}}
-
-    def load_state_dict(self, sd: dict, device=None) -> None:
-        """`device`: where the model is. A checkpoint is read onto the CPU; scales left there would cost
-        a host-device copy at every quantisation (~160 a ResNet-50 step) after a resume on CUDA."""
-        self.history = {k: v.to(device).clone() for k, v in sd["history"].items()}
-        self.scale = {k: v.to(device).clone() for k, v in sd["scale"].items()}
-        self._seen = {}
-
-
-# The dot products precision=fp8 quantises when one of their operands is a registered weight.
-_FP8_OPS = ({F.linear, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d}
-            | _ops(torch, ("gru", "lstm", "rnn_tanh", "rnn_relu", "gru_cell", "lstm_cell", "rnn_tanh_cell",
-                           "rnn_relu_cell")))
-
-
-class FP8Math(TorchFunctionMode):
-    """Within this context every dot product of _FP8_OPS that reads a registered weight runs on
-    quantised operands: its input (args[0]) and each registered weight rounded to E4M3 at their
-    scales (BF16 for a first/last layer under fp8.ends=bf16), the FP32 kernel, and in the backward
-    the gradient of its (first) output rounded to E5M2 at its scale (BF16). Anything else runs as
-    it would without the mode."""
-
-    def __init__(self, state: FP8State):
-        super().__init__()
-        self.state = state
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func not in _FP8_OPS:
-            return func(*args, **kwargs)
-        sites = self.state.sites
-        weights = [t for t in _floats(kwargs.values(), _floats(args, [])) if id(t) in sites]
-        if not weights or "out" in kwargs:
-            return func(*args, **kwargs)
-        layer, keep16 = sites[id(weights[0])]
-        st = self.state
-        # Only training passes feed the delayed scales (autograd Functions run their forward without
-        # grad, so the decision is taken here); the backward's gradient is training's by definition.
-        record = torch.is_grad_enabled()
-        q = (lambda key, fmt: bf16_quantize) if keep16 else \
-            (lambda key, fmt: st.quantizer(f"{layer}:{key}", fmt, record or fmt == "e5m2"))
-        order = {id(w): i for i, w in enumerate(weights)}
-
-        def operand(t):
-            if id(t) in order:
-                return _FP8Operand.apply(t, q(f"w{order[id(t)]}", "e4m3"))
-            return t
-
-        x = args[0]
-        new_args = list(_map(tuple(args), operand))
-        if isinstance(x, torch.Tensor) and x.is_floating_point() and id(x) not in order:
-            new_args[0] = _FP8Operand.apply(x, q("x", "e4m3"))
-        out = func(*new_args, **_map(kwargs, operand))
-        grad_q = q("g", "e5m2")
-        if isinstance(out, torch.Tensor):
-            return _FP8Grad.apply(out, grad_q) if out.requires_grad else out
-        if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor) and out[0].requires_grad:
-            return (_FP8Grad.apply(out[0], grad_q), *out[1:])
-        return out
-
-
-# ------------------------------------------------------------------------------------------------
-# Rounding an update into weights without an FP32 master copy (fp16_pure, bf16_pure; issue 31)
-
-
-def stochastic_round(x: torch.Tensor, dtype: torch.dtype, generator: torch.Generator | None = None) -> torch.Tensor:
-    """x (FP32) rounded to `dtype` stochastically: to the nearer neighbour r or the farther one r'
-    with probability |x - r| / |r' - r|, so that E[result] = x exactly (up to the FP32 rounding of
-    that probability). Exact values stay as they are; non-finite ones round to nearest."""
-    x = x.float()
-    r = x.to(dtype)
-    rf = r.float()
-    d = x - rf  # exact: x and its nearest neighbour in a narrower format are within one of its ulps
-    other = torch.nextafter(r, torch.where(d > 0, torch.inf, -torch.inf).to(dtype))
-    gap = other.float() - rf
-    p = torch.where((d != 0) & torch.isfinite(gap), d / gap, torch.zeros_like(d))
-    u = torch.rand(x.shape, generator=generator, device=x.device)
-    return torch.where(u < p, other, r)
-
-
-def kahan_round_(w: torch.Tensor, target: torch.Tensor, comp: torch.Tensor) -> None:
-    """Write the FP32 `target` (= w + the optimizer's update) into the low-precision weights `w`
-    with Kahan compensation (Zamirai et al. 2020): y = (target - w) - comp, t = round(w + y),
-    comp = round((t - w) - y), w = t. `comp` (same dtype as w) holds what the last roundings lost,
-    so a stream of updates each too small to move w still adds up. In place on w and comp."""
-    wf = w.float()
-    y = (target.float() - wf) - comp.float()
-    t = (wf + y).to(w.dtype)
-    comp.copy_((t.float() - wf) - y)
-    w.copy_(t)
-
-
-# ------------------------------------------------------------------------------------------------
-# loss scaler for the paper impl
-
-
-class LossScaler:
-    """Loss scale S with the paper's overflow rule (section 3.2): if any weight gradient is inf/nan,
-    skip the update. mode 'none' is S = 1 without checks, 'static' a constant S, 'dynamic' backs off
-    by `backoff` on overflow and grows by `growth` after `interval` clean steps."""
-
-    def __init__(self, mode: str, scale: float = 1.0, growth: float = 2.0, backoff: float = 0.5, interval: int = 2000):
-        self.mode, self.scale = mode, float(scale)
-        self.growth, self.backoff, self.interval = growth, backoff, interval
-        self.clean_steps = 0
-
-    def update(self, found_inf: bool) -> None:
-        if self.mode != "dynamic":
-            return
-        if found_inf:
-            self.scale *= self.backoff
-            self.clean_steps = 0
-        else:
-            self.clean_steps += 1
-            if self.clean_steps >= self.interval:
-                self.scale *= self.growth
-                self.clean_steps = 0
-
-    def state_dict(self) -> dict:
-        return {"mode": self.mode, "scale": self.scale, "clean_steps": self.clean_steps}
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.scale, self.clean_steps = float(sd["scale"]), int(sd["clean_steps"])
-
-
-# ------------------------------------------------------------------------------------------------
-# recipes
-
-
 class Recipe:
     """Common state: the optimizers handed to prepare(), skip counting, the overflow culprit."""
 
@@ -828,6 +96,16 @@ class Recipe:
         self.skipped_steps = 0
         self.last_overflow: str | None = None  # first parameter holding a non-finite gradient
         self._found_inf = False  # any optimizer of the current iteration overflowed
+
+    @classmethod
+    def from_config(cls, cfg, device) -> Recipe:
+        """The recipe for a checked config (build)."""
+        return cls(device)
+
+    @classmethod
+    def half_math_for(cls, setting: str, dtype: torch.dtype, device) -> str:
+        """What computes this recipe's `dtype` dot products on `device` under cfg.half_math=setting."""
+        return resolve_half_math(setting, dtype, device)
 
     # -- setup --
     def prepare(self, model: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> nn.Module:
@@ -883,14 +161,14 @@ class Recipe:
         return [p for g in optimizer.param_groups for p in g["params"]]
 
     def master_params(self) -> list[torch.Tensor]:
-        """The tensors the optimizers update (FP32 masters where the recipe keeps them; in fp16_pure
-        the FP32 copies each step starts from the FP16 weights)."""
+        """The tensors the optimizers update (FP32 masters where the recipe keeps them; without a master
+        copy, the FP32 copies each step starts from the FP16 weights)."""
         return [p for opt in self.optimizers for p in self.params_of(opt)]
 
     def weights_of(self, optimizer) -> list[torch.Tensor]:
         """The tensors that hold the weights `optimizer` trains, matched by position with
-        params_of(optimizer): the same tensors, except in fp16_pure, where the optimizer's result
-        (params_of) is what the update intended and these FP16 weights are what they received."""
+        params_of(optimizer): the same tensors, except without a master copy, where the optimizer's
+        result (params_of) is what the update intended and these FP16 weights are what they received."""
         return self.params_of(optimizer)
 
     def broadcast_masters(self, src: int = 0) -> None:
@@ -912,14 +190,16 @@ class FP32(Recipe):
 
 
 class Autocast(Recipe):
-    """torch.autocast for the FP16/BF16 compute; GradScaler for loss scaling and skipping."""
+    """fp16, mixed and bf16 under impl=autocast: torch.autocast for the FP16/BF16 compute, GradScaler for
+    loss scaling and skipping. The parameters stay FP32 (they *are* the master copy) and matmuls and
+    convolutions run in FP16 on autocast's casts."""
 
     impl = "autocast"
 
     def __init__(self, device, name: str, dtype: torch.dtype, scale, scaler_cfg=None, half_math: str = "auto"):
         super().__init__(device)
         self.name, self.compute_dtype = name, dtype
-        self.half_math = resolve_half_math(half_math, dtype, self.device)
+        self.half_math = self.half_math_for(half_math, dtype, self.device)
         self.static_scale = scale if isinstance(scale, float) else None
         if scale is None:
             self.scaler = None  # fp16 without loss scaling / bf16: S = 1, nothing skipped
@@ -929,6 +209,10 @@ class Autocast(Recipe):
             self.scaler = torch.amp.GradScaler(
                 self.device.type, init_scale=init, growth_factor=c.growth_factor,
                 backoff_factor=c.backoff_factor, growth_interval=c.growth_interval)
+
+    @classmethod
+    def from_config(cls, cfg, device):
+        return cls(device, *_half_args(cfg))
 
     def autocast(self):
         if self.half_math != "emulated":
@@ -1041,31 +325,37 @@ def check_dense(model: nn.Module, what: str) -> None:
                             f"(or use impl=autocast with precision fp16/mixed/bf16)")
 
 
-class Paper(Recipe):
-    """The paper's scheme (section 3): FP16 model, FP32 master weights, loss scaling.
+def _half_args(cfg) -> tuple:
+    """(name, dtype, loss scale, scaler config, half_math setting) of an FP16/BF16 recipe."""
+    p = cfg.precision
+    return p, _dtype(p), parse_loss_scale(cfg.loss_scale, p), cfg.scaler, getattr(cfg, "half_math", "auto")
 
-    master=False is fp16_pure: the optimizer still updates FP32 tensors, but they are overwritten
-    from the FP16 weights before every step, so nothing survives the rounding back into FP16.
-    fp32_math=True is fp16_storage: autocast() computes the dot products in FP32 (FP32Math).
+
+def _dtype(precision: str) -> torch.dtype:
+    """The dtype a precision stores the model in under the paper's scheme (FP32 for fp32 and fp8)."""
+    return getattr(torch, precisions.BY_NAME[precision].storage)
+
+
+class HalfModel(Recipe):
+    """The paper's scheme (section 3): parameters, activations and gradients stored in FP16 (BF16), the
+    optimizer stepping FP32 tensors, FP16 gradients copied into FP32 gradients and unscaled there
+    (LossScaler), the FP32 result rounded back into the FP16 model. Norm layers keep FP32 parameters
+    and statistics and compute in FP32 while reading and writing FP16, and the model's outputs are cast
+    to FP32 so softmax and the loss reduce in FP32 (section 3.3; convert_model). A module with
+    `keep_fp32 = True` (the bigLSTM's softmax, as in its reference code) keeps FP32 parameters and gets
+    FP32 inputs.
 
     Per optimizer it keeps (model params, FP32 params the optimizer holds, `own`: the positions
     whose FP32 tensor is a separate copy). A model parameter that stays FP32 (norm layers,
-    keep_fp32 modules) is handed to the optimizer itself: it needs no second FP32 copy."""
+    keep_fp32 modules) is handed to the optimizer itself: it needs no second FP32 copy. The
+    subclasses decide what the FP32 copies are between steps and how the result is written back."""
 
     impl = "paper"
 
-    def __init__(self, device, name: str, dtype: torch.dtype, scale, scaler_cfg=None, master: bool = True,
-                 fp32_math: bool = False, half_math: str = "auto", rounding: str = "nearest", seed: int = 0):
+    def __init__(self, device, name: str, dtype: torch.dtype, scale, scaler_cfg=None, half_math: str = "auto"):
         super().__init__(device)
-        self.name, self.compute_dtype, self.master, self.fp32_math = name, dtype, master, fp32_math
-        # Without a master copy: how the optimizer's FP32 result is written into the weights.
-        self.rounding = "nearest" if master else rounding
-        self._gen = None
-        if self.rounding == "stochastic":  # seeded, and in the checkpoint: a resume is bit-identical
-            self._gen = torch.Generator(device=self.device).manual_seed(1_000_003 * (int(seed) + 1))
-        self._comp: dict[tuple[int, int], torch.Tensor] = {}  # kahan: (optimizer, position) -> buffer
-        # fp16_storage is FP32 math on FP16 values on every device, whatever the setting.
-        self.half_math = "emulated" if fp32_math else resolve_half_math(half_math, dtype, self.device)
+        self.name, self.compute_dtype = name, dtype
+        self.half_math = self.half_math_for(half_math, dtype, self.device)
         c = scaler_cfg
         if scale is None:
             self.scaler = LossScaler("none")
@@ -1075,9 +365,12 @@ class Paper(Recipe):
             self.scaler = LossScaler("static", scale)
         self._pairs: list[tuple[list[torch.Tensor], list[torch.Tensor], list[int]]] = []
 
+    @classmethod
+    def from_config(cls, cfg, device):
+        return cls(device, *_half_args(cfg))
+
     def autocast(self):
-        # fp16_storage is FP32 math by definition, on every device (FP32Math: HalfMath + softmax).
-        return FP32Math() if self.fp32_math else self._math()
+        return self._math()
 
     @property
     def _what(self) -> str:
@@ -1114,28 +407,8 @@ class Paper(Recipe):
             self._pairs.append((model_p, fp32, own))
         return super().prepare(model, optimizers)
 
-    def broadcast_masters(self, src: int = 0) -> None:
-        """Give every rank rank `src`'s FP32 masters. DDP broadcasts the model's (FP16) weights when it
-        wraps it, but the masters were copied before, from each rank's own initial weights: ranks
-        started from different weights would round different masters into their models and drift
-        apart. Call after DDP wrapping, before the first step."""
-        import torch.distributed as dist
-
-        if not (self.master and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-            return
-        with torch.no_grad():
-            for _, fp32, own in self._pairs:
-                for i in own:
-                    dist.broadcast(fp32[i], src)
-        self.sync_model_from_master()
-
     def _pair(self, optimizer):
         return self._pairs[self.optimizers.index(optimizer)]
-
-    def weights_of(self, optimizer) -> list[torch.Tensor]:
-        """The tensors that hold the trained weights: the FP32 masters, or (fp16_pure) the FP16 model."""
-        model_p, fp32, _ = self._pair(optimizer)
-        return fp32 if self.master else model_p
 
     @property
     def loss_scale(self) -> float:
@@ -1151,8 +424,7 @@ class Paper(Recipe):
             raise UserError(f"{self._what} got a sparse gradient; the FP32 master copy takes dense ones "
                             f"(build embeddings with sparse=False)")
         with torch.no_grad():
-            if not self.master:  # fp16_pure: the FP32 copy starts every step from the FP16 weights
-                TP.foreach_copy_([fp32[i] for i in own], [model_p[i] for i in own])
+            self._start_step(model_p, fp32, own)
             for i in own:
                 p, m = model_p[i], fp32[i]
                 if p.grad is None:
@@ -1180,21 +452,18 @@ class Paper(Recipe):
         if clip_grad_norm > 0:  # on unscaled FP32 gradients
             torch.nn.utils.clip_grad_norm_([fp32[i] for i in live], clip_grad_norm, foreach=True)
         optimizer.step()
-        if copied:  # round the updated FP32 weights back into the FP16 model (3.1)
+        if copied:  # the updated FP32 weights back into the FP16 model (3.1)
             with torch.no_grad():
-                if self.rounding == "nearest":
-                    TP.foreach_copy_([model_p[i] for i in copied], [fp32[i] for i in copied])
-                elif self.rounding == "stochastic":
-                    for i in copied:
-                        model_p[i].copy_(stochastic_round(fp32[i], model_p[i].dtype, self._gen))
-                else:  # kahan
-                    k = self.optimizers.index(optimizer)
-                    for i in copied:
-                        c = self._comp.get((k, i))
-                        if c is None:
-                            c = self._comp[(k, i)] = torch.zeros_like(model_p[i])
-                        kahan_round_(model_p[i], fp32[i], c)
+                self._write_back(optimizer, model_p, fp32, copied)
         return True
+
+    def _start_step(self, model_p, fp32, own) -> None:
+        """What the FP32 copies start the step from, before the gradients are copied in (a master copy:
+        where the last step left them)."""
+
+    def _write_back(self, optimizer, model_p, fp32, copied) -> None:
+        """The updated FP32 weights rounded to nearest into the FP16 model (3.1)."""
+        TP.foreach_copy_([model_p[i] for i in copied], [fp32[i] for i in copied])
 
     def update(self):
         self.scaler.update(self._found_inf)
@@ -1204,9 +473,41 @@ class Paper(Recipe):
         # Model (FP16) gradients are freed; the FP32 copies' gradients are kept allocated and overwritten.
         self._free_model_grads()
 
-    def sync_model_from_master(self) -> None:
-        if not self.master:
+    def state_dict(self):
+        sd = super().state_dict()
+        sd["scaler"] = self.scaler.state_dict()
+        return sd
+
+    def load_state_dict(self, sd):
+        super().load_state_dict(sd)
+        self.scaler.load_state_dict(sd["scaler"])
+
+
+class MasterCopy(HalfModel):
+    """fp16, mixed and bf16 under impl=paper: an FP32 master copy of the weights (section 3.1) that the
+    optimizer updates, rounded into the FP16 model after every step. It starts from the model's FP32
+    initial weights, so the FP16 model is derived from it, never the other way round."""
+
+    def weights_of(self, optimizer) -> list[torch.Tensor]:
+        """The FP32 masters."""
+        return self._pair(optimizer)[1]
+
+    def broadcast_masters(self, src: int = 0) -> None:
+        """Give every rank rank `src`'s FP32 masters. DDP broadcasts the model's (FP16) weights when it
+        wraps it, but the masters were copied before, from each rank's own initial weights: ranks
+        started from different weights would round different masters into their models and drift
+        apart. Call after DDP wrapping, before the first step."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             return
+        with torch.no_grad():
+            for _, fp32, own in self._pairs:
+                for i in own:
+                    dist.broadcast(fp32[i], src)
+        self.sync_model_from_master()
+
+    def sync_model_from_master(self) -> None:
         with torch.no_grad():
             for model_p, fp32, own in self._pairs:
                 if own:
@@ -1214,9 +515,85 @@ class Paper(Recipe):
 
     def state_dict(self):
         sd = super().state_dict()
-        sd["scaler"] = self.scaler.state_dict()
-        if self.master:  # only the separate copies: the FP32 model parameters are in the model's state_dict
-            sd["master"] = [[fp32[i].detach().clone() for i in own] for _, fp32, own in self._pairs]
+        # Only the separate copies: the FP32 model parameters are in the model's state_dict.
+        sd["master"] = [[fp32[i].detach().clone() for i in own] for _, fp32, own in self._pairs]
+        return sd
+
+    def load_state_dict(self, sd):
+        super().load_state_dict(sd)
+        with torch.no_grad():
+            for (_, fp32, own), saved in zip(self._pairs, sd["master"]):
+                for i, s in zip(own, saved):
+                    fp32[i].copy_(s)
+        self.sync_model_from_master()
+
+
+class FP16Storage(MasterCopy):
+    """fp16_storage, "FP16 storage, FP32 math", how the paper ran DeepSpeech 2 (section 4.3): weights,
+    activations and gradients stored in FP16, FP32 master weights, and every dot product (linear,
+    matmul, convolution, recurrent layer) and softmax computed in FP32 on the FP16 values, its result
+    stored in FP16 (FP32Math, on every device). Point-wise ops and reductions run PyTorch's FP16
+    kernels, which already compute in FP32 and round once on output. No loss scaling unless loss_scale
+    is set. The FP32 temporaries autograd saves make its memory and speed those of FP32: it reproduces
+    the numerics only."""
+
+    @classmethod
+    def half_math_for(cls, setting, dtype, device):
+        return "emulated"  # FP32 math on FP16 values is the precision's definition, whatever the setting
+
+    def autocast(self):
+        return FP32Math()
+
+
+class NoMasterCopy(HalfModel):
+    """fp16_pure (Figure 2a's ablation) and bf16_pure: FP16 (BF16) weights updated directly, with no FP32
+    master copy. The optimizer's arithmetic and state stay FP32 -- each step it works on an FP32 copy
+    made from the FP16 weights, and its result is rounded back into them; the copy carries nothing to
+    the next step, so whatever the rounding loses is lost (section 3.1). The ablation is about the
+    weights: an Adam eps of 1e-8 (0 in FP16) or an FP16 momentum buffer would be a second, different
+    effect.
+
+    `rounding` writes the result into the weights (mpt.rounding): nearest (round to nearest even: small
+    updates are lost), stochastic (up or down with probabilities that make it unbiased; seeded from
+    cfg.seed, its generator in the checkpoint) or kahan (a compensation buffer per weight carries what
+    the rounding lost into the next update)."""
+
+    def __init__(self, device, name: str, dtype: torch.dtype, scale, scaler_cfg=None, half_math: str = "auto",
+                 rounding: str = "nearest", seed: int = 0):
+        super().__init__(device, name, dtype, scale, scaler_cfg, half_math)
+        self.rounding = rounding
+        self._gen = None
+        if rounding == "stochastic":  # seeded, and in the checkpoint: a resume is bit-identical
+            self._gen = torch.Generator(device=self.device).manual_seed(1_000_003 * (int(seed) + 1))
+        self._comp: dict[tuple[int, int], torch.Tensor] = {}  # kahan: (optimizer, position) -> buffer
+
+    @classmethod
+    def from_config(cls, cfg, device):
+        return cls(device, *_half_args(cfg), getattr(cfg, "rounding", "nearest"), cfg.seed)
+
+    def weights_of(self, optimizer) -> list[torch.Tensor]:
+        """The FP16 weights: what the update received (params_of holds what it intended)."""
+        return self._pair(optimizer)[0]
+
+    def _start_step(self, model_p, fp32, own) -> None:
+        TP.foreach_copy_([fp32[i] for i in own], [model_p[i] for i in own])  # nothing survives a step
+
+    def _write_back(self, optimizer, model_p, fp32, copied) -> None:
+        if self.rounding == "nearest":
+            super()._write_back(optimizer, model_p, fp32, copied)
+        elif self.rounding == "stochastic":
+            for i in copied:
+                model_p[i].copy_(stochastic_round(fp32[i], model_p[i].dtype, self._gen))
+        else:  # kahan
+            k = self.optimizers.index(optimizer)
+            for i in copied:
+                c = self._comp.get((k, i))
+                if c is None:
+                    c = self._comp[(k, i)] = torch.zeros_like(model_p[i])
+                kahan_round_(model_p[i], fp32[i], c)
+
+    def state_dict(self):
+        sd = super().state_dict()
         if self._gen is not None:
             sd["rounding_rng"] = self._gen.get_state()
         if self._comp:
@@ -1225,15 +602,6 @@ class Paper(Recipe):
 
     def load_state_dict(self, sd):
         super().load_state_dict(sd)
-        self.scaler.load_state_dict(sd["scaler"])
-        if self.master:
-            with torch.no_grad():
-                for (_, fp32, own), saved in zip(self._pairs, sd["master"]):
-                    # Older checkpoints saved a master for every parameter, FP32 ones included.
-                    idx = own if len(saved) == len(own) else range(len(fp32))
-                    for i, s in zip(idx, saved):
-                        fp32[i].copy_(s)
-            self.sync_model_from_master()
         if self._gen is not None and "rounding_rng" in sd:
             self._gen.set_state(sd["rounding_rng"])
         self._comp = {}
@@ -1243,9 +611,16 @@ class Paper(Recipe):
 
 
 class FP8(Recipe):
-    """precision=fp8 (beyond the paper, issue 31; the module docstring): FP32 parameters that are the
-    master copy, every weight-bearing dot product on FP8 operands (FP8Math), per-tensor scales
-    (FP8State, checkpointed), no loss scaling. The same recipe for impl=autocast and impl=paper."""
+    """precision=fp8, beyond the paper (mpt.fp8): FP32 parameters that are the master copy, every
+    weight-bearing dot product on FP8 operands (FP8Math), per-tensor scales (FP8State, checkpointed),
+    FP32 accumulation and outputs, no loss scaling (the per-tensor scales replace it). The same recipe
+    for impl=autocast and impl=paper.
+
+    `fp8.scaling`: `current` (FP8_MAX / amax of the tensor now) or `delayed` (FP8_MAX / the max over an
+    amax history of fp8.amax_history_len iterations, Transformer Engine's DelayedScaling defaults: 1024,
+    "max", margin 0; the scale starts at 1 and is recomputed once per iteration). `fp8.ends=bf16`
+    (default) keeps the first and the last weight-bearing layer of each model (registration order) in
+    BF16, as the FP8 paper kept them in 16 bits; `fp8.ends=fp8` quantises them too."""
 
     name = "fp8"
 
@@ -1254,6 +629,10 @@ class FP8(Recipe):
         self.impl = impl
         self.ends = f8.ends
         self.state = FP8State(f8.scaling, f8.amax_history_len, f8.amax_compute_algo, f8.margin)
+
+    @classmethod
+    def from_config(cls, cfg, device):
+        return cls(device, cfg.fp8, cfg.impl)
 
     def prepare(self, model, optimizers):
         self.state.register(model, self.ends)
@@ -1282,23 +661,28 @@ class FP8(Recipe):
         self.state.load_state_dict(sd["fp8"], self.device)
 
 
+# The recipe of each precision that has one of its own; the others (fp16, mixed, bf16) run the scheme
+# cfg.impl names (precisions.Precision.impls).
+RECIPES: dict[str, type[Recipe]] = {"fp32": FP32, "fp16_pure": NoMasterCopy, "fp16_storage": FP16Storage,
+                                    "fp8": FP8, "bf16_pure": NoMasterCopy}
+IMPL_RECIPES: dict[str, type[Recipe]] = {"autocast": Autocast, "paper": MasterCopy}
+
+
+def recipe_class(precision: str, impl: str) -> type[Recipe]:
+    return RECIPES.get(precision) or IMPL_RECIPES[impl]
+
+
+def half_math_used(cfg, device) -> str:
+    """What build(cfg, device).half_math will be, without building it (env.json)."""
+    cls = recipe_class(cfg.precision, cfg.impl)
+    return cls.half_math_for(getattr(cfg, "half_math", "auto"), _dtype(cfg.precision), torch.device(device))
+
+
 def build(cfg, device) -> Recipe:
     """The recipe named by cfg.precision / cfg.impl / cfg.loss_scale (validated by check())."""
     check(cfg)
     device = torch.device(device)
-    p, scale = cfg.precision, parse_loss_scale(cfg.loss_scale, cfg.precision)
-    if p == "fp32":
-        return FP32(device)
-    if p == "fp8":
-        return FP8(device, cfg.fp8, cfg.impl)
-    dtype = torch.bfloat16 if p in ("bf16", "bf16_pure") else torch.float16
-    if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise UserError(f"precision={p} needs a GPU with BF16 (Ampere or newer); "
+    if _dtype(cfg.precision) == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise UserError(f"precision={cfg.precision} needs a GPU with BF16 (Ampere or newer); "
                         f"{torch.cuda.get_device_name(device)} has none: use precision=mixed")
-    hm = getattr(cfg, "half_math", "auto")
-    if p in _PAPER_ONLY:
-        return Paper(device, p, dtype, scale, cfg.scaler, master=p not in _PURE, fp32_math=p == "fp16_storage",
-                     half_math=hm, rounding=getattr(cfg, "rounding", "nearest"), seed=cfg.seed)
-    if cfg.impl == "paper":
-        return Paper(device, p, dtype, scale, cfg.scaler, master=True, half_math=hm)
-    return Autocast(device, p, dtype, scale, cfg.scaler, half_math=hm)
+    return recipe_class(cfg.precision, cfg.impl).from_config(cfg, device)

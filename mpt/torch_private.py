@@ -9,6 +9,9 @@ import torch.nn as nn
 # The base of every layer that keeps running statistics (BatchNorm1d/2d/3d, SyncBatchNorm, the
 # InstanceNorms): the norm layers impl=paper keeps in FP32 (section 3.3). No public name covers them all.
 NormBase = nn.modules.batchnorm._NormBase
+# ntuple(n)(x): x repeated n times, or x itself where it is already a sequence -- how a convolution
+# reads its stride, padding and dilation arguments; the emulated FP16 convolution reads them the same way.
+ntuple = nn.modules.utils._ntuple
 
 
 def scaler_found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -37,3 +40,9 @@ def shutdown_loader_workers(loader: torch.utils.data.DataLoader) -> None:
     if it is not None:
         it._shutdown_workers()
         loader._iterator = None
+
+
+def reset_compiled() -> None:
+    """Forget every graph torch.compile has made (and its recompilation counts): the speed benchmark
+    compiles one model after another, each measured from a clean cache."""
+    torch._dynamo.reset()

@@ -15,17 +15,13 @@ import numpy as np
 from matplotlib.figure import Figure
 import matplotlib.image
 
+from mpt import precisions
 from mpt.plots import draw_hist, render
 from paper_tables import specs
 from paper_tables.results import Problem, RunResult
-from paper_tables.tables import EXTRA_NAME, _variant_key
+from paper_tables.tables import _variant_key
 
 MAX_POINTS = 4000  # per curve: keeps the SVGs small; the shape of a training curve survives
-COLORS = {"fp32": "black", "fp16": "tab:orange", "mixed": "tab:blue", "bf16": "tab:green",
-          "fp16_pure": "tab:red", "fp16_storage": "tab:purple",
-          "fp8_delayed": "tab:brown", "fp8_current": "tab:pink", "fp8_delayed_all": "tab:olive",
-          "fp8_current_all": "tab:cyan", "bf16_pure": "tab:gray", "bf16_pure_stochastic": "darkgreen",
-          "bf16_pure_kahan": "navy"}
 # mpt.numerics' keys first (its "weight"/"act" histograms are of the gradients), then spellings
 # an older or other logger might use.
 HIST_KEYS = {
@@ -68,17 +64,21 @@ class FigureResult:
         return f"Paper (section {p['section']}): {p['paper']}"
 
 
+def _color(prec: str) -> str | None:
+    col = precisions.column(prec)
+    return col.color if col else None
+
+
 def variant_label(v) -> str:
     prec, impl, scale, tf32 = v
-    base = {"fp32": "FP32", "fp16": "MP, no loss scaling (S=1)", "mixed": "MP",
-            "bf16": "BF16", "fp16_pure": "FP16 weights, no master copy",
-            "fp16_storage": "FP16 storage, FP32 math"}.get(prec, prec)
-    if prec == "mixed":
+    col, row = precisions.column(prec), precisions.of_column(prec)
+    base = col.legend if col else prec
+    if row is not None and row.auto_loss_scale == "dynamic":  # scaled by default: S always named
         base += ", dynamic S" if scale == "dynamic" else (f", S={scale}" if scale is not None else "")
-    elif prec in ("fp16_pure", "fp16_storage") and scale not in (None, 1):
+    elif row is not None and row.loss_scaling and scale not in (None, 1):  # scaled where asked
         base += f", S={scale}"
-    if EXTRA_NAME.get(prec, "").startswith("beyond the paper"):
-        base = EXTRA_NAME[prec]  # issue 31's successors, labelled as such
+    if col is not None and col.beyond_paper:
+        base = col.label  # the paper's successors, labelled as such
     if tf32:
         base += " (TF32)"
     if impl and impl != "autocast":
@@ -144,7 +144,7 @@ def _curves(spec, runs, profile, problems, notes):
         rs = groups[key]
         variants = sorted({r.variant for r in rs}, key=_variant_key)
         for i, v in enumerate(variants):
-            color = COLORS.get(v[0]) if sum(w[0] == v[0] for w in variants) == 1 else f"C{i}"
+            color = _color(v[0]) if sum(w[0] == v[0] for w in variants) == 1 else f"C{i}"
             vr = [r for r in rs if r.variant == v]
             if spec.param("band") and len(vr) > 1 and _band(ax, vr, ykind, color, variant_label(v), problems):
                 notes.append(f"{key[0]}/{key[1]}: {variant_label(v)} from {len(vr)} run(s) ({_seeds(vr)}; "

@@ -19,6 +19,7 @@ from typing import Callable
 
 import yaml
 
+from mpt import precisions
 from mpt.errors import UserError
 from paper_tables import specs
 
@@ -148,15 +149,14 @@ def _bool(v) -> bool:
 
 def normalize_loss_scale(precision: str, value):
     """One spelling per loss scale, so that 128, 128.0 and "128" are the same cell."""
-    if precision in specs.NO_SCALER:
-        return None
-    if precision == "fp16":
-        # fp16 is "MP without loss scaling" (section 4, Table 2): S = 1 by definition
-        # (mpt.precision refuses any other S for it).
-        return 1
+    row = precisions.of_column(precision)
+    if row is not None and not row.loss_scaling:
+        # No scaler, so the setting must not split a cell. FP16 math then runs at S = 1, the paper's
+        # "MP without loss scaling" (section 4, Table 2); BF16, FP8 and FP32 have no S at all.
+        return 1 if row.compute == "float16" else None
     if isinstance(value, str) and value.strip().lower() in ("dynamic", "auto"):
-        # "auto" resolves as mpt.precision.parse_loss_scale does: dynamic for mixed, none otherwise.
-        return "dynamic" if value.strip().lower() == "dynamic" or precision == "mixed" else None
+        # "auto" is what the precision's row says (mpt.precisions.parse_loss_scale reads it too).
+        return "dynamic" if value.strip().lower() == "dynamic" else (row.auto_loss_scale if row else None)
     f = _num(value)
     if f is None:
         return None if value is None else str(value)
@@ -198,14 +198,15 @@ def read_jsonl(path: pathlib.Path) -> Lines:
 
 
 def run_precision(precision: str, cfg: dict) -> str:
-    """A run's column: its precision, except issue 31's, which name what makes them another recipe --
-    fp8_<scaling> (fp8.ends=bf16, the FP8 paper's 16-bit first/last layers) or fp8_<scaling>_all
-    (every layer FP8), and <fp16|bf16>_pure_<rounding> for a rounding other than nearest."""
+    """A run's column: its precision, except where a key makes it another recipe -- fp8_<scaling>
+    (fp8.ends=bf16, the FP8 paper's 16-bit first/last layers) or fp8_<scaling>_all (every layer FP8),
+    and <precision>_<rounding> for weights without a master copy rounded other than to nearest."""
     cfg = cfg if isinstance(cfg, dict) else {}
+    row = precisions.BY_NAME.get(precision)
     if precision == "fp8":
         f8 = cfg.get("fp8") if isinstance(cfg.get("fp8"), dict) else {}
         return f"fp8_{f8.get('scaling', 'delayed')}" + ("" if f8.get("ends", "bf16") == "bf16" else "_all")
-    if precision in ("fp16_pure", "bf16_pure") and cfg.get("rounding", "nearest") != "nearest":
+    if row is not None and not row.master and cfg.get("rounding", "nearest") != "nearest":
         return f"{precision}_{cfg['rounding']}"
     return precision
 

@@ -9,19 +9,16 @@ import re
 
 import yaml
 
+from mpt import precisions
+
 PAPER_NUMBERS = pathlib.Path(__file__).with_name("paper_numbers.yaml")
 
 TINY_LABEL = "TINY PROFILE (CPU smoke data, not comparable to the paper)"
 STATUSES = ("completed", "running", "interrupted", "diverged", "failed")
-# Orders columns and legends: the paper's three modes first (section 4), then later practice.
-# Beyond the paper (issue 31, its successors): FP8 by scaling rule and first/last-layer choice, and BF16
-# weights without a master copy by rounding -- results.run_precision names a run's column so.
-BEYOND_PAPER = ("fp8_delayed", "fp8_current", "fp8_delayed_all", "fp8_current_all",
-                "bf16_pure", "bf16_pure_stochastic", "bf16_pure_kahan", "fp16_pure_stochastic", "fp16_pure_kahan")
-PRECISION_ORDER = ("fp32", "fp16", "mixed", "bf16", "fp16_pure", "fp16_storage") + BEYOND_PAPER
-# Precisions that run without a loss scaler: their loss_scale setting means nothing, so it must not
-# split a cell (BF16 has FP32's exponent range; "Later practice" in the fact sheet; FP8 scales per tensor).
-NO_SCALER = ("fp32", "bf16") + tuple(p for p in BEYOND_PAPER if not p.startswith("fp16"))
+# Orders columns and legends: the paper's three modes first (section 4), then later practice, then what
+# is beyond the paper (its successors) -- one column per precision or variant of one (mpt.precisions;
+# results.run_precision names a run's column).
+PRECISION_ORDER = tuple(c.name for c in precisions.COLUMNS)
 
 
 @dataclasses.dataclass(frozen=True)

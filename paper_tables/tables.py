@@ -12,6 +12,7 @@ import math
 import re
 import statistics
 
+from mpt import precisions
 from paper_tables import specs
 from paper_tables.results import Problem, RunResult
 
@@ -24,19 +25,6 @@ PLACEHOLDER = {"fp32": ("fp32", None, None, False), "mp_noscale": ("fp16", None,
 # Table 1 has one MP column, and the paper ran it without loss scaling (4.1): an empty table's MP column
 # is our fp16 (S = 1), as the experiment's README says. A column that names its precisions
 # (paper_numbers.yaml `precisions:`, Table 3's fp16_storage) has the first of them instead.
-EXTRA_NAME = {"fp32": "TF32 baseline", "bf16": "BF16", "fp16_pure": "FP16 weights, no master copy",
-              "fp16_storage": "FP16 storage, FP32 math", "fp16": "FP16 math, no loss scaling",
-              "mixed": "FP16 math, loss scaling",
-              # issue 31: the paper's successors, marked as such in every table
-              "fp8_delayed": "beyond the paper: FP8, delayed scaling, BF16 first/last layers",
-              "fp8_current": "beyond the paper: FP8, current scaling, BF16 first/last layers",
-              "fp8_delayed_all": "beyond the paper: FP8, delayed scaling, every layer",
-              "fp8_current_all": "beyond the paper: FP8, current scaling, every layer",
-              "bf16_pure": "beyond the paper: BF16 weights, no master copy, round to nearest",
-              "bf16_pure_stochastic": "beyond the paper: BF16 weights, no master copy, stochastic rounding",
-              "bf16_pure_kahan": "beyond the paper: BF16 weights, no master copy, Kahan summation",
-              "fp16_pure_stochastic": "beyond the paper: FP16 weights, no master copy, stochastic rounding",
-              "fp16_pure_kahan": "beyond the paper: FP16 weights, no master copy, Kahan summation"}
 
 
 @dataclasses.dataclass
@@ -287,7 +275,8 @@ def build_table(spec: specs.TableSpec, runs: list[RunResult], profile: str,
                                   v, placeholder=True))
     for v in variants:
         if paper_column(v, paper["columns"]) is None:
-            name = EXTRA_NAME.get(v[0], v[0])
+            col = precisions.column(v[0], tf32=v[3])  # FP32 with TF32 on is the TF32 baseline's column
+            name = col.label if col else v[0]
             columns.append(Column(_slug(v, multi_impl), f"{name} ({_describe(v, multi_impl)})", None, v))
 
     comparable = profile == "paper"

@@ -13,7 +13,7 @@ heads are the paper's; the vocabularies of translation (120 subwords, paper 40K)
 set's characters) and the bigLSTM (cut to 16,384 words, see lm_data) are the tiny data's. The speech
 utterances are the shortest the generators speak (one word / one character; see librispeech_data).
 
-FP16 runs on the CPU with half_math=auto (emulated FP16 dot products, mpt/precision.py), the default
+FP16 runs on the CPU with half_math=auto (emulated FP16 dot products, mpt/half_math.py), the default
 a user gets; PyTorch's own CPU FP16 convolution backward is ~100x slower than FP32 (a 128-px DCGAN
 step took minutes with it).
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from mpt import precision
+from mpt import precision, precisions
 from mpt.config import Config
 from mpt.errors import UserError
 
@@ -569,3 +569,36 @@ def test_fp16_pure_matches_by_hand_ablation():
         ref_w16 = [wk.detach().half() for wk in work]
     for p, w in zip(lin.parameters(), ref_w16):
         assert torch.equal(p.detach(), w)
+
+
+@pytest.mark.parametrize("row", [p for p in precisions.TABLE if not p.tf32], ids=lambda p: p.name)
+def test_each_row_of_the_precision_table_says_what_its_recipe_does(row):
+    """mpt/precisions.py against the recipes built from it: what the model is stored in, whether the
+    trained weights are FP32, the dtype of an activation, what loss_scale=auto gives."""
+    for impl in precision.IMPLS:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3))
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        r = recipe_for(net, opt, row.name, impl)
+        paper_way = impl == "paper" or impl not in row.impls  # autocast keeps FP32 parameters
+        assert net[0].weight.dtype == getattr(torch, row.storage if paper_way else "float32")
+        assert all(w.dtype == torch.float32 for w in r.weights_of(opt)) == row.master
+        seen = []
+        net[0].register_forward_hook(lambda m, a, out: seen.append(out.dtype))
+        with r.autocast():
+            net(torch.randn(2, 4))
+        assert seen == [getattr(torch, row.compute if row.half_compute else row.storage)]
+        dynamic = Config().scaler.init_scale
+        assert r.loss_scale == (dynamic if row.auto_loss_scale == "dynamic" else 1.0)
+
+
+def test_config_and_paper_tables_import_no_torch():
+    """The precision table is read where torch may be absent (a laptop making the tables)."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    code = ("import sys, mpt.config, mpt.precisions, paper_tables.specs, paper_tables.results; "
+            "sys.exit(any(m == 'torch' or m.startswith('torch.') for m in sys.modules))")
+    assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0

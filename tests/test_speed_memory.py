@@ -234,7 +234,7 @@ def test_speech_workloads_measure_a_ctc_step(model, one_thread):
     counted in utterances; FP16 storage (impl=paper) saves each activation of FP32 training once, in
     FP16 (half its bytes) or kept in FP32 (the log-softmax and CTC, section 3.3), so fewer bytes.
     half_math=native: emulated FP16 math runs each GRU whole in FP32 and autograd saves its FP32
-    internals (mpt.precision.HalfMath), which is not what FP16 storage on a GPU saves."""
+    internals (mpt.half_math.HalfMath), which is not what FP16 storage on a GPU saves."""
     o = opts(batch=2, size="32", width=0.03, steps=1, warmup=1, half_math="native")
     rows = {p: bench.measure(model, p, None if p == "fp32" else "paper", o, torch.device("cpu"))
             for p in ("fp32", "mixed")}

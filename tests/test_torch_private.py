@@ -52,3 +52,23 @@ def test_foreach_copy_equals_copy_including_the_cast():
     TP.foreach_copy_(dst, src)
     for d, s in zip(dst, src):
         assert torch.equal(d, torch.empty_like(d).copy_(s))
+
+
+def test_ntuple_repeats_a_number_and_keeps_a_sequence():
+    assert TP.ntuple(2)(3) == (3, 3) and TP.ntuple(3)(1) == (1, 1, 1)
+    assert tuple(TP.ntuple(2)((1, 2))) == (1, 2) and tuple(TP.ntuple(2)([4, 5])) == (4, 5)
+
+
+def test_reset_compiled_makes_torch_compile_compile_again():
+    graphs = []
+
+    def backend(gm, example_inputs):  # counts the graphs torch.compile hands over, runs them as they are
+        graphs.append(gm)
+        return gm.forward
+
+    f = torch.compile(lambda x: x * 2 + 1, backend=backend)
+    x = torch.ones(3)
+    f(x), f(x)
+    assert len(graphs) == 1  # compiled once, then reused
+    TP.reset_compiled()
+    assert torch.equal(f(x), x * 2 + 1) and len(graphs) == 2

@@ -71,7 +71,7 @@ def measure(prec: str, impl: str, scale: str, shape) -> dict:
     torch.manual_seed(0)
     model = BigLSTM(V, E, H, P, L, num_sampled=K, dropout=0.1)
     # half_math=native: PyTorch's FP16 LSTM saves FP16 gate activations, as a GPU's FP16 layer does; the
-    # CPU's emulated FP16 math runs the layer in FP32 and saves FP32 ones (mpt.precision.HalfMath).
+    # CPU's emulated FP16 math runs the layer in FP32 and saves FP32 ones (mpt.half_math.HalfMath).
     cfg = Config(precision=prec, impl=impl, loss_scale=scale, task=TaskCfg(), half_math="native",
                  optim=OptimCfg(name="adagrad", lr=0.2, initial_accumulator_value=1.0))
     opt = build_optimizer(cfg.optim, Task().param_groups(model, cfg))  # the experiment's groups

@@ -23,7 +23,7 @@ DEFAULTS = {
     "batch": 256, "size": "auto", "width": 1.0, "steps": 20, "warmup": 5, "device": "auto",
     "channels_last": False, "compile": False, "fused": False, "cudnn_benchmark": True, "kernels": True,
     "overhead": "resnet50_preact", "overhead_rounds": 5, "out": "experiments/speed_memory/results", "tag": "",
-    # FP16/BF16 dot products on a CPU (mpt.precision.HalfMath): auto | emulated | native | both (every
+    # FP16/BF16 dot products on a CPU (mpt.half_math.HalfMath): auto | emulated | native | both (every
     # half-precision cell twice, emulated and native, in one run: their ratios to the same FP32 row)
     "half_math": "auto",
 }

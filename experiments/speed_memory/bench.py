@@ -32,15 +32,18 @@ import torch
 import models
 from mpt import config
 from mpt import precision as recipes
+from mpt import precisions
+from mpt import torch_private as TP
 from mpt.optim import build_optimizer
 from mpt.step import Observer, TrainStep, loss_body
 from mpt.errors import UserError
 from mpt.memory import ActivationMeter
 from mpt.rundir import env_info
 
-# "tf32" is FP32 storage with the TF32 Tensor Core switches on (a baseline the paper predates;
-# see the fact sheet's "later practice"); every other row runs with both switches off.
-PRECISIONS = ("fp32", "tf32", "fp16", "mixed", "bf16", "fp16_pure", "fp16_storage")
+# The precisions whose speed and memory section 3 speaks of, and the baselines beside them ("tf32" is
+# FP32 storage with the TF32 Tensor Core switches on; every other row runs with both switches off).
+# Those beyond the paper are left out: fp8 is simulated, so its speed would not be FP8's.
+PRECISIONS = tuple(p.name for p in precisions.TABLE if not p.beyond_paper)
 DATA_NOTE = ("synthetic data: one random batch made on the device before timing, reused every step "
              "(data loading and host-to-device copies are out of every figure)")
 
@@ -146,15 +149,15 @@ def resolve_list(spec: str, valid: tuple[str, ...], key: str) -> list[str]:
     return list(dict.fromkeys(items))
 
 
-def cells(precisions: list[str], impls: list[str]) -> list[tuple[str, str | None]]:
-    """(precision, impl) pairs to measure. FP32 and TF32 have no impl (one FP32 recipe);
-    fp16_pure has no FP32 weights for autocast to cast from, so both impls are the paper's."""
+def cells(names: list[str], impls: list[str]) -> list[tuple[str, str | None]]:
+    """(precision, impl) pairs to measure: each impl that runs the precision (precisions.Precision.impls).
+    FP32 and TF32 have no impl (one FP32 recipe); fp16_pure and fp16_storage have no FP32 weights for
+    autocast to cast from, so they are measured once, the paper's way."""
     out = []
-    for p in precisions:
-        if p in ("fp32", "tf32"):
-            out.append((p, None))
-        elif p in ("fp16_pure", "fp16_storage"):
-            out.append((p, "paper"))
+    for p in names:
+        runs = precisions.BY_NAME[p].impls
+        if len(runs) < 2:
+            out.append((p, runs[0] if runs else None))
         else:
             out += [(p, i) for i in impls]
     return out
@@ -325,25 +328,27 @@ def half_maths(precision: str, setting: str) -> list[str]:
     math is FP16/BF16 (fp16_storage is FP32 math by definition, tf32/fp32 have none)."""
     if setting != "both":
         return [setting]
-    return ["emulated", "native"] if precision in ("fp16", "mixed", "bf16", "fp16_pure") else ["auto"]
+    return ["emulated", "native"] if precisions.BY_NAME[precision].half_compute else ["auto"]
 
 
 def config_for(wl: Workload, model: str, precision: str, impl: str | None, o: dict, device) -> config.Config:
+    row = precisions.BY_NAME[precision]
     return config.resolve(wl.experiment, [
-        f"model={model}", f"precision={'fp32' if precision == 'tf32' else precision}",
+        f"model={model}", f"precision={row.run_as}",
         f"half_math={o.get('half_math', 'auto')}",
-        f"impl={impl or 'autocast'}", f"tf32={'true' if precision == 'tf32' else 'false'}",
+        f"impl={impl or 'autocast'}", f"tf32={'true' if row.tf32 else 'false'}",
         f"width={o['width']}", f"train.batch_size={o['batch']}", f"channels_last={str(o['channels_last']).lower()}",
         f"device={device}", "wandb.mode=disabled"])
 
 
 def skip_reason(precision: str, device: torch.device) -> str | None:
-    if precision == "tf32":
+    row = precisions.BY_NAME[precision]
+    if row.tf32:
         if device.type != "cuda":
             return "TF32 is a GPU mode (Ampere or newer); no GPU here"
         if torch.cuda.get_device_capability(device)[0] < 8:
             return f"TF32 needs Ampere or newer; {torch.cuda.get_device_name(device)} has none"
-    if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+    if row.storage == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         return f"BF16 needs Ampere or newer; {torch.cuda.get_device_name(device)} has none"
     return None
 
@@ -373,7 +378,7 @@ def measure(model_name: str, precision: str, impl: str | None, o: dict, device: 
     if device.type == "cuda":
         torch.cuda.empty_cache()
     if o.get("compile"):
-        torch._dynamo.reset()
+        TP.reset_compiled()
     return row
 
 

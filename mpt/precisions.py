@@ -1,0 +1,233 @@
+"""Every precision, one row each: what the config's checks, the recipes (mpt/precision.py), the
+speed/memory benchmark and the generated tables and figures (paper_tables) know about it. Imports no
+torch, so the config and paper_tables read it on any machine.
+
+A new precision is a row here and, where its scheme is new, a recipe class in mpt/precision.py
+(registered in its RECIPES), with its tests and its line in the README.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from mpt.errors import UserError
+
+IMPLS = ("autocast", "paper")
+HALF_MATHS = ("auto", "emulated", "native")
+ROUNDINGS = ("nearest", "stochastic", "kahan")
+FP8_SCALINGS = ("delayed", "current")
+FP8_AMAX_ALGOS = ("max", "most_recent")
+FP8_ENDS = ("bf16", "fp8")
+
+
+@dataclasses.dataclass(frozen=True)
+class Column:
+    """A column of the generated tables and a curve of the figures: a precision, or a variant of one
+    that a config key makes another recipe (paper_tables.results.run_precision names them)."""
+
+    name: str
+    label: str  # the column's header where no column of the paper's takes it
+    color: str | None = None  # its curves' colour (matplotlib); None: the next of the default cycle
+    beyond_paper: bool = False  # the paper's successors: labelled so in every table and figure
+    figure_label: str = ""  # its legend entry, where that is not the label
+
+    @property
+    def legend(self) -> str:
+        return self.figure_label or self.label
+
+
+def _beyond(name: str, what: str, color: str | None = None) -> Column:
+    return Column(name, f"beyond the paper: {what}", color, beyond_paper=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """One precision: what it stores and computes in, how it treats the loss scale, which impls run it,
+    and its columns in the generated tables."""
+
+    name: str
+    doc: str  # what it is, and where the paper (or the successor it comes from) describes it
+    storage: str  # torch dtype of the weights, activations and gradients in the paper's scheme (impl=paper)
+    compute: str  # what the dot products' operands are: float32 | tfloat32 | float16 | bfloat16 | float8
+    # The optimizer's result lives on in FP32 (a master copy, or FP32 weights that are their own);
+    # False: it is rounded into FP16/BF16 weights each step and what rounding loses is lost (section 3.1).
+    master: bool
+    loss_scaling: bool  # takes loss_scale=<S> and dynamic (section 3.2)
+    auto_loss_scale: str | None  # what loss_scale=auto means: "dynamic", or None (S = 1, no scaler)
+    # The impls that run it: both, the paper's alone (what the model stores is the precision, which
+    # autocast's FP32 weights cannot express), or none where cfg.impl changes nothing.
+    impls: tuple[str, ...]
+    columns: tuple[Column, ...]
+    beyond_paper: bool = False
+    tf32: bool = False  # FP32 with TF32 tensor-core math: a setting of fp32 (cfg.tf32), not a recipe
+    # The error for a loss scale other than 1 where the precision takes none ({value}, {name}).
+    refuses_scale: str = "loss_scale={value} does nothing for precision={name}; leave it at auto"
+
+    @property
+    def half_compute(self) -> bool:
+        """A GPU runs its convolutions and matmuls in FP16/BF16 (tensor cores)."""
+        return self.compute in ("float16", "bfloat16")
+
+    @property
+    def run_as(self) -> str:
+        """cfg.precision of a run in this precision (TF32: fp32, with cfg.tf32 on)."""
+        return "fp32" if self.tf32 else self.name
+
+
+TABLE: tuple[Precision, ...] = (
+    Precision(
+        "fp32", "Everything FP32: the paper's baseline (TF32 is a separate switch, off by default).",
+        storage="float32", compute="float32", master=True, loss_scaling=False, auto_loss_scale=None,
+        impls=(), columns=(Column("fp32", "FP32", "black"),)),
+    Precision(
+        "tf32", "FP32 storage, matmuls and convolutions on TF32 tensor cores (precision=fp32 tf32=true): "
+        "a baseline the paper predates.",
+        storage="float32", compute="tfloat32", master=True, loss_scaling=False, auto_loss_scale=None,
+        impls=(), columns=(Column("tf32", "TF32 baseline"),), tf32=True),
+    Precision(
+        "fp16", "The paper's \"MP without loss scaling\": FP16 forward and backward, FP32 master weights, "
+        "S = 1 and no overflow skipping, so a network that diverges (SSD, Table 2) diverges here.",
+        storage="float16", compute="float16", master=True, loss_scaling=False, auto_loss_scale=None,
+        impls=IMPLS,
+        columns=(Column("fp16", "FP16 math, no loss scaling", "tab:orange", figure_label="MP, no loss scaling (S=1)"),),
+        refuses_scale="precision=fp16 is the paper's 'without loss scaling' mode (S = 1); "
+                      "for S = {value} use precision=mixed loss_scale={value}"),
+    Precision(
+        "mixed", "FP16 math, FP32 master weights and loss scaling (section 3): a constant S (the paper's) "
+        "or dynamic (a later framework feature, section 5); both skip the update on inf/nan.",
+        storage="float16", compute="float16", master=True, loss_scaling=True, auto_loss_scale="dynamic",
+        impls=IMPLS, columns=(Column("mixed", "FP16 math, loss scaling", "tab:blue", figure_label="MP"),)),
+    Precision(
+        "bf16", "BF16 math, FP32 master weights, no loss scaling (BF16 has FP32's exponent range): later "
+        "practice, not the paper's.",
+        storage="bfloat16", compute="bfloat16", master=True, loss_scaling=False, auto_loss_scale=None,
+        impls=IMPLS, columns=(Column("bf16", "BF16", "tab:green"),)),
+    Precision(
+        "fp16_pure", "Figure 2a's ablation: FP16 weights updated directly, no FP32 master copy (section 3.1); "
+        "loss scaling only where asked.",
+        storage="float16", compute="float16", master=False, loss_scaling=True, auto_loss_scale=None,
+        impls=("paper",),
+        columns=(Column("fp16_pure", "FP16 weights, no master copy", "tab:red"),
+                 _beyond("fp16_pure_stochastic", "FP16 weights, no master copy, stochastic rounding"),
+                 _beyond("fp16_pure_kahan", "FP16 weights, no master copy, Kahan summation"))),
+    Precision(
+        "fp16_storage", "\"FP16 storage, FP32 math\", how the paper ran DeepSpeech 2 (section 4.3): FP16 "
+        "weights, activations and gradients, FP32 master weights, every dot product and softmax computed in "
+        "FP32; loss scaling only where asked.",
+        storage="float16", compute="float32", master=True, loss_scaling=True, auto_loss_scale=None,
+        impls=("paper",), columns=(Column("fp16_storage", "FP16 storage, FP32 math", "tab:purple"),)),
+    Precision(
+        "fp8", "FP8 operands for every dot product of a weight-bearing layer, E4M3 forward and E5M2 backward, "
+        "each tensor at its own scale (Micikevicius et al. 2022, \"FP8 Formats for Deep Learning\"), FP32 "
+        "master weights; simulated, so its numerics, not its speed.",
+        storage="float32", compute="float8", master=True, loss_scaling=False, auto_loss_scale=None,
+        impls=(), beyond_paper=True,
+        columns=(_beyond("fp8_delayed", "FP8, delayed scaling, BF16 first/last layers", "tab:brown"),
+                 _beyond("fp8_current", "FP8, current scaling, BF16 first/last layers", "tab:pink"),
+                 _beyond("fp8_delayed_all", "FP8, delayed scaling, every layer", "tab:olive"),
+                 _beyond("fp8_current_all", "FP8, current scaling, every layer", "tab:cyan")),
+        refuses_scale="precision=fp8 scales each tensor on its own (fp8.scaling); loss_scale={value} "
+                      "is not used: leave it at auto"),
+    Precision(
+        "bf16_pure", "BF16 weights updated directly, no FP32 master copy: fp16_pure's scheme in BF16 "
+        "(Zamirai et al. 2020, \"Revisiting BFloat16 Training\"), the update rounded by `rounding`.",
+        storage="bfloat16", compute="bfloat16", master=False, loss_scaling=False, auto_loss_scale=None,
+        impls=("paper",), beyond_paper=True,
+        columns=(_beyond("bf16_pure", "BF16 weights, no master copy, round to nearest", "tab:gray"),
+                 _beyond("bf16_pure_stochastic", "BF16 weights, no master copy, stochastic rounding", "darkgreen"),
+                 _beyond("bf16_pure_kahan", "BF16 weights, no master copy, Kahan summation", "navy"))),
+)
+
+BY_NAME = {p.name: p for p in TABLE}
+PRECISIONS = tuple(p.name for p in TABLE if not p.tf32)  # the values of cfg.precision
+# Precisions whose convolutions and matmuls a GPU runs in FP16/BF16 on tensor cores. fp16_storage
+# computes in FP32 (section 4.3) and fp8 is simulated around FP32 kernels: neither is among them.
+HALF_COMPUTE = tuple(p.name for p in TABLE if p.half_compute)
+# The order of table columns and figure legends: the paper's precisions and its baselines first, then
+# the precisions beyond the paper, then the variants beyond it of the first (fp16_pure's roundings).
+_OWN = [p for p in TABLE if not p.tf32 and not p.beyond_paper]
+COLUMNS = (tuple(c for p in _OWN for c in p.columns if not c.beyond_paper)
+           + tuple(c for p in TABLE if p.beyond_paper for c in p.columns)
+           + tuple(c for p in _OWN for c in p.columns if c.beyond_paper))
+_ROW_OF = {c.name: p for p in TABLE if not p.tf32 for c in p.columns}
+_TF32 = {p.run_as: p.columns[0] for p in TABLE if p.tf32}
+
+
+def column(name: str, tf32: bool = False) -> Column | None:
+    """The column of that name (FP32 with tf32: the TF32 baseline's); None for a name not in the table."""
+    if tf32 and name in _TF32:
+        return _TF32[name]
+    row = _ROW_OF.get(name)
+    return next(c for c in row.columns if c.name == name) if row else None
+
+
+def of_column(name: str) -> Precision | None:
+    """The precision a column belongs to (fp8_delayed: fp8); None for a name not in the table."""
+    return _ROW_OF.get(name)
+
+
+def _or(names) -> str:
+    names = list(names)
+    return ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else names[0]
+
+
+# ------------------------------------------------------------------------------------------------
+# config checks
+
+
+def parse_loss_scale(value: str, precision: str):
+    """'auto' | 'dynamic' | a positive number  ->  None (no scaling), 'dynamic' or float S."""
+    if precision not in PRECISIONS:
+        raise UserError(f"unknown precision {precision!r}; choose one of: {', '.join(PRECISIONS)}")
+    row = BY_NAME[precision]
+    v = str(value).strip().lower()
+    if v == "auto":
+        return row.auto_loss_scale
+    if v == "dynamic":
+        if not row.loss_scaling:
+            scaled = _or(p.name for p in TABLE if p.loss_scaling)
+            raise UserError(f"loss_scale=dynamic needs precision={scaled}, not {precision}")
+        return "dynamic"
+    try:
+        s = float(v)
+    except ValueError:
+        raise UserError(f"loss_scale={value!r} is not a number; use a positive number, 'dynamic' or 'auto'") from None
+    if not math.isfinite(s) or s <= 0:
+        raise UserError(f"loss_scale={value!r} must be a positive finite number (the paper used 8 to 32K)")
+    if not row.loss_scaling:
+        if s != 1:
+            raise UserError(row.refuses_scale.format(value=value, name=precision))
+        return None
+    return s
+
+
+def check(cfg) -> None:
+    """The precision keys of a config (precision, impl, half_math, loss_scale, rounding, fp8.*, scaler.*)."""
+    if cfg.precision not in PRECISIONS:
+        raise UserError(f"unknown precision {cfg.precision!r}; choose one of: {', '.join(PRECISIONS)}")
+    if cfg.impl not in IMPLS:
+        raise UserError(f"unknown impl {cfg.impl!r}; choose one of: {', '.join(IMPLS)}")
+    if getattr(cfg, "half_math", "auto") not in HALF_MATHS:
+        raise UserError(f"unknown half_math {cfg.half_math!r}; choose one of: {', '.join(HALF_MATHS)}")
+    parse_loss_scale(cfg.loss_scale, cfg.precision)
+    rounding = getattr(cfg, "rounding", "nearest")
+    if rounding not in ROUNDINGS:
+        raise UserError(f"unknown rounding {rounding!r}; choose one of: {', '.join(ROUNDINGS)}")
+    if rounding != "nearest" and BY_NAME[cfg.precision].master:
+        pure = _or(p.name for p in TABLE if not p.master)
+        raise UserError(f"rounding={rounding} is how weights without an FP32 master copy are updated; it needs "
+                        f"precision={pure}, not {cfg.precision}")
+    f8 = getattr(cfg, "fp8", None)
+    if f8 is not None:
+        for key, value, allowed in (("scaling", f8.scaling, FP8_SCALINGS),
+                                    ("amax_compute_algo", f8.amax_compute_algo, FP8_AMAX_ALGOS),
+                                    ("ends", f8.ends, FP8_ENDS)):
+            if value not in allowed:
+                raise UserError(f"unknown fp8.{key} {value!r}; choose one of: {', '.join(allowed)}")
+        if f8.amax_history_len < 1:
+            raise UserError(f"fp8.amax_history_len={f8.amax_history_len} must be >= 1")
+        if cfg.precision != "fp8" and type(f8)() != f8:
+            raise UserError(f"fp8.* keys do nothing for precision={cfg.precision}; leave them at their defaults")
+    s = cfg.scaler
+    if not (s.init_scale > 0 and s.growth_factor > 1 and 0 < s.backoff_factor < 1 and s.growth_interval >= 1):
+        raise UserError("scaler needs init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1, growth_interval >= 1")
