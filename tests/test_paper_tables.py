@@ -426,7 +426,7 @@ def full(tmp_path_factory):
     """Every figure's runs (paper profile) and one output folder, shared by the tests below."""
     root = tmp_path_factory.mktemp("full") / "runs"
     curve = lambda a, scale=1.0: [(a + 3 * math.exp(-i / 8), scale) for i in range(40)]  # noqa: E731
-    for prec, a in (("fp32", 0.5), ("mixed", 0.52), ("fp16_pure", 1.5)):
+    for prec, a in (("fp32", 0.5), ("fp16_storage", 0.52), ("fp16_pure", 1.5)):
         write_run(root, "deepspeech2", "mandarin", prec, 1, metrics={"cer": 15.0 + a}, train=curve(a),
                   numerics=[_hist_line("weight", -20), _hist_line("weight", -19)] if prec == "fp32" else ())
     write_run(root, "voc_detection", "ssd300_vgg16", "fp32", 1, metrics={"mAP": 76.0},
@@ -481,7 +481,8 @@ def test_figures_drawn_from_metrics(full):
     assert "samples_99999.png unreadable" in skipped and "wandb" not in skipped
     f2a = (out / "figure2a.md").read_text()
     assert "FP16 weights, no master copy from" in f2a and "deepspeech2/mandarin" in f2a
-    assert "MP, dynamic S from" in f2a  # loss_scale=auto resolves to dynamic for mixed
+    # the master copy is the one difference: FP16 storage and FP32 math with it, FP16 weights without it
+    assert "FP16 storage, FP32 math from" in f2a and "MP, dynamic S" not in f2a
 
 
 def test_figure6_names_its_missing_no_scaling_panel(tmp_path):
