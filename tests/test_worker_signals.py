@@ -26,7 +26,9 @@ class Slow(Dataset):
     def __getitem__(self, i): time.sleep(0.005); return torch.tensor([i])
 
 it = iter(DataLoader(Slow(), batch_size=2, num_workers=2, worker_init_fn=_worker_init))
-next(it)
+# Two batches: one from each worker (they take turns), so both have run _worker_init. After one,
+# the second worker may still be starting on a loaded machine, and a signal then meets torch's handlers.
+next(it), next(it)
 print(*(w.pid for w in it._workers), flush=True)
 """
 
