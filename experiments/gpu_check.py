@@ -56,13 +56,11 @@ RESULTS_DIR = "experiments/speed_memory/results"
 DEFAULT_CALL_S = 360
 PROBE_S = 60  # importing torch and reading the device: ~10-20 s with CUDA's first initialisation
 # Each part's limit on one H100/H200, in seconds (its process is killed past it; what it finished is
-# kept), argued from FLOP counts until a GPU call measures them (the results file records each part's
-# seconds): strict-FP32 ResNet-50 at batch 256 ~3.1 TFLOP a step, ~0.1-0.3 s on 50-60 TFLOP/s of FP32;
-# 8 headline rows of 5 warm-up + 20 timed + 3 profiled + 1-2 memory steps, each with a model build and
-# cudnn.benchmark's search (~5-10 s): ~10-15 s a row. resume: tiny data and two 6-step runs, ~20 s.
-# ds2_worst: 6 cells of 2-3 steps on 35 s utterances (a few seconds a step in FP32). models gets what
-# is left (24 cells of ~5-10 s: the first of them). ddp needs a second GPU.
-GPU_BUDGET_S = {"headline": 150, "resume": 45, "ds2_worst": 80, "models": 120, "ddp": 60}
+# kept). Measured on an H200 (results/nvidia-h200-2026-11-27-gpu_check-call*.json): headline 124 s (8
+# rows; the first 65 s, cuDNN's search for FP32 NHWC algorithms), resume 24 s, ds2_worst 101 s (English
+# 68 s, Mandarin 22 s; 80 s cut it), 13 of the 24 models cells in 96 s. An H100 has the same SMs at lower
+# memory bandwidth: ~10-20% more. models gets what is left of the call (its first cells); ddp needs 2 GPUs.
+GPU_BUDGET_S = {"headline": 150, "resume": 45, "ds2_worst": 120, "models": 120, "ddp": 60}
 # The CPU smoke's limits: generous (a loaded 2-core machine), they only catch a hang.
 SMOKE_BUDGET_S = {"headline": 120, "models": 180, "ds2_worst": 120, "resume": 120, "ddp": 180}
 SMOKE_CALL_S = PROBE_S + sum(SMOKE_BUDGET_S.values())
