@@ -192,8 +192,8 @@ def paper_column(variant, columns: list[dict]) -> str | None:
     """Our precision -> the paper's column. A column that names its precisions (`precisions:` in
     paper_numbers.yaml) takes those and nothing else: Table 3's MP is fp16_storage, the paper's "FP16
     storage, FP32 math" (4.3). Otherwise fp32 (TF32 off) -> FP32; fp16 or S = 1 -> MP without loss
-    scaling; mixed -> MP with loss scaling (Table 1 has one MP column: section 4.1 needed no scaling,
-    so both map there)."""
+    scaling; mixed -> MP with loss scaling. Table 1's one MP column is the paper's run without loss scaling
+    (4.1), so it takes fp16 / S = 1 only: a mixed run with S > 1 or dynamic S is an extra column there."""
     prec, _, scale, tf32 = variant
     for c in columns:
         if prec in c.get("precisions", ()):
@@ -204,7 +204,7 @@ def paper_column(variant, columns: list[dict]) -> str | None:
     if prec == "fp16" or (prec == "mixed" and scale == 1):
         return next((k for k in ("mp_noscale", "mp") if k in keys), None)
     if prec == "mixed":
-        return next((k for k in ("mp_scale", "mp") if k in keys), None)
+        return "mp_scale" if "mp_scale" in keys else None
     return None
 
 

@@ -92,6 +92,22 @@ def test_mean_std_n_and_difference(tmp_path):
     assert (mp.ours_text(), mp.paper_text(), mp.diff_text()) == ("missing", "56.93", "—")
 
 
+def test_table1_mp_column_is_the_papers_run_without_loss_scaling(tmp_path):
+    """Table 1's one MP column is FP16 with S = 1 (4.1: these CNNs needed no scaling): a dynamic-S or
+    S = 8 mixed run is an extra column beside it, without the paper's number, never averaged into it."""
+    write_run(tmp_path, "ilsvrc_cnns", "alexnet", "fp16", 1, metrics={"top1": 56.0})
+    write_run(tmp_path, "ilsvrc_cnns", "alexnet", "mixed", 1, metrics={"top1": 50.0})
+    write_run(tmp_path, "ilsvrc_cnns", "alexnet", "mixed", 2, loss_scale=8, metrics={"top1": 40.0})
+    _, problems, rep = build(tmp_path)
+    assert problems == []
+    t = table_of(rep, "table1")
+    mp = next(c for c in t.columns if c.paper_key == "mp")
+    assert t.cells[("alexnet", mp.id)].values == [56.0]
+    extra = [c for c in t.columns if c.paper_key is None and c.variant[0] == "mixed"]
+    assert len(extra) == 2 and all(t.cells[("alexnet", c.id)].paper is None for c in extra)
+    assert sorted(t.cells[("alexnet", c.id)].mean for c in extra) == [40.0, 50.0]
+
+
 def test_table3_mp_column_is_fp16_storage(tmp_path):
     """The paper ran DeepSpeech 2 as "FP16 storage, FP32 math" (4.3): Table 3's MP column is filled by
     fp16_storage runs only; fp16 (S = 1) and mixed are extra columns without the paper's number. Table 1's
