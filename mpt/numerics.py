@@ -52,7 +52,7 @@ SWAMP_RATIO = 2.0 ** -(FP16_MANTISSA_BITS + 1)
 FP16_ROUNDS_TO_ZERO = 2.0**-25
 FP16_ROUNDS_TO_NORMAL = 2.0**-14 - 2.0**-25
 FP16_ROUNDS_TO_INF = 65520.0
-# The other narrow formats (issue 31, beyond the paper): smallest subnormal, smallest normal, largest
+# The other narrow formats (beyond the paper): smallest subnormal, smallest normal, largest
 # finite value, explicit mantissa bits. E4M3 (no infinities: its top binade reaches 448) and E5M2 are the
 # FP8 formats of Micikevicius et al. 2022; BF16 has FP32's exponent range with 7 mantissa bits.
 FORMATS = {
@@ -242,7 +242,7 @@ def swamping_fraction(before: Sequence[torch.Tensor], after: Sequence[torch.Tens
       that FP16 keeps (about 1.4x the exact count on random pairs).
     - "update_underflow" / "frac_update_underflow": changed with 0 < |u| <= 2^-25, which FP16
       cannot even represent (section 3.1's first reason, Figure 2b: they round to zero), over changed.
-    - "swamped_bf16" / "frac_swamped_bf16" (beyond the paper, issue 31): what a BF16 weight would
+    - "swamped_bf16" / "frac_swamped_bf16" (beyond the paper): what a BF16 weight would
       lose, bf16(bf16(w) + u) == bf16(w), exactly (7 mantissa bits: updates below 2^-8 |w| or so;
       bf16_pure measures its own loss in "frac_swamped", on the BF16 weights it updates).
 
@@ -601,7 +601,7 @@ class Numerics:
         self.margin = float(margin)
         self._handles: list[Any] = []
         self._act: dict[str, _Group] = {}
-        self._fwd: dict[str, _Group] = {}  # the module outputs themselves (issue 31: FP8's E4M3 range)
+        self._fwd: dict[str, _Group] = {}  # the module outputs themselves (FP8's E4M3 range)
         self._active = False
         self._generation = 0  # tensor hooks from an earlier sample find a newer generation and do nothing
         self._divisor = 1.0
@@ -805,7 +805,7 @@ class Numerics:
         values = list(advised.values())
         out["numerics/advised_loss_scale"] = None if None in values else min(values)
         if self._active and self._fwd:
-            # Forward values (issue 31): where activations lie against E4M3's range; no loss scale.
+            # Forward values: where activations lie against E4M3's range; no loss scale.
             out["numerics/max_abs_fwd"] = self._emit(out, "fwd", dict(self._fwd), 0, 1.0)
         if self._errors:
             out["numerics/error"] = "; ".join(self._errors)

@@ -500,7 +500,7 @@ def _loss_scale(spec, runs, profile, problems, notes):
     return fig, None
 
 
-# ----------------------------------------------------------------------------- FP8 ranges (issue 31)
+# ----------------------------------------------------------------------------- FP8 ranges
 # (numerics group, format, what, smallest-subnormal exponent, smallest-normal exponent, top exponent, max)
 FP8_ROLES = (("fwd", "E4M3", "activations (forward values)", -9, -6, 8, 448.0),
              ("act", "E5M2", "activation gradients", -16, -14, 15, 57344.0))
@@ -525,7 +525,7 @@ def _fp8_hist(spec, runs, profile, problems, notes):
     gradients): as measured, and with each layer's per-tensor scale -- its histogram shifted by
     floor(log2(format max / the layer's max |value|)), the power of two at or below the scale that
     puts the layer's amax at the format's maximum (current scaling; delayed scaling's amax history
-    can only lower the scale). A run without forward-value histograms (numerics before issue 31)
+    can only lower the scale). A run without forward-value histograms (numerics of earlier versions)
     gives the gradient panel only."""
     def score_run(r):
         lines = r.lines(problems).numerics

@@ -145,7 +145,7 @@ class Table:
 
     @property
     def title(self) -> str:
-        if not re.fullmatch(r"table\d+", self.spec.id):  # issue 31's final_* tables: not the paper's
+        if not re.fullmatch(r"table\d+", self.spec.id):  # the final_* tables: not the paper's
             return self.spec.paper["title"]
         num = re.sub(r"\D", "", self.spec.id)
         return f"Table {num}: {self.spec.paper['title']}"

@@ -1,5 +1,5 @@
 """One rank of the 2-rank gloo test of impl=paper (tests/test_precision.py): ranks initialise
-different weights; DDP broadcasts rank 0's model, and the FP32 masters must follow (issue 17)."""
+different weights; DDP broadcasts rank 0's model, and the FP32 masters must follow."""
 import sys
 from pathlib import Path
 

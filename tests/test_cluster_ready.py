@@ -1,4 +1,4 @@
-"""What a GPU cluster needs of the engine that a one-process CPU run never shows (issue 25):
+"""What a GPU cluster needs of the engine that a one-process CPU run never shows:
 resume on another device, one random stream per rank, every rank's state in the checkpoint, a
 failure on a rank other than 0, one GPU per rank, persistent DataLoader workers."""
 import json

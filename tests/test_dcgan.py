@@ -58,7 +58,7 @@ def _copy(src, dst):
     ("truncated", "is truncated or not a zip"),
     ("corrupt", "is corrupt at img_align_celeba/"),
     ("partition", "disagrees with"),
-    # issue 29 item 6: the zip's CRC was computed over the damage, the first bytes still say JPEG
+    # the zip's CRC was computed over the damage, the first bytes still say JPEG
     ("garbage_jpeg", "img_align_celeba/000003.jpg does not decode as a JPEG"),
     ("small_jpeg", "img_align_celeba/000003.jpg is a 64x64 JPEG image; CelebA's aligned images are 178x218"),
 ])

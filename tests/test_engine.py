@@ -178,7 +178,7 @@ def test_every_model_every_precision_forward_backward(name):
 
 
 # ------------------------------------------------------------------------------------------------
-# several models and optimizers (issue 10): tests/toy_gan.py, the seam DCGAN uses
+# several models and optimizers: tests/toy_gan.py, the seam DCGAN uses
 
 
 @pytest.mark.parametrize("impl", ["autocast", "paper"])
@@ -254,7 +254,7 @@ def test_two_optimizer_resume_is_bit_identical(tmp_path, monkeypatch):
 
 @pytest.mark.heavy
 def test_ddp_ranks_agree_a_run_is_complete(tmp_path):
-    """2 gloo ranks: the second start of a completed run returns on every rank (issue 16: rank 0
+    """2 gloo ranks: the second start of a completed run returns on every rank (rank 0
     alone returned and the other rank waited forever in evaluation's all-reduce)."""
     import os
     import socket

@@ -1,4 +1,4 @@
-"""Issue 31, beyond the paper: precision=fp8 (simulated E4M3/E5M2 with per-tensor scaling) and
+"""Beyond the paper: precision=fp8 (simulated E4M3/E5M2 with per-tensor scaling) and
 precision=bf16_pure (BF16 weights without an FP32 master copy, rounding nearest|stochastic|kahan),
 checked against hand-computed values."""
 import json

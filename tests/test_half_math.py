@@ -1,4 +1,4 @@
-"""Issue 32: FP16 (BF16) math on the CPU as FP32 math on the FP16 operands, rounded once (section 3.3),
+"""FP16 (BF16) math on the CPU as FP32 math on the FP16 operands, rounded once (section 3.3),
 instead of PyTorch's CPU FP16 kernels -- and evidence that nothing the paper is about changes.
 
 The agreement table (experiments/speed_memory/README.md, "FP16 math on the CPU") is `agreement()` here:

@@ -344,7 +344,7 @@ def test_prep_errors_are_clear(archive, tmp_path):
 
 
 def test_empty_release_is_an_error(archive, data, tmp_path):
-    """Issue 29: a release whose training shards are all empty 'succeeded' with 0 tokens to train on;
+    """A release whose training shards are all empty 'succeeded' with 0 tokens to train on;
     with a vocabulary given (no counting) too, and an empty test shard measured perplexity over nothing."""
     unpacked = tmp_path / "unpacked"
     with tarfile.open(archive) as tar:
@@ -478,7 +478,7 @@ def test_memory_bytes_per_parameter():
 
 
 def test_softmax_fp32_under_paper_impl_as_the_reference():
-    """Issue 19 item 4: f-lm keeps softmax_w / softmax_b in FP32 and feeds them FP32 inputs whatever its
+    """f-lm keeps softmax_w / softmax_b in FP32 and feeds them FP32 inputs whatever its
     FP16 switches; impl=paper keeps them FP32 (their own master), autocast computes them in FP32, and
     task.softmax_fp16=true is the FP16 variant."""
     import models

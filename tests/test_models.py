@@ -144,7 +144,7 @@ def test_lrn_matches_torch_and_survives_fp16():
 
 
 def test_sync_bn_switch_converts_batch_norm_on_multi_gpu_runs(monkeypatch):
-    """task.sync_bn (issue 19 item 1): SyncBatchNorm when a run has several ranks and GPUs; a one-line
+    """task.sync_bn: SyncBatchNorm when a run has several ranks and GPUs; a one-line
     error on a multi-process CPU run; nothing in a one-process run."""
     from experiments.ilsvrc_cnns.task import Task
     from mpt.config import resolve

@@ -29,7 +29,7 @@ def above(x: float, dtype=torch.float64) -> float:
 
 
 def test_bands_follow_fp16_rounding_at_the_edges():
-    """Issue 17 item 3: a value is banded by what FP16's round-to-nearest-even stores for it."""
+    """A value is banded by what FP16's round-to-nearest-even stores for it."""
     f64 = torch.float64
     values = [
         0.0, -0.0,                                                       # zero
@@ -131,7 +131,7 @@ def test_swamping_fraction():
 
 
 def test_swamping_exact_count_is_the_headline_2048_rule_overcounts():
-    """Issue 17 item 2: the exact loss (half an ulp of w, ties to even) against the paper's 2^-11 |w|
+    """The exact loss (half an ulp of w, ties to even) against the paper's 2^-11 |w|
     rule, on random pairs; and at the edges of one weight."""
     g = torch.Generator().manual_seed(0)
     w = (torch.rand(100_000, generator=g) + 0.5).half().float()  # FP16 weights in [0.5, 1.5]
@@ -338,7 +338,7 @@ def test_failures_never_raise():
 
 
 def test_histogram_range_default_and_validation():
-    """Issue 19 item 7: the range is a config key whose default covers Figure 3's axis (2^-60 and below)."""
+    """The range is a config key whose default covers Figure 3's axis (2^-60 and below)."""
     from mpt.config import Config, validate
 
     c = Config()

@@ -359,7 +359,7 @@ def test_paper_master_starts_from_fp32_init_and_matches_section_3(prec, scale):
 
 
 # ------------------------------------------------------------------------------------------------
-# issue 17: the edges of the recipes
+# the edges of the recipes
 
 
 def _toy_run(tmp_path, **kw):
@@ -393,7 +393,7 @@ def test_fp16_pure_swamping_is_measured_on_the_fp16_weights(tmp_path):
     kept = _toy_run(tmp_path / "kept", precision="fp16_pure", optim={"lr": 0.1, "momentum": 0.0},
                     numerics={"every": 1, "hist_lo": -70, "hist_hi": 10}, train={"max_steps": 1})
     assert kept[0]["numerics/swamp/frac_swamped"] < 0.5
-    # The histogram range comes from the config (issue 19 item 7).
+    # The histogram range comes from the config.
     assert (kept[0]["numerics/hist_lo"], kept[0]["numerics/hist_hi"]) == (-70, 10)
     assert len(kept[0]["numerics/weight/overall/hist"]) == 81
 
@@ -461,7 +461,7 @@ def test_ddp_paper_masters_follow_rank0(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
-# issue 19 item 5: FP16 storage, FP32 math (DeepSpeech 2, section 4.3)
+# FP16 storage, FP32 math (DeepSpeech 2, section 4.3)
 
 
 @pytest.mark.parametrize("impl", precision.IMPLS)
@@ -491,7 +491,7 @@ def test_fp16_storage_stores_fp16_and_computes_fp32(impl):
 def test_fp16_storage_differs_from_fp16_math():
     """A recurrent layer: PyTorch's FP16 kernels (half_math=native) round every gate to FP16; FP16
     storage with FP32 math keeps the cell's arithmetic in FP32 and rounds its output once. Emulated
-    FP16 math on the CPU (issue 32) runs a recurrent layer the same way as FP16 storage."""
+    FP16 math on the CPU runs a recurrent layer the same way as FP16 storage."""
     def gru_output(prec, half_math="native"):
         torch.manual_seed(0)
         m = nn.GRU(8, 16, batch_first=True)

@@ -116,7 +116,7 @@ def test_print_config_shows_the_cell_and_runs_nothing(tiny_imagenet, tmp_path):
     "optim.betas=[0.9,1.5]", "width=inf",
 ])
 def test_values_out_of_range_are_one_line_errors(override):
-    """issue 29 item 3: a value that makes no sense is refused when the config is resolved -- by a run,
+    """A value that makes no sense is refused when the config is resolved -- by a run,
     and by `slurm.submit --dry-run` (which resolves every cell the same way) -- instead of becoming a
     result ("completed" at step 0, a NaN loss) or a traceback."""
     from mpt.config import resolve

@@ -230,7 +230,7 @@ def test_engine_overhead_on_one_threads_cpu_clock():
 
 @pytest.mark.parametrize("model", ["english", "mandarin"])
 def test_speech_workloads_measure_a_ctc_step(model, one_thread):
-    """Table 3's models have rows (issue 12): one DeepSpeech 2 training step on synthetic spectrograms,
+    """Table 3's models have rows: one DeepSpeech 2 training step on synthetic spectrograms,
     counted in utterances; FP16 storage (impl=paper) saves each activation of FP32 training once, in
     FP16 (half its bytes) or kept in FP32 (the log-softmax and CTC, section 3.3), so fewer bytes.
     half_math=native: emulated FP16 math runs each GRU whole in FP32 and autograd saves its FP32

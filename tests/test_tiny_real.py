@@ -1,4 +1,4 @@
-"""The tiny profile learns real images (issue 15 item 2): scikit-learn's handwritten digits, written
+"""The tiny profile learns real images: scikit-learn's handwritten digits, written
 as official ILSVRC2012 archives by data_prep.imagenet.digits and prepared by data_prep.imagenet like
 the real ImageNet, reach >= 90% top-1 with the unchanged tiny recipe of each Table 1 model.
 

@@ -1,4 +1,4 @@
-"""Real natural photographs (data_prep.imagenet.real_photos, issue 32): the generator writes the
+"""Real natural photographs (data_prep.imagenet.real_photos): the generator writes the
 official ILSVRC2012 format from Debian's mate-backgrounds photographs, deterministically, with val
 images from a strip of each photograph that no train image touches; and (slow) the tiny ResNet-50
 learns them in fp32 and mixed. Skipped where the package is not installed (setup.sh installs it

@@ -265,7 +265,7 @@ def test_prep_layout_counts_and_resume(voc_archives, tiny_voc, tmp_path):
     ("box", "expected xmin <= xmax"),
     ("no_jpeg", "has no JPEG"),
     ("traversal", "unsafe member path"),
-    # issue 29 item 6: data that used to pass the prep and then train on nothing or fail in training
+    # data that used to pass the prep and then train on nothing or fail in training
     ("outside", r"100002.xml: object 0 \(\w+\) has box \(100, 100, 120, 120\), entirely outside the 64x64 image"),
     ("sub_pixel", r"100002.xml: object 0 \(\w+\) has box \(64.5, 1, 65, 9\), less than a pixel inside the 64x64"),
     ("garbage_jpeg", r"100002.jpg does not decode as a JPEG"),

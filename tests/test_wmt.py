@@ -88,7 +88,7 @@ def test_prep_resumes_finished_stages(wmt_archives, tmp_path, monkeypatch):
     ("unsafe", "unsafe member path"),
     ("corpora", "--corpora names giga but"),
     ("test_ids", "the test set is misaligned"),
-    ("emptied", "training-parallel-europarl-v7.tgz holds no sentence pair"),  # issue 29: was dropped, still listed
+    ("emptied", "training-parallel-europarl-v7.tgz holds no sentence pair"),  # was dropped, still listed
 ])
 def test_prep_bad_inputs_are_one_line_errors(wmt_archives, tmp_path, damage, msg):
     a = shutil.copytree(wmt_archives, tmp_path / "a")

@@ -9,7 +9,7 @@ run directory under --out; a completed cell is reused, not retrained. Extra key=
 to every run (for trying a recipe change before writing it into config.yaml). Prints, per dataset, top-1
 mean +- std (n) per model x precision, the runs that did not complete, and the mean wall time per run.
 
-The real-data check of issue 15: on scikit-learn's digits (python -m data_prep.imagenet.digits) every
+The real-data check: on scikit-learn's digits (python -m data_prep.imagenet.digits) every
 model of Table 1 reaches >= 90% top-1 in fp32, fp16 and mixed; the synthetic set
 (python -m data_prep.imagenet.tiny) is learned too. Both prepared with python -m data_prep.imagenet.
 """
