@@ -302,11 +302,12 @@ def test_default_cap_from_cores_and_threads():
 
 @pytest.mark.heavy
 def test_local_backend_runs_cells_skips_completed_and_isolates_a_failure(tiny_imagenet, tmp_path, capsys):
-    """Two real tiny cells, one with a bad override (task.augment): the bad one fails alone with its
-    error, the other completes; submitting again skips the completed cell and retries the failed one."""
+    """Two real tiny cells, one that fails when it runs (a batch larger than the training set, which only
+    the data can tell): it fails alone with its error, the other completes; submitting again skips the
+    completed cell and retries the failed one."""
     grid = write(tmp_path / "grid.yaml", """\
         experiment: ilsvrc_cnns
-        axes: {model: [alexnet], precision: [fp32], task.augment: [caffe, bogus]}
+        axes: {model: [alexnet], precision: [fp32], train.batch_size: [16, 100000]}
         overrides: [wandb.mode=disabled, train.progress=false, train.epochs=1]
         profiles: {tiny: {resources: {threads: 1}}}
     """)
@@ -316,16 +317,16 @@ def test_local_backend_runs_cells_skips_completed_and_isolates_a_failure(tiny_im
         submit.main([*argv, "--backend", "local", "--jobs", "2"])
     assert e.value.code == 1
     g, rows, _ = status.collect(grid, "tiny", sets)
-    by = {c.axes["task.augment"]: st for c, st in rows}
-    assert by["caffe"].state == "completed" and by["caffe"].latest.startswith("top1=")
-    assert by["bogus"].state == "failed" and "task.augment='bogus'" in by["bogus"].error
-    assert by["caffe"].job_id.startswith("local:")
+    by = {str(c.axes["train.batch_size"]): st for c, st in rows}
+    assert by["16"].state == "completed" and by["16"].latest.startswith("top1=")
+    assert by["100000"].state == "failed" and "larger than the training set" in by["100000"].error
+    assert by["16"].job_id.startswith("local:")
     job = json.loads((g.cells[0].run_dir / "job.json").read_text())
     assert job["state"] == "completed" and job["attempts"][0]["outcome"] == "completed"
     capsys.readouterr()
     status.main(argv)
     out = capsys.readouterr().out
-    assert "1 completed, 1 failed" in out and "bogus" in out
+    assert "1 completed, 1 failed" in out and "100000" in out
     manifest = (tmp_path / "runs" / "ilsvrc_cnns" / state.MANIFEST).read_text().splitlines()
     assert len(manifest) == 1 and len(json.loads(manifest[0])["cells"]) == 2
     submit.main([*argv, "--backend", "local", "--dry-run"])
