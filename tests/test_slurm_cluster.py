@@ -269,7 +269,7 @@ def scenarios(slurm_cluster, tiny_imagenet, tmp_path_factory, request):
     sc["preempt"] = Scenario("preempt", preempt_grid, "tiny", [*common, f"out_dir={root / 'preempt'}"], "local")
     bad_grid = _write(root / "bad.yaml", """\
         experiment: ilsvrc_cnns
-        axes: {model: [alexnet], precision: [fp32], task.augment: [caffe, bogus]}
+        axes: {model: [alexnet], precision: [fp32], train.batch_size: [16, 100000]}
         overrides: [wandb.mode=disabled, train.progress=false, train.epochs=1]
         profiles: {tiny: {}}
     """)
@@ -443,13 +443,15 @@ def test_srun_line_carries_cpus_per_task_and_kill_on_bad_exit(scenarios):
         assert {"--cpus-per-task=1", "--kill-on-bad-exit=1"} <= set(srun), srun
 
 
-def test_bad_override_fails_alone(scenarios):
+def test_a_cell_that_fails_when_it_runs_fails_alone(scenarios):
+    """A batch larger than the training set (only the data can tell) fails its own array task; the
+    other cell completes."""
     rows = scenarios["bad"].wait()
-    by = {c.axes["task.augment"]: (c, st) for c, st in rows}
-    assert by["caffe"][1].state == "completed"
-    c, st = by["bogus"]
-    assert st.state == "failed" and "task.augment='bogus'" in st.error, st
-    assert st.job_id and st.job_id != by["caffe"][1].job_id  # its own array task
+    by = {str(c.axes["train.batch_size"]): (c, st) for c, st in rows}
+    assert by["16"][1].state == "completed"
+    c, st = by["100000"]
+    assert st.state == "failed" and "larger than the training set" in st.error, st
+    assert st.job_id and st.job_id != by["16"][1].job_id  # its own array task
 
 
 def test_sbatch_rejection_is_a_one_line_error(slurm_cluster, tmp_path, capsys):
