@@ -16,6 +16,7 @@ import pytest
 from conftest import REPO, mount_tmpfs
 from data_prep.speech import have_espeak
 from mpt import config as C
+from mpt.errors import UserError
 
 PREPS = ("imagenet", "voc", "librispeech", "aishell", "wmt15", "lm1b", "celeba")
 SPEECH = ("librispeech", "aishell")
@@ -316,3 +317,54 @@ def test_read_only_out_is_one_line_naming_the_path(name, sources, read_only):
     assert code == 2 and len(lines) == 1, lines
     assert lines[0].startswith(f"error: {words}: {where}"), lines
     assert "--out" in lines[0]
+
+
+# ------------------------------------------------------------------ inputs that are not finite or in range
+
+
+def _aishell_release(d, samples):
+    """A one-utterance AISHELL-1 release whose WAV holds `samples` as 32-bit float (a float WAV can hold
+    NaN, inf or any magnitude; 16-bit PCM cannot)."""
+    import io
+
+    import soundfile as sf
+
+    from data_prep.aishell.prepare import ARCHIVE, ROOT, TRANSCRIPT
+    from data_prep.common import add_member, tar_gz_writer
+
+    wav = io.BytesIO()
+    sf.write(wav, samples, 16_000, format="WAV", subtype="FLOAT")
+    spk, inner = io.BytesIO(), "BAC009S0002W0001"
+    with tar_gz_writer(spk) as tf:
+        add_member(tf, f"train/S0002/{inner}.wav", wav.getvalue())
+    d.mkdir(parents=True, exist_ok=True)
+    with open(d / ARCHIVE, "wb") as f, tar_gz_writer(f) as tf:
+        add_member(tf, f"{ROOT}/wav/S0002.tar.gz", spk.getvalue())
+        add_member(tf, TRANSCRIPT, f"{inner} 你 好\n".encode())
+    return d
+
+
+@pytest.mark.parametrize("bad,words", [(float("nan"), "non-finite audio sample"), (float("inf"), "non-finite"),
+                                       (1e30, "outside full scale")])
+def test_audio_not_finite_or_beyond_full_scale_is_refused_by_the_prep(bad, words, tmp_path):
+    """One NaN sample in a float WAV made every loss it entered NaN: a Mandarin run ended "diverged", a
+    wrong Table 3 cell. The prep refuses the file in one line naming it (and the DeepSpeech 2 task reads
+    every utterance through the same check, so a file changed after its prep fails the run instead)."""
+    import numpy as np
+    import soundfile as sf
+
+    from data_prep.speech import decode
+
+    samples = np.sin(np.linspace(0, 100, 8000)).astype(np.float32) * 0.5
+    good = _aishell_release(tmp_path / "good", samples)
+    assert prepare("aishell", good, tmp_path / "good_out")["train"] == 1
+    samples[4000] = bad
+    src = _aishell_release(tmp_path / "bad", samples)
+    code, lines = run_prep("aishell", cli_args("aishell", src, tmp_path / "out"))
+    assert code == 2 and len(lines) == 1 and words in lines[0], lines
+    assert "BAC009S0002W0001.wav" in lines[0] and not (tmp_path / "out" / "prepared.json").exists()
+    # read time: a prepared file replaced by a damaged one is refused as the task reads it
+    wav = next((tmp_path / "good_out").rglob("*.wav"))
+    sf.write(wav, samples, 16_000, format="WAV", subtype="FLOAT")
+    with pytest.raises(UserError, match=words):
+        decode(wav, str(wav))
