@@ -154,6 +154,21 @@ def safe_name(name: str, what: str, source) -> str:
     return name
 
 
+def decode_image(data, what: str, fix: str, kind: str = "an image") -> tuple[str, tuple[int, int]]:
+    """(format, (width, height)) of an image -- its bytes or a path -- decoded in full, as a loader will
+    decode it; a one-line UserError naming `what` and `fix` for one that does not decode: a damaged body
+    passes a look at its first bytes and an archive's CRC (computed over the damage), then fails a
+    training run mid-epoch."""
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data) if isinstance(data, bytes) else data) as im:
+            im.load()
+            return im.format, im.size
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+        raise UserError(f"{what} does not decode as {kind} ({str(e)[:80]}); {fix}") from None
+
+
 @contextlib.contextmanager
 def tar_gz_writer(fileobj):
     """A tar.gz being written to `fileobj` whose bytes depend on its members only: with add_member's

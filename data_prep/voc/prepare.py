@@ -33,7 +33,7 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from data_prep.common import MARKER, already_prepared, safe_name, safe_relpath, sweep_temp_files
+from data_prep.common import MARKER, already_prepared, decode_image, safe_name, safe_relpath, sweep_temp_files
 from mpt.errors import UserError
 from mpt.rundir import atomic_write_bytes, atomic_write_json, sampled_digest
 
@@ -85,16 +85,10 @@ def parse_annotation(data: bytes, source) -> list[dict]:
 def image_size(jpg: Path, archive: str) -> tuple[int, int]:
     """(width, height) of a JPEG decoded in full, as the loader will decode it; a one-line error for one
     that does not decode (a damaged body passes a look at its first bytes, then fails in training)."""
-    from PIL import Image
-
-    try:
-        with Image.open(jpg) as im:
-            im.load()
-            if im.format != "JPEG":
-                raise OSError(f"a {im.format} image, not a JPEG")
-            return im.size
-    except (OSError, ValueError, Image.DecompressionBombError) as e:
-        raise UserError(f"{jpg} does not decode as a JPEG ({str(e)[:80]}); re-download {archive}") from None
+    fmt, size = decode_image(jpg, str(jpg), f"re-download {archive}", "a JPEG")
+    if fmt != "JPEG":
+        raise UserError(f"{jpg} is a {fmt} image, not a JPEG; re-download {archive}")
+    return size
 
 
 def check_box(obj: dict, k: int, size: tuple[int, int], source, archive: str) -> None:
