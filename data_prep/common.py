@@ -169,6 +169,35 @@ def decode_image(data, what: str, fix: str, kind: str = "an image") -> tuple[str
         raise UserError(f"{what} does not decode as {kind} ({str(e)[:80]}); {fix}") from None
 
 
+def check_id_file(path: Path, dtype, vocab_size: int, fix: str, sha256: str | None = None,
+                  chunk: int = 1 << 24) -> None:
+    """Every token id in the id file at `path` (`dtype`, e.g. "<u4") must be below `vocab_size`: an
+    embedding lookup past its table is a traceback on the CPU and a device-side assert on a GPU. With
+    `sha256` (the prefix a prep recorded), the bytes must still give it: a shard edited after its prep
+    otherwise trains on other data under the same run identity. One pass; a one-line UserError naming
+    the file and `fix`. Costs one read of the file (~1 GB/s)."""
+    import hashlib
+
+    import numpy as np
+
+    dtype = np.dtype(dtype)
+    h, top, n = hashlib.sha256(), -1, 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk * dtype.itemsize):
+            h.update(block)
+            ids = np.frombuffer(block[: len(block) // dtype.itemsize * dtype.itemsize], dtype=dtype)
+            if ids.size:
+                top = max(top, int(ids.max()))
+            n += len(block)
+    if n % dtype.itemsize:
+        raise UserError(f"{path} has {n} bytes, not a whole number of {dtype.itemsize}-byte ids; {fix}")
+    if top >= vocab_size:
+        raise UserError(f"{path} holds token id {top}, outside the vocabulary of {vocab_size:,}; {fix}")
+    if sha256 is not None and not h.hexdigest().startswith(sha256):
+        raise UserError(f"{path} changed since it was prepared (sha256 {h.hexdigest()[:len(sha256)]}, the prep "
+                        f"recorded {sha256}); {fix}")
+
+
 @contextlib.contextmanager
 def tar_gz_writer(fileobj):
     """A tar.gz being written to `fileobj` whose bytes depend on its members only: with add_member's

@@ -4,6 +4,7 @@ leaves a temp file that the next run removes, and then gives the same output as 
 the lm1b pool workers die with a killed prep; Ctrl-C and SIGTERM stop a prep in one line (130, 143);
 a full disk or a read-only --out is one line naming the path (exit 2)."""
 import json
+from pathlib import Path
 import os
 import signal
 import subprocess
@@ -368,3 +369,106 @@ def test_audio_not_finite_or_beyond_full_scale_is_refused_by_the_prep(bad, words
     sf.write(wav, samples, 16_000, format="WAV", subtype="FLOAT")
     with pytest.raises(UserError, match=words):
         decode(wav, str(wav))
+
+
+# ------------------------------------------------------------------ prepared data edited after its prep
+
+
+def _copy(clean, name, tmp_path):
+    import shutil
+
+    return shutil.copytree(clean(name), tmp_path / name)
+
+
+def test_voc_box_moved_outside_its_image_after_the_prep_is_refused_as_read(sources, clean, tmp_path):
+    """A prepared annotation edited so that a box lies outside its image trained to a loss of 0 and
+    ended "completed" with mAP 0 (training drops such boxes); the loader refuses it in one line."""
+    import re
+
+    from data_prep.voc.dataset import VOCDetectionSet, read_marker
+
+    out = _copy(clean, "voc", tmp_path)
+    xml = sorted((out / "VOCdevkit" / "VOC2007" / "Annotations").glob("*.xml"))[0]
+    box = b"<bndbox><xmin>500</xmin><ymin>500</ymin><xmax>600</xmax><ymax>600</ymax></bndbox>"
+    xml.write_bytes(re.sub(rb"<bndbox>.*?</bndbox>", box, xml.read_bytes(), count=1, flags=re.S))
+    info = read_marker(out)
+    sets = [s for s in info["sets"] if s.startswith("2007")]
+    ds = VOCDetectionSet(out, sets, info["classes"])
+    k = next(i for i, it in enumerate(ds.items) if it[0].endswith(f"/{xml.stem}.jpg"))
+    with pytest.raises(UserError, match=rf"{xml}: object 0 .* entirely outside the .* prepare the data again"):
+        ds[k]
+
+
+def _shard(out):
+    info = json.loads((out / "prepared.json").read_text())
+    return out / info["shards"]["train"][0]["file"], info["vocab_size"]
+
+
+@pytest.mark.parametrize("edit,words", [("past_vocab", "outside the vocabulary"), ("swap", "changed since it was prepared")])
+def test_lm1b_shard_edited_after_the_prep_is_refused(edit, words, sources, clean, tmp_path):
+    """An id past the vocabulary in a prepared shard was a traceback (a device-side assert on a GPU); ids
+    swapped inside it trained on other data under the same run identity: the sha256 the prep recorded
+    is checked when the shards are opened."""
+    import numpy as np
+
+    from data_prep.lm1b.dataset import Prepared
+
+    out = _copy(clean, "lm1b", tmp_path)
+    path, vocab = _shard(out)
+    ids = np.fromfile(path, dtype="<u4")
+    if edit == "past_vocab":
+        ids[3] = vocab
+    else:
+        ids[[1, 2]] = ids[[2, 1]] if ids[1] != ids[2] else (ids[1], ids[1] + 1)
+    ids.tofile(path)
+    with pytest.raises(UserError, match=rf"{path}.*{words}.*data_prep.lm1b with --force"):
+        Prepared(out).shards("train")
+
+
+def test_lm1b_shard_edited_in_an_interrupted_prep_is_refused_by_the_rerun(sources, tmp_path, monkeypatch):
+    """A shard finished by an interrupted prep is kept by the next run: read again, not trusted."""
+    import numpy as np
+
+    import data_prep.lm1b.prepare as lm
+
+    out, real, calls = tmp_path / "out", lm.atomic_write_json, []
+
+    def interrupt_after_two_shards(path, obj):
+        real(path, obj)
+        if str(path).endswith(".bin.json"):
+            calls.append(path)
+            if len(calls) == 2:
+                raise KeyboardInterrupt
+
+    monkeypatch.setattr(lm, "atomic_write_json", interrupt_after_two_shards)
+    with pytest.raises(KeyboardInterrupt):
+        prepare("lm1b", sources("lm1b"), out, workers=1)
+    monkeypatch.setattr(lm, "atomic_write_json", real)
+    shard = Path(str(calls[0])[: -len(".json")])
+    ids = np.fromfile(shard, dtype="<u4")
+    ids[0] = 10 ** 9
+    ids.tofile(shard)
+    with pytest.raises(UserError, match=rf"{shard} holds token id 1000000000, outside the vocabulary"):
+        prepare("lm1b", sources("lm1b"), out, workers=1)
+
+
+def test_wmt15_ids_edited_after_the_prep_are_refused(sources, clean, tmp_path):
+    import numpy as np
+
+    from data_prep.wmt15.dataset import Prepared
+
+    out = _copy(clean, "wmt15", tmp_path)
+    data = Prepared(out)
+    path = out / "train.fr.bin"
+    ids = np.fromfile(path, dtype=data.info["dtype"])
+    ids[5] = data.vocab["fr"]
+    ids.tofile(path)
+    with pytest.raises(UserError, match=rf"{path} holds token id {data.vocab['fr']}, outside the vocabulary"):
+        data.split("train")
+    np.arange(3, dtype=np.int64).tofile(out / "dev.en.idx")
+    with pytest.raises(UserError, match="dev.en.idx does not cut dev.en.bin into sentences"):
+        data.split("dev")
+    with open(out / "spm.fr.model", "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(UserError, match="spm.fr.model is missing or changed since it was prepared"):
+        Prepared(out)

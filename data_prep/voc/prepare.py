@@ -91,7 +91,7 @@ def image_size(jpg: Path, archive: str) -> tuple[int, int]:
     return size
 
 
-def check_box(obj: dict, k: int, size: tuple[int, int], source, archive: str) -> None:
+def check_box(obj: dict, k: int, size: tuple[int, int], source, fix: str) -> None:
     """Object k's box must cover at least one pixel of the w x h image: the loader clips VOC's box
     (xmin - 1, ymin - 1, xmax, ymax) to the image, and training drops a box less than a pixel wide or
     high (torchvision's SanitizeBoundingBoxes) -- silently, down to a loss of exactly 0."""
@@ -100,7 +100,7 @@ def check_box(obj: dict, k: int, size: tuple[int, int], source, archive: str) ->
     if dx < 1 or dy < 1:
         where = "entirely outside" if dx <= 0 or dy <= 0 else "less than a pixel inside"
         raise UserError(f"{source}: object {k} ({obj['name']}) has box ({x0:g}, {y0:g}, {x1:g}, {y1:g}), {where} "
-                        f"the {w}x{h} image; training would drop it: re-download {archive} or remove the object")
+                        f"the {w}x{h} image; training would drop it: {fix}")
 
 
 def _wanted(rel: str, year: str) -> bool:
@@ -159,7 +159,7 @@ def check_split(out: Path, year: str, split: str, archive: str, expected: int) -
                             f"; the archive is incomplete: re-download it")
         size = image_size(jpg, archive)
         for k, o in enumerate(parse_annotation(xml.read_bytes(), xml)):
-            check_box(o, k, size, xml, archive)
+            check_box(o, k, size, xml, f"re-download {archive} or remove the object")
             names[o["name"]] = names.get(o["name"], 0) + 1
             objects += 1
             difficult += o["difficult"]
