@@ -102,12 +102,34 @@ def test_paper_profile_uses_gpus_and_estimates(tmp_path):
     ("experiment: ilsvrc_cnns\naxes: {model: [alexnet]}\nprofiles: {tiny: {resources: {gpus: 2, tasks: 3}}}\n",
      "one task per GPU"),
     ("experiment: [unclosed\n", "not valid YAML"),
+    # A key given twice kept the last (PyYAML): the first axis's cells were silently dropped.
+    ("experiment: ilsvrc_cnns\naxes:\n  model: [alexnet]\n  model: [vgg16]\nprofiles: {tiny: {}}\n",
+     "not valid YAML: duplicate key 'model' \\(first at line 3\\) at line 4, column 3"),
+    ("experiment: ilsvrc_cnns\naxes: {model: [alexnet]}\nprofiles: {tiny: {}, tiny: {axes: {seed: [1]}}}\n",
+     "duplicate key 'tiny'"),
+    ("experiment: ilsvrc_cnns/../dcgan\naxes: {model: [alexnet]}\nprofiles: {tiny: {}}\n",
+     "experiment: 'ilsvrc_cnns/../dcgan' is not the name of a folder in experiments/"),
+    (b"\xb4\x00\xff binary", "is not UTF-8 text"),
 ])
 def test_bad_grid_files_are_one_line_errors(tmp_path, text, match):
-    path = write(tmp_path / "grid.yaml", text)
+    path = tmp_path / "grid.yaml"
+    path.write_bytes(text) if isinstance(text, bytes) else write(path, text)
     with pytest.raises(UserError, match=match) as e:
         G.load(path, "tiny")
     assert "\n" not in str(e.value)
+
+
+def test_every_config_yaml_refuses_a_repeated_key_but_keeps_merge_keys():
+    """mpt.config.safe_load reads experiments' config.yaml, overrides, grids and cluster profiles."""
+    import yaml
+
+    from mpt import config
+
+    with pytest.raises(yaml.YAMLError, match="duplicate key 'lr'"):
+        config.safe_load("optim:\n  lr: 0.1\n  lr: 0.2\n")
+    base = "base: &b {lr: 0.1, wd: 0}\nrun:\n  <<: *b\n  lr: 0.2\n"
+    assert config.safe_load(base)["run"] == {"lr": 0.2, "wd": 0}
+    assert config.parse_overrides(["task.buckets=[[1, 2]]"]) == [("task.buckets", [[1, 2]])]
 
 
 def test_unknown_profile_and_missing_grid(tmp_path):
