@@ -115,7 +115,7 @@ class FP8Cfg:
 
 @dataclass
 class WandbCfg:
-    mode: str = infra("auto")  # auto (online with WANDB_API_KEY, else offline) | online | offline | disabled
+    mode: typing.Literal["auto", "online", "offline", "disabled"] = infra("auto")  # auto: online with WANDB_API_KEY
     project: str = infra("mixed-precision-training-1710.03740")
     entity: str = infra("")
     tags: list[str] = field(default_factory=list, metadata={"infra": True})

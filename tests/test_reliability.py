@@ -627,6 +627,70 @@ def test_wandb_server_that_never_answers_still_leaves_an_offline_record(tmp_path
             assert key.encode() not in f.read_bytes(), f
 
 
+def test_wandb_base_url_with_a_bad_port_still_leaves_an_offline_record(tmp_path, monkeypatch, capfd):
+    """A bad port in WANDB_BASE_URL printed "logging offline" and then wrote nothing: wandb refuses the
+    URL even offline. The line now names the variable, and the offline start goes on without it."""
+    monkeypatch.setenv("WANDB_API_KEY", "0123456789abcdef0123456789abcdef01234567")
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:99999")
+    cfg = config(tmp_path, train={"max_steps": 2})
+    cfg.wandb.mode = "auto"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "wandb init failed, continuing without wandb" fails the test
+        s = engine.run(cfg, ToyGan())
+    assert s["status"] == "completed"
+    err = capfd.readouterr().err
+    assert "wandb: WANDB_BASE_URL='http://127.0.0.1:99999' has a bad port; fix or unset it; logging offline" in err
+    assert os.environ["WANDB_BASE_URL"] == "http://127.0.0.1:99999"  # put back
+    import wandb
+
+    wandb.teardown()
+    assert list((tmp_path / "toy_gan" / s["run_name"] / "wandb").glob("offline-run-*/run-*.wandb"))
+
+
+def test_mistyped_wandb_mode_is_refused_at_resolution():
+    """wandb.mode=ofline was accepted and the run had no tracking at all."""
+    with pytest.raises(UserError, match="'wandb.mode' expects one of auto, online, offline, disabled, got 'ofline'"):
+        C.resolve("ilsvrc_cnns", ["profile=tiny", "wandb.mode=ofline"])
+
+
+WANDB_RUN = """
+import sys, time
+sys.path.insert(0, "tests")
+from toy_gan import ToyGan, config
+from mpt import engine
+cfg = config(sys.argv[1], train={"max_steps": 2})
+cfg.wandb.mode = "auto"
+print(engine.run(cfg, ToyGan())["status"])
+"""
+
+
+@pytest.mark.heavy
+def test_wandb_server_that_never_answers_costs_the_init_timeout_and_no_more(tmp_path):
+    """The whole command, exit included: after the run had gone offline, wandb's telemetry about itself
+    posted to the silent server at exit and waited ~20 s more (a start cost ~53 s against the 30 s said)."""
+    import socket
+    import threading
+
+    srv = socket.create_server(("127.0.0.1", 0))
+    held = []
+    threading.Thread(target=lambda: [held.append(srv.accept()[0]) for _ in iter(int, 1)], daemon=True).start()
+    env = {**os.environ, "WANDB_API_KEY": "0123456789abcdef0123456789abcdef01234567", "WANDB_INIT_TIMEOUT": "3",
+           "WANDB_BASE_URL": f"http://127.0.0.1:{srv.getsockname()[1]}", "OMP_NUM_THREADS": "1"}
+    env.pop("WANDB_ERROR_REPORTING", None)
+    t0 = time.time()
+    try:
+        p = subprocess.run([sys.executable, "-c", WANDB_RUN, str(tmp_path)], cwd=REPO, env=env, capture_output=True,
+                           text=True, timeout=120)
+    finally:
+        srv.close()
+        for c in held:
+            c.close()
+    took = time.time() - t0
+    assert p.returncode == 0 and p.stdout.strip().endswith("completed"), p.stderr[-2000:]
+    assert "logging offline instead" in p.stderr and held
+    assert took < 20, took  # 3 s of init_timeout, a fresh offline start, imports; not 20 s more at exit
+
+
 def test_nan_at_the_end_is_never_completed(tmp_path):
     """issue 29 item 3: NaN losses in the last steps, fewer than train.diverge_after (20), used to end
     "completed" with a broken model; a run whose last losses or final metrics are not finite is diverged."""
