@@ -28,6 +28,7 @@ from pathlib import Path, PurePosixPath
 
 from mpt.errors import UserError, cli
 from mpt.rundir import remove_stale_temp_files, storage_error
+from mpt.signals import HANGUP, detach_from_closed_terminal
 
 
 def prep_command(name: str, description: str, prepare, *, source: str, source_help: str, out_help: str,
@@ -57,27 +58,34 @@ def prep_command(name: str, description: str, prepare, *, source: str, source_he
 
 
 class Terminated(BaseException):
-    """SIGTERM, raised in the main thread as Ctrl-C raises KeyboardInterrupt, so that a prep stops the
-    same way: temp files removed, workers killed, one line."""
+    """SIGTERM or SIGHUP, raised in the main thread as Ctrl-C raises KeyboardInterrupt, so that a prep
+    stops the same way: temp files removed, workers killed, one line."""
+
+    def __init__(self, signum: int = signal.SIGTERM):
+        super().__init__(signum)
+        self.signum = signum
 
 
 def _terminate(signum, frame):
-    raise Terminated()
+    detach_from_closed_terminal(signum)
+    raise Terminated(signum)
 
 
 def one_line_failures(run, out):
     """run() -- a prep writing into `out` -- with its failures said in one line instead of a traceback:
     a full disk, a quota, a read-only or unwritable folder is a UserError naming the path (exit 2 through
-    mpt.errors.cli); Ctrl-C or SIGTERM prints 'interrupted' and exits with 130 or 143 (128 + the signal).
-    What was written stays consistent: every file is written atomically and the marker last."""
+    mpt.errors.cli); Ctrl-C, SIGTERM or SIGHUP (a closed terminal) prints 'interrupted' and exits with
+    128 + the signal (130, 143, 129). What was written stays consistent: every file is written
+    atomically and the marker last."""
     main_thread = threading.current_thread() is threading.main_thread()
-    old = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
+    old = {s: signal.signal(s, _terminate) for s in (signal.SIGTERM, *HANGUP)} if main_thread else {}
     try:
         return run()
     except (KeyboardInterrupt, Terminated) as e:
-        signum = signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT
-        print(f"interrupted ({signum.name}); run the same command again to continue where it stopped "
-              f"(finished work in {out} is kept)", file=sys.stderr)
+        signum = signal.Signals(e.signum) if isinstance(e, Terminated) else signal.SIGINT
+        with contextlib.suppress(OSError):  # stderr was the closed terminal: the exit status says it
+            print(f"interrupted ({signum.name}); run the same command again to continue where it stopped "
+                  f"(finished work in {out} is kept)", file=sys.stderr)
         raise SystemExit(128 + signum) from None
     except OSError as e:
         err = storage_error(e, e.filename or out)  # a write() into a full disk names no file
@@ -85,8 +93,8 @@ def one_line_failures(run, out):
             raise
         raise err from None
     finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, old)
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 def generator_command(name: str, description: str, generate, *, options=(), out_help: str | None = None,
@@ -237,8 +245,10 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 def _worker_start(parent: int, initializer, initargs) -> None:
     """The first thing a pool worker does: die with the prep (a killed prep left its workers running for
-    half an hour), and leave Ctrl-C to the prep (a terminal sends SIGINT to every process of the job)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    half an hour), and leave Ctrl-C and a closed terminal's SIGHUP to the prep (a terminal sends them to
+    every process of the job)."""
+    for s in (signal.SIGINT, *HANGUP):
+        signal.signal(s, signal.SIG_IGN)
     if sys.platform.startswith("linux"):
         # The kernel sends SIGKILL when the parent dies, by any signal, SIGKILL included.
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from mpt.config import REPO
 from mpt.errors import UserError, cli
+from mpt.signals import HANGUP, detach_from_closed_terminal
 from slurm import clusters
 from slurm.grid import Cell, Grid, load as load_grid, nodes_and_tasks
 from slurm.state import FINAL, append_manifest, cell_state, latest_jobs, slurm_queue
@@ -119,7 +120,7 @@ def default_cap(threads: int, world: int, gpus: int) -> int:
 
 def run_local(tasks: list[LocalTask], cap: int, started=None, say=print) -> dict[str, int]:
     """Run tasks with at most `cap` at once (submitit's local executor has no limit); returns
-    name -> exit code (the worst of its ranks). SIGINT/SIGTERM stop the running cells at a step
+    name -> exit code (the worst of its ranks). SIGINT/SIGTERM/SIGHUP stop the running cells at a step
     boundary with a checkpoint (they receive SIGTERM) and start no more."""
     if cap < 1:
         raise UserError(f"--jobs {cap}: run at least one cell at a time")
@@ -136,7 +137,11 @@ def run_local(tasks: list[LocalTask], cap: int, started=None, say=print) -> dict
     signals: list[int] = []
     old = {}
     if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
-        old = {s: signal.signal(s, lambda signum, frame: signals.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+        def stop(signum, frame):
+            signals.append(signum)
+            detach_from_closed_terminal(signum)
+
+        old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM, *HANGUP)}
     forwarded = False
     try:
         while pending or running:

@@ -197,6 +197,43 @@ def test_sigterm_from_another_process_checkpoints_exits_143_and_resumes(tmp_path
     _check_stopped_then_resumed(d, out, signal.SIGTERM, reference)
 
 
+def test_closed_terminal_checkpoints_exits_129_and_resumes(tmp_path, reference):
+    """SIGHUP (the terminal or ssh session closed) killed the run with no checkpoint and left its
+    summary "running". It now stops like SIGTERM; its output, a terminal gone, goes nowhere instead of
+    failing the run on the first print (EIO)."""
+    import pty
+    import threading
+
+    out = tmp_path / "hup"
+    d = out / "toy_gan" / reference[0]["run_name"]
+    master, slave = pty.openpty()
+    p = subprocess.Popen([sys.executable, str(REPO / "tests" / "toy_cli.py"), str(out), "12", "0.3"],
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, stdin=slave, stdout=slave, stderr=slave)
+    os.close(slave)
+
+    def drain():  # what the terminal would show, until it is closed
+        try:
+            while os.read(master, 4096):
+                pass
+        except OSError:
+            pass
+
+    threading.Thread(target=drain, daemon=True).start()
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not ((d / "metrics.jsonl").exists()
+                                              and (d / "metrics.jsonl").read_text().count('"train"') >= 2):
+            time.sleep(0.05)
+        os.close(master)  # the terminal is gone: writes to it fail from now on
+        p.send_signal(signal.SIGHUP)
+        p.wait(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 128 + signal.SIGHUP
+    _check_stopped_then_resumed(d, out, signal.SIGHUP, reference)
+
+
 def test_ctrl_c_checkpoints_exits_130_and_resumes(tmp_path, reference):
     """A real SIGINT delivered to this process mid-run, through the command's handlers (cli_run)."""
 
