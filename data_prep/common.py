@@ -280,9 +280,29 @@ def worker_pool(workers: int, initializer=None, initargs=()):
     try:
         yield pool
     except BaseException:
-        # No public kill before Python 3.14 (kill_workers); _processes: pid -> multiprocessing.Process.
-        for proc in list((pool._processes or {}).values()):
-            proc.kill()
-        pool.shutdown(wait=True, cancel_futures=True)
+        _kill_pool(pool)
         raise
     pool.shutdown(wait=True)
+
+
+def _kill_pool(pool: concurrent.futures.ProcessPoolExecutor) -> None:
+    """Kill the pool's workers and end its threads without waiting on a pipe a killed worker left half
+    written. The pool's reader thread may be blocked reading the rest of a result a worker was sending
+    when it died, and its feeder thread writing a task into a pipe no worker reads any more; both pipes'
+    other ends are held by this process too, so they never see end-of-file, and shutdown(wait=True) -- and
+    the interpreter's exit, which joins those threads -- waited forever. Closing this process's ends after
+    the workers are dead gives the reader end-of-file and the feeder a broken pipe: both threads end.
+    (No public kill before Python 3.14's kill_workers; _processes: pid -> multiprocessing.Process,
+    _result_queue / _call_queue the pool's two multiprocessing queues, _executor_manager_thread the
+    reader.)"""
+    procs, thread = list((pool._processes or {}).values()), pool._executor_manager_thread
+    for proc in procs:
+        proc.kill()
+    for proc in procs:
+        proc.join(5.0)
+    for end in (getattr(pool._result_queue, "_writer", None), getattr(pool._call_queue, "_reader", None)):
+        with contextlib.suppress(OSError, AttributeError):
+            end.close()
+    pool.shutdown(wait=False, cancel_futures=True)
+    if thread is not None:
+        thread.join(10.0)
