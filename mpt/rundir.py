@@ -39,6 +39,20 @@ def storage_error(e: BaseException, path) -> UserError | None:
     return None
 
 
+def open_no_follow(path, flags: int, mode: int = 0o666) -> int:
+    """os.open of a file this project appends to or locks in a shared folder (a run's .lock and
+    metrics.jsonl, a grid's manifest and logs), refusing a symbolic link there: run folders are
+    group-writable under umask 002, and a link planted in one made the run truncate or append to its
+    target. A UserError naming the path (and a storage error's one line) instead of an OSError."""
+    try:
+        return os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), mode)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UserError(f"{path} is a symbolic link, where this writes a file of its own; remove the link "
+                            "(a link there would make the write change whatever it points to)") from None
+        raise storage_error(e, path) or e from None
+
+
 def umask() -> int:
     """The process umask, read without changing it where the OS allows (Linux: /proc)."""
     try:
@@ -130,7 +144,7 @@ def append_jsonl(path, obj) -> None:
     """One line appended with a single write; a full disk is a one-line error (the torn line it may
     leave is dropped by read_jsonl when the run resumes)."""
     try:
-        with open(path, "a") as f:
+        with os.fdopen(open_no_follow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a") as f:
             f.write(json.dumps(obj, default=str) + "\n")
     except OSError as e:
         err = storage_error(e, path)
@@ -241,10 +255,7 @@ class RunLock:
         import fcntl
         import warnings
 
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
-        except OSError as e:
-            raise storage_error(e, self.path) or e from None
+        fd = open_no_follow(self.path, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:

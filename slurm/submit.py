@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from mpt.config import REPO
 from mpt.errors import UserError, cli
+from mpt.rundir import open_no_follow
 from mpt.signals import HANGUP, detach_from_closed_terminal
 from slurm import clusters
 from slurm.grid import Cell, Grid, load as load_grid, nodes_and_tasks
@@ -150,7 +151,8 @@ def run_local(tasks: list[LocalTask], cap: int, started=None, say=print) -> dict
                 gpus = [free_gpus.pop(0) for _ in range(t.gpus)]
                 port = str(_free_port())
                 procs = []
-                logf = open(t.log, "ab") if t.log else subprocess.DEVNULL
+                logf = (os.fdopen(open_no_follow(t.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab") if t.log
+                        else subprocess.DEVNULL)
                 for r in range(t.world):
                     env = {**os.environ, **t.env, "RANK": str(r), "WORLD_SIZE": str(t.world),
                            "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}

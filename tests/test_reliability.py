@@ -255,6 +255,22 @@ def test_ctrl_c_checkpoints_exits_130_and_resumes(tmp_path, reference):
     _check_stopped_then_resumed(tmp_path / "toy_gan" / reference[0]["run_name"], tmp_path, signal.SIGINT, reference)
 
 
+@pytest.mark.parametrize("name", [".lock", "metrics.jsonl"])
+def test_a_symlink_planted_in_a_run_folder_is_refused_not_followed(tmp_path, name):
+    """Run folders are group-writable under umask 002: a `.lock` link made the run truncate and
+    overwrite its target, a metrics.jsonl link appended to it. Neither is followed now."""
+    from mpt.rundir import append_jsonl
+
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me\n")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / name).symlink_to(target)
+    with pytest.raises(UserError, match=rf"{run / name} is a symbolic link, where this writes a file of its own"):
+        RunLock(run).acquire() if name == ".lock" else append_jsonl(run / name, {"kind": "train"})
+    assert target.read_text() == "keep me\n"
+
+
 def test_lock_is_released_when_its_holder_dies(tmp_path):
     """flock, not a pid file: a holder killed with -9 leaves no stale lock."""
     code = ("import sys, time; sys.path.insert(0, sys.argv[2]); from mpt.rundir import RunLock; "

@@ -315,6 +315,20 @@ def test_local_backend_never_exceeds_its_cap(tmp_path):
     assert peak == 3  # the cap is reached and never passed
 
 
+def test_grid_manifest_and_local_logs_are_not_appended_through_a_symlink(tmp_path):
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me\n")
+    (tmp_path / "exp").mkdir()
+    state.manifest_path(tmp_path / "exp").symlink_to(target)
+    with pytest.raises(UserError, match="submissions.jsonl is a symbolic link"):
+        state.append_manifest(tmp_path / "exp", {"cells": []})
+    (tmp_path / "cell.log").symlink_to(target)
+    task = submit.LocalTask("t", [sys.executable, "-c", "print('hello')"], log=tmp_path / "cell.log")
+    with pytest.raises(UserError, match="cell.log is a symbolic link"):
+        submit.run_local([task], cap=1, say=lambda *a: None)
+    assert target.read_text() == "keep me\n"
+
+
 def test_default_cap_from_cores_and_threads():
     n = os.cpu_count()
     assert submit.default_cap(1, 1, 0) == n
