@@ -16,6 +16,7 @@ import argparse
 import concurrent.futures
 import contextlib
 import ctypes
+import errno
 import io
 import json
 import multiprocessing
@@ -52,9 +53,30 @@ def prep_command(name: str, description: str, prepare, *, source: str, source_he
         if a.get("workers", 1) < 1:
             raise UserError("--workers must be at least 1")
         src, out = a.pop(source.lstrip("-").replace("-", "_")), a.pop("out")
-        return one_line_failures(lambda: prepare(src, out, **a), out)
+        return one_line_failures(lambda: _locked(out, lambda: prepare(src, out, **a)), out)
 
     return main
+
+
+def _locked(out: Path, run):
+    """run() holding an exclusive flock on the folder --out itself (no lock file: the output stays
+    byte for byte the same): a second prep into the same --out is refused in one line instead of
+    racing the first (a traceback and a temp file left behind, or one sweeping the other's temp files)."""
+    import fcntl
+
+    Path(out).mkdir(parents=True, exist_ok=True)
+    fd = os.open(out, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise  # a file system without flock: go on unlocked, as a run does
+            raise UserError(f"--out {out} is in use by another prep; wait for it to end (or stop it), "
+                            f"then run this command again") from None
+        return run()
+    finally:
+        os.close(fd)
 
 
 class Terminated(BaseException):
@@ -116,7 +138,8 @@ def generator_command(name: str, description: str, generate, *, options=(), out_
     def main(argv: list[str] | None = None):
         a = p.parse_args(argv)
         start = time.time()
-        result = generate(a.out, *(getattr(a, d) for d in dests), a.seed)
+        # a full, read-only or too long --out is one line, as for a prep
+        result = one_line_failures(lambda: generate(a.out, *(getattr(a, d) for d in dests), a.seed), a.out)
         if done is not None:
             print(done(a, result, time.time() - start))
         else:
@@ -136,7 +159,13 @@ def already_prepared(out: Path, force: bool, log, describe=None, check=None) -> 
     marker = Path(out) / MARKER
     if force or not marker.is_file():
         return None
-    info = json.loads(marker.read_text())
+    try:
+        info = json.loads(marker.read_text())
+        if not isinstance(info, dict):
+            raise ValueError(f"a JSON {type(info).__name__}, not an object")
+    except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
+        raise UserError(f"{marker} is damaged ({type(e).__name__}: {str(e)[:80]}); pass --force to prepare "
+                        f"{out} again") from None
     if check is not None:
         check(info)
     log(f"{out} is already prepared ({describe(info) if describe else MARKER}); pass --force to redo it")

@@ -12,6 +12,7 @@ import json
 import os
 import pathlib
 import platform
+import re
 import socket
 import subprocess
 import tempfile
@@ -19,22 +20,33 @@ import tempfile
 from mpt.config import REPO  # mpt.config does not import torch
 from mpt.errors import UserError
 
-# What a write can fail with that the user fixes by freeing space or choosing another folder.
-_STORAGE_ERRNOS = {errno.ENOSPC: "No space left on device", errno.EDQUOT: "Disk quota exceeded",
-                   errno.EROFS: "Read-only file system", errno.EACCES: "Permission denied",
-                   errno.EPERM: "Operation not permitted", errno.ENOTDIR: "Not a directory"}
+# What a write can fail with that the user fixes (errno -> what it is, the fix): the storage itself
+# (freeing space or choosing another folder), a size or name limit, or the process's open-file limit.
+_ELSEWHERE = "free space or choose a writable folder (out_dir=... for runs, --out for data_prep)"
+_STORAGE_ERRNOS = {
+    errno.ENOSPC: ("No space left on device", _ELSEWHERE), errno.EDQUOT: ("Disk quota exceeded", _ELSEWHERE),
+    errno.EROFS: ("Read-only file system", _ELSEWHERE), errno.EACCES: ("Permission denied", _ELSEWHERE),
+    errno.EPERM: ("Operation not permitted", _ELSEWHERE), errno.ENOTDIR: ("Not a directory", _ELSEWHERE),
+    errno.EFBIG: ("File too large", "the file system or `ulimit -f` limits a file's size: raise the limit or "
+                                    "choose another folder (out_dir=... for runs, --out for data_prep)"),
+    errno.ENAMETOOLONG: ("File name too long", "choose a shorter name or folder (out_dir=... for runs, --out "
+                                               "for data_prep)"),
+    errno.EMFILE: ("Too many open files", "raise the limit (`ulimit -n`, e.g. to 4096) or use fewer workers"),
+    errno.ENFILE: ("Too many open files in the system", "close other programs' files or raise fs.file-max"),
+}
 
 
 def storage_error(e: BaseException, path) -> UserError | None:
-    """A UserError for a write that failed on the storage itself (disk full, quota, read-only,
-    permissions), found anywhere in the exception's chain (torch.save reports a full disk as
-    "unexpected pos" with the OSError as its context); None for any other error."""
+    """A UserError for a write that failed on the storage or a limit (disk full, quota, read-only,
+    permissions, a file or name too long, too many open files), found anywhere in the exception's
+    chain (torch.save reports a full disk as "unexpected pos" with the OSError as its context); None
+    for any other error."""
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         if isinstance(e, OSError) and e.errno in _STORAGE_ERRNOS:
-            return UserError(f"{_STORAGE_ERRNOS[e.errno]}: {path}; free space or choose a writable "
-                             "folder (out_dir=... for runs, --out for data_prep)")
+            what, fix = _STORAGE_ERRNOS[e.errno]
+            return UserError(f"{what}: {path}; {fix}")
         e = e.__cause__ or e.__context__
     return None
 
@@ -212,8 +224,13 @@ def read_json_or_none(path):
         return None
 
 
+# atomic_write's temp files: tempfile.mkstemp(prefix=".<name>.", suffix=".tmp") adds 8 characters of
+# [a-z0-9_]. Only these are swept: a user's own hidden `.notes.tmp` under --out is not ours to delete.
+_TEMP_NAME = re.compile(r"\..+\.[a-z0-9_]{8}\.tmp")
+
+
 def remove_stale_temp_files(folder, recursive: bool = False, skip=()) -> list[str]:
-    """Delete the temp files atomic_write leaves when a process is killed mid-write (`.<name>.*.tmp`,
+    """Delete the temp files atomic_write leaves when a process is killed mid-write (`.<name>.XXXXXXXX.tmp`,
     checkpoint-sized at paper scale) in `folder` -- and, `recursive`, in every folder below it except
     those named in `skip` (a data_prep's tree of many small files). Only call it where no other live
     process writes (a run holds its directory's RunLock; a data_prep owns its --out): a live writer's
@@ -223,7 +240,7 @@ def remove_stale_temp_files(folder, recursive: bool = False, skip=()) -> list[st
     for dirpath, dirnames, filenames in os.walk(folder):
         dirnames[:] = [d for d in dirnames if d not in skip] if recursive else []
         for name in filenames:
-            if name.startswith(".") and name.endswith(".tmp"):
+            if _TEMP_NAME.fullmatch(name):
                 p = pathlib.Path(dirpath, name)
                 try:
                     p.unlink()

@@ -538,3 +538,88 @@ def test_wmt15_ids_edited_after_the_prep_are_refused(sources, clean, tmp_path):
         f.write(b"\0")
     with pytest.raises(UserError, match="spm.fr.model is missing or changed since it was prepared"):
         Prepared(out)
+
+
+# ------------------------------------------------------------------ a user's mistakes: one line, never a traceback
+
+
+def _main(name, args, capsys, module="__main__"):
+    """`python -m data_prep.<name>[.<module>] ARGS` in this process: (exit code, stderr lines)."""
+    import importlib
+
+    main = importlib.import_module(f"data_prep.{name}.{module}" if module != "__main__" else
+                                   f"data_prep.{name}.__main__").main
+    capsys.readouterr()
+    try:
+        main([str(a) for a in args])
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    return code, [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+
+
+@pytest.mark.parametrize("name", PREPS)
+def test_rerun_over_a_damaged_marker_is_one_line(name, sources, clean, tmp_path, capsys):
+    """Re-running a prep over a prepared.json cut short or edited was a traceback (already_prepared)."""
+    import shutil
+
+    for damage in (b'{"dataset": "vo', b"[1, 2]", b"\xff\xfe"):
+        out = tmp_path / f"out{len(damage)}"
+        shutil.copytree(clean(name), out)
+        (out / "prepared.json").write_bytes(damage)
+        code, lines = _main(name, cli_args(name, sources(name), out), capsys)
+        assert code == 2 and len(lines) == 1, lines
+        assert lines[0].startswith(f"error: {out / 'prepared.json'} is damaged") and "--force" in lines[0], lines
+
+
+@pytest.mark.parametrize("errno_name,words", [("EFBIG", "File too large"), ("EMFILE", "Too many open files"),
+                                              ("ENAMETOOLONG", "File name too long")])
+def test_limits_of_the_file_system_and_the_process_are_one_line(errno_name, words, sources, tmp_path):
+    """EFBIG (a file over the file system's or `ulimit -f`'s size), EMFILE (the open-file limit) were
+    tracebacks; each is one line naming the path and the fix."""
+    raise_it = f"""
+import errno, os
+def _fsync(fd):
+    raise OSError(errno.{errno_name}, os.strerror(errno.{errno_name}))
+os.fsync = _fsync
+"""
+    where = tmp_path / "out"
+    code, lines = run_prep("imagenet", cli_args("imagenet", sources("imagenet"), where), raise_it)
+    assert code == 2 and len(lines) == 1 and lines[0].startswith(f"error: {words}: {where}"), lines
+
+
+def test_out_names_too_long_are_one_line_for_preps_and_generators(sources, tmp_path, capsys):
+    """A --out whose name is over 255 bytes: the prep, and the tiny generators, gave a traceback."""
+    long = tmp_path / ("x" * 300)
+    code, lines = _main("voc", cli_args("voc", sources("voc"), long), capsys)
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: File name too long: "), lines
+    code, lines = _main("voc", ["--out", long / "release"], capsys, module="tiny")
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: File name too long: "), lines
+
+
+def test_tiny_generator_on_a_read_only_folder_is_one_line(read_only, capsys):
+    where, words = read_only
+    code, lines = _main("imagenet", ["--out", where / "release"], capsys, module="tiny")
+    assert code == 2 and len(lines) == 1 and lines[0].startswith(f"error: {words}: "), lines
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_two_preps_into_one_out_at_once_the_second_is_refused(sources, tmp_path):
+    """Two preps into one --out at once: one traceback and a stray temp file, or one sweeping the
+    other's temp files. The prep holds a lock on the folder (no lock file: the bytes stay the same)."""
+    out = tmp_path / "out"
+    with SlowLm1bPrep(sources("lm1b"), out, tmp_path / "flags"):
+        code, lines = run_prep("lm1b", cli_args("lm1b", sources("lm1b"), out, workers=1))
+    assert code == 2 and len(lines) == 1 and f"--out {out} is in use by another prep" in lines[0], lines
+    assert temp_files(out) == []
+
+
+def test_the_temp_file_sweep_removes_only_its_own(sources, tmp_path):
+    """The sweep deleted every hidden .tmp file under --out; only atomic_write's own names go now."""
+    out = tmp_path / "out"
+    (out / "notes").mkdir(parents=True)
+    mine, theirs = out / "notes" / ".draft.tmp", out / "notes" / ".prepared.json.ab12cd34.tmp"
+    mine.write_text("a user's file")
+    theirs.write_text("a killed write's")
+    prepare("voc", sources("voc"), out)
+    assert mine.read_text() == "a user's file" and not theirs.exists()

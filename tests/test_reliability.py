@@ -347,11 +347,12 @@ def test_files_follow_the_umask(tmp_path, mask, mode):
 # 6. temp files of a writer killed mid-write are removed when the run starts again
 def test_stale_temp_files_are_removed_at_start(tmp_path, monkeypatch):
     _, d = interrupted(monkeypatch, tmp_path)
-    for name in (".checkpoint.pt.k9x2abcd.tmp", ".summary.json.zz1.tmp"):
+    for name in (".checkpoint.pt.k9x2abcd.tmp", ".summary.json.zz1_ab9c.tmp"):  # mkstemp's 8 characters
         (d / name).write_bytes(b"\0" * 1000)
-    keep = d / "samples_0000004.png"
+    keep, not_ours = d / "samples_0000004.png", d / ".notes.tmp"  # a user's hidden file is not ours to delete
+    not_ours.write_text("mine")
     assert engine.run(config(tmp_path), ToyGan())["status"] == "completed"
-    assert not list(d.glob(".*.tmp")) and keep.exists()
+    assert list(d.glob(".*.tmp")) == [not_ours] and keep.exists()
 
 
 # 7. one-line errors: disk full, unwritable out_dir, a bad config.yaml, device=cuda without CUDA,

@@ -329,6 +329,14 @@ def test_grid_manifest_and_local_logs_are_not_appended_through_a_symlink(tmp_pat
     assert target.read_text() == "keep me\n"
 
 
+@pytest.mark.parametrize("flag", ["--threads", "--jobs"])
+def test_zero_threads_or_jobs_is_one_line(flag, capsys):
+    """--threads 0 ran each cell with the grid's threads without a word; --threads -1 set OMP_NUM_THREADS=-1."""
+    for n in ("0", "-1"):
+        with pytest.raises(UserError, match=rf"{flag} {n}: give at least 1"):
+            submit.prepare([str(GRID), "--profile", "tiny", "--backend", "local", flag, n, "--dry-run"])
+
+
 def test_default_cap_from_cores_and_threads():
     n = os.cpu_count()
     assert submit.default_cap(1, 1, 0) == n
