@@ -152,10 +152,12 @@ def generator_command(name: str, description: str, generate, *, options=(), out_
 MARKER = "prepared.json"  # OUT/prepared.json: written last, so its presence means OUT is complete
 
 
-def already_prepared(out: Path, force: bool, log, describe=None, check=None) -> dict | None:
+def already_prepared(out: Path, force: bool, log, describe=None, check=None, sources: Path | None = None) -> dict | None:
     """The opening of every prepare(): the content of OUT/prepared.json when OUT is complete and not
-    `force` -- after `check(info)` (which may raise a UserError, e.g. the archives changed), said in
-    one line naming `describe(info)` (default: the marker) -- or None when there is work to do."""
+    `force` -- after `check(info)` (which may raise a UserError, e.g. the archives changed) and, with
+    `sources` (the folder of the archives), after the archives the marker records that lie there are
+    found unchanged (changed_archives) -- said in one line naming `describe(info)` (default: the
+    marker) -- or None when there is work to do."""
     marker = Path(out) / MARKER
     if force or not marker.is_file():
         return None
@@ -168,8 +170,38 @@ def already_prepared(out: Path, force: bool, log, describe=None, check=None) -> 
                         f"{out} again") from None
     if check is not None:
         check(info)
+    changed = changed_archives(info, sources) if sources is not None else []
+    if changed:
+        raise UserError(f"{changed[0]} changed since {out} was prepared from it (its size or digest differs from "
+                        f"{marker}); pass --force to prepare {out} again from it")
     log(f"{out} is already prepared ({describe(info) if describe else MARKER}); pass --force to redo it")
     return info
+
+
+def changed_archives(info, folder: Path) -> list[Path]:
+    """The source archives a prepared.json records -- {"name", "bytes", "digest"} anywhere in it, or
+    {"bytes", "digest"} under the archive's name -- that lie in `folder` with another size or sampled
+    digest now: a re-run said "already prepared" over data made from an archive since replaced."""
+    from mpt.rundir import sampled_digest
+
+    out: list[Path] = []
+
+    def walk(x, key=None):
+        if isinstance(x, dict):
+            name = x.get("name", key)
+            if {"bytes", "digest"} <= set(x) and isinstance(name, str) and "/" not in name:
+                path = Path(folder) / name
+                if path.is_file() and (path.stat().st_size != x["bytes"] or sampled_digest(path) != x["digest"]):
+                    out.append(path)
+                return
+            for k, v in x.items():
+                walk(v, k)
+        elif isinstance(x, list):
+            for v in x:
+                walk(v)
+
+    walk(info)
+    return out
 
 
 def safe_relpath(name: str, what: str, source) -> str:

@@ -623,3 +623,21 @@ def test_the_temp_file_sweep_removes_only_its_own(sources, tmp_path):
     theirs.write_text("a killed write's")
     prepare("voc", sources("voc"), out)
     assert mine.read_text() == "a user's file" and not theirs.exists()
+
+
+@pytest.mark.parametrize("name", ["voc", "aishell", "librispeech", "celeba", "wmt15"])
+def test_rerun_after_an_archive_changed_says_so(name, sources, clean, tmp_path):
+    """The archive digests prepared.json records were never checked again: a re-run over data made
+    from an archive since replaced said "already prepared"."""
+    import shutil
+
+    src = sources(name)
+    src = src if src.is_dir() else src.parent
+    copy = shutil.copytree(src, tmp_path / "src")
+    out = shutil.copytree(clean(name), tmp_path / "out")
+    assert prepare(name, copy, out)["dataset"]  # unchanged: already prepared, nothing said
+    victim = max((p for p in copy.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    with open(victim, "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(UserError, match=rf"{victim} changed since {out} was prepared from it.*--force"):
+        prepare(name, copy, out)

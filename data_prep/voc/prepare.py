@@ -172,7 +172,7 @@ def check_split(out: Path, year: str, split: str, archive: str, expected: int) -
 
 def prepare(archives: Path, out: Path, force: bool = False, log=print) -> dict:
     archives, out = Path(archives), Path(out)
-    if (info := already_prepared(out, force, log)) is not None:
+    if (info := already_prepared(out, force, log, sources=archives)) is not None:
         return info
     marker = out / MARKER
     t0 = time.time()
