@@ -334,7 +334,7 @@ def prepare(argv) -> Submission:
         raise UserError("--jobs/--threads are for --backend local; on SLURM use the cluster profile")
     for flag, n in (("--jobs", a.jobs), ("--threads", a.threads)):
         if n is not None and n < 1:
-            raise UserError(f"{flag} {n}: give at least 1 (leave it out for the default)")
+            raise UserError(f"{flag} {n}: give at least one (leave it out for the default)")
     cluster = clusters.load(a.cluster) if a.backend == "slurm" else None
     extra = list(a.extra)
     if cluster and cluster.ckpt_every_minutes is not None:  # an infrastructure key: same cells

@@ -333,7 +333,7 @@ def test_grid_manifest_and_local_logs_are_not_appended_through_a_symlink(tmp_pat
 def test_zero_threads_or_jobs_is_one_line(flag, capsys):
     """--threads 0 ran each cell with the grid's threads without a word; --threads -1 set OMP_NUM_THREADS=-1."""
     for n in ("0", "-1"):
-        with pytest.raises(UserError, match=rf"{flag} {n}: give at least 1"):
+        with pytest.raises(UserError, match=rf"{flag} {n}: give at least one"):
             submit.prepare([str(GRID), "--profile", "tiny", "--backend", "local", flag, n, "--dry-run"])
 
 
