@@ -5,8 +5,9 @@ worker processes that die with the prep (worker_pool), and names read from an ar
 before anything is written.
 
 A prep command fails in one line (README "What a run survives"): a full disk, a read-only or
-unwritable --out exits with 2 naming the path; Ctrl-C or SIGTERM exits with 130 or 143 and says that
-running the same command again continues (every prep resumes; every file is written atomically).
+unwritable --out exits with 2 naming the path; Ctrl-C, SIGTERM or SIGHUP exits with 130, 143 or 129
+and says that running the same command again continues (every prep resumes; every file is written
+atomically); a second prep into an --out that one is preparing is refused.
 
 A member path or a class name taken from a downloaded (or tampered) archive becomes a path under
 --out; an absolute path or a `..` component would write outside it (path traversal)."""
@@ -70,10 +71,10 @@ def _locked(out: Path, run):
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
-            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise  # a file system without flock: go on unlocked, as a run does
-            raise UserError(f"--out {out} is in use by another prep; wait for it to end (or stop it), "
-                            f"then run this command again") from None
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise UserError(f"--out {out} is in use by another prep; wait for it to end (or stop it), "
+                                f"then run this command again") from None
+            # any other errno: a file system without flock (some Lustre mounts): unlocked, as a run goes on
         return run()
     finally:
         os.close(fd)
@@ -152,7 +153,8 @@ def generator_command(name: str, description: str, generate, *, options=(), out_
 MARKER = "prepared.json"  # OUT/prepared.json: written last, so its presence means OUT is complete
 
 
-def already_prepared(out: Path, force: bool, log, describe=None, check=None, sources: Path | None = None) -> dict | None:
+def already_prepared(out: Path, force: bool, log, describe=None, check=None,
+                     sources: Path | None = None) -> dict | None:
     """The opening of every prepare(): the content of OUT/prepared.json when OUT is complete and not
     `force` -- after `check(info)` (which may raise a UserError, e.g. the archives changed) and, with
     `sources` (the folder of the archives), after the archives the marker records that lie there are
