@@ -305,7 +305,8 @@ def test_a_result_pipe_left_half_written_does_not_hang_the_stop(sources, tmp_pat
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_signals_at_random_moments_never_hang_the_lm1b_prep(sources, tmp_path):
     """A fault loop: SIGTERM or Ctrl-C at a random moment of a real lm1b prep (two workers) ends it
-    within seconds every time -- interrupted (143, 130) or, when the signal comes after the work, done."""
+    within seconds every time -- interrupted (143, 130), done when the signal comes after the work, or
+    killed by it while the interpreter starts or exits."""
     import random
 
     rng = random.Random(0)
@@ -325,7 +326,8 @@ def test_signals_at_random_moments_never_hang_the_lm1b_prep(sources, tmp_path):
             os.killpg(p.pid, signal.SIGKILL)
             p.communicate()
             pytest.fail(f"try {i}: the prep hung after {sig.name}")
-        assert p.returncode in (0, 128 + sig), (i, p.returncode, err[-2000:])
+        # -sig: the signal came while the interpreter started or shut down, with its default action
+        assert p.returncode in (0, 128 + sig, -sig), (i, p.returncode, err[-2000:])
 
 
 @pytest.fixture
