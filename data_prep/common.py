@@ -5,8 +5,9 @@ worker processes that die with the prep (worker_pool), and names read from an ar
 before anything is written.
 
 A prep command fails in one line (README "What a run survives"): a full disk, a read-only or
-unwritable --out exits with 2 naming the path; Ctrl-C or SIGTERM exits with 130 or 143 and says that
-running the same command again continues (every prep resumes; every file is written atomically).
+unwritable --out exits with 2 naming the path; Ctrl-C, SIGTERM or SIGHUP exits with 130, 143 or 129
+and says that running the same command again continues (every prep resumes; every file is written
+atomically); a second prep into an --out that one is preparing is refused.
 
 A member path or a class name taken from a downloaded (or tampered) archive becomes a path under
 --out; an absolute path or a `..` component would write outside it (path traversal)."""
@@ -16,6 +17,7 @@ import argparse
 import concurrent.futures
 import contextlib
 import ctypes
+import errno
 import io
 import json
 import multiprocessing
@@ -28,6 +30,7 @@ from pathlib import Path, PurePosixPath
 
 from mpt.errors import UserError, cli
 from mpt.rundir import remove_stale_temp_files, storage_error
+from mpt.signals import HANGUP, detach_from_closed_terminal
 
 
 def prep_command(name: str, description: str, prepare, *, source: str, source_help: str, out_help: str,
@@ -51,33 +54,61 @@ def prep_command(name: str, description: str, prepare, *, source: str, source_he
         if a.get("workers", 1) < 1:
             raise UserError("--workers must be at least 1")
         src, out = a.pop(source.lstrip("-").replace("-", "_")), a.pop("out")
-        return one_line_failures(lambda: prepare(src, out, **a), out)
+        return one_line_failures(lambda: _locked(out, lambda: prepare(src, out, **a)), out)
 
     return main
 
 
+def _locked(out: Path, run):
+    """run() holding an exclusive flock on the folder --out itself (no lock file: the output stays
+    byte for byte the same): a second prep into the same --out is refused in one line instead of
+    racing the first (a traceback and a temp file left behind, or one sweeping the other's temp files)."""
+    import fcntl
+
+    Path(out).mkdir(parents=True, exist_ok=True)
+    fd = os.open(out, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise UserError(f"--out {out} is in use by another prep; wait for it to end (or stop it), "
+                                f"then run this command again") from None
+            # any other errno: a file system without flock (some Lustre mounts): unlocked, as a run goes on
+        return run()
+    finally:
+        os.close(fd)
+
+
 class Terminated(BaseException):
-    """SIGTERM, raised in the main thread as Ctrl-C raises KeyboardInterrupt, so that a prep stops the
-    same way: temp files removed, workers killed, one line."""
+    """SIGTERM or SIGHUP, raised in the main thread as Ctrl-C raises KeyboardInterrupt, so that a prep
+    stops the same way: temp files removed, workers killed, one line."""
+
+    def __init__(self, signum: int = signal.SIGTERM):
+        super().__init__(signum)
+        self.signum = signum
 
 
 def _terminate(signum, frame):
-    raise Terminated()
+    detach_from_closed_terminal(signum)
+    raise Terminated(signum)
 
 
 def one_line_failures(run, out):
     """run() -- a prep writing into `out` -- with its failures said in one line instead of a traceback:
     a full disk, a quota, a read-only or unwritable folder is a UserError naming the path (exit 2 through
-    mpt.errors.cli); Ctrl-C or SIGTERM prints 'interrupted' and exits with 130 or 143 (128 + the signal).
-    What was written stays consistent: every file is written atomically and the marker last."""
+    mpt.errors.cli); Ctrl-C, SIGTERM or SIGHUP (a closed terminal) prints 'interrupted' and exits with
+    128 + the signal (130, 143, 129). What was written stays consistent: every file is written
+    atomically and the marker last."""
     main_thread = threading.current_thread() is threading.main_thread()
-    old = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
+    old = {s: signal.signal(s, _terminate) for s in (signal.SIGTERM, *HANGUP)} if main_thread else {}
     try:
         return run()
     except (KeyboardInterrupt, Terminated) as e:
-        signum = signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT
-        print(f"interrupted ({signum.name}); run the same command again to continue where it stopped "
-              f"(finished work in {out} is kept)", file=sys.stderr)
+        signum = signal.Signals(e.signum) if isinstance(e, Terminated) else signal.SIGINT
+        with contextlib.suppress(OSError):  # stderr was the closed terminal: the exit status says it
+            print(f"interrupted ({signum.name}); run the same command again to continue where it stopped "
+                  f"(finished work in {out} is kept)", file=sys.stderr)
         raise SystemExit(128 + signum) from None
     except OSError as e:
         err = storage_error(e, e.filename or out)  # a write() into a full disk names no file
@@ -85,8 +116,8 @@ def one_line_failures(run, out):
             raise
         raise err from None
     finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, old)
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 def generator_command(name: str, description: str, generate, *, options=(), out_help: str | None = None,
@@ -108,7 +139,8 @@ def generator_command(name: str, description: str, generate, *, options=(), out_
     def main(argv: list[str] | None = None):
         a = p.parse_args(argv)
         start = time.time()
-        result = generate(a.out, *(getattr(a, d) for d in dests), a.seed)
+        # a full, read-only or too long --out is one line, as for a prep
+        result = one_line_failures(lambda: generate(a.out, *(getattr(a, d) for d in dests), a.seed), a.out)
         if done is not None:
             print(done(a, result, time.time() - start))
         else:
@@ -121,18 +153,57 @@ def generator_command(name: str, description: str, generate, *, options=(), out_
 MARKER = "prepared.json"  # OUT/prepared.json: written last, so its presence means OUT is complete
 
 
-def already_prepared(out: Path, force: bool, log, describe=None, check=None) -> dict | None:
+def already_prepared(out: Path, force: bool, log, describe=None, check=None,
+                     sources: Path | None = None) -> dict | None:
     """The opening of every prepare(): the content of OUT/prepared.json when OUT is complete and not
-    `force` -- after `check(info)` (which may raise a UserError, e.g. the archives changed), said in
-    one line naming `describe(info)` (default: the marker) -- or None when there is work to do."""
+    `force` -- after `check(info)` (which may raise a UserError, e.g. the archives changed) and, with
+    `sources` (the folder of the archives), after the archives the marker records that lie there are
+    found unchanged (changed_archives) -- said in one line naming `describe(info)` (default: the
+    marker) -- or None when there is work to do."""
     marker = Path(out) / MARKER
     if force or not marker.is_file():
         return None
-    info = json.loads(marker.read_text())
+    try:
+        info = json.loads(marker.read_text())
+        if not isinstance(info, dict):
+            raise ValueError(f"a JSON {type(info).__name__}, not an object")
+    except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
+        raise UserError(f"{marker} is damaged ({type(e).__name__}: {str(e)[:80]}); pass --force to prepare "
+                        f"{out} again") from None
     if check is not None:
         check(info)
+    changed = changed_archives(info, sources) if sources is not None else []
+    if changed:
+        raise UserError(f"{changed[0]} changed since {out} was prepared from it (its size or digest differs from "
+                        f"{marker}); pass --force to prepare {out} again from it")
     log(f"{out} is already prepared ({describe(info) if describe else MARKER}); pass --force to redo it")
     return info
+
+
+def changed_archives(info, folder: Path) -> list[Path]:
+    """The source archives a prepared.json records -- {"name", "bytes", "digest"} anywhere in it, or
+    {"bytes", "digest"} under the archive's name -- that lie in `folder` with another size or sampled
+    digest now: a re-run said "already prepared" over data made from an archive since replaced."""
+    from mpt.rundir import sampled_digest
+
+    out: list[Path] = []
+
+    def walk(x, key=None):
+        if isinstance(x, dict):
+            name = x.get("name", key)
+            if {"bytes", "digest"} <= set(x) and isinstance(name, str) and "/" not in name:
+                path = Path(folder) / name
+                if path.is_file() and (path.stat().st_size != x["bytes"] or sampled_digest(path) != x["digest"]):
+                    out.append(path)
+                return
+            for k, v in x.items():
+                walk(v, k)
+        elif isinstance(x, list):
+            for v in x:
+                walk(v)
+
+    walk(info)
+    return out
 
 
 def safe_relpath(name: str, what: str, source) -> str:
@@ -152,6 +223,50 @@ def safe_name(name: str, what: str, source) -> str:
         raise UserError(f"{source}: unsafe {what} {name!r} (must be a plain name); "
                         f"the archive is damaged or tampered with: download it again")
     return name
+
+
+def decode_image(data, what: str, fix: str, kind: str = "an image") -> tuple[str, tuple[int, int]]:
+    """(format, (width, height)) of an image -- its bytes or a path -- decoded in full, as a loader will
+    decode it; a one-line UserError naming `what` and `fix` for one that does not decode: a damaged body
+    passes a look at its first bytes and an archive's CRC (computed over the damage), then fails a
+    training run mid-epoch."""
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data) if isinstance(data, bytes) else data) as im:
+            im.load()
+            return im.format, im.size
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+        raise UserError(f"{what} does not decode as {kind} ({str(e)[:80]}); {fix}") from None
+
+
+def check_id_file(path: Path, dtype, vocab_size: int, fix: str, sha256: str | None = None,
+                  chunk: int = 1 << 24) -> None:
+    """Every token id in the id file at `path` (`dtype`, e.g. "<u4") must be below `vocab_size`: an
+    embedding lookup past its table is a traceback on the CPU and a device-side assert on a GPU. With
+    `sha256` (the prefix a prep recorded), the bytes must still give it: a shard edited after its prep
+    otherwise trains on other data under the same run identity. One pass; a one-line UserError naming
+    the file and `fix`. Costs one read of the file (~1 GB/s)."""
+    import hashlib
+
+    import numpy as np
+
+    dtype = np.dtype(dtype)
+    h, top, n = hashlib.sha256(), -1, 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk * dtype.itemsize):
+            h.update(block)
+            ids = np.frombuffer(block[: len(block) // dtype.itemsize * dtype.itemsize], dtype=dtype)
+            if ids.size:
+                top = max(top, int(ids.max()))
+            n += len(block)
+    if n % dtype.itemsize:
+        raise UserError(f"{path} has {n} bytes, not a whole number of {dtype.itemsize}-byte ids; {fix}")
+    if top >= vocab_size:
+        raise UserError(f"{path} holds token id {top}, outside the vocabulary of {vocab_size:,}; {fix}")
+    if sha256 is not None and not h.hexdigest().startswith(sha256):
+        raise UserError(f"{path} changed since it was prepared (sha256 {h.hexdigest()[:len(sha256)]}, the prep "
+                        f"recorded {sha256}); {fix}")
 
 
 @contextlib.contextmanager
@@ -193,8 +308,10 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 def _worker_start(parent: int, initializer, initargs) -> None:
     """The first thing a pool worker does: die with the prep (a killed prep left its workers running for
-    half an hour), and leave Ctrl-C to the prep (a terminal sends SIGINT to every process of the job)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    half an hour), and leave Ctrl-C and a closed terminal's SIGHUP to the prep (a terminal sends them to
+    every process of the job)."""
+    for s in (signal.SIGINT, *HANGUP):
+        signal.signal(s, signal.SIG_IGN)
     if sys.platform.startswith("linux"):
         # The kernel sends SIGKILL when the parent dies, by any signal, SIGKILL included.
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -226,9 +343,29 @@ def worker_pool(workers: int, initializer=None, initargs=()):
     try:
         yield pool
     except BaseException:
-        # No public kill before Python 3.14 (kill_workers); _processes: pid -> multiprocessing.Process.
-        for proc in list((pool._processes or {}).values()):
-            proc.kill()
-        pool.shutdown(wait=True, cancel_futures=True)
+        _kill_pool(pool)
         raise
     pool.shutdown(wait=True)
+
+
+def _kill_pool(pool: concurrent.futures.ProcessPoolExecutor) -> None:
+    """Kill the pool's workers and end its threads without waiting on a pipe a killed worker left half
+    written. The pool's reader thread may be blocked reading the rest of a result a worker was sending
+    when it died, and its feeder thread writing a task into a pipe no worker reads any more; both pipes'
+    other ends are held by this process too, so they never see end-of-file, and shutdown(wait=True) -- and
+    the interpreter's exit, which joins those threads -- waited forever. Closing this process's ends after
+    the workers are dead gives the reader end-of-file and the feeder a broken pipe: both threads end.
+    (No public kill before Python 3.14's kill_workers; _processes: pid -> multiprocessing.Process,
+    _result_queue / _call_queue the pool's two multiprocessing queues, _executor_manager_thread the
+    reader.)"""
+    procs, thread = list((pool._processes or {}).values()), pool._executor_manager_thread
+    for proc in procs:
+        proc.kill()
+    for proc in procs:
+        proc.join(5.0)
+    for end in (getattr(pool._result_queue, "_writer", None), getattr(pool._call_queue, "_reader", None)):
+        with contextlib.suppress(OSError, AttributeError):
+            end.close()
+    pool.shutdown(wait=False, cancel_futures=True)
+    if thread is not None:
+        thread.join(10.0)

@@ -27,7 +27,9 @@ SAMPLE_RATE = 16_000  # LibriSpeech and AISHELL-1 are 16 kHz, 16-bit mono
 
 def decode(data: bytes | str | Path, what: str) -> tuple[np.ndarray, int]:
     """(float32 samples, sample rate) of a FLAC/WAV file or its bytes; a one-line error naming
-    `what` when it cannot be decoded (truncated, not audio, empty)."""
+    `what` when it cannot be decoded (truncated, not audio, empty) or its samples are not finite or
+    beyond full scale (check_samples). The preps check every file with it, and the DeepSpeech 2 task
+    reads every utterance through it, so a file changed after its prep is refused as it is read."""
     import soundfile as sf
 
     try:
@@ -38,7 +40,22 @@ def decode(data: bytes | str | Path, what: str) -> tuple[np.ndarray, int]:
                         f"the archive is damaged: download it again") from None
     if x.shape[0] == 0:
         raise UserError(f"{what} holds no audio samples; the archive is damaged: download it again")
+    check_samples(x, what)
     return x.mean(axis=1), sr
+
+
+def check_samples(x: np.ndarray, what: str) -> None:
+    """Samples must be finite and within full scale [-1, 1]: integer PCM (LibriSpeech's FLAC, AISHELL-1's
+    WAV) always is, but a float WAV can hold NaN, inf or any magnitude, and one NaN sample makes every
+    loss it enters NaN -- the run ends "diverged", a wrong paper cell, not an error."""
+    finite = np.isfinite(x)
+    if not finite.all():
+        raise UserError(f"{what} holds {int((~finite).sum())} non-finite audio sample(s) (NaN or inf); the file "
+                        f"is damaged: download the archive again or remove the utterance")
+    peak = float(np.abs(x).max())
+    if peak > 1.0:
+        raise UserError(f"{what} has samples up to {peak:.4g}, outside full scale [-1, 1]; the file is damaged: "
+                        f"download the archive again or remove the utterance")
 
 
 def write_manifest(path: Path, rows: list[dict]) -> None:

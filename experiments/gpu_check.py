@@ -528,6 +528,48 @@ def _sigterm(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+WORK_PREFIX = "gpu_check_"  # the call's temp work folder: <tmp>/gpu_check_XXXXXXXX (tiny data, runs, states)
+
+
+def new_work_folder() -> tuple[Path, int]:
+    """A fresh temp work folder and the descriptor that holds an flock on it while this call lives; first,
+    the folders of calls that are gone are removed. A call killed by SIGKILL (a lease ending, an OOM kill)
+    runs no cleanup and left its folder -- tiny data and runs -- in the temp folder for good; the kernel
+    drops a dead call's lock, so a folder whose lock can be taken is a leftover."""
+    import fcntl
+
+    for old in Path(tempfile.gettempdir()).glob(f"{WORK_PREFIX}*"):
+        try:
+            if old.is_symlink() or not old.is_dir() or old.stat().st_uid != os.getuid():
+                continue
+            fd = os.open(old, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            shutil.rmtree(old, ignore_errors=True)
+        except OSError:
+            pass  # a live call's
+        finally:
+            os.close(fd)
+    work = Path(tempfile.mkdtemp(prefix=WORK_PREFIX))
+    fd = os.open(work, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return work, fd
+
+
+def remove_work_folder(work: Path, fd: int) -> None:
+    """The call's own work folder, removed with further stop signals ignored: a second SIGTERM in the
+    middle of the removal left the rest of it behind."""
+    old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        shutil.rmtree(work, ignore_errors=True)
+        os.close(fd)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
 def summary_text(res: dict) -> str:
     """The human table: every part's status and time, then its figures."""
     P = res["parts"]
@@ -746,9 +788,9 @@ def main(argv=None) -> int:
         raise UserError(f"--out {out}: cannot create it ({e.strerror})") from None
     budgets = {**(SMOKE_BUDGET_S if a.cpu_smoke else GPU_BUDGET_S), **a.limits}
     total = a.budget or (SMOKE_CALL_S if a.cpu_smoke else DEFAULT_CALL_S)
-    work = Path(tempfile.mkdtemp(prefix="gpu_check_"))
-    t0 = time.time()  # the whole call's budget, the probe included
     signal.signal(signal.SIGTERM, _sigterm)  # a runner's stop: the same as Ctrl-C, finished rows kept
+    work, work_fd = new_work_folder()
+    t0 = time.time()  # the whole call's budget, the probe included
     res, path, failed, current = None, None, [], None
     try:
         probe = run_part("env", a.cpu_smoke, work, PROBE_S)  # counted in the budget, but never cut by it
@@ -807,7 +849,7 @@ def main(argv=None) -> int:
         print(f"\ninterrupted; wrote what was finished to {path}", file=sys.stderr)
         return 130
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        remove_work_folder(work, work_fd)
     print(summary_text(res))
     print(f"\nwrote {path} ({res['wall_s']:.0f} s)" + (f"; FAILED: {', '.join(failed)}" if failed else "; every part ok"))
     return res["exit_code"]

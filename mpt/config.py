@@ -123,7 +123,7 @@ class FP8Cfg:
 
 @dataclass
 class WandbCfg:
-    mode: str = infra("auto")  # auto (online with WANDB_API_KEY, else offline) | online | offline | disabled
+    mode: typing.Literal["auto", "online", "offline", "disabled"] = infra("auto")  # auto: online with WANDB_API_KEY
     project: str = infra("mixed-precision-training-1710.03740")
     entity: str = infra("")
     tags: list[str] = field(default_factory=list, metadata={"infra": True})
@@ -267,7 +267,7 @@ def parse_overrides(overrides: list[str], example: str = "precision=mixed optim.
             raise UserError(f"bad argument {o!r}: write key=value, e.g. {example}")
         k, v = o.split("=", 1)
         try:
-            val = yaml.safe_load(v) if v != "" else ""
+            val = safe_load(v) if v != "" else ""
         except yaml.YAMLError:
             val = v
         out.append((k.strip(), val))
@@ -303,6 +303,39 @@ def experiment_module(name: str):
     return importlib.import_module(f"experiments.{name}")
 
 
+# ------------------------------------------------------------------ YAML that refuses a repeated key
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a mapping naming a key twice. PyYAML keeps the last value without a
+    word, so a grid listing `model:` twice under axes lost the first list's cells, and a config.yaml
+    setting a key twice silently used the second. Merge keys (`<<: *base`) may still be overridden."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            first: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    seen = first.setdefault(key, key_node.start_mark)
+                except TypeError:  # an unhashable key: SafeLoader's own error says so
+                    continue
+                if seen is not key_node.start_mark:
+                    raise yaml.constructor.ConstructorError(
+                        "while constructing a mapping", node.start_mark,
+                        f"duplicate key {key!r} (first at line {seen.line + 1})",
+                        key_node.start_mark)
+        return super().construct_mapping(node, deep)
+
+
+def safe_load(stream):
+    """yaml.safe_load that refuses a repeated key (UniqueKeyLoader): every config and grid file goes
+    through it."""
+    return yaml.load(stream, Loader=UniqueKeyLoader)  # noqa: S506 -- a SafeLoader subclass
+
+
 def yaml_error(e: yaml.YAMLError) -> str:
     """A YAML parse error on one line: what is wrong and where ("line 3, column 7")."""
     mark = getattr(e, "problem_mark", None)
@@ -334,7 +367,7 @@ def load_experiment_yaml(name: str) -> dict:
 @functools.lru_cache(maxsize=32)
 def _parse_yaml(path: str, mtime_ns: int, size: int):
     with open(path) as f:
-        return yaml.safe_load(f) or {}
+        return safe_load(f) or {}
 
 
 def resolve(experiment: str, overrides: list[str] | tuple = ()) -> Config:

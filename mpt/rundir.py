@@ -12,6 +12,7 @@ import json
 import os
 import pathlib
 import platform
+import re
 import socket
 import subprocess
 import tempfile
@@ -19,24 +20,49 @@ import tempfile
 from mpt.config import REPO  # mpt.config does not import torch
 from mpt.errors import UserError
 
-# What a write can fail with that the user fixes by freeing space or choosing another folder.
-_STORAGE_ERRNOS = {errno.ENOSPC: "No space left on device", errno.EDQUOT: "Disk quota exceeded",
-                   errno.EROFS: "Read-only file system", errno.EACCES: "Permission denied",
-                   errno.EPERM: "Operation not permitted", errno.ENOTDIR: "Not a directory"}
+# What a write can fail with that the user fixes (errno -> what it is, the fix): the storage itself
+# (freeing space or choosing another folder), a size or name limit, or the process's open-file limit.
+_ELSEWHERE = "free space or choose a writable folder (out_dir=... for runs, --out for data_prep)"
+_STORAGE_ERRNOS = {
+    errno.ENOSPC: ("No space left on device", _ELSEWHERE), errno.EDQUOT: ("Disk quota exceeded", _ELSEWHERE),
+    errno.EROFS: ("Read-only file system", _ELSEWHERE), errno.EACCES: ("Permission denied", _ELSEWHERE),
+    errno.EPERM: ("Operation not permitted", _ELSEWHERE), errno.ENOTDIR: ("Not a directory", _ELSEWHERE),
+    errno.EFBIG: ("File too large", "the file system or `ulimit -f` limits a file's size: raise the limit or "
+                                    "choose another folder (out_dir=... for runs, --out for data_prep)"),
+    errno.ENAMETOOLONG: ("File name too long", "choose a shorter name or folder (out_dir=... for runs, --out "
+                                               "for data_prep)"),
+    errno.EMFILE: ("Too many open files", "raise the limit (`ulimit -n`, e.g. to 4096) or use fewer workers"),
+    errno.ENFILE: ("Too many open files in the system", "close other programs' files or raise fs.file-max"),
+}
 
 
 def storage_error(e: BaseException, path) -> UserError | None:
-    """A UserError for a write that failed on the storage itself (disk full, quota, read-only,
-    permissions), found anywhere in the exception's chain (torch.save reports a full disk as
-    "unexpected pos" with the OSError as its context); None for any other error."""
+    """A UserError for a write that failed on the storage or a limit (disk full, quota, read-only,
+    permissions, a file or name too long, too many open files), found anywhere in the exception's
+    chain (torch.save reports a full disk as "unexpected pos" with the OSError as its context); None
+    for any other error."""
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         if isinstance(e, OSError) and e.errno in _STORAGE_ERRNOS:
-            return UserError(f"{_STORAGE_ERRNOS[e.errno]}: {path}; free space or choose a writable "
-                             "folder (out_dir=... for runs, --out for data_prep)")
+            what, fix = _STORAGE_ERRNOS[e.errno]
+            return UserError(f"{what}: {path}; {fix}")
         e = e.__cause__ or e.__context__
     return None
+
+
+def open_no_follow(path, flags: int, mode: int = 0o666) -> int:
+    """os.open of a file this project appends to or locks in a shared folder (a run's .lock and
+    metrics.jsonl, a grid's manifest and logs), refusing a symbolic link there: run folders are
+    group-writable under umask 002, and a link planted in one made the run truncate or append to its
+    target. A UserError naming the path (and a storage error's one line) instead of an OSError."""
+    try:
+        return os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), mode)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UserError(f"{path} is a symbolic link, where this writes a file of its own; remove the link "
+                            "(a link there would make the write change whatever it points to)") from None
+        raise storage_error(e, path) or e from None
 
 
 def umask() -> int:
@@ -130,7 +156,7 @@ def append_jsonl(path, obj) -> None:
     """One line appended with a single write; a full disk is a one-line error (the torn line it may
     leave is dropped by read_jsonl when the run resumes)."""
     try:
-        with open(path, "a") as f:
+        with os.fdopen(open_no_follow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a") as f:
             f.write(json.dumps(obj, default=str) + "\n")
     except OSError as e:
         err = storage_error(e, path)
@@ -198,8 +224,13 @@ def read_json_or_none(path):
         return None
 
 
+# atomic_write's temp files: tempfile.mkstemp(prefix=".<name>.", suffix=".tmp") adds 8 characters of
+# [a-z0-9_]. Only these are swept: a user's own hidden `.notes.tmp` under --out is not ours to delete.
+_TEMP_NAME = re.compile(r"\..+\.[a-z0-9_]{8}\.tmp")
+
+
 def remove_stale_temp_files(folder, recursive: bool = False, skip=()) -> list[str]:
-    """Delete the temp files atomic_write leaves when a process is killed mid-write (`.<name>.*.tmp`,
+    """Delete the temp files atomic_write leaves when a process is killed mid-write (`.<name>.XXXXXXXX.tmp`,
     checkpoint-sized at paper scale) in `folder` -- and, `recursive`, in every folder below it except
     those named in `skip` (a data_prep's tree of many small files). Only call it where no other live
     process writes (a run holds its directory's RunLock; a data_prep owns its --out): a live writer's
@@ -209,7 +240,7 @@ def remove_stale_temp_files(folder, recursive: bool = False, skip=()) -> list[st
     for dirpath, dirnames, filenames in os.walk(folder):
         dirnames[:] = [d for d in dirnames if d not in skip] if recursive else []
         for name in filenames:
-            if name.startswith(".") and name.endswith(".tmp"):
+            if _TEMP_NAME.fullmatch(name):
                 p = pathlib.Path(dirpath, name)
                 try:
                     p.unlink()
@@ -241,10 +272,7 @@ class RunLock:
         import fcntl
         import warnings
 
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
-        except OSError as e:
-            raise storage_error(e, self.path) or e from None
+        fd = open_no_follow(self.path, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:

@@ -23,8 +23,25 @@ class _Stop:
 
 STOP = _Stop()
 # The signals that stop a run cleanly: SLURM's pre-timeout signal (USR1 here; slurm.job uses USR2),
-# SIGTERM (a plain `kill`, torchrun, scancel and most schedulers' preemption) and SIGINT (Ctrl-C).
-STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+# SIGTERM (a plain `kill`, torchrun, scancel and most schedulers' preemption), SIGINT (Ctrl-C) and
+# SIGHUP (the terminal or ssh session closed: its default action killed the run with no checkpoint).
+HANGUP = (signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ()  # no SIGHUP on Windows
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT, *HANGUP)
+
+
+def detach_from_closed_terminal(signum: int) -> None:
+    """After SIGHUP, stdout and stderr that were the closed terminal go to /dev/null (what nohup does):
+    a write to a hung-up terminal fails (EIO), and a print would fail the run before its checkpoint."""
+    if signum not in HANGUP:
+        return
+    null = os.open(os.devnull, os.O_WRONLY)
+    for fd in (1, 2):
+        try:
+            if os.isatty(fd):
+                os.dup2(null, fd)
+        except OSError:
+            pass
+    os.close(null)
 
 
 def install_stop_handlers(signals=STOP_SIGNALS) -> None:
@@ -36,20 +53,23 @@ def install_stop_handlers(signals=STOP_SIGNALS) -> None:
         if signum == signal.SIGINT and STOP.reason is not None:
             raise KeyboardInterrupt
         STOP.request(name, signum)
-        # os.write, not print: a handler may run inside another print to the same stream.
-        os.write(2, f"{name}: checkpointing at the next step boundary, then stopping"
-                    f"{' (Ctrl-C again: abort now)' if signum == signal.SIGINT else ''}\n".encode())
+        detach_from_closed_terminal(signum)
+        try:  # os.write, not print: a handler may run inside another print to the same stream
+            os.write(2, f"{name}: checkpointing at the next step boundary, then stopping"
+                        f"{' (Ctrl-C again: abort now)' if signum == signal.SIGINT else ''}\n".encode())
+        except OSError:  # stderr gone (a closed pipe): the stop must still happen
+            pass
 
     for s in signals:
         signal.signal(s, handler)
 
 
 def _worker_init(worker_id: int) -> None:
-    """DataLoader workers get the stop signals meant for the main process: Ctrl-C reaches the whole
-    process group, and SLURM signals every process of a job step (USR2 before the time limit, SIGTERM
-    at preemption, requeue and scancel). A worker killed by one fails the run mid-step ("DataLoader
-    worker exited unexpectedly", no checkpoint), so workers ignore them and the main process stops
-    the run at a step boundary with a checkpoint.
+    """DataLoader workers get the stop signals meant for the main process: Ctrl-C and a closed
+    terminal's SIGHUP reach the whole process group, and SLURM signals every process of a job step
+    (USR2 before the time limit, SIGTERM at preemption, requeue and scancel). A worker killed by one
+    fails the run mid-step ("DataLoader worker exited unexpectedly", no checkpoint), so workers ignore
+    them and the main process stops the run at a step boundary with a checkpoint.
 
     SIGTERM from the main process itself must still end a worker: torch's DataLoader terminate()s a
     worker that did not exit when asked, and at interpreter exit multiprocessing terminate()s and then
@@ -59,7 +79,7 @@ def _worker_init(worker_id: int) -> None:
     torch's own worker handler when the sender is the main process (or the main process is gone),
     and drops it otherwise. A worker whose main process died also exits by torch's watchdog (it
     polls the parent every 5 s)."""
-    for name in ("SIGINT", "SIGUSR1", "SIGUSR2"):
+    for name in ("SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP"):
         if hasattr(signal, name):  # no SIGUSR* on Windows
             signal.signal(getattr(signal, name), signal.SIG_IGN)
     if not hasattr(signal, "sigwaitinfo"):  # macOS, Windows: SIGTERM keeps torch's handling

@@ -4,7 +4,9 @@ Online when WANDB_API_KEY is set (or wandb.mode=online) and the server answers w
 seconds; offline otherwise (one line on stderr says so: a machine without network never waits
 minutes). A server that accepts the connection but then fails or never answers costs at most
 init_timeout (WANDB_INIT_TIMEOUT, default 30 s) before the run logs offline, in a fresh wandb state:
-the offline record exists whatever the server does. Offline runs are written under the run directory, can be browsed with
+the offline record exists whatever the server does, and the process exits without waiting for it
+(wandb's telemetry about itself is off unless WANDB_ERROR_REPORTING is set). A WANDB_BASE_URL that is
+no usable URL (a bad port) is said in one line and the run logs offline without it. Offline runs are written under the run directory, can be browsed with
 `wandb leet <run dir>/wandb` and uploaded later with `wandb sync <run dir>/wandb/offline-run-*`. The wandb run id is derived from the run's content id,
 so a resumed or requeued run continues the same wandb run. Only rank 0 logs. The API key is read by
 wandb from the environment and never written into configs or logs."""
@@ -23,16 +25,44 @@ INIT_TIMEOUT_S = 30.0  # an online wandb.init that the server accepted but that 
 PROBE_TIMEOUT_S = 5.0  # how long to wait for a TCP connection to the wandb server
 
 
+def base_url_problem() -> str | None:
+    """One line when WANDB_BASE_URL is set but is no http(s) URL with a host and a valid port, else None.
+    wandb refuses such a URL even offline: the run had no wandb record although it said "offline"."""
+    raw = os.environ.get("WANDB_BASE_URL")
+    if not raw:
+        return None
+    try:
+        url = urllib.parse.urlsplit(raw)
+        url.port  # noqa: B018 -- raises ValueError for a port out of range or not a number
+    except ValueError:
+        return f"WANDB_BASE_URL={raw!r} has a bad port; fix or unset it"
+    if url.scheme not in ("http", "https") or not url.hostname:
+        return f"WANDB_BASE_URL={raw!r} is not an http(s) URL with a host; fix or unset it"
+    return None
+
+
+@contextlib.contextmanager
+def _environ_without(name: str, drop: bool):
+    """os.environ without `name` inside the block (when `drop`): wandb's start reads it, and the
+    service it spawns inherits what it sees."""
+    old = os.environ.pop(name, None) if drop else None
+    try:
+        yield
+    finally:
+        if old is not None:
+            os.environ[name] = old
+
+
 def server_unreachable(timeout: float = PROBE_TIMEOUT_S) -> str | None:
     """None when a TCP connection to the wandb server (WANDB_BASE_URL, default api.wandb.ai:443)
     opens within `timeout` seconds, else one line saying why. Name resolution has no timeout of its
     own, so the probe runs in a daemon thread that is abandoned when it takes too long."""
+    bad = base_url_problem()
+    if bad:
+        return bad
     url = urllib.parse.urlsplit(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai")
     host = url.hostname or "api.wandb.ai"
-    try:
-        port = url.port or (80 if url.scheme == "http" else 443)
-    except ValueError:
-        return f"WANDB_BASE_URL={url.geturl()!r} has a bad port"
+    port = url.port or (80 if url.scheme == "http" else 443)
     out: dict = {}
 
     def probe():
@@ -76,30 +106,39 @@ class WandbLogger:
                 print(f"wandb: {problem}; logging offline instead (upload later: wandb sync "
                       f"{run_dir}/wandb/offline-run-*)", file=sys.stderr)
                 mode = "offline"
+        bad_url = base_url_problem() is not None  # said above (online) or unused (offline): start without it
         try:
-            import wandb
-
-            os.environ.setdefault("WANDB_SILENT", "true")
-            self._wandb = wandb
-            kw = dict(project=cfg.wandb.project, entity=cfg.wandb.entity or None, dir=str(run_dir),
-                      id=run_id, resume="allow", name=run_name, group=cfg.experiment, job_type=cfg.precision,
-                      tags=[cfg.profile, cfg.model, cfg.precision, cfg.impl, *cfg.wandb.tags], config=config)
-            try:
-                self.run = wandb.init(mode=mode, settings=wandb.Settings(console="off", x_disable_stats=True,
-                                                                         init_timeout=init_timeout()), **kw)
-            except Exception as e:  # noqa: BLE001 -- reachable but failing (auth, server error, timeout)
-                if mode != "online":
-                    raise
-                print(f"wandb: online start failed ({type(e).__name__}: {str(e).strip().splitlines()[0][:200]}); "
-                      "logging offline instead", file=sys.stderr)
-                # The failed start leaves its run id registered in wandb's service process, and an
-                # offline start with that id fails ("run ID ... is in use"): stop the service first,
-                # so the offline run starts in a fresh one and keeps the id (wandb sync continues it).
-                with contextlib.suppress(Exception):
-                    wandb.teardown()
-                self.run = wandb.init(mode="offline", settings=wandb.Settings(console="off", x_disable_stats=True), **kw)
+            with _environ_without("WANDB_BASE_URL", bad_url):
+                self._start(cfg, run_dir, run_id, run_name, config, mode)
         except Exception as e:  # noqa: BLE001 -- wandb must never fail a training run
             self._fail("init", e)
+
+    def _start(self, cfg, run_dir, run_id: str, run_name: str, config: dict, mode: str) -> None:
+        """wandb.init in `mode`; an online start that fails or outlasts init_timeout() goes offline."""
+        import wandb
+
+        os.environ.setdefault("WANDB_SILENT", "true")
+        # wandb's own telemetry about itself: at exit it posts to the server, and waited ~20 s more for one
+        # that never answers, after the run had gone offline (WANDB_ERROR_REPORTING=true turns it back on).
+        os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
+        self._wandb = wandb
+        kw = dict(project=cfg.wandb.project, entity=cfg.wandb.entity or None, dir=str(run_dir),
+                  id=run_id, resume="allow", name=run_name, group=cfg.experiment, job_type=cfg.precision,
+                  tags=[cfg.profile, cfg.model, cfg.precision, cfg.impl, *cfg.wandb.tags], config=config)
+        try:
+            self.run = wandb.init(mode=mode, settings=wandb.Settings(console="off", x_disable_stats=True,
+                                                                     init_timeout=init_timeout()), **kw)
+        except Exception as e:  # noqa: BLE001 -- reachable but failing (auth, server error, timeout)
+            if mode != "online":
+                raise
+            print(f"wandb: online start failed ({type(e).__name__}: {str(e).strip().splitlines()[0][:200]}); "
+                  "logging offline instead", file=sys.stderr)
+            # The failed start leaves its run id registered in wandb's service process, and an
+            # offline start with that id fails ("run ID ... is in use"): stop the service first,
+            # so the offline run starts in a fresh one and keeps the id (wandb sync continues it).
+            with contextlib.suppress(Exception):
+                wandb.teardown()
+            self.run = wandb.init(mode="offline", settings=wandb.Settings(console="off", x_disable_stats=True), **kw)
 
     def _fail(self, what: str, e: Exception) -> None:
         warnings.warn(f"wandb {what} failed, continuing without wandb: {type(e).__name__}: {e}")

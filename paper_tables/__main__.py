@@ -10,6 +10,7 @@ import pathlib
 import sys
 
 from mpt.errors import UserError, cli
+from mpt.rundir import storage_error
 from paper_tables import report, results
 
 
@@ -34,7 +35,10 @@ def main(argv=None) -> int:
         runs, problems = results.collect_dir(args.runs)
         source = f"run directories under {args.runs}"
     rep = report.build(runs, problems, source)
-    report.write(rep, out)
+    try:
+        report.write(rep, out)
+    except OSError as e:  # a read-only, full or unwritable --out: one line naming it (README "Bad input")
+        raise storage_error(e, out) or e from None
     for sec in rep.sections:
         for t in sec.tables:
             done = sum(c.n > 0 for c in t.cells.values())

@@ -252,6 +252,9 @@ def make_run(summary: dict, cfg: dict, env: dict, *, where: str, name: str, upda
             problems.append(Problem(where, "summary: metrics is not an object; ignored", experiment,
                                     fields["profile"]))
         metrics = {}
+    impossible = specs.impossible_metrics(metrics)
+    if impossible:
+        return skip(f"impossible metrics: {'; '.join(impossible)} -- a damaged or edited summary, or a bug")
     seed = fields["seed"]
     if isinstance(seed, float) and seed.is_integer():
         seed = int(seed)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import pathlib
 import re
 
@@ -62,6 +63,29 @@ TABLES: tuple[TableSpec, ...] = (
     TableSpec("final_nmt", "wmt_translation", ("perplexity",), higher_is_better=False, decimals=2),
     TableSpec("final_gan", "dcgan", ("swd",), higher_is_better=False, decimals=1),
 )
+
+# The possible values of each metric a run reports (summary.json "metrics"): [low, high] and what makes
+# them the bounds. A value outside is no result -- a bug, a damaged or edited summary -- and is never
+# averaged into a table. CER and WER have no upper bound (insertions count), perplexity is exp(NLL >= 0).
+METRIC_RANGES: dict[str, tuple[float, float, str]] = {
+    **dict.fromkeys(("top1", "top5", "mAP", "map", "bleu"), (0.0, 100.0, "a percentage")),
+    **dict.fromkeys(("cer", "CER", "wer", "WER"), (0.0, math.inf, "an error rate in percent")),
+    **dict.fromkeys(("ppl", "perplexity"), (1.0, math.inf, "a perplexity")),
+    **dict.fromkeys(("nll", "swd"), (0.0, math.inf, "a distance or a negative log-likelihood")),
+}
+
+
+def impossible_metrics(metrics: dict) -> list[str]:
+    """'name = value (what: [low, high])' for each finite number in `metrics` outside its possible range
+    (METRIC_RANGES); non-finite values are a diverged run's and are handled where tables average."""
+    out = []
+    for k, v in metrics.items():
+        if k in METRIC_RANGES and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            lo, hi, what = METRIC_RANGES[k]
+            if not lo <= v <= hi:
+                out.append(f"{k} = {v!r} ({what}: {lo:g} to {hi:g})")
+    return out
+
 
 FIGURES: tuple[FigureSpec, ...] = (
     # Figure 2a: the master-copy ablation was run on the Mandarin speech model (section 3.1), in the

@@ -86,10 +86,14 @@ def load(name: str) -> Cluster:
         known = sorted(p.stem for p in (HERE / "clusters").glob("*.yaml"))
         raise UserError(f"cluster profile {name!r} not found ({path}); choose one of: {', '.join(known)} "
                         "or give a path to a YAML file")
+    from mpt.config import safe_load, yaml_error
+
     try:
-        d = yaml.safe_load(path.read_text()) or {}
+        d = safe_load(path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as e:
-        raise UserError(f"cluster profile {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+        raise UserError(f"cluster profile {path} is not valid YAML: {yaml_error(e)}") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"cluster profile {path} is not UTF-8 text (byte {e.start})") from None
     if not isinstance(d, dict):
         raise UserError(f"cluster profile {path} must be a mapping of keys (see slurm/clusters.py)")
     allowed = {f.name for f in fields(Cluster)} - {"name"}

@@ -31,6 +31,7 @@ from __future__ import annotations
 import itertools
 import math
 import pathlib
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -152,15 +153,21 @@ def load_spec(path) -> dict:
     path = pathlib.Path(path)
     if not path.is_file():
         raise UserError(f"grid file {path} not found; grids live in experiments/<name>/grid.yaml")
-    try:
-        spec = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        from mpt.config import yaml_error
+    from mpt.config import safe_load, yaml_error
 
+    try:
+        spec = safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as e:
         raise UserError(f"grid file {path} is not valid YAML: {yaml_error(e)}") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"grid file {path} is not UTF-8 text (byte {e.start}); give a grid.yaml") from None
     _check_keys(spec, GRID_KEYS, str(path))
     if not spec.get("experiment"):
         raise UserError(f"{path}: missing 'experiment: <name>' (a folder in experiments/)")
+    if not isinstance(spec["experiment"], str) or not re.fullmatch(r"[A-Za-z_]\w*", spec["experiment"]):
+        # it becomes a module name and a folder of runs/: no path characters
+        raise UserError(f"{path}: experiment: {spec['experiment']!r} is not the name of a folder in experiments/ "
+                        f"(letters, digits, underscores)")
     if not isinstance(spec.get("profiles"), dict) or not spec["profiles"]:
         raise UserError(f"{path}: missing 'profiles:' (e.g. tiny and paper)")
     return spec

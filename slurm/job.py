@@ -32,6 +32,7 @@ import subprocess
 import sys
 
 from mpt.rundir import atomic_write_json, now, read_json
+from mpt.signals import HANGUP, detach_from_closed_terminal
 
 JOB_FILE = "job.json"
 
@@ -92,6 +93,7 @@ class _Signals:
     def _on_stop(self, signum, frame):
         self.received.append(signal.Signals(signum).name)
         self.stop.request(f"{signal.Signals(signum).name}")
+        detach_from_closed_terminal(signum)
 
 
 def _requeue(job_id: str) -> str | None:
@@ -132,9 +134,9 @@ def run_cell(experiment: str, overrides: list[str], run_dir: str, backend: str, 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     # Before anything slow: a signal from now on stops the loop at a step boundary.
     if on_slurm:
-        sigs = _Signals(STOP, (signal.SIGUSR2,), (signal.SIGTERM,))
+        sigs = _Signals(STOP, (signal.SIGUSR2,), (signal.SIGTERM, *HANGUP))
     else:
-        sigs = _Signals(STOP, (), (signal.SIGTERM, signal.SIGINT))
+        sigs = _Signals(STOP, (), (signal.SIGTERM, signal.SIGINT, *HANGUP))
 
     try:
         cfg = config.resolve(experiment, overrides)

@@ -17,7 +17,7 @@ import socket
 import subprocess
 from dataclasses import dataclass
 
-from mpt.rundir import FINAL, read_json, read_rank_failures
+from mpt.rundir import FINAL, open_no_follow, read_json, read_rank_failures
 
 MANIFEST = "submissions.jsonl"
 _RUNNING = {"RUNNING", "COMPLETING", "CONFIGURING", "STAGE_OUT", "SIGNALING"}
@@ -33,7 +33,7 @@ def append_manifest(exp_dir, record: dict) -> pathlib.Path:
     path = manifest_path(exp_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     line = (json.dumps(record, default=str) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = open_no_follow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         os.write(fd, line)
     finally:

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 from mpt.config import REPO
 from mpt.errors import UserError, cli
+from mpt.rundir import open_no_follow
+from mpt.signals import HANGUP, detach_from_closed_terminal
 from slurm import clusters
 from slurm.grid import Cell, Grid, load as load_grid, nodes_and_tasks
 from slurm.state import FINAL, append_manifest, cell_state, latest_jobs, slurm_queue
@@ -119,7 +121,7 @@ def default_cap(threads: int, world: int, gpus: int) -> int:
 
 def run_local(tasks: list[LocalTask], cap: int, started=None, say=print) -> dict[str, int]:
     """Run tasks with at most `cap` at once (submitit's local executor has no limit); returns
-    name -> exit code (the worst of its ranks). SIGINT/SIGTERM stop the running cells at a step
+    name -> exit code (the worst of its ranks). SIGINT/SIGTERM/SIGHUP stop the running cells at a step
     boundary with a checkpoint (they receive SIGTERM) and start no more."""
     if cap < 1:
         raise UserError(f"--jobs {cap}: run at least one cell at a time")
@@ -136,7 +138,11 @@ def run_local(tasks: list[LocalTask], cap: int, started=None, say=print) -> dict
     signals: list[int] = []
     old = {}
     if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
-        old = {s: signal.signal(s, lambda signum, frame: signals.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+        def stop(signum, frame):
+            signals.append(signum)
+            detach_from_closed_terminal(signum)
+
+        old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM, *HANGUP)}
     forwarded = False
     try:
         while pending or running:
@@ -145,7 +151,8 @@ def run_local(tasks: list[LocalTask], cap: int, started=None, say=print) -> dict
                 gpus = [free_gpus.pop(0) for _ in range(t.gpus)]
                 port = str(_free_port())
                 procs = []
-                logf = open(t.log, "ab") if t.log else subprocess.DEVNULL
+                logf = (os.fdopen(open_no_follow(t.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab") if t.log
+                        else subprocess.DEVNULL)
                 for r in range(t.world):
                     env = {**os.environ, **t.env, "RANK": str(r), "WORLD_SIZE": str(t.world),
                            "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
@@ -325,6 +332,9 @@ def prepare(argv) -> Submission:
         raise UserError("--cluster is for --backend slurm; the local backend runs on this machine")
     if a.backend == "slurm" and (a.jobs is not None or a.threads is not None):
         raise UserError("--jobs/--threads are for --backend local; on SLURM use the cluster profile")
+    for flag, n in (("--jobs", a.jobs), ("--threads", a.threads)):
+        if n is not None and n < 1:
+            raise UserError(f"{flag} {n}: give at least one (leave it out for the default)")
     cluster = clusters.load(a.cluster) if a.backend == "slurm" else None
     extra = list(a.extra)
     if cluster and cluster.ckpt_every_minutes is not None:  # an infrastructure key: same cells

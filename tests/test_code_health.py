@@ -368,6 +368,7 @@ def test_already_prepared_skips_only_a_complete_output(tmp_path):
     (["--models", "lenet"], "unknown model 'lenet'"),
     # a key=value after a list option is an override of every run, not a precision named 'foo=1'
     (["--precisions", "fp32", "foo=1"], "unknown config key 'foo'"),
+    (["--threads", "-1"], "--threads -1: give 1 or more"),  # was torch's traceback
 ])
 def test_tiny_check_errors_are_one_line(tmp_path, capsys, argv, msg):
     from experiments.ilsvrc_cnns.tiny_check import main

@@ -309,3 +309,30 @@ def test_unsafe_archive_names_are_refused(name):
     with pytest.raises(UserError, match="unsafe class"):
         safe_name(name, "class", "x.tar")
     assert safe_relpath("a/b.jpg", "member", "x.tar") == "a/b.jpg"
+
+
+@pytest.mark.parametrize("where", ["val", "train"])
+def test_prep_decodes_every_image_it_copies(archives, tmp_path, where):
+    """A JPEG whose body is cut (its header and the tar's checks pass) was copied as is and failed
+    only when training reached it; the prep decodes every image and names the damaged one."""
+    from bad_input import retar, rewrite_tar
+
+    src = copy_archives(archives, tmp_path / "src")
+    victim = []
+
+    def cut(name, data):
+        if name.endswith(".JPEG") and not victim:
+            victim.append(name.rsplit("/", 1)[-1])
+            return name, data[: len(data) // 2]
+        return name, data
+
+    if where == "val":
+        rewrite_tar(src / prep.VAL_TAR, cut)
+    else:
+        rewrite_tar(src / prep.TRAIN_TAR, lambda n, d: (n, retar(d, cut)) if n.endswith(".tar") and not victim
+                    else (n, d))
+    assert len(victim) == 1
+    with pytest.raises(UserError, match=rf"{victim[0]} does not decode as an image .*re-download it from "
+                                        r"https://image-net"):
+        prep.prepare(src, tmp_path / "out", workers=1, log=quiet)
+    assert not (tmp_path / "out" / prep.MARKER).exists()

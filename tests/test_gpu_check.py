@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -160,6 +161,60 @@ def test_an_interrupted_call_keeps_the_finished_rows(tmp_path):
     assert all(r["status"] == "ok" for r in models["result"]["rows"])
     assert res["parts"]["resume"]["status"] == "failed" and "interrupted" in res["parts"]["resume"]["error"]
     assert res["exit_code"] == 130 and "interrupted" in stderr
+
+
+@pytest.mark.heavy
+def test_a_killed_calls_work_folder_is_removed_by_the_next_call(tmp_path):
+    """kill -9 of a call (a lease ending) left its temp work folder -- tiny data, runs -- for good; the
+    next call removes the folders of calls that are gone (their flock is free), never a live one's."""
+    import signal
+    import time
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    live = tmp / ("gpu_check_" + "live")
+    live.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDONLY);"
+                               " fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(120)", str(live)],
+                              stdout=subprocess.PIPE, text=True)
+    env = _blocking_env(tmp_path, TMPDIR=str(tmp), OUT=str(tmp_path / "out"))
+    proc = subprocess.Popen([sys.executable, "-m", "experiments.gpu_check", "--cpu-smoke", "--parts", "models"],
+                            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        t0 = time.time()
+        while time.time() - t0 < 120 and not [d for d in tmp.glob("gpu_check_*") if d != live]:
+            time.sleep(0.1)
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        left = [d for d in tmp.glob("gpu_check_*") if d != live]
+        assert len(left) == 1, left  # what a killed call leaves
+        _kill_processes_naming(left[0])  # its part runs on in its own session: it must not write there again
+        r = subprocess.run([sys.executable, "-m", "experiments.gpu_check", "--cpu-smoke", "--parts", "resume",
+                            "--budget", "1"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 1, r.stderr[-2000:]  # the budget is spent after the probe: a quick call
+        assert sorted(tmp.glob("gpu_check_*")) == [live]
+    finally:
+        for p in (proc, holder):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for d in tmp.glob("gpu_check_*"):
+            _kill_processes_naming(d)
+    assert live.is_dir()
+
+
+def _kill_processes_naming(path) -> None:
+    """SIGKILL the processes whose command line names `path` (a killed call's part, by its --_work)."""
+    import signal
+
+    for cmd in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if str(path).encode() in cmd.read_bytes():
+                os.kill(int(cmd.parent.name), signal.SIGKILL)
+        except (OSError, ValueError):
+            pass
 
 
 def test_ddp_on_one_gpu_costs_nothing(tmp_path, monkeypatch):

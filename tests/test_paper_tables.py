@@ -344,14 +344,30 @@ def test_bad_input_is_listed_and_skipped(tmp_path, capsys):
 
 
 def test_user_errors_are_one_line(tmp_path, capsys):
+    from conftest import mount_tmpfs
+
+    read_only = tmp_path / "ro"
+    mounted = mount_tmpfs(read_only, "ro,size=16k")
+    try:
+        _user_errors_are_one_line(tmp_path, capsys, read_only if mounted else None)
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(read_only)], capture_output=True)
+
+
+def _user_errors_are_one_line(tmp_path, capsys, read_only):
+    """... and a --out that cannot be written (under a file, on a read-only disk where one can be
+    mounted) names the folder and the fix instead of a traceback."""
     for argv in (["--runs", str(tmp_path / "nope")], ["--wandb", "no-slash"],
-                 ["--runs", str(tmp_path), "--out", str(tmp_path / "f")]):
+                 ["--runs", str(tmp_path), "--out", str(tmp_path / "f")],
+                 ["--runs", str(tmp_path), "--out", str(tmp_path / "f" / "sub")],
+                 *([["--runs", str(tmp_path), "--out", str(read_only / "out")]] if read_only else [])):
         (tmp_path / "f").write_text("")
         with pytest.raises(SystemExit) as e:
             cli_main.main(argv)
         assert e.value.code == 2
         err = capsys.readouterr().err.strip()
-        assert err.startswith("error: --") and "\n" not in err, err
+        assert (err.startswith("error: --") or "choose a writable folder" in err) and "\n" not in err, err
 
 
 # ----------------------------------------------------------------------------- wandb
@@ -571,3 +587,19 @@ def test_python_m_entry_point(tmp_path):
     r = subprocess.run([sys.executable, "-m", "paper_tables", "--runs", str(tmp_path / "absent")],
                        capture_output=True, text=True, cwd=pathlib.Path(__file__).resolve().parents[1])
     assert r.returncode == 2 and r.stderr.startswith("error: --runs") and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("metrics", [{"top1": 1e300}, {"top1": -50.0}, {"top1": 70.0, "top5": 101.0}])
+def test_an_impossible_metric_is_listed_and_never_averaged(tmp_path, metrics):
+    """top1 = 1e300 or -50 was averaged into Table 1 without a word: a metric outside its possible range
+    (specs.METRIC_RANGES) skips the run and names the value."""
+    write_run(tmp_path, "ilsvrc_cnns", "alexnet", "fp32", 1, metrics={"top1": 56.0})
+    write_run(tmp_path, "ilsvrc_cnns", "alexnet", "fp32", 2, metrics=metrics)
+    write_run(tmp_path, "lm_biglstm", "biglstm", "fp32", 1, metrics={"ppl": 0.5})
+    _, problems, rep = build(tmp_path)
+    c = cell(table_of(rep, "table1"), "alexnet", "fp32")
+    assert (c.n, c.mean) == (1, 56.0)
+    text = "\n".join(map(str, problems))
+    bad = next(k for k, v in metrics.items() if not 0 <= v <= 100)
+    assert f"impossible metrics: {bad} = {metrics[bad]!r} (a percentage: 0 to 100)" in text
+    assert "ppl = 0.5 (a perplexity: 1 to inf)" in text

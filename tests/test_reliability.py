@@ -197,6 +197,43 @@ def test_sigterm_from_another_process_checkpoints_exits_143_and_resumes(tmp_path
     _check_stopped_then_resumed(d, out, signal.SIGTERM, reference)
 
 
+def test_closed_terminal_checkpoints_exits_129_and_resumes(tmp_path, reference):
+    """SIGHUP (the terminal or ssh session closed) killed the run with no checkpoint and left its
+    summary "running". It now stops like SIGTERM; its output, a terminal gone, goes nowhere instead of
+    failing the run on the first print (EIO)."""
+    import pty
+    import threading
+
+    out = tmp_path / "hup"
+    d = out / "toy_gan" / reference[0]["run_name"]
+    master, slave = pty.openpty()
+    p = subprocess.Popen([sys.executable, str(REPO / "tests" / "toy_cli.py"), str(out), "12", "0.3"],
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, stdin=slave, stdout=slave, stderr=slave)
+    os.close(slave)
+
+    def drain():  # what the terminal would show, until it is closed
+        try:
+            while os.read(master, 4096):
+                pass
+        except OSError:
+            pass
+
+    threading.Thread(target=drain, daemon=True).start()
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not ((d / "metrics.jsonl").exists()
+                                              and (d / "metrics.jsonl").read_text().count('"train"') >= 2):
+            time.sleep(0.05)
+        os.close(master)  # the terminal is gone: writes to it fail from now on
+        p.send_signal(signal.SIGHUP)
+        p.wait(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 128 + signal.SIGHUP
+    _check_stopped_then_resumed(d, out, signal.SIGHUP, reference)
+
+
 def test_ctrl_c_checkpoints_exits_130_and_resumes(tmp_path, reference):
     """A real SIGINT delivered to this process mid-run, through the command's handlers (cli_run)."""
 
@@ -216,6 +253,22 @@ def test_ctrl_c_checkpoints_exits_130_and_resumes(tmp_path, reference):
         engine.STOP.clear()
     assert e.value.code == 130
     _check_stopped_then_resumed(tmp_path / "toy_gan" / reference[0]["run_name"], tmp_path, signal.SIGINT, reference)
+
+
+@pytest.mark.parametrize("name", [".lock", "metrics.jsonl"])
+def test_a_symlink_planted_in_a_run_folder_is_refused_not_followed(tmp_path, name):
+    """Run folders are group-writable under umask 002: a `.lock` link made the run truncate and
+    overwrite its target, a metrics.jsonl link appended to it. Neither is followed now."""
+    from mpt.rundir import append_jsonl
+
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me\n")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / name).symlink_to(target)
+    with pytest.raises(UserError, match=rf"{run / name} is a symbolic link, where this writes a file of its own"):
+        RunLock(run).acquire() if name == ".lock" else append_jsonl(run / name, {"kind": "train"})
+    assert target.read_text() == "keep me\n"
 
 
 def test_lock_is_released_when_its_holder_dies(tmp_path):
@@ -294,11 +347,12 @@ def test_files_follow_the_umask(tmp_path, mask, mode):
 # 6. temp files of a writer killed mid-write are removed when the run starts again
 def test_stale_temp_files_are_removed_at_start(tmp_path, monkeypatch):
     _, d = interrupted(monkeypatch, tmp_path)
-    for name in (".checkpoint.pt.k9x2abcd.tmp", ".summary.json.zz1.tmp"):
+    for name in (".checkpoint.pt.k9x2abcd.tmp", ".summary.json.zz1_ab9c.tmp"):  # mkstemp's 8 characters
         (d / name).write_bytes(b"\0" * 1000)
-    keep = d / "samples_0000004.png"
+    keep, not_ours = d / "samples_0000004.png", d / ".notes.tmp"  # a user's hidden file is not ours to delete
+    not_ours.write_text("mine")
     assert engine.run(config(tmp_path), ToyGan())["status"] == "completed"
-    assert not list(d.glob(".*.tmp")) and keep.exists()
+    assert list(d.glob(".*.tmp")) == [not_ours] and keep.exists()
 
 
 # 7. one-line errors: disk full, unwritable out_dir, a bad config.yaml, device=cuda without CUDA,
@@ -625,6 +679,70 @@ def test_wandb_server_that_never_answers_still_leaves_an_offline_record(tmp_path
     for f in d.rglob("*"):
         if f.is_file():
             assert key.encode() not in f.read_bytes(), f
+
+
+def test_wandb_base_url_with_a_bad_port_still_leaves_an_offline_record(tmp_path, monkeypatch, capfd):
+    """A bad port in WANDB_BASE_URL printed "logging offline" and then wrote nothing: wandb refuses the
+    URL even offline. The line now names the variable, and the offline start goes on without it."""
+    monkeypatch.setenv("WANDB_API_KEY", "0123456789abcdef0123456789abcdef01234567")
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:99999")
+    cfg = config(tmp_path, train={"max_steps": 2})
+    cfg.wandb.mode = "auto"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "wandb init failed, continuing without wandb" fails the test
+        s = engine.run(cfg, ToyGan())
+    assert s["status"] == "completed"
+    err = capfd.readouterr().err
+    assert "wandb: WANDB_BASE_URL='http://127.0.0.1:99999' has a bad port; fix or unset it; logging offline" in err
+    assert os.environ["WANDB_BASE_URL"] == "http://127.0.0.1:99999"  # put back
+    import wandb
+
+    wandb.teardown()
+    assert list((tmp_path / "toy_gan" / s["run_name"] / "wandb").glob("offline-run-*/run-*.wandb"))
+
+
+def test_mistyped_wandb_mode_is_refused_at_resolution():
+    """wandb.mode=ofline was accepted and the run had no tracking at all."""
+    with pytest.raises(UserError, match="'wandb.mode' expects one of auto, online, offline, disabled, got 'ofline'"):
+        C.resolve("ilsvrc_cnns", ["profile=tiny", "wandb.mode=ofline"])
+
+
+WANDB_RUN = """
+import sys, time
+sys.path.insert(0, "tests")
+from toy_gan import ToyGan, config
+from mpt import engine
+cfg = config(sys.argv[1], train={"max_steps": 2})
+cfg.wandb.mode = "auto"
+print(engine.run(cfg, ToyGan())["status"])
+"""
+
+
+@pytest.mark.heavy
+def test_wandb_server_that_never_answers_costs_the_init_timeout_and_no_more(tmp_path):
+    """The whole command, exit included: after the run had gone offline, wandb's telemetry about itself
+    posted to the silent server at exit and waited ~20 s more (a start cost ~53 s against the 30 s said)."""
+    import socket
+    import threading
+
+    srv = socket.create_server(("127.0.0.1", 0))
+    held = []
+    threading.Thread(target=lambda: [held.append(srv.accept()[0]) for _ in iter(int, 1)], daemon=True).start()
+    env = {**os.environ, "WANDB_API_KEY": "0123456789abcdef0123456789abcdef01234567", "WANDB_INIT_TIMEOUT": "3",
+           "WANDB_BASE_URL": f"http://127.0.0.1:{srv.getsockname()[1]}", "OMP_NUM_THREADS": "1"}
+    env.pop("WANDB_ERROR_REPORTING", None)
+    t0 = time.time()
+    try:
+        p = subprocess.run([sys.executable, "-c", WANDB_RUN, str(tmp_path)], cwd=REPO, env=env, capture_output=True,
+                           text=True, timeout=120)
+    finally:
+        srv.close()
+        for c in held:
+            c.close()
+    took = time.time() - t0
+    assert p.returncode == 0 and p.stdout.strip().endswith("completed"), p.stderr[-2000:]
+    assert "logging offline instead" in p.stderr and held
+    assert took < 20, took  # 3 s of init_timeout, a fresh offline start, imports; not 20 s more at exit
 
 
 def test_nan_at_the_end_is_never_completed(tmp_path):

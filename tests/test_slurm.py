@@ -102,12 +102,34 @@ def test_paper_profile_uses_gpus_and_estimates(tmp_path):
     ("experiment: ilsvrc_cnns\naxes: {model: [alexnet]}\nprofiles: {tiny: {resources: {gpus: 2, tasks: 3}}}\n",
      "one task per GPU"),
     ("experiment: [unclosed\n", "not valid YAML"),
+    # A key given twice kept the last (PyYAML): the first axis's cells were silently dropped.
+    ("experiment: ilsvrc_cnns\naxes:\n  model: [alexnet]\n  model: [vgg16]\nprofiles: {tiny: {}}\n",
+     "not valid YAML: duplicate key 'model' \\(first at line 3\\) at line 4, column 3"),
+    ("experiment: ilsvrc_cnns\naxes: {model: [alexnet]}\nprofiles: {tiny: {}, tiny: {axes: {seed: [1]}}}\n",
+     "duplicate key 'tiny'"),
+    ("experiment: ilsvrc_cnns/../dcgan\naxes: {model: [alexnet]}\nprofiles: {tiny: {}}\n",
+     "experiment: 'ilsvrc_cnns/../dcgan' is not the name of a folder in experiments/"),
+    (b"\xb4\x00\xff binary", "is not UTF-8 text"),
 ])
 def test_bad_grid_files_are_one_line_errors(tmp_path, text, match):
-    path = write(tmp_path / "grid.yaml", text)
+    path = tmp_path / "grid.yaml"
+    path.write_bytes(text) if isinstance(text, bytes) else write(path, text)
     with pytest.raises(UserError, match=match) as e:
         G.load(path, "tiny")
     assert "\n" not in str(e.value)
+
+
+def test_every_config_yaml_refuses_a_repeated_key_but_keeps_merge_keys():
+    """mpt.config.safe_load reads experiments' config.yaml, overrides, grids and cluster profiles."""
+    import yaml
+
+    from mpt import config
+
+    with pytest.raises(yaml.YAMLError, match="duplicate key 'lr'"):
+        config.safe_load("optim:\n  lr: 0.1\n  lr: 0.2\n")
+    base = "base: &b {lr: 0.1, wd: 0}\nrun:\n  <<: *b\n  lr: 0.2\n"
+    assert config.safe_load(base)["run"] == {"lr": 0.2, "wd": 0}
+    assert config.parse_overrides(["task.buckets=[[1, 2]]"]) == [("task.buckets", [[1, 2]])]
 
 
 def test_unknown_profile_and_missing_grid(tmp_path):
@@ -291,6 +313,28 @@ def test_local_backend_never_exceeds_its_cap(tmp_path):
         now += d
         peak = max(peak, now)
     assert peak == 3  # the cap is reached and never passed
+
+
+def test_grid_manifest_and_local_logs_are_not_appended_through_a_symlink(tmp_path):
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me\n")
+    (tmp_path / "exp").mkdir()
+    state.manifest_path(tmp_path / "exp").symlink_to(target)
+    with pytest.raises(UserError, match="submissions.jsonl is a symbolic link"):
+        state.append_manifest(tmp_path / "exp", {"cells": []})
+    (tmp_path / "cell.log").symlink_to(target)
+    task = submit.LocalTask("t", [sys.executable, "-c", "print('hello')"], log=tmp_path / "cell.log")
+    with pytest.raises(UserError, match="cell.log is a symbolic link"):
+        submit.run_local([task], cap=1, say=lambda *a: None)
+    assert target.read_text() == "keep me\n"
+
+
+@pytest.mark.parametrize("flag", ["--threads", "--jobs"])
+def test_zero_threads_or_jobs_is_one_line(flag, capsys):
+    """--threads 0 ran each cell with the grid's threads without a word; --threads -1 set OMP_NUM_THREADS=-1."""
+    for n in ("0", "-1"):
+        with pytest.raises(UserError, match=rf"{flag} {n}: give at least one"):
+            submit.prepare([str(GRID), "--profile", "tiny", "--backend", "local", flag, n, "--dry-run"])
 
 
 def test_default_cap_from_cores_and_threads():

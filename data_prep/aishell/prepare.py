@@ -95,7 +95,7 @@ def _speaker_tar(fileobj, name: str, out: Path, audio: dict) -> int:
 
 def prepare(archives: Path, out: Path, force: bool = False, log=print) -> dict:
     archives, out = Path(archives), Path(out)
-    if (info := already_prepared(out, force, log)) is not None:
+    if (info := already_prepared(out, force, log, sources=archives)) is not None:
         return info
     marker = out / MARKER
     path = archives / ARCHIVE

@@ -23,14 +23,13 @@ a complete output is skipped.
 from __future__ import annotations
 
 import datetime
-import io
 import shutil
 import time
 import zipfile
 import zlib
 from pathlib import Path
 
-from data_prep.common import MARKER, already_prepared, safe_relpath, sweep_temp_files
+from data_prep.common import MARKER, already_prepared, decode_image, safe_relpath, sweep_temp_files
 from mpt.errors import UserError
 from mpt.rundir import atomic_write_bytes, atomic_write_json, sampled_digest
 
@@ -89,14 +88,7 @@ def _open_zip(path: Path) -> zipfile.ZipFile:
 def check_image(data: bytes, what: str) -> None:
     """The bytes decode whole as a 178x218 JPEG, as the loader will decode them (a damaged body passes
     a look at the first bytes and the zip's CRC, which was computed over the damage)."""
-    from PIL import Image
-
-    try:
-        with Image.open(io.BytesIO(data)) as im:
-            im.load()
-            fmt, size = im.format, im.size
-    except (OSError, ValueError, Image.DecompressionBombError) as e:
-        raise UserError(f"{what} does not decode as a JPEG ({str(e)[:80]}); re-download {ZIP}") from None
+    fmt, size = decode_image(data, what, f"re-download {ZIP}", "a JPEG")
     if fmt != "JPEG" or size != SIZE:
         raise UserError(f"{what} is a {size[0]}x{size[1]} {fmt} image; CelebA's aligned images are "
                         f"{SIZE[0]}x{SIZE[1]} JPEGs: re-download {ZIP}")
@@ -120,7 +112,7 @@ def _members(zf: zipfile.ZipFile, path: Path) -> dict[str, zipfile.ZipInfo]:
 
 def prepare(archives: Path, out: Path, force: bool = False, log=print) -> dict:
     archives, out = Path(archives), Path(out)
-    if (info := already_prepared(out, force, log)) is not None:
+    if (info := already_prepared(out, force, log, sources=archives)) is not None:
         return info
     marker = out / MARKER
     t0 = time.time()

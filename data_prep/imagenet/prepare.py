@@ -30,7 +30,7 @@ import time
 import zlib
 from pathlib import Path, PurePosixPath
 
-from data_prep.common import MARKER, already_prepared, safe_name, safe_relpath, sweep_temp_files
+from data_prep.common import MARKER, already_prepared, decode_image, safe_name, safe_relpath, sweep_temp_files
 from mpt.errors import UserError
 from mpt.rundir import sampled_digest, atomic_write_json
 
@@ -226,9 +226,17 @@ def _write_members(tar: tarfile.TarFile, folder: Path, wnid: str, archive: Path)
         if not _is_image(name) or name in names:
             raise _redownload(archive, f"has an unexpected member {member.name!r} in {wnid}.tar")
         names.add(name)
-        with open(folder / name, "wb") as f:
-            shutil.copyfileobj(tar.extractfile(member), f, _BUF)
+        _copy_image(tar.extractfile(member), folder / name, f"{archive}: {wnid}.tar/{name}", archive)
     return len(names)
+
+
+def _copy_image(src, dest: Path, what: str, archive: Path) -> None:
+    """Write one image member to dest once it decodes in full (data_prep.common.decode_image): a damaged
+    JPEG copied as is failed only when training reached it, possibly hours in."""
+    data = src.read()
+    decode_image(data, what, f"{archive.name} is damaged: re-download it from https://image-net.org")
+    with open(dest, "wb") as f:
+        f.write(data)
 
 
 def _member_names(tar: tarfile.TarFile) -> list[str]:
@@ -355,8 +363,7 @@ def prepare_val(val_tar: Path, out: Path, gt: list[int], id_to_wnid: dict[int, s
                 raise _redownload(val_tar, f"holds {name} twice")
             seen.add(index)
             wnid = id_to_wnid[gt[index - 1]]
-            with open(tmp / wnid / name, "wb") as f:
-                shutil.copyfileobj(tar.extractfile(member), f, _BUF)
+            _copy_image(tar.extractfile(member), tmp / wnid / name, f"{val_tar}: {name}", val_tar)
             counts[wnid] += 1
             if len(seen) % 10_000 == 0:
                 log(f"val: {len(seen):,} images, {time.time() - start:.0f} s")

@@ -122,7 +122,7 @@ def prepare_subset(archive: Path, subset: str, out: Path, log=print) -> dict:
 
 def prepare(archives: Path, out: Path, force: bool = False, log=print) -> dict:
     archives, out = Path(archives), Path(out)
-    if (info := already_prepared(out, force, log)) is not None:
+    if (info := already_prepared(out, force, log, sources=archives)) is not None:
         return info
     marker = out / MARKER
     if not archives.is_dir():

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from data_prep.common import check_id_file
 from mpt.errors import UserError
 
 from .prepare import BOS, EOS, MARKER, UNK, VOCAB, load_vocab
@@ -46,6 +47,7 @@ class Prepared:
             raise UserError(f"{self.root / VOCAB} has {len(self.vocab)} words, {MARKER} says "
                             f"{self.info['vocab_size']}; rerun python -m data_prep.lm1b with --force")
         self.bos, self.eos, self.unk = self.info["bos"], self.info["eos"], self.info["unk"]
+        self._checked: set[Path] = set()
         assert (self.vocab[self.bos], self.vocab[self.eos], self.vocab[self.unk]) == (BOS, EOS, UNK)
 
     def shards(self, split: str) -> list[tuple[Path, int]]:
@@ -61,6 +63,10 @@ class Prepared:
             if size != 4 * s["tokens"]:
                 raise UserError(f"{path} is missing or truncated ({size} bytes, expected {4 * s['tokens']}); "
                                 f"rerun python -m data_prep.lm1b with --force")
+            if path not in self._checked:  # ids in the vocabulary, bytes as prepared (one read per run)
+                check_id_file(path, "<u4", len(self.vocab), "rerun python -m data_prep.lm1b with --force",
+                              s.get("sha256"))
+                self._checked.add(path)
             out.append((path, s["tokens"]))
         return out
 

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data_prep.common import MARKER, already_prepared, safe_relpath, sweep_temp_files, worker_pool
+from data_prep.common import MARKER, already_prepared, check_id_file, safe_relpath, sweep_temp_files, worker_pool
 from mpt.errors import UserError
 from mpt.rundir import atomic_write_bytes, atomic_write_json
 
@@ -363,13 +363,16 @@ def prepare(archive: Path, out: Path, vocab: Path | None = None, force: bool = F
     else:
         log("encoding: every shard already done")
 
-    # Checks, then the output appears: data first, the marker last.
+    # Checks, then the output appears: data first, the marker last. A shard kept from an interrupted
+    # run is read again: edited since, it would carry ids the vocabulary does not have.
     for split, (folder, names) in SPLITS.items():
         for n in names:
             size = (part / split / f"{n}.bin").stat().st_size
             if size != 4 * stats[split][n]["tokens"]:
                 raise UserError(f"{part / split / n}.bin has {size} bytes, expected {4 * stats[split][n]['tokens']}; "
                                 f"rerun with --force")
+            check_id_file(part / split / f"{n}.bin", "<u4", len(ids_list), "rerun with --force",
+                          stats[split][n]["sha256"])
     totals = {f"{split}_{k}": sum(s[k] for s in stats[split].values())
               for split in stats for k in ("sentences", "words", "tokens", "unk")}
     # An empty release would train on nothing (0 tokens) or measure perplexity over nothing.

@@ -20,7 +20,7 @@ from torchvision import tv_tensors
 
 from mpt.errors import UserError
 
-from .prepare import MARKER, parse_annotation
+from .prepare import MARKER, check_box, parse_annotation
 
 
 def read_marker(root) -> dict:
@@ -72,6 +72,12 @@ class VOCDetectionSet(Dataset):
             raise UserError(f"cannot read {path} ({e}); it changed after data_prep.voc checked it: "
                             f"prepare the data again with --force") from None
         h, w = img.shape[-2:]
+        # The prep checked every box against its image; an annotation or image changed since could leave a
+        # box outside, which training drops silently (down to a loss of 0 and an mAP of 0).
+        xml = Path(path).parent.parent / "Annotations" / f"{Path(path).stem}.xml"
+        for k, (b, label) in enumerate(zip(boxes.tolist(), labels.tolist())):
+            check_box({"name": self.classes[label - 1], "bbox": (b[0] + 1, b[1] + 1, b[2], b[3])}, k, (w, h), xml,
+                      "it changed after data_prep.voc checked it: prepare the data again with --force")
         boxes = boxes.clone()
         boxes[:, 0::2].clamp_(0, w)
         boxes[:, 1::2].clamp_(0, h)

@@ -33,7 +33,7 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from data_prep.common import MARKER, already_prepared, safe_name, safe_relpath, sweep_temp_files
+from data_prep.common import MARKER, already_prepared, decode_image, safe_name, safe_relpath, sweep_temp_files
 from mpt.errors import UserError
 from mpt.rundir import atomic_write_bytes, atomic_write_json, sampled_digest
 
@@ -85,19 +85,13 @@ def parse_annotation(data: bytes, source) -> list[dict]:
 def image_size(jpg: Path, archive: str) -> tuple[int, int]:
     """(width, height) of a JPEG decoded in full, as the loader will decode it; a one-line error for one
     that does not decode (a damaged body passes a look at its first bytes, then fails in training)."""
-    from PIL import Image
-
-    try:
-        with Image.open(jpg) as im:
-            im.load()
-            if im.format != "JPEG":
-                raise OSError(f"a {im.format} image, not a JPEG")
-            return im.size
-    except (OSError, ValueError, Image.DecompressionBombError) as e:
-        raise UserError(f"{jpg} does not decode as a JPEG ({str(e)[:80]}); re-download {archive}") from None
+    fmt, size = decode_image(jpg, str(jpg), f"re-download {archive}", "a JPEG")
+    if fmt != "JPEG":
+        raise UserError(f"{jpg} is a {fmt} image, not a JPEG; re-download {archive}")
+    return size
 
 
-def check_box(obj: dict, k: int, size: tuple[int, int], source, archive: str) -> None:
+def check_box(obj: dict, k: int, size: tuple[int, int], source, fix: str) -> None:
     """Object k's box must cover at least one pixel of the w x h image: the loader clips VOC's box
     (xmin - 1, ymin - 1, xmax, ymax) to the image, and training drops a box less than a pixel wide or
     high (torchvision's SanitizeBoundingBoxes) -- silently, down to a loss of exactly 0."""
@@ -106,7 +100,7 @@ def check_box(obj: dict, k: int, size: tuple[int, int], source, archive: str) ->
     if dx < 1 or dy < 1:
         where = "entirely outside" if dx <= 0 or dy <= 0 else "less than a pixel inside"
         raise UserError(f"{source}: object {k} ({obj['name']}) has box ({x0:g}, {y0:g}, {x1:g}, {y1:g}), {where} "
-                        f"the {w}x{h} image; training would drop it: re-download {archive} or remove the object")
+                        f"the {w}x{h} image; training would drop it: {fix}")
 
 
 def _wanted(rel: str, year: str) -> bool:
@@ -165,7 +159,7 @@ def check_split(out: Path, year: str, split: str, archive: str, expected: int) -
                             f"; the archive is incomplete: re-download it")
         size = image_size(jpg, archive)
         for k, o in enumerate(parse_annotation(xml.read_bytes(), xml)):
-            check_box(o, k, size, xml, archive)
+            check_box(o, k, size, xml, f"re-download {archive} or remove the object")
             names[o["name"]] = names.get(o["name"], 0) + 1
             objects += 1
             difficult += o["difficult"]
@@ -178,7 +172,7 @@ def check_split(out: Path, year: str, split: str, archive: str, expected: int) -
 
 def prepare(archives: Path, out: Path, force: bool = False, log=print) -> dict:
     archives, out = Path(archives), Path(out)
-    if (info := already_prepared(out, force, log)) is not None:
+    if (info := already_prepared(out, force, log, sources=archives)) is not None:
         return info
     marker = out / MARKER
     t0 = time.time()

@@ -7,7 +7,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from data_prep.common import check_id_file
 from mpt.errors import UserError
+from mpt.rundir import sampled_digest
 
 from .prepare import MARKER, SRC, TGT
 
@@ -22,9 +24,14 @@ class Prepared:
         self.info = json.loads((self.root / MARKER).read_text())
         self.vocab = self.info["vocab"]  # {"en": n, "fr": n}
         self.special = self.info["special_ids"]
+        for lang, digest in self.info.get("spm_digest", {}).items():  # the subword models BLEU decodes with
+            path = self.root / f"spm.{lang}.model"
+            if not path.is_file() or sampled_digest(path) != digest:
+                raise UserError(f"{path} is missing or changed since it was prepared ({MARKER} records digest "
+                                f"{digest}); prepare the folder again (python -m data_prep.wmt15 ... --force)")
 
     def split(self, name: str) -> "Pairs":
-        return Pairs(self.root, name, self.info["dtype"])
+        return Pairs(self.root, name, self.info["dtype"], self.vocab)
 
     def spm(self, lang: str):
         import sentencepiece as spm
@@ -38,16 +45,25 @@ class Prepared:
 class Pairs(torch.utils.data.Dataset):
     """Pair i = (source ids, target ids) as int64 tensors, read from memory-mapped id files."""
 
-    def __init__(self, root: Path, split: str, dtype: str):
+    def __init__(self, root: Path, split: str, dtype: str, vocab: dict[str, int] | None = None):
+        """`vocab` ({lang: size}): every id is checked to be below it, and the offsets to cut the ids
+        in order (a file edited after its prep is one line here, not a traceback in training)."""
         self.bins, self.offs = {}, {}
+        fix = "prepare the folder again (python -m data_prep.wmt15 ... --force)"
         for lang in (SRC, TGT):
             try:
                 self.offs[lang] = np.fromfile(root / f"{split}.{lang}.idx", dtype=np.int64)
                 b = root / f"{split}.{lang}.bin"
+                if vocab is not None:
+                    check_id_file(b, dtype, vocab[lang], fix)
                 self.bins[lang] = (np.memmap(b, dtype=dtype, mode="r") if b.stat().st_size
                                    else np.zeros(0, dtype=dtype))
             except OSError as e:
                 raise UserError(f"{root}: {split}.{lang} unreadable ({e}); prepare the folder again") from None
+            o = self.offs[lang]
+            if o.size < 1 or o[0] != 0 or o[-1] != len(self.bins[lang]) or (np.diff(o) < 0).any():
+                raise UserError(f"{root / f'{split}.{lang}.idx'} does not cut {split}.{lang}.bin into sentences "
+                                f"(offsets not increasing from 0 to its {len(self.bins[lang]):,} ids); {fix}")
         if len(self.offs[SRC]) != len(self.offs[TGT]):
             raise UserError(f"{root}: {split} has {len(self.offs[SRC]) - 1} {SRC} and {len(self.offs[TGT]) - 1} "
                             f"{TGT} sentences; prepare the folder again")

@@ -272,7 +272,7 @@ def prepare(archives: Path, out: Path, corpora: list[str] | None = None, vocab: 
     archives, out = Path(archives), Path(out)
     if not archives.is_dir():
         raise UserError(f"--archives {archives} is not a folder; give the folder holding the WMT15 downloads")
-    if (info := already_prepared(out, force, log)) is not None:
+    if (info := already_prepared(out, force, log, sources=archives)) is not None:
         return info
     marker = out / MARKER
     if vocab < 8:

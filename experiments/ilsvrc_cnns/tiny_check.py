@@ -90,6 +90,10 @@ def main(argv: list[str] | None = None) -> dict:
     bad = [x for x in extra if "=" not in x]
     if bad:
         p.error(f"unrecognized arguments: {' '.join(bad)}")
+    if a.threads < 0:
+        from mpt.errors import UserError
+
+        raise UserError(f"--threads {a.threads}: give 1 or more (0: torch's default)")
     if a.threads:
         import torch
         torch.set_num_threads(a.threads)
