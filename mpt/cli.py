@@ -1,6 +1,6 @@
 """The command line of every experiment: `python -m experiments.<name> [--print-config] key=value ...`.
 
-Stop signals (SIGTERM, SIGINT, SIGUSR1) checkpoint at the next step and stop; starting the same command
+Stop signals (SIGTERM, SIGINT, SIGUSR1, SIGHUP) checkpoint at the next step and stop; starting the same command
 again resumes. User errors are one line (exit 2); the exit status says how the run ended (exit_code).
 """
 from __future__ import annotations
@@ -41,7 +41,8 @@ def cli_main(experiment: str, argv: list[str] | None = None) -> None:
               f"e.g.   python -m experiments.{experiment} profile=tiny precision=mixed\n"
               f"keys:  see mpt/config.py and experiments/{experiment}/config.yaml\n"
               f"--print-config: print the resolved config and its run directory; run nothing\n"
-              f"SIGTERM, SIGINT (Ctrl-C) and SIGUSR1 checkpoint at the next step and stop (exit 128 + signal); "
+              f"SIGTERM, SIGINT (Ctrl-C), SIGUSR1 and SIGHUP (a closed terminal) checkpoint at the next step and "
+              f"stop (exit 128 + signal: 143, 130, 138, 129); "
               f"starting the same command again resumes")
         return
     if argv and argv[0] == "--print-config":

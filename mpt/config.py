@@ -19,6 +19,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -297,7 +298,7 @@ def parse_options(argv: list[str], defaults: dict[str, Any], prog: str, example:
 
 
 def experiment_module(name: str):
-    if not name or not (REPO / "experiments" / name / "__init__.py").exists():
+    if not re.fullmatch(r"[A-Za-z_]\w*", name or "") or not (REPO / "experiments" / name / "__init__.py").exists():
         known = sorted(p.parent.name for p in (REPO / "experiments").glob("*/config.yaml"))
         raise UserError(f"unknown experiment {name!r}; choose one of: {', '.join(known)}")
     return importlib.import_module(f"experiments.{name}")

@@ -59,7 +59,7 @@ class RunRecord:
         if not path.is_file():
             return
         try:
-            stored = yaml.safe_load(path.read_text())
+            stored = config.safe_load(path.read_text())
         except (OSError, yaml.YAMLError):
             stored = None
         diff = config.config_difference(stored, self.cfg) if isinstance(stored, dict) else "config.yaml unreadable"
