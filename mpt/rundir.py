@@ -123,7 +123,7 @@ def atomic_torch_save(path, obj) -> None:
 def state_checksum(obj) -> str:
     """A digest of a checkpoint's contents: every tensor's dtype, shape and bytes and every other
     value, in a fixed walk. torch.load does not check the CRCs of the zip it reads, so flipped bytes
-    inside a tensor load as other weights; the digest stored in the checkpoint catches them (issue 29).
+    inside a tensor load as other weights; the digest stored in the checkpoint catches them.
     Costs one read of every byte (about 1 GB/s); a GPU tensor is copied to the host for it."""
     import hashlib
 

@@ -58,7 +58,7 @@ TABLES: tuple[TableSpec, ...] = (
     TableSpec("table1", "ilsvrc_cnns", ("top1",), higher_is_better=True, decimals=2),
     TableSpec("table2", "voc_detection", ("mAP", "map"), higher_is_better=True, decimals=1),
     TableSpec("table3", "deepspeech2", ("cer", "CER"), higher_is_better=False, decimals=2),
-    # Not the paper's (issue 31): end-of-training numbers of the experiments the paper shows as figures.
+    # Not the paper's: end-of-training numbers of the experiments the paper shows as figures.
     TableSpec("final_lm", "lm_biglstm", ("ppl",), higher_is_better=False, decimals=2),
     TableSpec("final_nmt", "wmt_translation", ("perplexity",), higher_is_better=False, decimals=2),
     TableSpec("final_gan", "dcgan", ("swd",), higher_is_better=False, decimals=1),
@@ -114,7 +114,7 @@ FIGURES: tuple[FigureSpec, ...] = (
                params=(("metric", "swd"), ("metric_note", "SWD x 1e3 to held-out faces, lower is better"),
                        ("extra", ("mixed",)))),
     FigureSpec("loss_scale", "loss_scale", any_experiment=True, precisions=("mixed", "fp16_pure", "fp16")),
-    # Beyond the paper (issue 31): the values an FP8 recipe quantises, against E4M3 / E5M2, unscaled and
+    # Beyond the paper: the values an FP8 recipe quantises, against E4M3 / E5M2, unscaled and
     # with each layer's per-tensor scale; from any run whose numerics hold forward-value histograms.
     FigureSpec("fp8_ranges", "fp8_hist", experiments=("ilsvrc_cnns", "voc_detection", "deepspeech2"),
                any_experiment=True, precisions=("fp32", "fp8_delayed", "fp8_current")),

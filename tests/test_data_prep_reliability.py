@@ -1,4 +1,4 @@
-"""What every data_prep survives (README "What a run survives", issue 29), on the tiny generated
+"""What every data_prep survives (README "What a run survives"), on the tiny generated
 releases: the same archives give the same bytes and data_fingerprint; a prep killed mid-write (SIGKILL)
 leaves a temp file that the next run removes, and then gives the same output as an uninterrupted run;
 the lm1b pool workers die with a killed prep; Ctrl-C and SIGTERM stop a prep in one line (130, 143);

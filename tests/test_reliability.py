@@ -1,4 +1,4 @@
-"""Faults a run meets on a shared cluster (issue 18's audit), one test per item: a torn metrics
+"""Faults a run meets on a shared cluster, one test per item: a torn metrics
 line, a damaged summary, a completed result re-run, stop signals, tampered archives, file modes,
 stale temp files, a full disk and other one-line errors, two copies of one run, equal values as
 one cell, wandb without a network."""
@@ -119,7 +119,7 @@ def test_completed_result_is_never_replaced(tmp_path):
 
 
 def test_completed_result_with_a_truncated_checkpoint_is_kept(tmp_path):
-    """issue 29 item 10: a final result is returned before its checkpoint is read, so a checkpoint cut
+    """A final result is returned before its checkpoint is read, so a checkpoint cut
     short afterwards (a full disk during a copy) does not turn it into "delete it to restart"."""
     s = engine.run(config(tmp_path), ToyGan())
     d = tmp_path / "toy_gan" / s["run_name"]
@@ -138,7 +138,7 @@ class _Killed(BaseException):
 
 
 def test_kill_between_final_checkpoint_and_summary_logs_one_final_eval(tmp_path, monkeypatch, reference):
-    """issue 29 item 10: killed after the last checkpoint (written after the final evaluation) and
+    """Killed after the last checkpoint (written after the final evaluation) and
     before summary.json says completed, the re-run resumed at the last step and evaluated again, so
     metrics.jsonl held the final eval line twice. Now the result equals the uninterrupted run's."""
     ref, ref_dir = reference
@@ -421,7 +421,7 @@ def test_config_yaml_syntax_error_is_one_line(tmp_path, monkeypatch):
         C.load_experiment_yaml("broken")
 
 
-# issue 29 item 4: bad input that reached a data loader or the file system as a traceback is one line
+# bad input that reached a data loader or the file system as a traceback is one line
 # when the config is resolved (by a run, --print-config and slurm.submit alike)
 PREPARED = [("dcgan", ""), ("ilsvrc_cnns", ""), ("deepspeech2", "english"), ("deepspeech2", "mandarin"),
             ("lm_biglstm", ""), ("voc_detection", ""), ("wmt_translation", "")]
@@ -578,7 +578,7 @@ def test_equal_loss_scales_are_one_cell(tmp_path):
 
 
 def test_spellings_of_one_recipe_are_one_cell(tmp_path):
-    """issue 29 item 10: loss_scale=auto means dynamic under mixed and S = 1 under fp32, bf16 and fp16,
+    """loss_scale=auto means dynamic under mixed and S = 1 under fp32, bf16 and fp16,
     so those spellings are one run (the default spelling, auto, keeps its id); under fp16_pure S = 1
     is a scaler that skips overflowing steps and auto is none: two recipes, two runs."""
     def cell(prec, scale):
@@ -629,7 +629,7 @@ def test_wandb_without_network_falls_back_to_offline_quickly(tmp_path, monkeypat
 
 
 def test_wandb_server_that_never_answers_still_leaves_an_offline_record(tmp_path, monkeypatch, capfd):
-    """issue 29 item 9: a server that accepts connections and never answers passed the TCP probe; the
+    """A server that accepts connections and never answers passed the TCP probe; the
     online start hung ~46 s, then the offline start failed ("run ID ... is in use") and the run had no
     wandb record at all. Now: at most init_timeout, then an offline run holding the run's metrics."""
     import socket
@@ -746,7 +746,7 @@ def test_wandb_server_that_never_answers_costs_the_init_timeout_and_no_more(tmp_
 
 
 def test_nan_at_the_end_is_never_completed(tmp_path):
-    """issue 29 item 3: NaN losses in the last steps, fewer than train.diverge_after (20), used to end
+    """NaN losses in the last steps, fewer than train.diverge_after (20), used to end
     "completed" with a broken model; a run whose last losses or final metrics are not finite is diverged."""
     from toy_mlp import ToyMLP, config as mlp_config
 
@@ -766,7 +766,7 @@ def test_nan_at_the_end_is_never_completed(tmp_path):
 
 
 def test_a_damaged_checkpoint_is_refused(tmp_path, monkeypatch, reference):
-    """issue 29 item 2: bytes flipped inside a tensor of checkpoint.pt still load (torch.load does not
+    """Bytes flipped inside a tensor of checkpoint.pt still load (torch.load does not
     check the zip's CRCs) as other weights; the checksum written with the checkpoint refuses them."""
     s, d = interrupted(monkeypatch, tmp_path)
     ckpt = d / "checkpoint.pt"

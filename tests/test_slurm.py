@@ -250,8 +250,8 @@ def test_dry_run_prints_cells_batch_split_and_gpu_hours(tmp_path, capsys):
 
 
 def test_dry_run_prints_batch_norm_batch_per_gpu(tmp_path, capsys):
-    """Issue 19 item 1: BN-Inception's reference normalises over 32 images. Its paper grid runs one GPU
-    at batch 32 (grid_batch32.yaml; issue 25: 8 GPUs would get 4 images each); spread over 8 GPUs its
+    """BN-Inception's reference normalises over 32 images. Its paper grid runs one GPU
+    at batch 32 (grid_batch32.yaml: 8 GPUs would get 4 images each); spread over 8 GPUs its
     recipe synchronises BN and the dry run says so. Nets without BN print no BN batch."""
     submit.main([str(GRID), "--profile", "paper", "--backend", "slurm", "--cluster", "example_gpu", "--dry-run",
                  "--set", f"out_dir={tmp_path}", "--only", "precision=fp32", "model=resnet50_preact", "model=alexnet"])
@@ -486,7 +486,7 @@ def test_local_process_stops_at_a_step_boundary_on_sigterm(tiny_imagenet, tmp_pa
 
 
 def test_profile_is_chosen_by_its_flag_not_an_override(capsys):
-    """issue 29 item 10: `--set profile=paper` under `--profile tiny` was accepted and ran the paper's
+    """`--set profile=paper` under `--profile tiny` was accepted and ran the paper's
     cells under the tiny profile's name."""
     from slurm import submit
 
