@@ -783,3 +783,15 @@ def test_a_damaged_checkpoint_is_refused(tmp_path, monkeypatch, reference):
     with pytest.raises(UserError, match="checkpoint .* is damaged"):
         engine.run(config(tmp_path), ToyGan())
     assert (d / "summary.json").read_bytes() == summary  # the interrupted result is kept as it was
+
+
+def test_a_checkpoint_without_its_checksum_is_refused(tmp_path, monkeypatch, reference):
+    """Every checkpoint this code writes carries a checksum: one without it (weights edited by hand, a
+    file from elsewhere) is not resumed as if it were the run's."""
+    s, d = interrupted(monkeypatch, tmp_path)
+    ckpt = d / "checkpoint.pt"
+    sd = torch.load(ckpt, weights_only=True)
+    del sd["checksum"]
+    torch.save(sd, ckpt)
+    with pytest.raises(UserError, match="checkpoint .* is damaged"):
+        engine.run(config(tmp_path), ToyGan())
