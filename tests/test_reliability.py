@@ -795,3 +795,19 @@ def test_a_checkpoint_without_its_checksum_is_refused(tmp_path, monkeypatch, ref
     torch.save(sd, ckpt)
     with pytest.raises(UserError, match="checkpoint .* is damaged"):
         engine.run(config(tmp_path), ToyGan())
+
+
+def test_a_clock_stepped_back_leaves_training_time_positive(tmp_path, monkeypatch):
+    """NTP stepping the wall clock back an hour mid-run: training time, throughput and timed checkpoints
+    run on the monotonic clock, so the summary's wall_time_s stays positive."""
+    import time as _time
+
+    real, calls = _time.time, []
+
+    def stepped():
+        calls.append(1)
+        return real() - (3600.0 if len(calls) > 3 else 0.0)
+
+    monkeypatch.setattr(_time, "time", stepped)
+    s = engine.run(config(tmp_path, train={"max_steps": 4}), ToyGan())
+    assert s["status"] == "completed" and 0 <= s["wall_time_s"] < 600, s
