@@ -798,16 +798,18 @@ def test_a_checkpoint_without_its_checksum_is_refused(tmp_path, monkeypatch, ref
 
 
 def test_a_clock_stepped_back_leaves_training_time_positive(tmp_path, monkeypatch):
-    """NTP stepping the wall clock back an hour mid-run: training time, throughput and timed checkpoints
-    run on the monotonic clock, so the summary's wall_time_s stays positive."""
+    """NTP stepping the wall clock back an hour in the middle of training: training time, throughput and
+    timed checkpoints run on the monotonic clock, so the summary's wall_time_s stays positive."""
     import time as _time
 
-    real, calls = _time.time, []
+    real, back = _time.time, []
+    monkeypatch.setattr(_time, "time", lambda: real() - (3600.0 if back else 0.0))
 
-    def stepped():
-        calls.append(1)
-        return real() - (3600.0 if len(calls) > 3 else 0.0)
+    class SteppedBack(ToyGan):
+        def train_step(self, ctx, micro):
+            if ctx.iteration == 2:
+                back.append(1)
+            return super().train_step(ctx, micro)
 
-    monkeypatch.setattr(_time, "time", stepped)
-    s = engine.run(config(tmp_path, train={"max_steps": 4}), ToyGan())
-    assert s["status"] == "completed" and 0 <= s["wall_time_s"] < 600, s
+    s = engine.run(config(tmp_path, train={"max_steps": 4}), SteppedBack())
+    assert back and s["status"] == "completed" and 0 <= s["wall_time_s"] < 600, s
