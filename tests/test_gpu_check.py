@@ -1,4 +1,4 @@
-"""`python -m experiments.gpu_check` (the first GPU hour in one command) cannot rot: its --cpu-smoke runs
+"""`python -m experiments.gpu_check` (a short GPU lease in one call) cannot rot: its --cpu-smoke runs
 every part at tiny size on the CPU, end to end, through the same code; a part that fails or hangs is
 recorded and the others run; bad input is one line."""
 import json
