@@ -312,6 +312,9 @@ def _worker_start(parent: int, initializer, initargs) -> None:
     every process of the job)."""
     for s in (signal.SIGINT, *HANGUP):
         signal.signal(s, signal.SIG_IGN)
+    # Forked with these signals blocked (worker_pool): one sent to the whole group while this worker
+    # started is discarded here, now that it is ignored, instead of killing the worker mid-start.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, *HANGUP})
     if sys.platform.startswith("linux"):
         # The kernel sends SIGKILL when the parent dies, by any signal, SIGKILL included.
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -340,6 +343,16 @@ def worker_pool(workers: int, initializer=None, initargs=()):
     ctx = multiprocessing.get_context("fork") if "fork" in multiprocessing.get_all_start_methods() else None
     pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_start,
                                                   initargs=(os.getpid(), initializer, initargs))
+    if ctx is not None:
+        # Fork every worker now (a forked pool starts them all at its first task) with Ctrl-C and SIGHUP
+        # blocked: a terminal sends them to the whole group, and a worker not yet past _worker_start would
+        # die of one half-started. Blocked, not ignored: this process gets a signal sent meanwhile as
+        # soon as the workers exist.
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, *HANGUP})
+        try:
+            pool.submit(int).result()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
     try:
         yield pool
     except BaseException:
