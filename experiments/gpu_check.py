@@ -337,17 +337,11 @@ def part_resume(ctx: Ctx) -> dict:
 def part_ddp(ctx: Ctx) -> dict:
     """Two DDP ranks through torchrun running the experiment command itself (the engine's DDP path:
     NCCL on GPUs, gloo for the CPU smoke), a few steps of the tiny profile in mixed precision."""
-    import torch
-
     from mpt import config
 
-    if ctx.device.type == "cuda":
-        n = torch.cuda.device_count()
-        if n < 2:
-            return {"status": "skipped", "note": f"{n} GPU visible; a DDP step needs 2 (run on a 2-GPU machine)"}
-        device = "auto"  # each rank takes cuda:<local rank>
-    else:
-        device = "cpu"
+    # On CUDA each rank takes cuda:<local rank>; with fewer than 2 GPUs the parent skips this part from the
+    # probe's GPU count, without starting it.
+    device = "auto" if ctx.device.type == "cuda" else "cpu"
     ov = _tiny_overrides(ctx, ctx.work / "ddp_runs", device, 2 * ctx.sizes.tiny_batch)  # the same batch per rank
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            "-m", "experiments.ilsvrc_cnns", *ov]

@@ -87,9 +87,13 @@ class SSDPhotometricDistort(v2.Transform):
         return x
 
 
-def train_transform(augment: str):
+def check_augment(augment: str) -> None:
     if augment not in AUGMENTS:
         raise UserError(f"task.augment={augment!r}; choose one of: {', '.join(AUGMENTS)}")
+
+
+def train_transform(augment: str):
+    check_augment(augment)
     steps = []
     if augment == "ssd":
         # SSD's data augmentation (Liu et al. 2016, 2.2): photometric distortions, zoom out ("expand",
@@ -120,8 +124,7 @@ class Task(BaseTask):
         c = cfg.task
         if c.ap_rule not in RULES:
             raise UserError(f"task.ap_rule={c.ap_rule!r}; choose one of: {', '.join(RULES)}")
-        if c.augment not in AUGMENTS:
-            raise UserError(f"task.augment={c.augment!r}; choose one of: {', '.join(AUGMENTS)}")
+        check_augment(c.augment)
         if cfg.impl != "autocast":
             # The paper impl casts every floating input of the model to FP16, the ground-truth boxes too.
             raise UserError("voc_detection runs impl=autocast only (impl=paper would cast the target boxes to FP16)")
