@@ -363,22 +363,23 @@ def worker_pool(workers: int, initializer=None, initargs=()):
 
 def _kill_pool(pool: concurrent.futures.ProcessPoolExecutor) -> None:
     """Kill the pool's workers and end its threads without waiting on a pipe a killed worker left half
-    written. The pool's reader thread may be blocked reading the rest of a result a worker was sending
-    when it died, and its feeder thread writing a task into a pipe no worker reads any more; both pipes'
-    other ends are held by this process too, so they never see end-of-file, and shutdown(wait=True) -- and
-    the interpreter's exit, which joins those threads -- waited forever. Closing this process's ends after
-    the workers are dead gives the reader end-of-file and the feeder a broken pipe: both threads end.
+    written. The pool's manager thread sees its workers die and cleans up after them itself (it closes
+    the task pipe's reading end, which frees a feeder thread blocked writing a task no worker reads). It
+    is left to do so alone -- closing the same pipe ends here too raced it: one descriptor closed twice,
+    a traceback printed by the thread. Only if it is still blocked after the workers are dead -- reading
+    the rest of a result a worker was sending when it died, from a pipe whose writing end this process
+    also holds, so it never sees end-of-file -- is that writing end closed here: end-of-file frees it.
     (No public kill before Python 3.14's kill_workers; _processes: pid -> multiprocessing.Process,
-    _result_queue / _call_queue the pool's two multiprocessing queues, _executor_manager_thread the
-    reader.)"""
+    _result_queue the pool's result queue, _executor_manager_thread the manager.)"""
     procs, thread = list((pool._processes or {}).values()), pool._executor_manager_thread
     for proc in procs:
         proc.kill()
     for proc in procs:
         proc.join(5.0)
-    for end in (getattr(pool._result_queue, "_writer", None), getattr(pool._call_queue, "_reader", None)):
-        with contextlib.suppress(OSError, AttributeError):
-            end.close()
-    pool.shutdown(wait=False, cancel_futures=True)
     if thread is not None:
-        thread.join(10.0)
+        thread.join(2.0)
+        if thread.is_alive():
+            with contextlib.suppress(OSError, AttributeError):
+                pool._result_queue._writer.close()
+            thread.join(10.0)
+    pool.shutdown(wait=False, cancel_futures=True)

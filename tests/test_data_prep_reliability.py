@@ -255,7 +255,7 @@ def test_ctrl_c_stops_a_prep_in_one_line_and_the_rerun_finishes(sig, code, sourc
         survivors = prep.survivors()
     lines = [ln for ln in prep.err.splitlines() if ln.strip()]
     assert prep.p.returncode == code, prep.err[-2000:]
-    assert len(lines) == 1 and lines[0].startswith(f"interrupted ({sig.name}); run the same command again"), lines
+    assert len(lines) == 1 and lines[0].startswith(f"interrupted ({sig.name}); run the same command again"), "\n".join(lines)
     assert str(out) in lines[0]
     assert survivors == []
     assert run_prep("lm1b", cli_args("lm1b", sources("lm1b"), out, workers=2))[0] == 0

@@ -2,6 +2,7 @@
 line, a damaged summary, a completed result re-run, stop signals, tampered archives, file modes,
 stale temp files, a full disk and other one-line errors, two copies of one run, equal values as
 one cell, wandb without a network."""
+import contextlib
 import errno
 import io
 import json
@@ -727,7 +728,13 @@ def test_wandb_server_that_never_answers_costs_the_init_timeout_and_no_more(tmp_
 
     srv = socket.create_server(("127.0.0.1", 0))
     held = []
-    threading.Thread(target=lambda: [held.append(srv.accept()[0]) for _ in iter(int, 1)], daemon=True).start()
+
+    def hold():  # accept and never answer, until the socket is closed at the end of the test
+        with contextlib.suppress(OSError):
+            while True:
+                held.append(srv.accept()[0])
+
+    threading.Thread(target=hold, daemon=True).start()
     env = {**os.environ, "WANDB_API_KEY": "0123456789abcdef0123456789abcdef01234567", "WANDB_INIT_TIMEOUT": "3",
            "WANDB_BASE_URL": f"http://127.0.0.1:{srv.getsockname()[1]}", "OMP_NUM_THREADS": "1"}
     env.pop("WANDB_ERROR_REPORTING", None)
