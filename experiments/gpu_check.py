@@ -290,12 +290,12 @@ def part_resume(ctx: Ctx) -> dict:
     class Counting(Task):
         """The ILSVRC task, counting its training steps; asks the loop to stop after `stop_at`."""
 
-        def __init__(self, stop_at: int | None):
-            super().__init__()
+        def __init__(self, cfg, stop_at: int | None):
+            super().__init__(cfg)
             self.stop_at, self.steps, self.model = stop_at, 0, None
 
-        def build_model(self, cfg):
-            self.model = super().build_model(cfg)
+        def build_model(self):
+            self.model = super().build_model()
             return self.model
 
         def loss(self, model, batch):
@@ -305,7 +305,7 @@ def part_resume(ctx: Ctx) -> dict:
             return super().loss(model, batch)
 
     cfg = config.resolve("ilsvrc_cnns", _tiny_overrides(ctx, ctx.work / "resume_runs", str(ctx.device), s.tiny_batch))
-    first_task = Counting(s.stop_after)
+    first_task = Counting(cfg, s.stop_after)
     try:
         first = engine.run(cfg, first_task)
     finally:
@@ -318,7 +318,7 @@ def part_resume(ctx: Ctx) -> dict:
     if first["skipped_steps"] >= first["step"]:
         raise RuntimeError(f"every step before the checkpoint overflowed ({first['skipped_steps']} skipped): "
                            f"it holds no optimizer state to resume")
-    second_task = Counting(None)
+    second_task = Counting(cfg, None)
     second = engine.run(cfg, second_task)
     dev = next(second_task.model.parameters()).device if second_task.model is not None else None
     out.update(second=_brief(second), steps_second=second_task.steps, model_device=str(dev))

@@ -18,7 +18,7 @@ from mpt.signals import STOP, install_stop_handlers
 def main(experiment: str, overrides: list[str]) -> dict:
     cfg = config.resolve(experiment, overrides)
     mod = config.experiment_module(experiment)
-    return run(cfg, mod.Task())
+    return run(cfg, mod.Task(cfg))
 
 
 def exit_code(summary: dict) -> int:

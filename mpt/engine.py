@@ -16,6 +16,7 @@ mpt/cli.py (the command line).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import sys
 import time
@@ -95,6 +96,9 @@ class Run:
     def __init__(self, cfg, task: Task):
         if not isinstance(task, Task):  # the engine calls Task's methods; their defaults live there
             raise TypeError(f"{type(task).__qualname__} must subclass mpt.task.Task (see mpt/task.py)")
+        if task.cfg is not cfg:  # the hooks read task.cfg: one config for the run and its task
+            raise TypeError(f"{type(task).__qualname__} was built with another config; build it with the run's: "
+                            f"Task(cfg)")
         self.cfg, self.task = cfg, task
         self.rank, self.world, self.local_rank = distributed_env()
         self.main = self.rank == 0
@@ -139,7 +143,7 @@ class Run:
         if self.final is not None:  # a kept result: nothing to build
             return
         torch.manual_seed(cfg.seed)
-        train_ds, val_ds = self.task.datasets(cfg)
+        train_ds, val_ds = self.task.datasets()
         self._build_loaders(train_ds, val_ds)
         model, optimizers, recipe, scheds = self._build_training()
         ddp = self._distribute(model, optimizers, recipe)
@@ -223,7 +227,8 @@ class Run:
         # A task whose samples must stay in order (a language model carrying recurrent state across
         # batches) sets shuffle_train = False.
         sampler = EpochSampler(len(train_ds), cfg.seed, self.task.shuffle_train, self.rank, self.world,
-                               per_rank, order=self.task.train_order, with_epoch=True)
+                               per_rank, order=functools.partial(self.task.train_order, train_ds),
+                               with_epoch=True)
         steps_per_epoch = len(sampler) // per_rank
         if steps_per_epoch == 0:
             raise UserError(f"train.batch_size={t.batch_size} is larger than the training set ({len(train_ds)})")
@@ -246,10 +251,10 @@ class Run:
     def _build_training(self):
         """The model, its named optimizers, the precision recipe around both, one schedule each."""
         cfg = self.cfg
-        model = self.task.build_model(cfg).to(self.device)
+        model = self.task.build_model().to(self.device)
         if self.channels_last:
             model = model.to(memory_format=torch.channels_last)
-        optimizers = dict(self.task.optimizers(model, cfg))
+        optimizers = dict(self.task.optimizers(model))
         if len(optimizers) > 1 and isinstance(model, nn.ModuleDict) and set(optimizers) - set(model.keys()):
             # Numerics sampling takes each optimizer's gradients from the model of the same name; a
             # name without a model would sample every parameter under that optimizer's name.
@@ -262,7 +267,7 @@ class Run:
         # Each optimizer has its own schedule, a function of its *applied* updates: a step skipped for
         # overflow (3.2) does not advance the learning rate (stepped only when the update was applied).
         spe = self.data.steps_per_epoch
-        scheds = dict(self.task.schedules(optimizers, cfg, spe, self.total_steps / spe))
+        scheds = dict(self.task.schedules(optimizers, spe, self.total_steps / spe))
         if set(scheds) != set(optimizers):
             raise UserError(f"{type(self.task).__qualname__}.schedules() gives {sorted(scheds)}; it must give "
                             f"one scheduler per optimizer: {sorted(optimizers)}")

@@ -130,8 +130,8 @@ def model_from_checkpoint(experiment: str, args):
     from mpt import config
 
     cfg = config.resolve(experiment, args)
-    task = importlib.import_module(f"experiments.{experiment}.task").Task()
-    _, val = task.datasets(cfg)
-    model = task.build_model(cfg)
+    task = importlib.import_module(f"experiments.{experiment}.task").Task(cfg)
+    _, val = task.datasets()
+    model = task.build_model()
     model.load_state_dict(torch.load(config.run_dir(cfg) / "checkpoint.pt", weights_only=True)["model"])
     return cfg, task, val, model.eval()

@@ -16,5 +16,5 @@ __import__("faulthandler").dump_traceback_later(60, exit=True)  # a hang prints 
 out = Path(sys.argv[1])
 cfg = config(out, precision=sys.argv[2], impl="paper", loss_scale=sys.argv[3], optim={"lr": 0.05},
              train={"max_steps": 5})
-s = engine.run(cfg, ToyMLP(seed_per_rank=True, dump_dir=str(out)))
+s = engine.run(cfg, ToyMLP(cfg, seed_per_rank=True, dump_dir=str(out)))
 assert s["status"] == "completed", s

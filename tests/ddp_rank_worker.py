@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
+from toy_gan import run_task
 from mpt import engine  # noqa: E402
 from toy_mlp import config  # noqa: E402
 from toy_ranks import RankToy  # noqa: E402
@@ -24,9 +25,9 @@ out, mode = Path(sys.argv[1]), sys.argv[2]
 rank = int(os.environ["RANK"])
 cfg = config(out / mode, optim={"lr": 0.05}, train={"max_steps": 6, "dist_timeout_min": 1.0})
 if mode == "fail":
-    engine.run(cfg, RankToy(fail_rank=1, fail_at=2))
+    run_task(cfg, RankToy, fail_rank=1, fail_at=2)
     raise SystemExit(0)
-task = RankToy()
+task = RankToy(cfg)
 if mode == "resumed":
     orig = engine.Run.train_step
 
@@ -41,7 +42,7 @@ if mode == "resumed":
     engine.Run.train_step = orig
     engine.STOP.clear()
     os.environ["MASTER_PORT"] = sys.argv[3]  # a fresh rendezvous: the first one is being torn down
-    task = RankToy()  # a new process would start with nothing: only the checkpoint carries state
+    task = RankToy(cfg)  # a new process would start with nothing: only the checkpoint carries state
     s = engine.run(cfg, task)
 else:
     s = engine.run(cfg, task)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import REPO, run_gloo_ranks, run_interrupted
+from toy_gan import run_task
 from mpt import engine
 from mpt.errors import UserError
 from mpt.ranks import pick_device, rng_state, set_rng_state
@@ -35,7 +36,7 @@ def test_resume_loads_to_cpu_and_restores_rng_from_cpu_tensors(tmp_path, monkeyp
     torch.set_rng_state raised: every requeued GPU run died in setup. The checkpoint now loads to the
     CPU whatever the run's device, and the RNG states handed to torch are CPU ByteTensors."""
     cfg = config(tmp_path, train={"max_steps": 6})
-    part = run_interrupted(monkeypatch, lambda _: engine.run(cfg, RankToy()), None, at_step=2)
+    part = run_interrupted(monkeypatch, lambda _: run_task(cfg, RankToy), None, at_step=2)
     assert part["status"] == "interrupted"
     loads, states = [], []
     real_load, real_set = torch.load, torch.set_rng_state
@@ -51,7 +52,7 @@ def test_resume_loads_to_cpu_and_restores_rng_from_cpu_tensors(tmp_path, monkeyp
     monkeypatch.setattr(torch, "load", load)
     monkeypatch.setattr(torch, "set_rng_state", set_rng)
     # The device the run believes it is on must not decide where the checkpoint is mapped.
-    s = engine.run(cfg, RankToy())
+    s = run_task(cfg, RankToy)
     assert s["status"] == "completed" and s["step"] == 6
     assert loads == ["cpu"]
     assert states and all(st == ("cpu", torch.uint8) for st in states)
@@ -100,12 +101,12 @@ def test_pick_device_refuses_in_one_line(monkeypatch, name, visible, local_rank)
 class _EpochProbe(RankToy):
     """Records every batch the loss sees: its inputs and the per-sample random augmentation."""
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, cfg):
+        super().__init__(cfg)
         self.seen = []
 
-    def datasets(self, cfg):
-        train, val = super().datasets(cfg)
+    def datasets(self):
+        train, val = super().datasets()
         return _Augmented(train), val
 
     def loss(self, model, batch):
@@ -134,15 +135,16 @@ def test_persistent_workers_see_every_epoch_and_leave_with_the_run(tmp_path):
     (they inherited the run directory's lock), so the run can start again at once."""
     seen = {}
     for w in (0, 2):
-        task = _EpochProbe()
-        s = engine.run(config(tmp_path / f"w{w}", train={"max_steps": 12, "num_workers": w}), task)
+        cfg = config(tmp_path / f"w{w}", train={"max_steps": 12, "num_workers": w})
+        task = _EpochProbe(cfg)
+        s = engine.run(cfg, task)
         assert s["status"] == "completed"
         seen[w] = torch.stack(task.seen)
     assert seen[0].shape[0] == 12  # 4 steps an epoch: three epochs
     assert torch.equal(seen[0], seen[2])
     assert not torch.equal(seen[0][0:4, 16:], seen[0][4:8, 16:])  # each epoch draws anew
     assert multiprocessing.active_children() == []
-    again = engine.run(config(tmp_path / "w2", train={"max_steps": 12, "num_workers": 2}), _EpochProbe())
+    again = run_task(config(tmp_path / "w2", train={"max_steps": 12, "num_workers": 2}), _EpochProbe)
     assert again["status"] == "completed"
 
 
@@ -168,8 +170,9 @@ def test_ranks_draw_their_own_masks_and_negatives(two_rank_full, tmp_path):
     for k in r0["model"]:  # DDP keeps the replicas equal
         assert torch.equal(r0["model"][k], r1["model"][k]), k
     # Rank 0 keeps the seed's own stream: a one-process run draws what it drew before.
-    one = RankToy()
-    s = engine.run(config(tmp_path / "one", train={"max_steps": 1, "batch_size": 8}), one)
+    cfg = config(tmp_path / "one", train={"max_steps": 1, "batch_size": 8})
+    one = RankToy(cfg)
+    s = engine.run(cfg, one)
     assert s["status"] == "completed"
     assert torch.equal(one.first[1], r0["first"][1])
 

@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.nn as nn
 
+from toy_gan import run_task
 from mpt import config as C
-from mpt import engine, precision
+from mpt import precision
 from mpt.config import Config, SchedCfg
 from mpt.errors import UserError
 from mpt.task import Task as BaseTask
@@ -204,10 +205,10 @@ def test_engine_benchmark_and_memory_estimate_train_like_a_plain_loop(monkeypatc
     class Task(BaseTask):
         primary_metric, higher_is_better = "loss", False
 
-        def datasets(self, cfg):
+        def datasets(self):
             return torch.utils.data.TensorDataset(x), torch.utils.data.TensorDataset(x[:4])
 
-        def build_model(self, cfg):
+        def build_model(self):
             return nn.Linear(2, 1)
 
         def loss(self, model, batch):
@@ -220,7 +221,7 @@ def test_engine_benchmark_and_memory_estimate_train_like_a_plain_loop(monkeypatc
             return {"loss": s["l"] / s["n"]}
 
     cfg = config(tmp_path, train=dict(batch_size=4, max_steps=3))
-    s = engine.run(cfg, Task())
+    s = run_task(cfg, Task)
     torch.manual_seed(cfg.seed)  # the engine builds the model under the run's seed
     ref = nn.Linear(2, 1)
     opt = torch.optim.SGD(ref.parameters(), lr=cfg.optim.lr, momentum=cfg.optim.momentum)
@@ -235,8 +236,8 @@ def test_engine_benchmark_and_memory_estimate_train_like_a_plain_loop(monkeypatc
 
     # The benchmark's step on a known model: FP32 weights, gradients and SGD momentum of its 10
     # parameters (4 bytes each), the input it saves for backward (2 x 4 FP32 values), 2 items.
-    known = bench.Workload("none", "items", 4, lambda: SimpleNamespace(
-        build_model=lambda cfg: nn.Linear(4, 2), loss=lambda m, x: (m(x).float().mean(), len(x))),
+    known = bench.Workload("none", "items", 4, lambda cfg: SimpleNamespace(
+        build_model=lambda: nn.Linear(4, 2), loss=lambda m, x: (m(x).float().mean(), len(x))),
         lambda n, size, device, cl, gen: torch.randn(n, size, generator=gen))
     monkeypatch.setitem(bench.WORKLOADS, "known", known)
     monkeypatch.setattr(bench, "config_for", lambda *a: Config(model="known"))  # default optimizer: SGD, momentum

@@ -116,7 +116,7 @@ def test_tiny_run_writes_samples_and_metric(tiny_celeba, tmp_path, prec, impl):
     assert s["status"] == "completed" and s["skipped_per_optimizer"].keys() == {"discriminator", "generator"}
     # The SWD measures a distance to real faces: the 2-step generator's samples are farther from the
     # 8 held-out faces than 8 other real faces (training images) are.
-    train, val = Task().datasets(C.resolve("dcgan", args))
+    train, val = Task(C.resolve("dcgan", args)).datasets()
     real_to_real = multiscale_swd(torch.stack([train[i] for i in range(8)]), torch.stack([val[i] for i in range(8)]),
                                   seed=SWD_SEED)
     assert s["metrics"]["swd"] > real_to_real["swd"] and "swd_16" in s["metrics"], (s["metrics"], real_to_real)

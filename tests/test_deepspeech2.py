@@ -245,7 +245,7 @@ def reference_error_rates(args: list[str]) -> tuple[float, float]:
             feats, _, text = val[i]
             logits, lengths = model(feats[None], torch.tensor([feats.shape[1]]))
             best = logits[0, :int(lengths[0])].argmax(-1).tolist()
-            hyp = "".join(task.chars[k - 1] for j, k in enumerate(best) if k != 0 and (j == 0 or k != best[j - 1]))
+            hyp = "".join(task.facts.chars[k - 1] for j, k in enumerate(best) if k != 0 and (j == 0 or k != best[j - 1]))
             errs = [errs[0] + levenshtein(text, hyp), errs[1] + len(text),
                     errs[2] + levenshtein(text.split(), hyp.split()), errs[3] + len(text.split())]
     return 100 * errs[0] / errs[1], 100 * errs[2] / errs[3]
@@ -449,14 +449,14 @@ def test_padding_to_a_multiple_changes_nothing():
     from mpt.config import Config
 
     torch.manual_seed(0)
-    task = Task(chars=ENGLISH)
     cfg = Config(model="english", width=0.05, task=TaskCfg(window_ms=10.0))  # 10 ms: 81 bins
-    model = task.build_model(cfg).train().double()  # FP64: what is left is rounding of the CTC's FP32
+    task = Task(cfg, Task.Facts(chars=ENGLISH))
+    model = task.build_model().train().double()  # FP64: what is left is rounding of the CTC's FP32
     samples = [(torch.randn(81, n, dtype=torch.float64), torch.randint(1, 29, (k,)), "x" * k)
                for n, k in ((37, 5), (50, 9), (12, 2))]
     res = []
     for k in (1, 64):
-        task.pad_to_multiple = k
+        task.cfg.task.pad_to_multiple = k
         b = task.collate(samples)
         assert b["x"].shape[-1] == (50 if k == 1 else 64)
         m = copy.deepcopy(model)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import REPO
-from mpt import engine
+from toy_gan import run_task
 from mpt.doctor import examples as ex
 from mpt.doctor.__main__ import main
 from mpt.doctor.examination import examine
@@ -98,12 +98,12 @@ def test_underflow_toy_advised_static_scale_trains_without_skips_where_s1_does_n
     def run(precision, loss_scale="auto"):
         cfg = config(tmp_path / precision, precision=precision, loss_scale=loss_scale,
                      train=dict(batch_size=ex.BATCH, max_steps=60, eval_every_epochs=100.0))
-        return engine.run(cfg, ex.UnderflowTask())
+        return run_task(cfg, ex.UnderflowTask)
 
-    task = ex.UnderflowTask()
-    x, y = task.datasets(None)[1].tensors
+    task = ex.UnderflowTask(None)
+    x, y = task.datasets()[1].tensors
     with torch.no_grad():
-        before = float(torch.nn.functional.mse_loss(task.build_model(None)(x), y))
+        before = float(torch.nn.functional.mse_loss(task.build_model()(x), y))
     fp32, fp16, mixed = run("fp32"), run("fp16"), run("mixed", v["loss_scale"])
     assert mixed["status"] == "completed" and mixed["skipped_steps"] == 0 and mixed["final_loss_scale"] == s
     gain = before - fp32["metrics"]["mse"]

@@ -12,6 +12,7 @@ import torch.nn as nn
 import models
 from conftest import REPO, check_run_dir, run_interrupted, tiny_overrides
 from experiments.ilsvrc_cnns import main as ilsvrc
+from toy_gan import run_task
 from mpt import config as C
 from mpt import precision
 from mpt.config import Config
@@ -208,13 +209,12 @@ def test_one_scaler_two_optimizers_skip_only_the_overflowing_one(impl):
 
 
 def test_two_optimizer_run_counts_skips_per_optimizer_and_writes_images(tmp_path):
-    from mpt import engine
     from toy_gan import ToyGan, config
 
     from mpt.config import NumericsCfg
 
-    s = engine.run(config(tmp_path, precision="mixed", numerics=NumericsCfg(every=2),
-                          train={"max_steps": 4, "eval_every_epochs": 0.25}), ToyGan(inf_at=1))
+    s = run_task(config(tmp_path, precision="mixed", numerics=NumericsCfg(every=2),
+                        train={"max_steps": 4, "eval_every_epochs": 0.25}), ToyGan, inf_at=1)
     assert s["status"] == "completed" and s["skipped_per_optimizer"] == {"discriminator": 1, "generator": 0}
     d = tmp_path / "toy_gan" / s["run_name"]
     lines = read_lines(d)
@@ -231,13 +231,12 @@ def test_two_optimizer_run_counts_skips_per_optimizer_and_writes_images(tmp_path
 
 
 def test_two_optimizer_resume_is_bit_identical(tmp_path, monkeypatch):
-    from mpt import engine
     from toy_gan import ToyGan, config
 
-    full = engine.run(config(tmp_path / "a"), ToyGan())
-    part = run_interrupted(monkeypatch, lambda _: engine.run(config(tmp_path / "b"), ToyGan()), None, at_step=4)
+    full = run_task(config(tmp_path / "a"), ToyGan)
+    part = run_interrupted(monkeypatch, lambda _: run_task(config(tmp_path / "b"), ToyGan), None, at_step=4)
     assert part["status"] == "interrupted" and part["step"] == 5
-    resumed = engine.run(config(tmp_path / "b"), ToyGan())
+    resumed = run_task(config(tmp_path / "b"), ToyGan)
     assert resumed["status"] == "completed" and resumed["metrics"] == full["metrics"]
     da, db = (tmp_path / x / "toy_gan" / full["run_name"] for x in ("a", "b"))
     keys = ("step", "loss", "loss_D", "loss_G", "gap")
@@ -291,10 +290,11 @@ class _VarLenTask(Task):
     primary_metric = "acc"
     higher_is_better = True
 
-    def __init__(self):
+    def __init__(self, cfg):
+        super().__init__(cfg)
         self.seen = []  # (epoch, lengths of the batch) as the loss sees them
 
-    def datasets(self, cfg):
+    def datasets(self):
         g = torch.Generator().manual_seed(0)
         xs = [torch.randn(int(torch.randint(1, 7, (), generator=g)), generator=g) for _ in range(48)]
         self.lengths = [len(x) for x in xs]
@@ -307,12 +307,13 @@ class _VarLenTask(Task):
             x[i, : len(s)] = s
         return {"x": x, "lengths": lengths}
 
-    def train_order(self, epoch, g):
+    def train_order(self, train, epoch, g):
         if epoch == 0:
-            return sorted(range(len(self.lengths)), key=lambda i: (self.lengths[i], i))
-        return torch.randperm(len(self.lengths), generator=g).tolist()
+            return sorted(range(len(train)), key=lambda i: (len(train[i]), i))
+        return torch.randperm(len(train), generator=g).tolist()
 
-    def build_model(self, cfg):
+    def build_model(self):
+        cfg = self.cfg
         torch.manual_seed(cfg.seed)
         return nn.Linear(1, 1)
 
@@ -334,8 +335,8 @@ class _VarLenTask(Task):
 def test_task_collate_and_train_order(tmp_path):
     from mpt.engine import run
     from toy_gan import config
-    task = _VarLenTask()
     cfg = config(tmp_path, train=dict(batch_size=8, max_steps=12))  # 6 steps per epoch: 2 epochs
+    task = _VarLenTask(cfg)
     s = run(cfg, task)
     assert s["status"] == "completed" and "acc" in s["metrics"]
     first = [n for b in task.seen[:6] for n in b]

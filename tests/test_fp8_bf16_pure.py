@@ -8,8 +8,9 @@ import pytest
 import torch
 import torch.nn as nn
 
+from toy_gan import run_task
 from mpt import config as C
-from mpt import engine, precision
+from mpt import precision
 from mpt.config import Config, FP8Cfg
 from mpt.errors import UserError
 from mpt.precision import FP8State, fp8_quantize, kahan_round_, stochastic_round
@@ -336,11 +337,11 @@ def test_resume_is_bit_identical(tmp_path, monkeypatch, kw):
     from conftest import run_interrupted
     from toy_mlp import ToyMLP
 
-    ref = engine.run(_toy(tmp_path / "ref", **kw), ToyMLP())
+    ref = run_task(_toy(tmp_path / "ref", **kw), ToyMLP)
     assert ref["status"] == "completed"
-    s = run_interrupted(monkeypatch, lambda _: engine.run(_toy(tmp_path / "cut", **kw), ToyMLP()), None, at_step=3)
+    s = run_interrupted(monkeypatch, lambda _: run_task(_toy(tmp_path / "cut", **kw), ToyMLP), None, at_step=3)
     assert s["status"] == "interrupted"
-    done = engine.run(_toy(tmp_path / "cut", **kw), ToyMLP())
+    done = run_task(_toy(tmp_path / "cut", **kw), ToyMLP)
     assert done["status"] == "completed"
     ca, cb = (torch.load(tmp_path / d / "toy_mlp" / ref["run_name"] / "checkpoint.pt", weights_only=True)
               for d in ("ref", "cut"))

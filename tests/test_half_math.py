@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from toy_gan import run_task
 from mpt import config as C
 from mpt import precision
 from mpt.config import Config
@@ -280,10 +281,9 @@ def test_recurrent_layers_emulated_vs_native_and_cudnn(fam):
 
 
 def _numerics(tmp_path, **kw):
-    from mpt import engine
     from toy_mlp import ToyMLP, config
 
-    s = engine.run(config(tmp_path, **kw), ToyMLP())
+    s = run_task(config(tmp_path, **kw), ToyMLP)
     assert s["status"] == "completed", s
     lines = (tmp_path / "toy_mlp" / s["run_name"] / "metrics.jsonl").read_text().splitlines()
     return s, [x for x in map(json.loads, lines) if x["kind"] == "numerics"]
@@ -383,9 +383,9 @@ def _curve(kind, half_math, steps, perturb=False):
         wl = bench.WORKLOADS[model]
         o = {"width": width, "batch": batch, "channels_last": False, "half_math": half_math}
         cfg = bench.config_for(wl, model, "mixed", "autocast", o, "cpu")
-        task = wl.make_task()
+        task = wl.make_task(cfg)
         torch.manual_seed(0)
-        net = task.build_model(cfg)
+        net = task.build_model()
         opt = build_optimizer(cfg.optim, list(net.parameters()))
         b = wl.make_batch(batch, size, torch.device("cpu"), False, torch.Generator().manual_seed(0))
 

@@ -97,9 +97,10 @@ def test_biglstm_step_reads_nothing():
 
     torch.manual_seed(0)
     B, T, V = 4, 5, 40
-    task = Task()
-    task.vocab_size, task.streams = V, {"train": B, "eval": B}
-    model = task.build_model(Config(model="biglstm", width=1 / 128, task=TaskCfg(num_sampled=8)))
+    cfg = Config(model="biglstm", width=1 / 128, task=TaskCfg(num_sampled=8))
+    cfg.train.batch_size, cfg.train.accum_steps = B, 1  # one stream per row of the batch
+    task = Task(cfg, Task.Facts(vocab_size=V))
+    model = task.build_model()
     mask = torch.rand(B, T) < 0.8
     batch = {"x": torch.randint(0, V, (B, T)), "y": torch.randint(0, V, (B, T)), "mask": mask,
              "stream": torch.arange(B), "window": torch.tensor([0, 1, 0, 2])}
@@ -111,9 +112,9 @@ def test_deepspeech2_step_reads_nothing():
     from mpt.config import Config
 
     torch.manual_seed(0)
-    task = Task(chars=ENGLISH)
-    task.pad_to_multiple = 16
-    model = task.build_model(Config(model="english", width=0.05, task=TaskCfg(window_ms=10.0)))  # 81 bins
+    task = Task(Config(model="english", width=0.05, task=TaskCfg(window_ms=10.0, pad_to_multiple=16)),  # 81 bins
+                Task.Facts(chars=ENGLISH))
+    model = task.build_model()
     batch = task.collate([(torch.randn(81, n), torch.randint(1, 29, (k,)), "x" * k)
                           for n, k in ((37, 5), (50, 9), (12, 2))])
     assert _step(task, model, batch) == Counter()
@@ -122,22 +123,22 @@ def test_deepspeech2_step_reads_nothing():
 def test_translation_step_reads_nothing():
     import models
     from experiments.wmt_translation.task import Task
+    from mpt.config import Config
 
     torch.manual_seed(0)
-    task = Task()
-    task.pad, task.bos, task.eos = 0, 1, 2
+    task = Task(Config(), Task.Facts(vocab={"en": 20, "fr": 22}, pad=0, bos=1, eos=2))
     model = models.build("nmt_lstm3", src_vocab=20, tgt_vocab=22, width=1 / 128, pad_id=0)
     batch = task.collate([(torch.randint(3, 20, (n,)), torch.randint(3, 22, (m,))) for n, m in ((4, 6), (7, 3), (2, 9))])
-    assert batch["n_tgt"] == int((batch["tgt_out"] != task.pad).sum())
+    assert batch["n_tgt"] == int((batch["tgt_out"] != task.facts.pad).sum())
     assert _step(task, model, batch) == Counter()
 
 
 def test_cnn_step_reads_nothing():
     import models
-    from experiments.ilsvrc_cnns.task import Task
+    from experiments.ilsvrc_cnns.task import Task, TaskCfg
+    from mpt.config import Config
 
-    task = Task()
-    task.label_smoothing, task.aux_weight = 0.1, 0.3
+    task = Task(Config(task=TaskCfg(label_smoothing=0.1, aux_weight=0.3)), Task.Facts(num_classes=10))
     model = models.build("resnet50_preact", width=1 / 16, num_classes=10)
     batch = (torch.randn(2, 3, 32, 32), torch.tensor([1, 7]))
     assert _step(task, model, batch) == Counter()

@@ -134,10 +134,9 @@ def test_lm_optimizer_clips_the_lstm_group_only():
 
     cfg = Config(model="biglstm", width=1 / 128, task=TaskCfg(num_sampled=8, lstm_clip_norm=0.5),
                  optim=OptimCfg(name="adagrad", lr=0.1))
-    task = Task()
-    task.vocab_size, task.streams = 40, {"train": 2, "eval": 2}
-    model = task.build_model(cfg)
-    (opt,) = task.optimizers(model, cfg).values()
+    task = Task(cfg, Task.Facts(vocab_size=40))
+    model = task.build_model()
+    (opt,) = task.optimizers(model).values()
     for p in model.parameters():
         p.grad = torch.full_like(p, 3.0)
     opt.step()
@@ -277,9 +276,9 @@ def test_eval_perplexity_is_exp_of_mean_nll(data, monkeypatch):
     # The task's evaluation over the whole test set: ppl = exp(sum NLL / targets), every target once.
     cfg = Config(model="biglstm", width=1 / 64, task=TaskCfg(data_root=str(data), num_sampled=12))
     cfg.train.batch_size = 8
-    task = Task()
-    _, test = task.datasets(cfg)
-    model = task.build_model(cfg).eval()
+    task = Task(cfg)
+    _, test = task.datasets()
+    model = task.build_model().eval()
     sums = {"nll": 0.0, "n": 0}
     with torch.no_grad():
         for b in torch.utils.data.DataLoader(test, batch_size=8):

@@ -150,19 +150,19 @@ def test_sync_bn_switch_converts_batch_norm_on_multi_gpu_runs(monkeypatch):
     from mpt.config import resolve
 
     cfg = resolve("ilsvrc_cnns", ["model=inception_v2", "width=0.03125", "task.sync_bn=true"])
-    task = Task(num_classes=10)
+    task = Task(cfg, Task.Facts(num_classes=10))
 
     def n_sync(model):
         return sum(isinstance(m, torch.nn.SyncBatchNorm) for m in model.modules())
 
-    assert n_sync(task.build_model(cfg)) == 0  # one process: plain BN
+    assert n_sync(task.build_model()) == 0  # one process: plain BN
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a: 8)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(UserError, match="task.sync_bn=true needs GPUs"):
-        task.build_model(cfg)
+        task.build_model()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    model = task.build_model(cfg)
+    model = task.build_model()
     assert n_sync(model) > 0 and not any(type(m) is torch.nn.BatchNorm2d for m in model.modules())
     cfg.task.sync_bn = False
-    assert n_sync(task.build_model(cfg)) == 0
+    assert n_sync(task.build_model()) == 0

@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from toy_gan import run_task
 from mpt import precision, precisions
 from mpt.config import Config
 from mpt.errors import UserError
@@ -363,10 +364,9 @@ def test_paper_master_starts_from_fp32_init_and_matches_section_3(prec, scale):
 
 
 def _toy_run(tmp_path, **kw):
-    from mpt import engine
     from toy_mlp import ToyMLP, config
 
-    s = engine.run(config(tmp_path, **kw), ToyMLP())
+    s = run_task(config(tmp_path, **kw), ToyMLP)
     assert s["status"] == "completed", s
     lines = (tmp_path / "toy_mlp" / s["run_name"] / "metrics.jsonl").read_text().splitlines()
     import json

@@ -28,7 +28,7 @@ from mpt.errors import UserError, one_line
 from mpt.rundir import RunDirBusy, RunLock, atomic_torch_save
 from mpt.signals import STOP_SIGNALS
 from slurm import state
-from toy_gan import ToyGan, config
+from toy_gan import ToyGan, config, run_task
 
 torch.set_num_threads(1)
 KEYS = ("kind", "step", "loss", "loss_D", "loss_G", "gap", "lr", "loss_scale", "skipped_steps")
@@ -44,7 +44,7 @@ def same_weights(da, db):
 
 
 def interrupted(monkeypatch, out, at_step=4, **kw):
-    s = run_interrupted(monkeypatch, lambda _: engine.run(config(out, **kw), ToyGan()), None, at_step=at_step)
+    s = run_interrupted(monkeypatch, lambda _: run_task(config(out, **kw), ToyGan), None, at_step=at_step)
     assert s["status"] == "interrupted"
     return s, out / "toy_gan" / s["run_name"]
 
@@ -53,7 +53,7 @@ def interrupted(monkeypatch, out, at_step=4, **kw):
 def reference(tmp_path_factory):
     """The uninterrupted toy run every resumed one must equal."""
     out = tmp_path_factory.mktemp("reference")
-    s = engine.run(config(out), ToyGan())
+    s = run_task(config(out), ToyGan)
     return s, out / "toy_gan" / s["run_name"]
 
 
@@ -63,7 +63,7 @@ def test_torn_metrics_line_is_dropped_and_the_run_resumes_bit_identically(tmp_pa
     _, d = interrupted(monkeypatch, tmp_path)
     with open(d / "metrics.jsonl", "a") as f:
         f.write('{"kind": "train", "step": 99, "ep')  # what ENOSPC mid-append leaves
-    s = engine.run(config(tmp_path), ToyGan())
+    s = run_task(config(tmp_path), ToyGan)
     assert s["status"] == "completed" and s["metrics"] == ref["metrics"]
     assert "dropped 1 unreadable (torn) line" in capfd.readouterr().err
     assert lines(d) == lines(ref_dir) and same_weights(d, ref_dir)
@@ -75,7 +75,7 @@ def test_corrupt_summary_does_not_block_a_resume_and_status_names_it(tmp_path, m
     (d / "summary.json").write_text('{"status": "interr')
     st = state.cell_state(d, "x", None, None)
     assert str(d / "summary.json") in st.error and "unreadable" in st.error
-    s = engine.run(config(tmp_path), ToyGan())
+    s = run_task(config(tmp_path), ToyGan)
     assert s["status"] == "completed" and s["metrics"] == ref["metrics"]
     assert json.loads((d / "summary.json").read_text())["status"] == "completed"
 
@@ -101,20 +101,20 @@ def test_status_survives_wrong_typed_summary_fields(tmp_path, monkeypatch, capsy
 # 2. a completed result is never replaced by a later invocation's failure
 def test_completed_result_is_never_replaced(tmp_path):
     out = tmp_path
-    s = engine.run(config(out), ToyGan())
+    s = run_task(config(out), ToyGan)
     d = out / "toy_gan" / s["run_name"]
     summary, metrics = (d / "summary.json").read_bytes(), (d / "metrics.jsonl").read_bytes()
 
     class Broken(ToyGan):
-        def datasets(self, cfg):
+        def datasets(self):
             raise FileNotFoundError("/nonexistent/train")
 
     # a final result is returned before the data is even opened: a later invocation that could not
     # read it (moved, unmounted) neither fails nor touches the result
-    assert engine.run(config(out), Broken())["metrics"] == s["metrics"]
+    assert run_task(config(out), Broken)["metrics"] == s["metrics"]
     assert (d / "summary.json").read_bytes() == summary
     (d / "checkpoint.pt").unlink()  # a result does not need its checkpoint
-    again = engine.run(config(out), ToyGan())
+    again = run_task(config(out), ToyGan)
     assert again["status"] == "completed" and again["metrics"] == s["metrics"]
     assert (d / "summary.json").read_bytes() == summary and (d / "metrics.jsonl").read_bytes() == metrics
 
@@ -122,14 +122,14 @@ def test_completed_result_is_never_replaced(tmp_path):
 def test_completed_result_with_a_truncated_checkpoint_is_kept(tmp_path):
     """A final result is returned before its checkpoint is read, so a checkpoint cut
     short afterwards (a full disk during a copy) does not turn it into "delete it to restart"."""
-    s = engine.run(config(tmp_path), ToyGan())
+    s = run_task(config(tmp_path), ToyGan)
     d = tmp_path / "toy_gan" / s["run_name"]
     ckpt = d / "checkpoint.pt"
     ckpt.write_bytes(ckpt.read_bytes()[:1000])
     with pytest.raises(Exception):  # it is unreadable indeed
         torch.load(ckpt, weights_only=True)
     summary = (d / "summary.json").read_bytes()
-    again = engine.run(config(tmp_path), ToyGan())
+    again = run_task(config(tmp_path), ToyGan)
     assert again["status"] == "completed" and again["metrics"] == s["metrics"]
     assert (d / "summary.json").read_bytes() == summary
 
@@ -150,12 +150,12 @@ def test_kill_between_final_checkpoint_and_summary_logs_one_final_eval(tmp_path,
     monkeypatch.setattr(engine.Run, "finish", finish)
     monkeypatch.setattr(RunRecord, "record_failure", lambda *a, **k: None)
     with pytest.raises(_Killed, match="completed"):
-        engine.run(config(tmp_path), ToyGan())
+        run_task(config(tmp_path), ToyGan)
     monkeypatch.undo()
     d = tmp_path / "toy_gan" / ref["run_name"]
     assert json.loads((d / "summary.json").read_text())["status"] == "running"
     assert torch.load(d / "checkpoint.pt", weights_only=True)["step"] == ref["step"]
-    s = engine.run(config(tmp_path), ToyGan())
+    s = run_task(config(tmp_path), ToyGan)
     assert s["status"] == "completed" and s["metrics"] == ref["metrics"]
     assert [x["step"] for x in lines(d) if x["kind"] == "eval"] == [x["step"] for x in lines(ref_dir) if x["kind"] == "eval"]
     assert lines(d) == lines(ref_dir) and same_weights(d, ref_dir)
@@ -169,7 +169,7 @@ def _check_stopped_then_resumed(d, out, sig, reference):
     assert s["status"] == "interrupted" and 2 <= s["step"] < 12, s
     assert s["error"] == f"stopped: {signal.Signals(sig).name}"
     assert torch.load(d / "checkpoint.pt", weights_only=True)["step"] == s["step"]
-    resumed = engine.run(config(out), ToyGan())
+    resumed = run_task(config(out), ToyGan)
     assert resumed["status"] == "completed" and resumed["metrics"] == ref["metrics"]
     assert lines(d) == lines(ref_dir) and same_weights(d, ref_dir)
 
@@ -188,7 +188,7 @@ def test_sigterm_from_another_process_checkpoints_exits_143_and_resumes(tmp_path
             time.sleep(0.05)
         # item 8: a second copy of the run (this process) is refused, naming the holder
         with pytest.raises(RunDirBusy, match=rf"in use by pid {p.pid} on "):
-            engine.run(config(out), ToyGan())
+            run_task(config(out), ToyGan)
         p.send_signal(signal.SIGTERM)
         _, err = p.communicate(timeout=120)
     finally:
@@ -247,7 +247,7 @@ def test_ctrl_c_checkpoints_exits_130_and_resumes(tmp_path, reference):
     old = {s: signal.getsignal(s) for s in STOP_SIGNALS}
     try:
         with pytest.raises(SystemExit) as e:
-            cli.cli_run(lambda: engine.run(config(tmp_path), CtrlC()))
+            cli.cli_run(lambda: run_task(config(tmp_path), CtrlC))
     finally:
         for s, h in old.items():
             signal.signal(s, h)
@@ -337,7 +337,7 @@ def test_tampered_celeba_and_lm1b_members_are_refused(tmp_path):
 def test_files_follow_the_umask(tmp_path, mask, mode):
     old = os.umask(mask)
     try:
-        s = engine.run(config(tmp_path, train={"max_steps": 2}), ToyGan())
+        s = run_task(config(tmp_path, train={"max_steps": 2}), ToyGan)
     finally:
         os.umask(old)
     d = tmp_path / "toy_gan" / s["run_name"]
@@ -352,7 +352,7 @@ def test_stale_temp_files_are_removed_at_start(tmp_path, monkeypatch):
         (d / name).write_bytes(b"\0" * 1000)
     keep, not_ours = d / "samples_0000004.png", d / ".notes.tmp"  # a user's hidden file is not ours to delete
     not_ours.write_text("mine")
-    assert engine.run(config(tmp_path), ToyGan())["status"] == "completed"
+    assert run_task(config(tmp_path), ToyGan)["status"] == "completed"
     assert list(d.glob(".*.tmp")) == [not_ours] and keep.exists()
 
 
@@ -394,24 +394,24 @@ def test_disk_full_is_a_one_line_error(full_disk, tmp_path, monkeypatch):
     assert str(e.value).startswith(f"No space left on device: {where / 'runs' / 'checkpoint.pt'}")
     assert not list((where / "runs").glob(".*.tmp"))
     with pytest.raises(UserError, match="^No space left on device: .*config.yaml"):
-        engine.run(config(where / "runs"), ToyGan())
+        run_task(config(where / "runs"), ToyGan)
 
 
 def test_unwritable_out_dir_is_a_one_line_error(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(UserError, match=r"^Not a directory: .*file/toy_gan"):
-        engine.run(config(tmp_path / "file"), ToyGan())
+        run_task(config(tmp_path / "file"), ToyGan)
     ro = tmp_path / "ro"
     if _mount_tmpfs(ro, "ro,size=64k"):  # permissions do not stop root; a read-only mount does
         try:
             with pytest.raises(UserError, match=r"^Read-only file system: .*ro/toy_gan"):
-                engine.run(config(ro), ToyGan())
+                run_task(config(ro), ToyGan)
         finally:
             subprocess.run(["umount", str(ro)], capture_output=True)
     elif os.geteuid() != 0:
         ro.chmod(0o500)
         with pytest.raises(UserError, match=r"^Permission denied: .*ro/toy_gan"):
-            engine.run(config(ro), ToyGan())
+            run_task(config(ro), ToyGan)
 
 
 def test_config_yaml_syntax_error_is_one_line(tmp_path, monkeypatch):
@@ -532,17 +532,17 @@ def test_cuda_without_cuda_is_one_line(tmp_path):
     cfg = config(tmp_path)
     cfg.device = "cuda"
     with pytest.raises(UserError, match="device=cuda but CUDA is not available"):
-        engine.run(cfg, ToyGan())
+        run_task(cfg, ToyGan)
 
 
 def test_dataloader_worker_error_is_one_line_in_summary(tmp_path):
     class BadData(ToyGan):
-        def datasets(self, cfg):
-            train, val = super().datasets(cfg)
+        def datasets(self):
+            train, val = super().datasets()
             return _Failing(train), val
 
     with pytest.raises(ValueError):
-        engine.run(config(tmp_path, train={"num_workers": 1}), BadData())
+        run_task(config(tmp_path, train={"num_workers": 1}), BadData)
     s = json.loads(next(tmp_path.glob("toy_gan/*/summary.json")).read_text())
     assert s["status"] == "failed" and s["error"] == "ValueError: sample 3 is damaged"
     assert one_line(UserError("Caught UserError in DataLoader worker process 0.\nOriginal Traceback:\n"
@@ -617,7 +617,7 @@ def test_wandb_without_network_falls_back_to_offline_quickly(tmp_path, monkeypat
     cfg = config(tmp_path, train={"max_steps": 2})
     cfg.wandb.mode = "auto"
     t0 = time.time()
-    s = engine.run(cfg, ToyGan())
+    s = run_task(cfg, ToyGan)
     took = time.time() - t0
     assert s["status"] == "completed" and took < 60, took
     err = capfd.readouterr().err
@@ -657,7 +657,7 @@ def test_wandb_server_that_never_answers_still_leaves_an_offline_record(tmp_path
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # "wandb init failed, continuing without wandb" fails the test
-            s = engine.run(cfg, ToyGan())
+            s = run_task(cfg, ToyGan)
     finally:
         srv.close()
         for c in held:
@@ -691,7 +691,7 @@ def test_wandb_base_url_with_a_bad_port_still_leaves_an_offline_record(tmp_path,
     cfg.wandb.mode = "auto"
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # "wandb init failed, continuing without wandb" fails the test
-        s = engine.run(cfg, ToyGan())
+        s = run_task(cfg, ToyGan)
     assert s["status"] == "completed"
     err = capfd.readouterr().err
     assert "wandb: WANDB_BASE_URL='http://127.0.0.1:99999' has a bad port; fix or unset it; logging offline" in err
@@ -711,11 +711,10 @@ def test_mistyped_wandb_mode_is_refused_at_resolution():
 WANDB_RUN = """
 import sys, time
 sys.path.insert(0, "tests")
-from toy_gan import ToyGan, config
-from mpt import engine
+from toy_gan import ToyGan, config, run_task
 cfg = config(sys.argv[1], train={"max_steps": 2})
 cfg.wandb.mode = "auto"
-print(engine.run(cfg, ToyGan())["status"])
+print(run_task(cfg, ToyGan)["status"])
 """
 
 
@@ -765,10 +764,10 @@ def test_nan_at_the_end_is_never_completed(tmp_path):
             self.calls += 1
             return (loss * float("nan") if self.calls > 3 else loss), n
 
-    s = engine.run(mlp_config(tmp_path, train={"max_steps": 5}), LateNaN())
+    s = run_task(mlp_config(tmp_path, train={"max_steps": 5}), LateNaN)
     assert s["status"] == "diverged" and s["step"] == 5, s
     assert "the last 2 loss(es) non-finite" in s["error"]
-    clean = engine.run(mlp_config(tmp_path / "clean", train={"max_steps": 5}), ToyMLP())
+    clean = run_task(mlp_config(tmp_path / "clean", train={"max_steps": 5}), ToyMLP)
     assert clean["status"] == "completed"
 
 
@@ -788,7 +787,7 @@ def test_a_damaged_checkpoint_is_refused(tmp_path, monkeypatch, reference):
     torch.load(ckpt, weights_only=True)  # still loads: only the checksum can tell
     summary = (d / "summary.json").read_bytes()
     with pytest.raises(UserError, match="checkpoint .* is damaged"):
-        engine.run(config(tmp_path), ToyGan())
+        run_task(config(tmp_path), ToyGan)
     assert (d / "summary.json").read_bytes() == summary  # the interrupted result is kept as it was
 
 
@@ -801,7 +800,7 @@ def test_a_checkpoint_without_its_checksum_is_refused(tmp_path, monkeypatch, ref
     del sd["checksum"]
     torch.save(sd, ckpt)
     with pytest.raises(UserError, match="checkpoint .* is damaged"):
-        engine.run(config(tmp_path), ToyGan())
+        run_task(config(tmp_path), ToyGan)
 
 
 def test_a_clock_stepped_back_leaves_training_time_positive(tmp_path, monkeypatch):
@@ -818,5 +817,5 @@ def test_a_clock_stepped_back_leaves_training_time_positive(tmp_path, monkeypatc
                 back.append(1)
             return super().train_step(ctx, micro)
 
-    s = engine.run(config(tmp_path, train={"max_steps": 4}), SteppedBack())
+    s = run_task(config(tmp_path, train={"max_steps": 4}), SteppedBack)
     assert back and s["status"] == "completed" and 0 <= s["wall_time_s"] < 600, s

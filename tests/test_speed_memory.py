@@ -26,7 +26,10 @@ class KnownTask:
     linear's input: one storage), and under autocast the FP16 cast of the second linear's weight
     (the first one's is not saved: its input needs no gradient). mean and the FP32 cast save nothing."""
 
-    def build_model(self, cfg):
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def build_model(self):
         return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
 
     def loss(self, model, x):

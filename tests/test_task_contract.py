@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import REPO
+from toy_gan import run_task
 from mpt import engine
 from mpt.task import Task
 from toy_mlp import config
@@ -21,11 +22,12 @@ def _readme_task() -> str:
 def test_readme_toy_is_a_complete_experiment(tmp_path, one_thread):
     scope: dict = {}
     exec(compile(_readme_task(), "README.md", "exec"), scope)
-    task = scope["Regression"]()
-    train, _ = task.datasets(None)
+    cfg = config(tmp_path, optim={"lr": 0.05}, train={"max_steps": 40})
+    task = scope["Regression"](cfg)
+    train, _ = task.datasets()
     y = train.tensors[1]
     baseline = float(((y - y.mean()) ** 2).mean())  # the best constant prediction's MSE
-    s = engine.run(config(tmp_path, optim={"lr": 0.05}, train={"max_steps": 40}), task)
+    s = engine.run(cfg, task)
     assert s["status"] == "completed" and s["step"] == 40
     # a linear model of a sum: it must get far below the constant predictor (y's variance, ~8)
     assert s["metrics"]["mse"] < 0.05 * baseline, (s["metrics"], baseline)
@@ -57,15 +59,15 @@ def test_what_a_task_lacks_is_named(tmp_path, one_thread):
     class NoLoss(Task):
         primary_metric = "mse"
 
-        def datasets(self, cfg):
+        def datasets(self):
             ds = torch.utils.data.TensorDataset(torch.randn(32, 2), torch.randn(32, 1))
             return ds, ds
 
-        def build_model(self, cfg):
+        def build_model(self):
             return torch.nn.Linear(2, 1)
 
     with pytest.raises(NotImplementedError, match="NoLoss must define loss"):
-        engine.run(config(tmp_path), NoLoss())
+        run_task(config(tmp_path), NoLoss)
     (summary,) = tmp_path.glob("**/summary.json")
     s = json.loads(summary.read_text())
     assert s["status"] == "failed" and "NoLoss must define loss(model, batch) or its own train_step" in s["error"]
@@ -78,9 +80,10 @@ def test_optimizers_must_be_named_after_the_models_they_train(tmp_path, one_thre
     from mpt.optim import build_optimizer
 
     class Renamed(ToyGan):
-        def optimizers(self, model, cfg):
+        def optimizers(self, model):
+            cfg = self.cfg
             return {"D": build_optimizer(cfg.optim, model["discriminator"].parameters()),
                     "G": build_optimizer(cfg.optim, model["generator"].parameters())}
 
     with pytest.raises(UserError, match=r"names \['D', 'G'\], which the model has no entry for"):
-        engine.run(gan_config(tmp_path), Renamed())
+        run_task(gan_config(tmp_path), Renamed)

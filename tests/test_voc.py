@@ -376,7 +376,7 @@ def test_recipe_details_against_the_caffe_references(tmp_path):
     for model, decayed in (("ssd300_vgg16", False), ("faster_rcnn_vgg16", True)):
         cfg = C.resolve("voc_detection", [f"model={model}"])
         assert cfg.task.bias_decay is decayed
-        groups = Task().param_groups(models.build(model, width=1 / 16, size=64), cfg)
+        groups = Task(cfg, Task.Facts(classes=())).param_groups(models.build(model, width=1 / 16, size=64))
         assert groups[1]["lr"] == 2 * cfg.optim.lr and groups[1]["weight_decay"] == (0.0005 if decayed else 0.0)
     # the RoI head's box loss, recomputed from its own sampled RoIs with beta 1 (torchvision's is 1/9)
     torch.manual_seed(0)
@@ -478,9 +478,8 @@ def reference_map(args: list[str], root, n: int) -> tuple[float, int]:
 
     cfg = C.resolve("voc_detection", args)
     checkpoint = C.run_dir(cfg) / "checkpoint.pt"
-    task = Task()
-    task.datasets(cfg)  # sets the class count from the prepared data
-    model = task.build_model(cfg)
+    task = Task(cfg)  # the class count from the prepared data
+    model = task.build_model()
     model.load_state_dict(torch.load(checkpoint, weights_only=True)["model"])
     model.eval()
     classes = json.loads((root / "prepared.json").read_text())["classes"]

@@ -140,17 +140,20 @@ def test_buckets_collate_and_order(tiny_wmt):
     from experiments.wmt_translation.task import Task
 
     cfg = C.resolve("wmt_translation", ["profile=tiny", f"task.data_root={tiny_wmt}", "train.batch_size=8"])
-    t = Task()
-    train, _ = t.datasets(cfg)
-    order = t.train_order(0, torch.Generator().manual_seed(0))
+    t = Task(cfg)
+    train, _ = t.datasets()
+    order = t.train_order(train, 0, torch.Generator().manual_seed(0))
     assert sorted(order) == list(range(len(train)))
-    full = len(train) // 8 - len(t.buckets)  # at most one mixed batch per bucket's leftovers
-    same = sum(len({int(t.train_bucket[i]) for i in order[k * 8:(k + 1) * 8]}) == 1 for k in range(full))
+    buckets = [tuple(b) for b in cfg.task.buckets]
+    src, tgt = train.lengths("en"), train.lengths("fr") + 1  # the target with its </s>
+    first_fit = [next(k for k, (bs, bt) in enumerate(buckets) if src[i] <= bs and tgt[i] <= bt) for i in range(len(train))]
+    full = len(train) // 8 - len(buckets)  # at most one mixed batch per bucket's leftovers
+    same = sum(len({first_fit[i] for i in order[k * 8:(k + 1) * 8]}) == 1 for k in range(full))
     assert same == full  # the leading batches each come from one bucket
     b = t.collate([train[0], train[1]])
     s0, t0 = train[0]
     assert b["src"][0, -len(s0):].tolist() == s0.flip(0).tolist()  # reversed, padding first
-    assert b["tgt_in"][0, 0] == t.bos and b["tgt_out"][0, len(t0)] == t.eos
+    assert b["tgt_in"][0, 0] == t.facts.bos and b["tgt_out"][0, len(t0)] == t.facts.eos
 
 
 # ----------------------------------------------------------------------------- runs and Figure 4
@@ -184,7 +187,7 @@ def reference_perplexity(args: list[str]) -> float:
             b = task.collate(pairs)
             logits = model(b["src"], b["src_mask"], b["tgt_in"])
             for row, (_, tgt) in zip(logits, pairs):
-                out = torch.cat([tgt, torch.tensor([task.eos])])
+                out = torch.cat([tgt, torch.tensor([task.facts.eos])])
                 nll += float(F.cross_entropy(row[:len(out)].double(), out, reduction="sum"))
                 tokens += len(out)
     return math.exp(nll / tokens)
@@ -219,9 +222,11 @@ def test_bleu_is_sacrebleu_of_the_greedy_translations_in_test_order(tiny_wmt):
     from mpt import config as C
 
     cfg = C.resolve("wmt_translation", tiny_overrides(tiny_wmt, "unused", "task.bleu_max_sentences=0"))
-    task = Task()
-    task.datasets(cfg)
-    test, refs = task.data.split("test"), task.data.text("test", "fr")
+    from data_prep.wmt15.dataset import Prepared
+
+    task = Task(cfg)
+    data = Prepared(cfg.task.data_root)
+    test, refs = data.split("test"), data.text("test", "fr")
     max_src = int(task.buckets[-1, 0])
     n = len(test)
 
@@ -231,7 +236,7 @@ def test_bleu_is_sacrebleu_of_the_greedy_translations_in_test_order(tiny_wmt):
 
         def greedy(self, src, mask, bos, eos, max_len):
             rows = [self.answer[tuple(r[m].flip(0).tolist())] + [eos] for r, m in zip(src, mask)]
-            out = torch.full((len(rows), max(map(len, rows))), task.pad)
+            out = torch.full((len(rows), max(map(len, rows))), task.facts.pad)
             for k, r in enumerate(rows):
                 out[k, :len(r)] = torch.tensor(r)
             return out

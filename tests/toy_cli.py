@@ -12,13 +12,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from mpt import cli, engine  # noqa: E402
-from toy_gan import ToyGan, config  # noqa: E402
+from mpt import cli  # noqa: E402
+from toy_gan import ToyGan, config, run_task  # noqa: E402
 
 
 class SlowToyGan(ToyGan):
-    def __init__(self, pause: float):
-        super().__init__()
+    def __init__(self, cfg, pause: float):
+        super().__init__(cfg)
         self.pause = pause
 
     def train_step(self, ctx, micro):
@@ -28,4 +28,4 @@ class SlowToyGan(ToyGan):
 
 torch.set_num_threads(1)
 out, steps, pause = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
-cli.cli_run(lambda: engine.run(config(out, train={"max_steps": steps}), SlowToyGan(pause)))
+cli.cli_run(lambda: run_task(config(out, train={"max_steps": steps}), SlowToyGan, pause))

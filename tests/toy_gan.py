@@ -7,8 +7,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
+from mpt import engine
 from mpt.config import Config, TrainCfg, WandbCfg
 from mpt.task import Task
+
+
+def run_task(cfg, task_cls, *args, **kw) -> dict:
+    """engine.run of a task_cls built with the run's config: task_cls(cfg, *args, **kw)."""
+    return engine.run(cfg, task_cls(cfg, *args, **kw))
 
 
 def config(out_dir, **kw) -> Config:
@@ -23,20 +29,22 @@ class ToyGan(Task):
     primary_metric = "gap"
     higher_is_better = False
 
-    def __init__(self, inf_at: int = -1):
+    def __init__(self, cfg, inf_at: int = -1):
+        super().__init__(cfg)
         self.inf_at = inf_at  # the iteration whose discriminator loss is made infinite (overflow test)
 
-    def datasets(self, cfg):
+    def datasets(self):
         x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0)) * 0.5 + 1.0
         return TensorDataset(x), TensorDataset(x[:16])
 
-    def build_model(self, cfg):
+    def build_model(self):
+        cfg = self.cfg
         torch.manual_seed(cfg.seed)
         return nn.ModuleDict({"generator": nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 4)),
                               "discriminator": nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.2), nn.LeakyReLU(0.2),
                                                              nn.Linear(8, 1))})
 
-    def optimizers(self, model, cfg):
+    def optimizers(self, model):
         return {"discriminator": torch.optim.Adam(model["discriminator"].parameters(), lr=1e-2),
                 "generator": torch.optim.SGD(model["generator"].parameters(), lr=1e-2, momentum=0.9)}
 

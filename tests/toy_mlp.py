@@ -27,17 +27,19 @@ class ToyMLP(Task):
     primary_metric = "mse"
     higher_is_better = False
 
-    def __init__(self, seed_per_rank: bool = False, dump_dir=None):
+    def __init__(self, cfg, seed_per_rank: bool = False, dump_dir=None):
+        super().__init__(cfg)
         self.seed_per_rank = seed_per_rank  # every rank initialises its own, different weights
         self.dump_dir = dump_dir  # evaluate() writes this rank's model there
 
-    def datasets(self, cfg):
+    def datasets(self):
         g = torch.Generator().manual_seed(0)
         x = torch.randn(64, 8, generator=g)
         y = x @ torch.randn(8, 1, generator=g) + 0.1 * torch.randn(64, 1, generator=g)
         return TensorDataset(x, y), TensorDataset(x[:16], y[:16])
 
-    def build_model(self, cfg):
+    def build_model(self):
+        cfg = self.cfg
         rank = int(os.environ.get("RANK", 0)) if self.seed_per_rank else 0
         torch.manual_seed(cfg.seed + 1000 * rank)
         model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))

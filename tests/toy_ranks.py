@@ -33,19 +33,21 @@ class RankToy(Task):
     primary_metric = "mse"
     higher_is_better = False
 
-    def __init__(self, fail_rank: int = -1, fail_at: int = -1):
+    def __init__(self, cfg, fail_rank: int = -1, fail_at: int = -1):
+        super().__init__(cfg)
         self.fail_rank, self.fail_at = fail_rank, fail_at
         self.acc = torch.zeros(())  # per-rank task state: sum of this rank's inputs and negatives
         self.calls = 0
         self.first = None  # (dropout mask, negatives) of this rank's first step
 
-    def datasets(self, cfg):
+    def datasets(self):
         g = torch.Generator().manual_seed(0)
         x = torch.randn(64, 8, generator=g)
         y = x @ torch.randn(8, 1, generator=g)
         return TensorDataset(x, y), TensorDataset(x[:16], y[:16])
 
-    def build_model(self, cfg):
+    def build_model(self):
+        cfg = self.cfg
         torch.manual_seed(cfg.seed)
         self.model = _Net()
         return self.model

@@ -36,6 +36,23 @@ def load_rgb(path: str, root: Path) -> Image.Image:
                         f"ImageNet is damaged, {_redo_hint(root)}") from None
 
 
+def _no_marker(root: Path) -> UserError:
+    return UserError(f"no prepared ImageNet at {root} (missing {MARKER}); run: "
+                     f"python -m data_prep.imagenet --archives <dir> --out {root}")
+
+
+def prepared_classes(root) -> list[str]:
+    """The prepared class list of `root` (WNIDs in index order, from classes.json)."""
+    root = Path(root)
+    if not (root / MARKER).is_file():
+        raise _no_marker(root)
+    path = root / CLASSES
+    try:
+        return [c["wnid"] for c in json.loads(path.read_text())]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"cannot read {path} ({e}); {_redo_hint(root)}") from None
+
+
 class ImageNetFolder(ImageFolder):
     """ImageNetFolder(root, "train" | "val", transform) over the output of python -m data_prep.imagenet."""
 
@@ -44,8 +61,7 @@ class ImageNetFolder(ImageFolder):
         if split not in SPLITS:
             raise UserError(f"unknown ImageNet split {split!r}; use one of {', '.join(SPLITS)}")
         if not (root / MARKER).is_file():
-            raise UserError(f"no prepared ImageNet at {root} (missing {MARKER}); run: "
-                            f"python -m data_prep.imagenet --archives <dir> --out {root}")
+            raise _no_marker(root)
         self.split = split
         self.info = json.loads((root / MARKER).read_text())
         try:
@@ -61,11 +77,7 @@ class ImageNetFolder(ImageFolder):
 
     def find_classes(self, directory):
         # Called by ImageFolder.__init__ with root/split; the class list is the prepared one.
-        path = Path(directory).parent / CLASSES
-        try:
-            wnids = [c["wnid"] for c in json.loads(path.read_text())]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise UserError(f"cannot read {path} ({e}); {_redo_hint(Path(directory).parent)}") from None
+        wnids = prepared_classes(Path(directory).parent)
         return wnids, {w: i for i, w in enumerate(wnids)}
 
     @property

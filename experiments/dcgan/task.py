@@ -54,8 +54,9 @@ class Task(BaseTask):
     channels_last = True  # a CNN on images: NHWC on CUDA (channels_last=auto)
     higher_is_better = False
 
-    def __init__(self):
-        self._real = None
+    def __init__(self, cfg, facts=None):
+        super().__init__(cfg, facts)
+        self._real = None  # the SWD's held-out reference images, read at the first evaluation
 
     @classmethod
     def check(cls, cfg):
@@ -64,25 +65,26 @@ class Task(BaseTask):
         if cfg.task.grid < 1 or cfg.task.eval_samples < 2:
             raise UserError("task.grid must be >= 1 and task.eval_samples >= 2")
 
-    def datasets(self, cfg):
+    def datasets(self):
         from data_prep.celeba.dataset import CelebA
 
-        c = cfg.task
-        self.cfg = cfg
+        c = self.cfg.task
         train = CelebA(c.data_root, "train", transform(c.image_size), cache=c.cache_images)
         val = CelebA(c.data_root, "valid", transform(c.image_size), cache=c.cache_images)
         return train, val
 
-    def build_model(self, cfg):
+    def build_model(self):
         import models
 
+        cfg = self.cfg
         return models.build(cfg.model, size=cfg.task.image_size, width=cfg.width)
 
-    def optimizers(self, model, cfg):
+    def optimizers(self, model):
         # Two Adams with the same settings (Radford et al. 2016: lr 2e-4, beta1 0.5). The
         # discriminator's comes first: it is stepped first in every iteration.
-        return {"discriminator": build_optimizer(cfg.optim, model["discriminator"].parameters()),
-                "generator": build_optimizer(cfg.optim, model["generator"].parameters())}
+        opt = self.cfg.optim
+        return {"discriminator": build_optimizer(opt, model["discriminator"].parameters()),
+                "generator": build_optimizer(opt, model["generator"].parameters())}
 
     def train_step(self, ctx, micro):
         (real,) = micro

@@ -127,42 +127,41 @@ class Task(BaseTask):
             raise UserError(f"task.pad_to_multiple={cfg.task.pad_to_multiple} must be >= 1 (1: pad to the "
                             f"longest utterance)")
 
-    def __init__(self, chars: str | None = None):
-        # The output alphabet: read from the prepared data by datasets(), or given (the speed/memory
-        # benchmark builds the model without data: English's alphabet, or ~4.2K Mandarin characters).
-        self.chars = chars
+    @dataclass(frozen=True)
+    class Facts:
+        chars: str  # the output characters after the blank (English's alphabet; AISHELL-1's vocab.txt)
 
-    def datasets(self, cfg):
-        c = cfg.task
-        root = Path(c.data_root)
+    @classmethod
+    def read_facts(cls, cfg):
+        root = Path(cfg.task.data_root)
         if not (root / "prepared.json").is_file():
             prep = "librispeech" if cfg.model == "english" else "aishell"
             raise UserError(f"{root} is not a prepared dataset (no prepared.json); run "
                             f"python -m data_prep.{prep} --archives DIR --out {root}")
-        self.chars = vocabulary(cfg.model, root)
+        return cls.Facts(chars=vocabulary(cfg.model, root))
+
+    def datasets(self):
+        cfg = self.cfg
+        c = cfg.task
+        root = Path(c.data_root)
         lower = cfg.model == "english"
         n_fft, hop = _window(c)
-        train = SpeechSet(root, list(c.train_sets), self.chars, lower, n_fft, hop, c.max_duration,
-                          c.cache_features)
-        val = SpeechSet(root, [c.val_set], self.chars, lower, n_fft, hop, cache=c.cache_features)
-        self.sortagrad, self.n_train = c.sortagrad, len(train)
-        self.pad_to_multiple = c.pad_to_multiple
+        chars = self.facts.chars
+        train = SpeechSet(root, list(c.train_sets), chars, lower, n_fft, hop, c.max_duration, c.cache_features)
+        val = SpeechSet(root, [c.val_set], chars, lower, n_fft, hop, cache=c.cache_features)
         return train, val
 
-    def build_model(self, cfg):
+    def build_model(self):
         import models
 
-        if self.chars is None:
-            raise RuntimeError("deepspeech2 Task: the alphabet is unknown; call datasets(cfg) first, or Task(chars=...)")
-        n_fft, _ = _window(cfg.task)
-        return models.build(cfg.model, vocab=len(self.chars) + 1, width=cfg.width, n_freq=n_fft // 2 + 1)
-
-    pad_to_multiple = 1  # set from task.pad_to_multiple by datasets()
+        n_fft, _ = _window(self.cfg.task)
+        return models.build(self.cfg.model, vocab=len(self.facts.chars) + 1, width=self.cfg.width,
+                            n_freq=n_fft // 2 + 1)
 
     def collate(self, samples):
         feats, targets, texts = zip(*samples)
         lengths = torch.tensor([f.shape[1] for f in feats])
-        k = self.pad_to_multiple
+        k = self.cfg.task.pad_to_multiple
         x = feats[0].new_zeros(len(feats), feats[0].shape[0], -(-int(lengths.max()) // k) * k)
         for i, f in enumerate(feats):
             x[i, :, : f.shape[1]] = f
@@ -172,10 +171,10 @@ class Task(BaseTask):
         return {"x": x, "lengths": lengths, "targets": torch.cat(targets), "target_lengths": target_lengths,
                 "host_lengths": [out_lengths(lengths).tolist(), target_lengths.tolist()], "texts": list(texts)}
 
-    def train_order(self, epoch: int, generator: torch.Generator):
-        if epoch == 0 and self.sortagrad:
-            return range(self.n_train)  # the dataset is sorted by duration: shortest first
-        return torch.randperm(self.n_train, generator=generator).tolist()
+    def train_order(self, train, epoch: int, generator: torch.Generator):
+        if epoch == 0 and self.cfg.task.sortagrad:
+            return range(len(train))  # the dataset is sorted by duration: shortest first
+        return torch.randperm(len(train), generator=generator).tolist()
 
     def ctc(self, model, batch):
         logits, lengths = model(batch["x"], batch["lengths"])
@@ -203,7 +202,7 @@ class Task(BaseTask):
             prev, s = BLANK, []
             for k in best[:n]:
                 if k != prev and k != BLANK:
-                    s.append(self.chars[k - 1])
+                    s.append(self.facts.chars[k - 1])
                 prev = k
             out.append("".join(s))
         return out

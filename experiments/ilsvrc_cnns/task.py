@@ -71,30 +71,39 @@ class Task(BaseTask):
         if c.init not in ("reference", "kaiming"):
             raise UserError(f"unknown task.init={c.init!r}; choose one of: reference, kaiming")
 
-    def __init__(self, num_classes: int | None = None):
-        # Read from the prepared data's class folders by datasets(), or given (the speed/memory
-        # benchmark builds the model without data: ILSVRC12's 1,000).
-        self.num_classes = num_classes
+    @dataclass(frozen=True)
+    class Facts:
+        num_classes: int  # ILSVRC12's 1,000; the prepared data's classes.json
 
-    def datasets(self, cfg):
+    @classmethod
+    def read_facts(cls, cfg):
+        from data_prep.imagenet.dataset import prepared_classes
+
+        return cls.Facts(num_classes=len(prepared_classes(cfg.task.data_root)))
+
+    @property
+    def aux_weight(self) -> float:
+        """The auxiliary heads' loss weight (GoogLeNet, Inception v3): task.aux_weight, or the model's own."""
+        from models.imagenet_cnns import AUX_WEIGHTS
+
+        c = self.cfg.task
+        return c.aux_weight if c.aux_weight >= 0 else AUX_WEIGHTS.get(self.cfg.model, 0.0)
+
+    def datasets(self):
         from data_prep.imagenet.dataset import ImageNetFolder
 
-        c = cfg.task
+        c = self.cfg.task
         train = ImageNetFolder(c.data_root, "train", transform=transforms(c, True))
         val = ImageNetFolder(c.data_root, "val", transform=transforms(c, False))
-        self.num_classes = len(train.classes)
         return train, val
 
-    def build_model(self, cfg):
+    def build_model(self):
         import models
         from models.imagenet_cnns import AUX_WEIGHTS
 
-        self.aux_weight = cfg.task.aux_weight if cfg.task.aux_weight >= 0 else AUX_WEIGHTS.get(cfg.model, 0.0)
-        self.label_smoothing = cfg.task.label_smoothing
-        if self.num_classes is None:
-            raise RuntimeError("ilsvrc_cnns Task: the class count is unknown; call datasets(cfg) first, or Task(num_classes=...)")
+        cfg = self.cfg
         kw = {"aux_logits": self.aux_weight > 0} if cfg.model in AUX_WEIGHTS else {}
-        model = models.build(cfg.model, num_classes=self.num_classes, width=cfg.width, **kw)
+        model = models.build(cfg.model, num_classes=self.facts.num_classes, width=cfg.width, **kw)
         if cfg.task.init == "kaiming":
             for m in model.modules():
                 if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear)):
@@ -118,9 +127,9 @@ class Task(BaseTask):
         aux = []
         if isinstance(out, tuple):  # GoogLeNet / Inception v3 in training: (logits, [aux logits])
             out, aux = out
-        loss = F.cross_entropy(out.float(), y, label_smoothing=self.label_smoothing)
+        loss = F.cross_entropy(out.float(), y, label_smoothing=self.cfg.task.label_smoothing)
         for a in aux:
-            loss = loss + self.aux_weight * F.cross_entropy(a.float(), y, label_smoothing=self.label_smoothing)
+            loss = loss + self.aux_weight * F.cross_entropy(a.float(), y, label_smoothing=self.cfg.task.label_smoothing)
         return loss, y.shape[0]
 
     def eval_sums(self, model, batch):

@@ -74,7 +74,7 @@ def measure(prec: str, impl: str, scale: str, shape) -> dict:
     # CPU's emulated FP16 math runs the layer in FP32 and saves FP32 ones (mpt.half_math.HalfMath).
     cfg = Config(precision=prec, impl=impl, loss_scale=scale, task=TaskCfg(), half_math="native",
                  optim=OptimCfg(name="adagrad", lr=0.2, initial_accumulator_value=1.0))
-    opt = build_optimizer(cfg.optim, Task().param_groups(model, cfg))  # the experiment's groups
+    opt = build_optimizer(cfg.optim, Task(cfg, Task.Facts(vocab_size=V)).param_groups(model))  # the experiment's groups
     recipe = precision.build(cfg, "cpu")
     model = recipe.prepare(model, [opt])
     x, y = torch.randint(0, V, (B, T)), torch.randint(0, V, (B, T))

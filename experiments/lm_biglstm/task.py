@@ -65,12 +65,27 @@ class Task(BaseTask):
     # Windows must come in order: batch row r continues stream r (data_prep/lm1b/dataset.py).
     shuffle_train = False
 
-    def __init__(self):
+    @dataclass(frozen=True)
+    class Facts:
+        vocab_size: int  # 793,471 for 1B Word; the prepared data's vocab.txt
+
+    @classmethod
+    def read_facts(cls, cfg):
+        from data_prep.lm1b.dataset import Prepared
+
+        return cls.Facts(vocab_size=len(Prepared(cfg.task.data_root).vocab))
+
+    def __init__(self, cfg, facts=None):
+        super().__init__(cfg, facts)
         # Recurrent state per stream, FP32, one table per kind ("train" / "eval") and layer:
         # [(h [S, P], c [S, H]), ...]. Train state survives checkpoints; eval state restarts with each
         # evaluation (window 0 resets a stream's state).
         self._tables: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._loaded: list | None = None
+        # One stream per row of a global batch: S = batch_size for training, batch_size / accum_steps for
+        # evaluation (the engine evaluates in micro-batches); see dataset.py for why this continues streams.
+        t = cfg.train
+        self.streams = {"train": t.batch_size, "eval": t.batch_size // t.accum_steps}
 
     # -- data and model -----------------------------------------------------------------------------
     @classmethod
@@ -78,42 +93,36 @@ class Task(BaseTask):
         if cfg.task.emb_grad_scale <= 0:
             raise UserError(f"task.emb_grad_scale={cfg.task.emb_grad_scale} must be positive")
 
-    def datasets(self, cfg):
+    def datasets(self):
         from data_prep.lm1b.dataset import Prepared, StreamWindows, TokenStream
 
-        c, t = cfg.task, cfg.train
+        c = self.cfg.task
         data = Prepared(c.data_root)
-        self.vocab_size = len(data.vocab)
-        # One stream per row of a global batch: S = batch_size for training, batch_size / accum_steps for
-        # evaluation (the engine evaluates in micro-batches); see dataset.py for why this continues streams.
-        self.streams = {"train": t.batch_size, "eval": t.batch_size // t.accum_steps}
         train = StreamWindows(TokenStream(data.shards("train")), self.streams["train"], c.num_steps, data.bos,
-                              shuffle_seed=cfg.seed)
+                              shuffle_seed=self.cfg.seed)
         test = StreamWindows(TokenStream(data.shards("test")), self.streams["eval"], c.num_steps, data.bos,
                              align=True, pad=True)
         return train, test
 
-    def build_model(self, cfg):
+    def build_model(self):
         import models
 
-        c = cfg.task
-        if c.num_sampled >= self.vocab_size:
+        c, vocab_size = self.cfg.task, self.facts.vocab_size
+        if c.num_sampled >= vocab_size:
             raise UserError(f"task.num_sampled={c.num_sampled} must be below the vocabulary size "
-                            f"({self.vocab_size:,}); use task.num_sampled=0 for the full softmax")
-        model = models.build(cfg.model, vocab_size=self.vocab_size, width=cfg.width, num_sampled=c.num_sampled,
-                             num_layers=c.num_layers, dropout=c.dropout, forget_bias=c.forget_bias,
-                             softmax_fp16=c.softmax_fp16)
-        self.dims = (len(model.lstm), model.proj_size, model.hidden_size)
-        self.num_steps, self.sum_steps = c.num_steps, c.loss_sum_over_steps
-        return model
+                            f"({vocab_size:,}); use task.num_sampled=0 for the full softmax")
+        return models.build(self.cfg.model, vocab_size=vocab_size, width=self.cfg.width, num_sampled=c.num_sampled,
+                            num_layers=c.num_layers, dropout=c.dropout, forget_bias=c.forget_bias,
+                            softmax_fp16=c.softmax_fp16)
 
-    def optimizers(self, model, cfg):
+    def optimizers(self, model):
         # Adagrad over param_groups(), the LSTM's group clipped on its own (f-lm: clip_lstm_grads)
-        opts = super().optimizers(model, cfg)
+        opts = super().optimizers(model)
         opts["main"].register_step_pre_hook(clip_groups)
         return opts
 
-    def param_groups(self, model, cfg):
+    def param_groups(self, model):
+        cfg = self.cfg
         c = cfg.task
         groups = [
             {"params": [model.embedding.weight],
@@ -125,28 +134,26 @@ class Task(BaseTask):
         return groups
 
     # -- recurrent state ----------------------------------------------------------------------------
-    def _table(self, kind: str, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _table(self, kind: str, model, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
         tab = self._tables.get(kind)
         if tab is None or tab[0][0].device != torch.device(device):
-            layers, P, H = self.dims
-            S = self.streams[kind]
             if kind == "train" and self._loaded is not None:
                 tab = [(h.to(device), c.to(device)) for h, c in self._loaded]
                 self._loaded = None
-            else:
-                tab = [(torch.zeros(S, P, device=device), torch.zeros(S, H, device=device)) for _ in range(layers)]
+            else:  # the model's own zero state (one (h, c) per layer, FP32) for every stream
+                tab = getattr(model, "module", model).zero_state(self.streams[kind], device)
             self._tables[kind] = tab
         return tab
 
-    def _state(self, kind: str, batch) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _state(self, kind: str, model, batch) -> list[tuple[torch.Tensor, torch.Tensor]]:
         stream, fresh = batch["stream"], (batch["window"] == 0)[:, None]
         return [(torch.where(fresh, 0.0, h[stream]), torch.where(fresh, 0.0, c[stream]))
-                for h, c in self._table(kind, stream.device)]
+                for h, c in self._table(kind, model, stream.device)]
 
     @torch.no_grad()
-    def _keep(self, kind: str, batch, new) -> None:
+    def _keep(self, kind: str, model, batch, new) -> None:
         # Detached: back-propagation is truncated at the window boundary, the state itself carries on.
-        for (h, c), (hn, cn) in zip(self._table(kind, batch["stream"].device), new):
+        for (h, c), (hn, cn) in zip(self._table(kind, model, batch["stream"].device), new):
             h[batch["stream"]] = hn.detach().float()
             c[batch["stream"]] = cn.detach().float()
 
@@ -162,13 +169,13 @@ class Task(BaseTask):
     # -- training and evaluation --------------------------------------------------------------------
     def loss(self, model, batch):
         mask = batch["mask"]
-        nll, new = model(batch["x"], batch["y"], mask, self._state("train", batch))
-        self._keep("train", batch, new)
+        nll, new = model(batch["x"], batch["y"], mask, self._state("train", model, batch))
+        self._keep("train", model, batch, new)
         # The mean over the targets that count, divided on the device: int(mask.sum()) would be a host
         # read (a GPU sync) every step.
         loss = nll.sum() / mask.sum().clamp(min=1)
-        if self.sum_steps:
-            loss = _ScaleGrad.apply(loss, float(self.num_steps))
+        if self.cfg.task.loss_sum_over_steps:
+            loss = _ScaleGrad.apply(loss, float(self.cfg.task.num_steps))
         # Items for the logged throughput, from the shape (no device read): token positions, B x
         # num_steps, i.e. the counted targets plus the </S> -> <S> steps (about 1 in 27 in 1B Word; the
         # training windows have no padding). Every position runs through the LSTMs and the softmax.
@@ -176,8 +183,8 @@ class Task(BaseTask):
 
     def eval_sums(self, model, batch):
         mask = batch["mask"]
-        nll, new = model(batch["x"], batch["y"], mask, self._state("eval", batch))
-        self._keep("eval", batch, new)
+        nll, new = model(batch["x"], batch["y"], mask, self._state("eval", model, batch))
+        self._keep("eval", model, batch, new)
         return {"nll": float(nll.sum()), "n": int(mask.sum())}
 
     def eval_metrics(self, s):

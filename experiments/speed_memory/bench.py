@@ -57,14 +57,14 @@ class Workload:
     experiment: str  # whose config.yaml gives the optimizer and loss (experiments/<name>)
     unit: str  # what throughput counts: images | utterances | tokens
     default_size: int  # input size at which the paper trained the model
-    make_task: Callable[[], Any]  # the experiment's Task, ready for build_model(cfg) and loss(model, batch)
+    make_task: Callable[[Any], Any]  # cfg -> the experiment's Task(cfg, facts) with the paper data's facts
     make_batch: Callable[[int, int, torch.device, bool, torch.Generator], Any]  # (n, size, device, channels_last, gen)
 
 
-def _imagenet_task():
+def _imagenet_task(cfg):
     from experiments.ilsvrc_cnns.task import Task
 
-    return Task(num_classes=1000)  # ILSVRC12's; a training run reads it from the class folders
+    return Task(cfg, Task.Facts(num_classes=1000))  # ILSVRC12's; a training run reads its classes.json
 
 
 def _imagenet_batch(n, size, device, channels_last, gen):
@@ -78,11 +78,12 @@ def _speech_task(model: str):
     """DeepSpeech 2 (Table 3) as Task.datasets() would set it up from prepared data: the output
     characters (English's alphabet; AISHELL-1's ~4.2K characters, sized as models.deepspeech2 sizes
     the full model); the window (20 ms in the paper profile: 161 frequency bins) comes from the config."""
-    def make():
+    def make(cfg):
         from experiments.deepspeech2.task import ENGLISH, Task
         from models.deepspeech2 import MANDARIN_VOCAB
 
-        return Task(chars=ENGLISH if model == "english" else "\u4e00" * (MANDARIN_VOCAB - 1))  # only its length is used
+        chars = ENGLISH if model == "english" else "\u4e00" * (MANDARIN_VOCAB - 1)  # only its length is used
+        return Task(cfg, Task.Facts(chars=chars))
     return make
 
 
@@ -400,8 +401,8 @@ def _measure(wl: Workload, model_name, precision, impl, size, o, device) -> dict
     recipes.set_backend_flags(cfg.tf32)
     torch.backends.cudnn.benchmark = o["cudnn_benchmark"]
     torch.manual_seed(0)
-    task = wl.make_task()
-    net = task.build_model(cfg).to(device)
+    task = wl.make_task(cfg)
+    net = task.build_model().to(device)
     if o["channels_last"]:
         net = net.to(memory_format=torch.channels_last)
     opt = make_optimizer(cfg.optim, list(net.parameters()), o["fused"])

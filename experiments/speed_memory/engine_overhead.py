@@ -38,14 +38,15 @@ class _EngineTask(Task):
     handed to train_step already on the device, so neither loop loads or copies data."""
 
     def __init__(self, inner, n):
+        super().__init__(inner.cfg)
         self.inner, self.n = inner, n
         self.primary_metric, self.higher_is_better = "none", True
 
-    def datasets(self, cfg):
+    def datasets(self):
         return range(self.n), range(self.n)
 
-    def build_model(self, cfg):
-        return self.inner.build_model(cfg)
+    def build_model(self):
+        return self.inner.build_model()
 
     def loss(self, model, batch):
         return self.inner.loss(model, batch)
@@ -79,7 +80,7 @@ def measure(model: str, precision: str, *, width: float, batch: int, size: int |
             # own schedule would cut the engine's rate tenfold every 30 steps.
             "sched.name=constant", "sched.warmup_epochs=0"])
         torch.manual_seed(0)
-        task = _EngineTask(wl.make_task(), batch)
+        task = _EngineTask(wl.make_task(cfg), batch)
         run = engine.Run(cfg, task)
         run.setup()  # the engine's settings: cudnn.benchmark on, TF32 off
         xb = wl.make_batch(batch, size, run.device, channels_last, torch.Generator().manual_seed(0))
@@ -131,7 +132,7 @@ def _hand_loop(task, cfg, precision, device, xb, channels_last):
     Nothing in it reads a device value: a per-step loss.item() would stall a GPU's queue every step,
     and the engine reads its losses only at log steps."""
     torch.manual_seed(0)
-    ref = task.build_model(cfg).to(device)
+    ref = task.build_model().to(device)
     if channels_last:
         ref = ref.to(memory_format=torch.channels_last)
     opt = build_optimizer(cfg.optim, ref.parameters())

@@ -129,13 +129,20 @@ class Task(BaseTask):
             # The paper impl casts every floating input of the model to FP16, the ground-truth boxes too.
             raise UserError("voc_detection runs impl=autocast only (impl=paper would cast the target boxes to FP16)")
 
-    def datasets(self, cfg):
-        from data_prep.voc.dataset import VOCDetectionSet, read_marker
+    @dataclass(frozen=True)
+    class Facts:
+        classes: tuple[str, ...]  # the object classes in label order (label 0 is the background)
 
-        c = cfg.task
-        classes = read_marker(c.data_root)["classes"]
-        self.num_classes = len(classes) + 1  # + background; kept here, never in the config
-        self.cfg = cfg
+    @classmethod
+    def read_facts(cls, cfg):
+        from data_prep.voc.dataset import read_marker
+
+        return cls.Facts(classes=tuple(read_marker(cfg.task.data_root)["classes"]))
+
+    def datasets(self):
+        from data_prep.voc.dataset import VOCDetectionSet
+
+        c, classes = self.cfg.task, list(self.facts.classes)
         train = VOCDetectionSet(c.data_root, list(c.train_sets), classes, train_transform(c.augment),
                                 keep_difficult=c.train_difficult)
         val = VOCDetectionSet(c.data_root, [c.test_set], classes, v2.ToDtype(torch.float32, scale=True))
@@ -143,20 +150,22 @@ class Task(BaseTask):
             val = torch.utils.data.Subset(val, range(min(c.eval_max_images, len(val))))
         return train, val
 
-    def build_model(self, cfg):
+    def build_model(self):
         import models
 
+        cfg = self.cfg
         c = cfg.task
         kw = {"max_size": c.max_size, "rpn_allowed_border": c.rpn_allowed_border} \
             if cfg.model == "faster_rcnn_vgg16" else {}
-        return models.build(cfg.model, num_classes=self.num_classes, width=cfg.width, size=c.image_size,
+        return models.build(cfg.model, num_classes=len(self.facts.classes) + 1, width=cfg.width, size=c.image_size,
                             backbone=c.backbone, batch_norm=c.batch_norm, freeze=c.freeze_through, **kw)
 
     collate = staticmethod(collate)
 
-    def param_groups(self, model, cfg):
+    def param_groups(self, model):
         # Both Caffe recipes give biases twice the learning rate (lr_mult 2); SSD's prototxt does not
         # decay them (decay_mult 0), py-faster-rcnn's does (no decay_mult: 1) -- task.bias_decay.
+        cfg = self.cfg
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         bias_wd = cfg.optim.weight_decay if cfg.task.bias_decay else 0.0
         return [{"params": [p for n, p in named if not n.endswith(".bias")]},
@@ -184,13 +193,11 @@ class Task(BaseTask):
             dets = [d for part in box for d in part[0]]
             gts = [g for part in box for g in part[1]]
         rule = self.cfg.task.ap_rule
-        mAP, aps = voc07_map(dets, gts, self.num_classes - 1, rule)
+        names = self.facts.classes
+        mAP, aps = voc07_map(dets, gts, len(names), rule)
         out = {"mAP": round(mAP, 3), "detections": sum(len(d["scores"]) for d in dets)}
         for other in RULES:  # every rule's mAP, so a paper run gives both numbers
-            m = mAP if other == rule else voc07_map(dets, gts, self.num_classes - 1, other)[0]
+            m = mAP if other == rule else voc07_map(dets, gts, len(names), other)[0]
             out[f"mAP_{other.replace('-', '_')}"] = round(m, 3)
-        from data_prep.voc.dataset import read_marker
-
-        names = read_marker(self.cfg.task.data_root)["classes"]
         out.update({f"AP/{n}": round(a, 3) for n, a in zip(names, aps) if a == a})  # NaN: no box of the class
         return out

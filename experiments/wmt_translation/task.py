@@ -96,45 +96,60 @@ class Task(BaseTask):
             raise UserError(f"task.plateau_decay={c.plateau_decay} must be in (0, 1) (0: off) and "
                             f"task.plateau_window={c.plateau_window} >= 1")
 
-    # -- data and model -----------------------------------------------------------------------------
-    def datasets(self, cfg):
+    @dataclass(frozen=True)
+    class Facts:
+        vocab: dict  # subword vocabulary sizes {"en": n, "fr": n} of the prepared data
+        pad: int
+        bos: int
+        eos: int
+
+    @classmethod
+    def read_facts(cls, cfg):
         from data_prep.wmt15.dataset import Prepared
 
-        c = cfg.task
-        self.buckets = np.array([tuple(x) for x in c.buckets])
-        self.data = Prepared(c.data_root)
-        sp = self.data.special
-        self.pad, self.bos, self.eos = sp["pad"], sp["bos"], sp["eos"]
-        train, dev = self.data.split("train"), self.data.split("dev")
+        data = Prepared(cfg.task.data_root)
+        sp = data.special
+        return cls.Facts(vocab=dict(data.vocab), pad=sp["pad"], bos=sp["bos"], eos=sp["eos"])
+
+    @property
+    def buckets(self) -> np.ndarray:
+        return np.array([tuple(x) for x in self.cfg.task.buckets])
+
+    # -- data and model -----------------------------------------------------------------------------
+    def datasets(self):
+        from data_prep.wmt15.dataset import Prepared
+
+        c = self.cfg.task
+        data = Prepared(c.data_root)
+        train, dev = data.split("train"), data.split("dev")
         for ds, name in ((train, "train"), (dev, "dev")):
             ds.keep(self._bucket(ds) >= 0)
             if len(ds) == 0:
                 raise UserError(f"no {name} pair of {c.data_root} fits task.buckets={c.buckets}")
-        self.train_bucket = self._bucket(train)
-        self.batch = cfg.train.batch_size
-        self.cfg = c
         return train, dev
 
     def _bucket(self, ds) -> np.ndarray:
         """Index of the first bucket each pair fits (target counted with its </s>), -1 for none."""
+        buckets = self.buckets
         s, t = ds.lengths("en")[:, None], ds.lengths("fr")[:, None] + 1
-        fits = (s <= self.buckets[None, :, 0]) & (t <= self.buckets[None, :, 1])
+        fits = (s <= buckets[None, :, 0]) & (t <= buckets[None, :, 1])
         return np.where(fits.any(1), fits.argmax(1), -1)
 
-    def build_model(self, cfg):
+    def build_model(self):
         import models
 
-        v = self.data.vocab
-        return models.build(cfg.model, src_vocab=v["en"], tgt_vocab=v["fr"], width=cfg.width,
-                            dropout=cfg.task.dropout, pad_id=self.pad, init=cfg.task.init_scale)
+        cfg, f = self.cfg, self.facts
+        return models.build(cfg.model, src_vocab=f.vocab["en"], tgt_vocab=f.vocab["fr"], width=cfg.width,
+                            dropout=cfg.task.dropout, pad_id=f.pad, init=cfg.task.init_scale)
 
     # -- batches ------------------------------------------------------------------------------------
-    def train_order(self, epoch, g):
+    def train_order(self, train, epoch, g):
         """Each global batch from one bucket (translate.py), batches in random order; the leftovers of
-        every bucket make the last, mixed batches. A function of (epoch, g) only: resume is exact."""
-        B, chunks, rest = self.batch, [], []
-        for k in range(len(self.buckets)):
-            idx = np.flatnonzero(self.train_bucket == k)
+        every bucket make the last, mixed batches. A function of (train, epoch, g) only: resume is exact."""
+        B, chunks, rest = self.cfg.train.batch_size, [], []
+        bucket = self._bucket(train)
+        for k in range(len(self.cfg.task.buckets)):
+            idx = np.flatnonzero(bucket == k)
             idx = idx[torch.randperm(len(idx), generator=g).numpy()]
             full = len(idx) // B * B
             chunks += [idx[i:i + B] for i in range(0, full, B)]
@@ -144,38 +159,40 @@ class Task(BaseTask):
 
     def collate(self, samples):
         """Source reversed and left-padded (translate.py), decoder input <s> + target, output target + </s>."""
+        pad, bos, eos = self.facts.pad, self.facts.bos, self.facts.eos
         B = len(samples)
         S = max(1, max(len(s) for s, _ in samples))
         T = max(len(t) for _, t in samples) + 1
-        src = torch.full((B, S), self.pad, dtype=torch.long)
-        tin = torch.full((B, T), self.pad, dtype=torch.long)
-        tout = torch.full((B, T), self.pad, dtype=torch.long)
+        src = torch.full((B, S), pad, dtype=torch.long)
+        tin = torch.full((B, T), pad, dtype=torch.long)
+        tout = torch.full((B, T), pad, dtype=torch.long)
         for i, (s, t) in enumerate(samples):
             if len(s):
                 src[i, S - len(s):] = s.flip(0)
-            tin[i, 0] = self.bos
+            tin[i, 0] = bos
             tin[i, 1:len(t) + 1] = t
             tout[i, :len(t)] = t
-            tout[i, len(t)] = self.eos
+            tout[i, len(t)] = eos
         # n_tgt: the target tokens that count (each target and its </s>), counted here on the host; a
         # plain int, which the engine leaves on the host (task.loss divides by it without a device read).
-        return {"src": src, "src_mask": src != self.pad, "tgt_in": tin, "tgt_out": tout,
+        return {"src": src, "src_mask": src != pad, "tgt_in": tin, "tgt_out": tout,
                 "n_tgt": sum(len(t) + 1 for _, t in samples)}
 
     # -- training and evaluation --------------------------------------------------------------------
     def _nll(self, model, batch):
         logits = model(batch["src"], batch["src_mask"], batch["tgt_in"])
         # Softmax and loss in FP32 whatever the model's dtype (paper section 3.3).
-        return F.cross_entropy(logits.float().flatten(0, 1), batch["tgt_out"].flatten(), ignore_index=self.pad,
+        return F.cross_entropy(logits.float().flatten(0, 1), batch["tgt_out"].flatten(), ignore_index=self.facts.pad,
                                reduction="sum")
 
-    def schedules(self, optimizers, cfg, steps_per_epoch, total_epochs):
-        if self.cfg.plateau_decay <= 0:
+    def schedules(self, optimizers, steps_per_epoch, total_epochs):
+        c = self.cfg.task
+        if c.plateau_decay <= 0:
             self._plateau = None
-            return super().schedules(optimizers, cfg, steps_per_epoch, total_epochs)
+            return super().schedules(optimizers, steps_per_epoch, total_epochs)
         (name, opt), = optimizers.items()
-        self._plateau = PlateauLR(opt, update_factor(cfg.sched, steps_per_epoch, total_epochs),
-                                  self.cfg.plateau_decay, self.cfg.plateau_window)
+        self._plateau = PlateauLR(opt, update_factor(self.cfg.sched, steps_per_epoch, total_epochs),
+                                  c.plateau_decay, c.plateau_window)
         return {name: self._plateau}
 
     def train_step(self, ctx, micro_batches):
@@ -190,7 +207,7 @@ class Task(BaseTask):
 
     def eval_sums(self, model, batch) -> dict:
         """Summed target-subword NLL and the subword count of one validation batch (newstest2013)."""
-        return {"nll": self._nll(model, batch).double(), "tokens": (batch["tgt_out"] != self.pad).sum()}
+        return {"nll": self._nll(model, batch).double(), "tokens": (batch["tgt_out"] != self.facts.pad).sum()}
 
     def eval_metrics(self, sums: dict) -> dict[str, float]:
         nll = sums["nll"] / max(sums["tokens"], 1.0)
@@ -199,35 +216,39 @@ class Task(BaseTask):
     def evaluate(self, ev) -> dict[str, float]:
         """Validation perplexity (the engine's additive sums) and test BLEU (newstest2014)."""
         metrics = super().evaluate(ev)
-        if self.cfg.bleu:
+        if self.cfg.task.bleu:
             metrics["bleu"] = self.bleu(ev)
         return metrics
 
     def translate(self, model, sources: list[torch.Tensor], device, autocast) -> list[list[int]]:
         """Greedy translations (target ids without </s>) of source id tensors, in their order."""
+        c, f = self.cfg.task, self.facts
         max_src = int(self.buckets[-1, 0])
         order = sorted(range(len(sources)), key=lambda i: len(sources[i]))  # similar lengths per batch
         out: list[list[int]] = [[] for _ in sources]
-        for k in range(0, len(order), self.cfg.decode_batch):
-            ids = order[k:k + self.cfg.decode_batch]
+        for k in range(0, len(order), c.decode_batch):
+            ids = order[k:k + c.decode_batch]
             # Sources beyond the longest bucket are cut to it (the model never saw longer ones).
             batch = self.collate([(sources[i][:max_src], torch.zeros(0, dtype=torch.long)) for i in ids])
             src, mask = batch["src"].to(device), batch["src_mask"].to(device)
             with autocast():
-                hyp = model.greedy(src, mask, self.bos, self.eos, 2 * src.shape[1] + self.cfg.decode_extra)
+                hyp = model.greedy(src, mask, f.bos, f.eos, 2 * src.shape[1] + c.decode_extra)
             for i, row in zip(ids, hyp.tolist()):
-                out[i] = row[:row.index(self.eos)] if self.eos in row else [x for x in row if x != self.pad]
+                out[i] = row[:row.index(f.eos)] if f.eos in row else [x for x in row if x != f.pad]
         return out
 
     def bleu(self, ev) -> float:
         import sacrebleu
 
-        test = self.data.split("test")
-        refs = self.data.text("test", "fr")
-        n = len(test) if not self.cfg.bleu_max_sentences else min(len(test), self.cfg.bleu_max_sentences)
+        from data_prep.wmt15.dataset import Prepared
+
+        data, most = Prepared(self.cfg.task.data_root), self.cfg.task.bleu_max_sentences
+        test = data.split("test")
+        refs = data.text("test", "fr")
+        n = len(test) if not most else min(len(test), most)
         mine = list(range(ev.rank, n, ev.world))
         hyps = self.translate(ev.model, [test[i][0] for i in mine], ev.device, ev.autocast)
-        sp = self.data.spm("fr")
+        sp = data.spm("fr")
         pairs = list(zip(mine, (sp.decode(h) for h in hyps)))
         if ev.world > 1:
             gathered = [None] * ev.world

@@ -119,15 +119,15 @@ class UnderflowTask(Task):
     the engine with the static S the doctor advises): the same batches, model, scaled loss and SGD."""
     primary_metric, higher_is_better = "mse", False
 
-    def datasets(self, cfg):
+    def datasets(self):
         batches = _data()
         x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
         return TensorDataset(x, y), TensorDataset(x, y)
 
-    def build_model(self, cfg):
+    def build_model(self):
         return _mlp()
 
-    def optimizers(self, model, cfg):
+    def optimizers(self, model):
         return {"main": _sgd(0.05 / UNDERFLOW_SHIFT)(model)}  # the lr that goes with the scaled loss
 
     def loss(self, model, batch):

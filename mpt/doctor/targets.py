@@ -3,6 +3,7 @@ docstring says what each returns) loaded as a model, its loss, its batches and i
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 import inspect
 from dataclasses import dataclass, field
@@ -62,12 +63,12 @@ def load(target: str, overrides: list[str] = (), profile: str | None = None, ste
                         and getattr(v, "__module__", None) == mod.__name__)
         raise UserError(f"module {mod_name!r} has no {attr!r}; it defines: {', '.join(public) or 'nothing callable'}")
     if inspect.isclass(obj) and issubclass(obj, Task):
-        return _from_task(obj(), Config(), target, steps)
+        return _from_task(obj(Config()), target, steps)
     if not callable(obj):
         raise UserError(f"{target} is a {type(obj).__name__}, not a function; {FORM}")
     got = obj()
     if isinstance(got, Task):
-        return _from_task(got, Config(), target, steps)
+        return _from_task(got, target, steps)
     return _from_value(got, target)
 
 
@@ -101,7 +102,7 @@ def _from_value(got: Any, target: str) -> Patient:
     return Patient(target, model, loss, batches, opt or default_optimizer, [] if opt else [note])
 
 
-def _from_task(task: Task, cfg, name: str, steps: int) -> Patient:
+def _from_task(task: Task, name: str, steps: int) -> Patient:
     """A Task's model, optimizer, loss and first `steps` training batches, as the engine would draw them
     (mpt.data's seeded sampler and dataset, the task's collate and order); one optimizer, constant lr."""
     from torch.utils.data import DataLoader
@@ -111,17 +112,18 @@ def _from_task(task: Task, cfg, name: str, steps: int) -> Patient:
     if type(task).train_step is not Task.train_step:
         raise UserError(f"{name}: {type(task).__qualname__} has its own train_step (several losses or optimizers); "
                         f"the doctor runs the default loss step: give module:function returning one model and loss")
+    cfg = task.cfg
     torch.manual_seed(cfg.seed)
-    train, _ = task.datasets(cfg)
-    model = task.build_model(cfg)
+    train, _ = task.datasets()
+    model = task.build_model()
     if isinstance(model, nn.ModuleDict):
         raise UserError(f"{name}: the task builds several models ({', '.join(model)}); the doctor examines one")
     micro = max(1, cfg.train.batch_size // cfg.train.accum_steps)
     if len(train) < micro:
         raise UserError(f"{name}: train.batch_size={micro} is larger than the training set ({len(train)})")
     ds = SeededDataset(train, cfg.seed)
-    sampler = EpochSampler(len(train), cfg.seed, task.shuffle_train, batch_size=micro, order=task.train_order,
-                           with_epoch=True)
+    sampler = EpochSampler(len(train), cfg.seed, task.shuffle_train, batch_size=micro,
+                           order=functools.partial(task.train_order, train), with_epoch=True)
     loader = DataLoader(ds, batch_size=micro, sampler=sampler, drop_last=True, collate_fn=task.collate)
     batches, epoch = [], 0
     while len(batches) < steps:
@@ -134,7 +136,7 @@ def _from_task(task: Task, cfg, name: str, steps: int) -> Patient:
         epoch += 1
 
     def optimizer(m):
-        opts = dict(task.optimizers(m, cfg))
+        opts = dict(task.optimizers(m))
         if len(opts) != 1:
             raise UserError(f"{name}: the task has {len(opts)} optimizers; the doctor examines one")
         return next(iter(opts.values()))
@@ -152,5 +154,5 @@ def _from_experiment(name: str, overrides: list[str], profile: str | None, steps
     cfg = config.resolve(name, args)
     mod = config.experiment_module(name)
     label = f"experiment:{name} ({cfg.model}, profile {cfg.profile})"
-    return _from_task(mod.Task(), cfg, label, steps)
+    return _from_task(mod.Task(cfg), label, steps)
 
