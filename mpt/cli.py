@@ -15,10 +15,11 @@ from mpt.rundir import FINAL
 from mpt.signals import STOP, install_stop_handlers
 
 
-def main(experiment: str, overrides: list[str]) -> dict:
-    cfg = config.resolve(experiment, overrides)
-    mod = config.experiment_module(experiment)
-    return run(cfg, mod.Task(cfg))
+def main(experiment: str | config.Experiment, overrides: list[str]) -> dict:
+    """One run of `experiment` (registered, mpt.config.register; or its name) with the overrides."""
+    exp = config.get_experiment(experiment)
+    cfg = config.resolve(exp, overrides)
+    return run(cfg, exp.task(cfg))
 
 
 def exit_code(summary: dict) -> int:
@@ -33,13 +34,15 @@ def exit_code(summary: dict) -> int:
     return 1
 
 
-def cli_main(experiment: str, argv: list[str] | None = None) -> None:
-    """`python -m experiments.<name> key=value ...`"""
+def cli_main(experiment: str | config.Experiment, argv: list[str] | None = None) -> None:
+    """`python -m <the experiment's package> key=value ...` (an experiment's __main__ hands itself here)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("-h", "--help"):
-        print(f"usage: python -m experiments.{experiment} [--print-config] [key=value ...]\n"
-              f"e.g.   python -m experiments.{experiment} profile=tiny precision=mixed\n"
-              f"keys:  see mpt/config.py and experiments/{experiment}/config.yaml\n"
+        exp = cli(config.get_experiment)(experiment)
+        prog = exp.task.__module__.rpartition(".")[0] or exp.task.__module__
+        print(f"usage: python -m {prog} [--print-config] [key=value ...]\n"
+              f"e.g.   python -m {prog} profile=tiny precision=mixed\n"
+              f"keys:  see mpt/config.py and {exp.where}\n"
               f"--print-config: print the resolved config and its run directory; run nothing\n"
               f"SIGTERM, SIGINT (Ctrl-C), SIGUSR1 and SIGHUP (a closed terminal) checkpoint at the next step and "
               f"stop (exit 128 + signal: 143, 130, 138, 129); "

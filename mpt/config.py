@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import hashlib
 import importlib
+import importlib.util
 import json
 import math
 import os
@@ -297,11 +298,69 @@ def parse_options(argv: list[str], defaults: dict[str, Any], prog: str, example:
 # experiments
 
 
-def experiment_module(name: str):
-    if not re.fullmatch(r"[A-Za-z_]\w*", name or "") or not (REPO / "experiments" / name / "__init__.py").exists():
-        known = sorted(p.parent.name for p in (REPO / "experiments").glob("*/config.yaml"))
-        raise UserError(f"unknown experiment {name!r}; choose one of: {', '.join(known)}")
-    return importlib.import_module(f"experiments.{name}")
+@dataclass(frozen=True)
+class Experiment:
+    """What the core needs of an experiment: its name (a run's directory and a grid's `experiment:`),
+    its Task subclass and TaskCfg dataclass (the task.* keys), and its config.yaml (base:, models:,
+    profiles:). An experiment registers itself (register(), in its package's __init__); the core
+    finds it by name in the registry, never by its place in a folder."""
+    name: str
+    task: type
+    task_cfg: type
+    config_yaml: pathlib.Path
+
+    @property
+    def where(self) -> str:
+        """config.yaml as the user knows it: relative to the repository when inside it."""
+        try:
+            return str(self.config_yaml.relative_to(REPO))
+        except ValueError:
+            return str(self.config_yaml)
+
+
+_EXPERIMENTS: dict[str, Experiment] = {}
+# The packages an experiment named but not yet registered is looked for in (importing
+# <package>.<name> registers it): this repository's experiments/. A project of its own registers its
+# experiments before naming them (import them), or appends its package here.
+EXPERIMENT_PACKAGES = ["experiments"]
+
+
+def register(name: str, task: type, task_cfg: type, config_yaml=None) -> Experiment:
+    """Register an experiment under `name`; config_yaml defaults to config.yaml beside the task's module."""
+    if not re.fullmatch(r"[A-Za-z_]\w*", name or ""):
+        raise ValueError(f"experiment name {name!r} must be an identifier (it names run directories)")
+    if config_yaml is None:
+        config_yaml = pathlib.Path(importlib.import_module(task.__module__).__file__).parent / "config.yaml"
+    exp = Experiment(name, task, task_cfg, pathlib.Path(config_yaml).resolve())
+    old = _EXPERIMENTS.get(name)
+    if old is not None and (old.task.__qualname__, old.task.__module__) != (task.__qualname__, task.__module__):
+        raise ValueError(f"two experiments named {name!r}: {old.task.__module__} and {task.__module__}")
+    _EXPERIMENTS[name] = exp
+    return exp
+
+
+def _discoverable() -> list[str]:
+    """Experiments of EXPERIMENT_PACKAGES (folders with a config.yaml), for the error's list."""
+    names = set(_EXPERIMENTS)
+    for pkg in EXPERIMENT_PACKAGES:
+        spec = importlib.util.find_spec(pkg)
+        for folder in (spec.submodule_search_locations or []) if spec else []:
+            names.update(p.parent.name for p in pathlib.Path(folder).glob("*/config.yaml"))
+    return sorted(names)
+
+
+def get_experiment(name) -> Experiment:
+    """The registered experiment `name` (an Experiment is returned as it is)."""
+    if isinstance(name, Experiment):
+        return name
+    if name not in _EXPERIMENTS and re.fullmatch(r"[A-Za-z_]\w*", name or ""):
+        for pkg in EXPERIMENT_PACKAGES:
+            if importlib.util.find_spec(pkg) is not None and importlib.util.find_spec(f"{pkg}.{name}") is not None:
+                importlib.import_module(f"{pkg}.{name}")
+                break
+    if name not in _EXPERIMENTS:
+        raise UserError(f"unknown experiment {name!r}; choose one of: {', '.join(_discoverable())}")
+    return _EXPERIMENTS[name]
 
 
 # ------------------------------------------------------------------ YAML that refuses a repeated key
@@ -344,8 +403,7 @@ def yaml_error(e: yaml.YAMLError) -> str:
     return f"{what} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else what
 
 
-def load_experiment_yaml(name: str) -> dict:
-    path = REPO / "experiments" / name / "config.yaml"
+def load_experiment_yaml(path: pathlib.Path) -> dict:
     try:
         st = path.stat()
         # A grid resolves every cell from the same file: parsed once per version of it (a copy each time).
@@ -371,38 +429,38 @@ def _parse_yaml(path: str, mtime_ns: int, size: int):
         return safe_load(f) or {}
 
 
-def resolve(experiment: str, overrides: list[str] | tuple = ()) -> Config:
+def resolve(experiment: str | Experiment, overrides: list[str] | tuple = ()) -> Config:
     """The resolved config of one run of `experiment` (see the module docstring for the order)."""
-    mod = experiment_module(experiment)
-    spec = load_experiment_yaml(experiment)
-    cfg = Config(experiment=experiment, task=mod.TaskCfg())
+    exp = get_experiment(experiment)
+    experiment, where = exp.name, exp.where
+    spec = load_experiment_yaml(exp.config_yaml)
+    cfg = Config(experiment=experiment, task=exp.task_cfg())
     pairs = parse_overrides(list(overrides))
     cli = dict(pairs)
     if "experiment" in cli and cli["experiment"] != experiment:
         raise UserError(f"experiment={cli['experiment']} does not match the command's experiment {experiment!r}")
-    apply_mapping(cfg, spec.get("base"), f"experiments/{experiment}/config.yaml base")
+    apply_mapping(cfg, spec.get("base"), f"{where} base")
     model = str(cli.get("model", cfg.model))
     models = spec.get("models") or {}
     if model not in models:
         raise UserError(f"unknown model {model!r} for experiment {experiment}; choose one of: {', '.join(models)}")
-    apply_mapping(cfg, models[model], f"experiments/{experiment}/config.yaml models.{model}")
+    apply_mapping(cfg, models[model], f"{where} models.{model}")
     profile = str(cli.get("profile", cfg.profile))
     profiles = spec.get("profiles") or {}
     if profile != "paper" and profile not in profiles:
         raise UserError(f"unknown profile {profile!r}; choose one of: paper, {', '.join(profiles)}")
     prof = dict(profiles.get(profile) or {})
     per_model = prof.pop("models", None) or {}  # a profile may adjust single models too
-    apply_mapping(cfg, prof, f"experiments/{experiment}/config.yaml profiles.{profile}")
-    apply_mapping(cfg, per_model.get(model), f"experiments/{experiment}/config.yaml profiles.{profile}.models.{model}")
+    apply_mapping(cfg, prof, f"{where} profiles.{profile}")
+    apply_mapping(cfg, per_model.get(model), f"{where} profiles.{profile}.models.{model}")
     for k, v in pairs:
         if k == "data_fingerprint":
             raise UserError("data_fingerprint is computed from the prepared dataset (task.data_root); "
                             "set task.data_root instead")
         set_key(cfg, k, v, where="command line")
     cfg.loss_scale = canonical_loss_scale(cfg.loss_scale, cfg.precision)
-    task_cls = getattr(mod, "Task", None)
-    if task_cls is not None:
-        task_cls.check(cfg)  # the task's own keys, before any run directory or data is touched
+    task_cls = exp.task
+    task_cls.check(cfg)  # the task's own keys, before any run directory or data is touched
     root = getattr(cfg.task, "data_root", None)
     if root:
         check_path_length("task.data_root", root, pathlib.Path(root) / "prepared.json")

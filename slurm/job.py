@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib
 import os
 import pathlib
 import signal
@@ -170,10 +169,11 @@ def run_cell(experiment: str, overrides: list[str], run_dir: str, backend: str, 
         rec["attempts"][-1].update(end=now(), outcome=state, step=step, signals=sigs.received or None)
         _write_job_file(run_dir, rec)
 
+    from mpt import cli
     from mpt.rundir import RunDirBusy
 
     try:
-        summary = importlib.import_module(f"experiments.{experiment}").main(list(overrides))
+        summary = cli.main(experiment, list(overrides))
     except RunDirBusy:
         # Another copy of this cell is running (e.g. after submit --force): its record stays.
         if rank == 0:

@@ -3,6 +3,7 @@ line, a damaged summary, a completed result re-run, stop signals, tampered archi
 stale temp files, a full disk and other one-line errors, two copies of one run, equal values as
 one cell, wandb without a network."""
 import contextlib
+import dataclasses
 import errno
 import io
 import json
@@ -415,11 +416,10 @@ def test_unwritable_out_dir_is_a_one_line_error(tmp_path):
 
 
 def test_config_yaml_syntax_error_is_one_line(tmp_path, monkeypatch):
-    (tmp_path / "experiments" / "broken").mkdir(parents=True)
-    (tmp_path / "experiments" / "broken" / "config.yaml").write_text("base:\n  optim: {lr: 0.1\nmodels: x\n")
-    monkeypatch.setattr(C, "REPO", tmp_path)
+    (tmp_path / "broken").mkdir(parents=True)
+    (tmp_path / "broken" / "config.yaml").write_text("base:\n  optim: {lr: 0.1\nmodels: x\n")
     with pytest.raises(UserError, match=r"config.yaml is not valid YAML: .* at line \d+, column \d+; fix that line"):
-        C.load_experiment_yaml("broken")
+        C.load_experiment_yaml(tmp_path / "broken" / "config.yaml")
 
 
 # bad input that reached a data loader or the file system as a traceback is one line
@@ -491,8 +491,10 @@ def test_wrong_typed_value_in_an_experiments_config_yaml_names_file_and_key(tmp_
     spec = yaml.safe_load((REPO / "experiments" / "dcgan" / "config.yaml").read_text())
     where = tmp_path / "experiments" / "dcgan"
     where.mkdir(parents=True)
-    (where / "__init__.py").write_text("")
-    monkeypatch.setattr(C, "REPO", tmp_path)  # experiments.dcgan is still imported from the repository
+    # dcgan registered with the copy of its config.yaml (named relative to REPO in the messages)
+    monkeypatch.setitem(C._EXPERIMENTS, "dcgan", dataclasses.replace(C.get_experiment("dcgan"),
+                                                                     config_yaml=where / "config.yaml"))
+    monkeypatch.setattr(C, "REPO", tmp_path)
 
     def broken(edit):
         data = json.loads(json.dumps(spec))

@@ -87,3 +87,32 @@ def test_optimizers_must_be_named_after_the_models_they_train(tmp_path, one_thre
 
     with pytest.raises(UserError, match=r"names \['D', 'G'\], which the model has no entry for"):
         run_task(gan_config(tmp_path), Renamed)
+
+
+def test_an_experiment_of_its_own_registers_and_runs_outside_the_repository(tmp_path, one_thread):
+    """The core finds experiments in its registry, not in experiments/: a task and config.yaml kept
+    anywhere register under a name, resolve (--print-config refuses a bad key in one line) and run."""
+    from dataclasses import dataclass
+
+    from mpt import cli
+    from mpt import config as C
+    from mpt.errors import UserError
+
+    scope: dict = {}
+    exec(compile(_readme_task(), "README.md", "exec"), scope)
+
+    @dataclass
+    class RegressionCfg:
+        noise: float = 0.0
+
+    (tmp_path / "config.yaml").write_text(
+        "base: {model: linear, device: cpu, out_dir: %s, optim: {lr: 0.05}, wandb: {mode: disabled},\n"
+        "       train: {batch_size: 16, max_steps: 20, num_workers: 0, progress: false}}\n"
+        "models: {linear: {}}\n" % (tmp_path / "runs"))
+    exp = C.register("regression_of_its_own", scope["Regression"], RegressionCfg, tmp_path / "config.yaml")
+    assert C.get_experiment("regression_of_its_own") is exp
+    with pytest.raises(UserError, match="unknown config key 'task.nosie'.*task.noise"):
+        C.resolve("regression_of_its_own", ["task.nosie=1"])
+    s = cli.main("regression_of_its_own", [])
+    assert s["status"] == "completed" and s["step"] == 20
+    assert (tmp_path / "runs" / "regression_of_its_own" / s["run_name"] / "summary.json").is_file()

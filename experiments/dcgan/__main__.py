@@ -1,4 +1,5 @@
+from experiments.dcgan import EXPERIMENT
 from mpt.cli import cli_main
 
 if __name__ == "__main__":
-    cli_main("dcgan")
+    cli_main(EXPERIMENT)

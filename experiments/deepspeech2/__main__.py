@@ -1,4 +1,5 @@
+from experiments.deepspeech2 import EXPERIMENT
 from mpt.cli import cli_main
 
 if __name__ == "__main__":
-    cli_main("deepspeech2")
+    cli_main(EXPERIMENT)

@@ -1,4 +1,5 @@
+from experiments.ilsvrc_cnns import EXPERIMENT
 from mpt.cli import cli_main
 
 if __name__ == "__main__":
-    cli_main("ilsvrc_cnns")
+    cli_main(EXPERIMENT)

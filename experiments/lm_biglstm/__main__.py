@@ -1,4 +1,5 @@
+from experiments.lm_biglstm import EXPERIMENT
 from mpt.cli import cli_main
 
 if __name__ == "__main__":
-    cli_main("lm_biglstm")
+    cli_main(EXPERIMENT)

@@ -1,4 +1,5 @@
+from experiments.voc_detection import EXPERIMENT
 from mpt.cli import cli_main
 
 if __name__ == "__main__":
-    cli_main("voc_detection")
+    cli_main(EXPERIMENT)

@@ -1,4 +1,5 @@
+from experiments.wmt_translation import EXPERIMENT
 from mpt.cli import cli_main
 
 if __name__ == "__main__":
-    cli_main("wmt_translation")
+    cli_main(EXPERIMENT)

@@ -152,7 +152,6 @@ def _from_experiment(name: str, overrides: list[str], profile: str | None, steps
 
     args = ([f"profile={profile}"] if profile else []) + overrides
     cfg = config.resolve(name, args)
-    mod = config.experiment_module(name)
     label = f"experiment:{name} ({cfg.model}, profile {cfg.profile})"
-    return _from_task(mod.Task(cfg), label, steps)
+    return _from_task(config.get_experiment(name).task(cfg), label, steps)
 
