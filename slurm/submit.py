@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import functools
 import io
+import json
 import os
 import pathlib
 import shutil
@@ -102,6 +103,8 @@ class LocalTask:
     world: int = 1
     gpus: int = 0
     log: pathlib.Path | None = None
+    run_dir: pathlib.Path | None = None  # its summary.json names the result in the progress line
+    weight: float = 1.0  # its expected length (the grid's hours), for the time-left estimate
 
 
 def _free_port() -> int:
@@ -119,13 +122,31 @@ def default_cap(threads: int, world: int, gpus: int) -> int:
     return max(1, (os.cpu_count() or 1) // (threads * world))
 
 
+def _minutes(s: float) -> str:
+    return f"{s:.0f} s" if s < 90 else f"{s / 60:.1f} min"
+
+
+def _result(t: LocalTask, code: int) -> str:
+    """What a finished cell gives: its status and primary metric (summary.json), or its exit code."""
+    try:
+        s = json.loads((t.run_dir / "summary.json").read_text()) if t.run_dir else {}
+        metric = s.get("primary_metric")
+        value = (s.get("metrics") or {}).get(metric)
+        what = f"{s.get('status')}" + (f", {metric} {value:.4g}" if isinstance(value, (int, float)) else "")
+    except (OSError, ValueError, TypeError):
+        what = ""
+    return (what or "done") if code == 0 else f"exit {code}" + (f" ({what})" if what else "")
+
+
 def run_local(tasks: list[LocalTask], cap: int, started=None, say=print) -> dict[str, int]:
     """Run tasks with at most `cap` at once (submitit's local executor has no limit); returns
     name -> exit code (the worst of its ranks). SIGINT/SIGTERM/SIGHUP stop the running cells at a step
-    boundary with a checkpoint (they receive SIGTERM) and start no more."""
+    boundary with a checkpoint (they receive SIGTERM) and start no more. As each cell ends, one line:
+    [k/N] name: result (its time; elapsed, and the time left estimated from the cells' weights)."""
     if cap < 1:
         raise UserError(f"--jobs {cap}: run at least one cell at a time")
     pending = list(tasks)
+    t0, began, total, done_weight = time.monotonic(), {}, sum(t.weight for t in tasks), 0.0
     running: dict[str, tuple[list[subprocess.Popen], list[int]]] = {}
     results: dict[str, int] = {}
     free_gpus: list[int] = []
@@ -166,6 +187,7 @@ def run_local(tasks: list[LocalTask], cap: int, started=None, say=print) -> dict
                 if t.log:
                     logf.close()
                 running[t.name] = (procs, gpus)
+                began[t.name] = (time.monotonic(), t)
                 if started is not None:
                     started(t, procs[0].pid)
             if signals and not forwarded:
@@ -181,7 +203,12 @@ def run_local(tasks: list[LocalTask], cap: int, started=None, say=print) -> dict
                     results[name] = max((p.returncode for p in procs), key=abs)
                     free_gpus.extend(gpus)
                     del running[name]
-                    say(f"  {name}: {'done' if results[name] == 0 else f'exit {results[name]}'}")
+                    start, t = began[name]
+                    now_, done_weight = time.monotonic(), done_weight + t.weight
+                    elapsed = now_ - t0
+                    left = elapsed * (total - done_weight) / done_weight if done_weight > 0 else 0.0
+                    say(f"  [{len(results)}/{len(tasks)}] {name}: {_result(t, results[name])} ({_minutes(now_ - start)}; "
+                        f"{_minutes(elapsed)} elapsed" + (f", ~{_minutes(left)} left)" if len(results) < len(tasks) else ")"))
             if signals and not running:
                 break
             time.sleep(0.2)
@@ -392,8 +419,9 @@ def run_locally(subs: list[Submission], jobs: int | None = None) -> None:
             t = LocalTask(name, [sys.executable, "-m", "slurm.job", "--experiment", c.experiment,
                                  "--run-dir", str(c.run_dir), "--", *c.overrides],
                           env={"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)},
-                          world=res.world, gpus=res.gpus, log=log_dir / f"{c.run_name}.log")
-            entries.append((res.hours_for(c.axes.get("model", "")), t, sub, c))
+                          world=res.world, gpus=res.gpus, log=log_dir / f"{c.run_name}.log", run_dir=c.run_dir,
+                          weight=max(res.hours_for(c.axes.get("model", "")), 1e-6))
+            entries.append((t.weight, t, sub, c))
     if len(subs) > 1:
         entries.sort(key=lambda e: -e[0])  # stable: a grid's own order within equal estimates
     cap = jobs if jobs is not None else min(

@@ -315,6 +315,22 @@ def test_local_backend_never_exceeds_its_cap(tmp_path):
     assert peak == 3  # the cap is reached and never passed
 
 
+def test_local_backend_says_k_of_n_with_each_result_and_the_time_left(tmp_path):
+    """As each cell ends: [k/N] name: status and primary metric from its summary.json (or its exit code),
+    its time, the time elapsed and -- until the last -- an estimate of the time left."""
+    script = ("import sys, json, pathlib; d = pathlib.Path(sys.argv[1]); d.mkdir(); (d / 'summary.json').write_text("
+              "json.dumps({'status': 'completed', 'primary_metric': 'top1', 'metrics': {'top1': float(sys.argv[2])}})); "
+              "sys.exit(int(sys.argv[3]))")
+    tasks = [submit.LocalTask(f"t{i}", [sys.executable, "-c", script, str(tmp_path / f"t{i}"), str(10 * i), str(int(i == 2))],
+                              run_dir=tmp_path / f"t{i}") for i in range(3)]
+    lines = []
+    results = submit.run_local(tasks, cap=1, say=lines.append)
+    assert results == {"t0": 0, "t1": 0, "t2": 1}
+    assert [ln.split(":")[0].strip() for ln in lines] == ["[1/3] t0", "[2/3] t1", "[3/3] t2"], lines
+    assert "completed, top1 10 (" in lines[1] and "elapsed, ~" in lines[1] and "left)" in lines[1]
+    assert "exit 1 (completed, top1 20)" in lines[2] and "left" not in lines[2]
+
+
 def test_grid_manifest_and_local_logs_are_not_appended_through_a_symlink(tmp_path):
     target = tmp_path / "precious.txt"
     target.write_text("keep me\n")
