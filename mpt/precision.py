@@ -60,24 +60,40 @@ def channels_last_pays(cfg, device, task_is_cnn: bool) -> bool:
     return device.type == "cuda" and task_is_cnn and (cfg.precision in HALF_COMPUTE or cfg.tf32)
 
 
+# The process-wide math switches a run sets: (its name in env.json, the torch.backends object, attribute).
+_MATH_FLAGS = (("tf32_matmul", torch.backends.cuda.matmul, "allow_tf32"),
+               ("tf32_cudnn", torch.backends.cudnn, "allow_tf32"),
+               ("fp16_reduced_precision_reduction", torch.backends.cuda.matmul, "allow_fp16_reduced_precision_reduction"),
+               ("bf16_reduced_precision_reduction", torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction"))
+
+
 def set_backend_flags(tf32: bool) -> dict:
     """The process-wide math settings of a run, set in one place (the engine and the speed benchmark):
     TF32 only where asked (a separate baseline, not the paper's FP32); FP16 and BF16 products reduced
     in FP32. cuBLAS may otherwise add a split-K product's partial sums in FP16/BF16 (PyTorch's default
     allows it), where section 3.3's recipe accumulates FP16 products into FP32. Returns what was set,
     for env.json."""
-    m = torch.backends.cuda.matmul
-    m.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
-    m.allow_fp16_reduced_precision_reduction = False
-    m.allow_bf16_reduced_precision_reduction = False
+    want = {"tf32_matmul": tf32, "tf32_cudnn": tf32, "fp16_reduced_precision_reduction": False,
+            "bf16_reduced_precision_reduction": False}
+    for name, owner, attr in _MATH_FLAGS:
+        setattr(owner, attr, want[name])
     return backend_flags()
 
 
 def backend_flags() -> dict:
-    m = torch.backends.cuda.matmul
-    return {"tf32_matmul": bool(m.allow_tf32), "tf32_cudnn": bool(torch.backends.cudnn.allow_tf32),
-            "fp16_reduced_precision_reduction": bool(m.allow_fp16_reduced_precision_reduction),
-            "bf16_reduced_precision_reduction": bool(m.allow_bf16_reduced_precision_reduction)}
+    return {name: bool(getattr(owner, attr)) for name, owner, attr in _MATH_FLAGS}
+
+
+@contextlib.contextmanager
+def restored_backend_flags():
+    """Leave the math flags and cudnn.benchmark as they were (a benchmark sets them per row)."""
+    switches = [(owner, attr) for _, owner, attr in _MATH_FLAGS] + [(torch.backends.cudnn, "benchmark")]
+    saved = [getattr(owner, attr) for owner, attr in switches]
+    try:
+        yield
+    finally:
+        for (owner, attr), value in zip(switches, saved):
+            setattr(owner, attr, value)
 
 
 class Recipe:

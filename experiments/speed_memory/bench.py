@@ -520,15 +520,5 @@ def device_slug(env: dict) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "device"
 
 
-@contextlib.contextmanager
-def restored_backend_flags():
-    """Leave the math flags (TF32, reduced-precision reductions) and cudnn.benchmark as they were (the
-    benchmark sets them per row)."""
-    m = torch.backends.cuda.matmul
-    saved = (m.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark,
-             m.allow_fp16_reduced_precision_reduction, m.allow_bf16_reduced_precision_reduction)
-    try:
-        yield
-    finally:
-        (m.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark,
-         m.allow_fp16_reduced_precision_reduction, m.allow_bf16_reduced_precision_reduction) = saved
+# The benchmark sets the math flags per row; this leaves them as they were (the one list: mpt.precision).
+restored_backend_flags = recipes.restored_backend_flags
