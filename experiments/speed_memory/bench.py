@@ -13,7 +13,6 @@ tokens). Adding a model family = one entry in WORKLOADS.
 """
 from __future__ import annotations
 
-import contextlib
 import gc
 import math
 import os
