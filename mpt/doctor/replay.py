@@ -35,16 +35,39 @@ def untrained_losses(patient: Patient, steps: int, device) -> list[float]:
     return out
 
 
+# Progress is a ratio of two loss reductions; it means something only when FP32's is clearly above the noise
+# of the tail's mean loss: at least this share of the untrained model's loss (stated with its absolute value).
+JUDGE = 0.01
+
+
+def fp32_gain(ref: list[float], untrained: list[float]) -> dict:
+    """How far FP32 lowered the tail steps' mean loss from the untrained model's, and whether that is enough to
+    judge other replays against (`enough`: gain >= JUDGE x |untrained|; `needed` is that bound in loss units)."""
+    tail = tail_steps(len(ref))
+    start = sum(untrained) / len(untrained)
+    gain = start - sum(ref[i] for i in tail) / len(tail)
+    needed = JUDGE * abs(start)
+    return {"gain": gain, "untrained": start, "needed": needed, "rel": JUDGE,
+            "enough": math.isfinite(gain) and gain > 0 and gain >= needed}
+
+
 def progress(losses: list[float], ref: list[float], untrained: list[float]) -> float | None:
     """How far a run got on the tail steps' batches, as a share of how far FP32 got from the untrained
-    model's losses on the same batches: 1 = as FP32, 0 = not at all (None: non-finite, or FP32 did not learn)."""
+    model's losses on the same batches: 1 = as FP32, 0 = not at all (None: non-finite, or FP32 did not move
+    the loss enough to judge, fp32_gain)."""
     tail = tail_steps(len(ref))
     mine = sum(losses[i] for i in tail) / len(tail)
-    theirs = sum(ref[i] for i in tail) / len(tail)
-    start = sum(untrained) / len(untrained)
-    if not math.isfinite(mine) or not start - theirs > 0:
+    judge = fp32_gain(ref, untrained)
+    if not math.isfinite(mine) or not judge["enough"]:
         return None
-    return (start - mine) / (start - theirs)
+    return (judge["untrained"] - mine) / judge["gain"]
+
+
+def unjudged(judge: dict, steps: int) -> str:
+    """The report's sentence for a replay whose progress cannot be judged (fp32_gain not enough)."""
+    return (f"FP32 moved the loss by {judge['gain']:.2g} in {steps} steps (from the untrained {judge['untrained']:.3g}; "
+            f"judging needs >= {100 * judge['rel']:g}% of it, {judge['needed']:.2g}): not enough to judge; "
+            f"raise --steps or the learning rate")
 
 
 def _mean_loss(loss_fn, model, batch, where: str):

@@ -43,7 +43,9 @@ def text_report(rep: dict, max_layers: int = 4) -> list[str]:
     n_tail = len(tail_steps(rep["steps"]))
     out.append(f"  mean loss over the last {n_tail} steps' batches: untrained {rep['untrained_tail_loss']:.4g}, "
                f"fp32 {f32['tail_loss']:.4g}, fp16 (S = 1) {f16['tail_loss']:.4g} "
-               f"(progress {pct(f16['progress'])} of fp32's)")
+               + (f"(progress {pct(f16['progress'])} of fp32's)" if not v.get("unjudged") else "(progress: n/a)"))
+    if v.get("unjudged"):
+        out.append(f"  CANNOT JUDGE PROGRESS: {v['unjudged']}")
     out.append("Forward pass (FP32 values against FP16's range)")
     rows = sorted(fw["rows"], key=lambda r: -r["max_abs"])
     if rows:
@@ -90,6 +92,10 @@ def text_report(rep: dict, max_layers: int = 4) -> list[str]:
     out.append(f"  because {v['why']}")
     if v["checked"] is None:
         out.append("  not checked (--no-verify)")
+    elif v["confirmed"] is None:
+        c = runs[v["checked"]]
+        out.append(f"  checked: {v['checked']} replay: {c['skipped']} skipped steps, {c['nonfinite_losses']} non-finite "
+                   f"losses; progress not judged -> neither confirmed nor refuted (FP32 itself did not learn enough)")
     else:
         c = runs[v["checked"]]
         allowed = f" (<= {v['allowed_skips']} while the scaler backs off from 2^16)" if v["allowed_skips"] else ""
