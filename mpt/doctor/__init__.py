@@ -34,4 +34,6 @@ The package, in the order of an examination:
   report.py       the one-screen text, report.md, report.json and histograms.png
   __main__.py     the command line
   examples.py     toys whose answers are known (the tests' and the README's patients)
+  watch.py        watch(model, every=10, ...): the same questions asked of the user's own training loop
 """
+from mpt.doctor.watch import watch  # noqa: E402,F401 -- `with mpt.doctor.watch(model) as w:`

@@ -1,0 +1,363 @@
+"""Watch a real training loop: a few lines in the user's own loop, where the replays of `python -m mpt.doctor`
+cannot go (their own data pipeline, schedule, checkpointing)::
+
+    with mpt.doctor.watch(model, every=10, optimizer=opt, scaler=scaler, scheduler=sched) as w:
+        for batch in loader:
+            with torch.autocast("cuda", torch.float16):
+                loss = loss_fn(model, batch)
+            scaler.scale(loss).backward()
+            scaler.step(opt); scaler.update(); sched.step(); opt.zero_grad()
+            w.step(loss)                      # after the optimizer step: ends this step
+            if i % 1000 == 0:
+                ckpt = {...}; w.check_checkpoint(ckpt); torch.save(ckpt, path)
+    print("\\n".join(w.report()))
+
+Every `every`-th step is sampled: each operation the step runs inside the model, forward and backward (and the
+loss's), is seen by a dispatch mode that takes the largest |value| of its result on the device (inf/nan
+propagate into it). At w.step() the sample is stacked and read in one host transfer; the steps between cost a
+finiteness flag on the loss, kept on the device and read with the next sample. From a sample:
+  - the run-up of each module's largest |value| (forward and backward) over the last samples;
+  - the first non-finite value: the first operation in execution order whose result holds inf/nan -- every
+    operation before it made finite values, so it is the producer, not a module that passed it on -- named with
+    its module, forward or backward, and the step. A non-finite loss or a skipped update between samples makes
+    the following steps sampled until the producer is seen;
+  - setup mistakes (one line each, printed once): FP16 compute without loss scaling (no GradScaler, a disabled
+    one, or its scale at 1), the scheduler stepped on a step the scaler skipped, a checkpoint without the
+    scaler's state (check_checkpoint).
+Module attribution in backward follows torch.utils.module_tracker: a module's backward begins when the
+gradients of its outputs are ready and ends when those of its inputs are.
+"""
+from __future__ import annotations
+
+import collections
+import math
+import sys
+from typing import Callable
+
+import torch
+import torch.nn as nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from mpt.errors import UserError
+
+OUTSIDE = "(outside the model)"  # the loss and whatever else the step computes from the model's outputs
+RUN_UP = 8  # samples of each module's largest |value| kept
+_LOW = (torch.float16,)  # FP16 compute: the format whose gradients need a loss scale (BF16 does not)
+
+
+_MAKES_VALUES: dict = {}
+
+
+def _makes_values(func) -> bool:
+    """Does the operation compute new values? Not a view or detach (the values of its input), nor an
+    allocation (empty memory: whatever bits it holds, possibly nan)."""
+    got = _MAKES_VALUES.get(func)
+    if got is None:
+        name = func.overloadpacket.__name__
+        view = any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
+        got = _MAKES_VALUES[func] = not (view or "empty" in name or name in ("detach", "lift_fresh", "alias"))
+    return got
+
+
+class _Ops(TorchDispatchMode):
+    """One sampled step: for each operation of a training forward (grad mode on) or of the backward, the
+    module running it and the largest |value| of its floating results, kept on the device."""
+
+    def __init__(self, current: Callable[[], str]):
+        super().__init__()
+        self.current = current
+        self.names: list[tuple[str, str, str]] = []  # (module, "forward" | "backward", op)
+        self.values: list[torch.Tensor] = []  # the matching 0-dim max |value| (device)
+        self.fp16 = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        backward = torch._C._current_graph_task_id() != -1
+        if not (backward or torch.is_grad_enabled()) or not _makes_values(func):
+            return out  # the optimizer, evaluation: not the step's forward or backward; views, allocations
+        module = self.current()
+        if module == OUTSIDE and not backward and not any(
+                isinstance(a, torch.Tensor) and a.requires_grad for a in tree_flatten((args, kwargs))[0]):
+            return out  # outside the model, the loss's graph only (not a GradScaler's own bookkeeping)
+        results = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()
+                   and t.numel()]
+        if results:
+            self.fp16 |= any(t.dtype in _LOW for t in results)
+            m = [torch.linalg.vector_norm(t.detach(), math.inf).float() for t in results]
+            self.names.append((module, "backward" if backward else "forward", str(func.overloadpacket)))
+            self.values.append(m[0] if len(m) == 1 else torch.stack(m).amax())
+        return out
+
+
+class Watch:
+    """The watch on a user's loop (module docstring). `log` gets each finding's line once (default: stderr)."""
+
+    def __init__(self, model: nn.Module, every: int = 10, optimizer: torch.optim.Optimizer | None = None,
+                 scaler=None, scheduler=None, log: Callable[[str], None] | None = None):
+        if not isinstance(model, nn.Module):
+            raise UserError(f"watch(model=...): got a {type(model).__name__}; give the torch.nn.Module you train")
+        if int(every) != every or every < 1:
+            raise UserError(f"watch(every={every}): sample every k >= 1 steps (10 costs a few % of step time)")
+        if scaler is not None and not hasattr(scaler, "is_enabled"):
+            raise UserError(f"watch(scaler=...): got a {type(scaler).__name__}; give the torch.amp.GradScaler")
+        self.model, self.every = model, int(every)
+        self.optimizer, self.scaler, self.scheduler = optimizer, scaler, scheduler
+        self.log = log or (lambda line: print(f"mpt.doctor.watch: {line}", file=sys.stderr))
+        self.step_count = 0  # steps ended by step()
+        self.first: dict | None = None  # the first non-finite value: step, module, phase, op
+        self.findings: dict[str, str] = {}  # kind -> its line (each kind once)
+        self.run_up: dict[str, collections.deque] = {}  # module -> (step, fwd max, bwd max) of recent samples
+        self.samples = 0
+        self._names = {m: f"{n or 'root'} ({type(m).__name__})" for n, m in model.named_modules()}
+        self._depth = {m: (n.count(".") + 1 if n else 0) for n, m in model.named_modules()}
+        self._ops: _Ops | None = None
+        self._handles: list = []
+        self._active: list[nn.Module] = []  # modules whose forward or backward is running, in entry order
+        self._reset_queued = False
+        self._bad: torch.Tensor | None = None  # a non-finite loss since the last sample (device)
+        self._bad_seen = False
+        self._chase = 0  # steps left to sample one after another, chasing a non-finite value seen between samples
+        self._chase_from = 0  # the first step that could have made it
+        self._opt_steps = 0
+        self._opt_steps_before = 0
+        self._sched_before = None
+        if optimizer is not None:
+            self._handles_opt = optimizer.register_step_post_hook(self._count_step)
+
+    # -- the user's calls ----------------------------------------------------------------------------------
+    def __enter__(self) -> "Watch":
+        self._opt_steps_before = self._opt_steps
+        self._sched_before = self._sched_epoch()
+        self._begin()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop()
+        if self.optimizer is not None:
+            self._handles_opt.remove()
+
+    def step(self, loss: torch.Tensor | None = None) -> None:
+        """End the step (call it after the optimizer's step): read the sample if this step was one, check the
+        setup, and start the next step's sample when it is due. `loss`: the step's loss, watched for
+        inf/nan between samples (on the device: no host read)."""
+        if loss is not None and isinstance(loss, torch.Tensor):
+            flag = ~torch.isfinite(loss.detach()).all()
+            self._bad = flag if self._bad is None else self._bad | flag
+        stepped = self._opt_steps != self._opt_steps_before
+        self._check_schedule(stepped)
+        if self._ops is not None:
+            self._read()
+        elif self.optimizer is not None and self.scaler is not None and not stepped and self.first is None:
+            self._start_chase(self.step_count)  # the scaler skipped an update between samples: find what overflowed
+        self._opt_steps_before = self._opt_steps
+        self.step_count += 1
+        self._begin()
+
+    def check_checkpoint(self, checkpoint: dict) -> bool:
+        """Does the dict the loop saves hold the GradScaler's state? Without it a resumed run restarts S at
+        init_scale and skips steps while it backs off again (dynamic) or loses the scale it found. Returns
+        True when it is there (or there is no enabled scaler)."""
+        if not isinstance(checkpoint, dict):
+            raise UserError(f"check_checkpoint: got a {type(checkpoint).__name__}; give the dict passed to "
+                            f"torch.save")
+        if self.scaler is None or not self.scaler.is_enabled():
+            return True
+        keys = set(self.scaler.state_dict())
+        if _holds(checkpoint, keys):
+            return True
+        self._find("checkpoint", f"the checkpoint dict (keys {', '.join(map(str, list(checkpoint)[:6]))}) has no "
+                                 f"GradScaler state: a resumed run restarts the loss scale at its initial value; save "
+                                 f"scaler.state_dict() in it and call scaler.load_state_dict() on resume")
+        return False
+
+    def report(self) -> list[str]:
+        """The findings, the first non-finite value with its module's run-up, and the modules with the largest
+        values, as lines."""
+        out = [f"watched {self.step_count} steps, {self.samples} sampled (every {self.every}); largest |value| of "
+               f"each module's operations, backward as the loop holds them (x the loss scale)"]
+        out += [f"{'NOTE' if kind == 'one_off' else 'SETUP'}: {line}" for kind, line in self.findings.items()]
+        if self.first:
+            out.append(f"FIRST NON-FINITE: {_event(self.first)}")
+            out.append(f"  its run-up: {self._run_up_line(self.first['module'])}")
+        top = sorted(self.run_up, key=lambda m: -max(max(f, b) for _, f, b in self.run_up[m]))[:3]
+        for m in top:
+            out.append(f"  largest |value| in {m}: {self._run_up_line(m)}")
+        return out
+
+    # -- sampling ------------------------------------------------------------------------------------------
+    def _begin(self) -> None:
+        if not (self._chase or self.step_count % self.every == 0):
+            return
+        self._active = []
+        self._ops = _Ops(self._current)
+        for m in self.model.modules():
+            self._handles.append(m.register_forward_pre_hook(self._enter))
+            self._handles.append(m.register_forward_hook(self._leave))
+        # The weights as the step starts: a value made non-finite by an earlier, unsampled step is not
+        # blamed on the first operation that reads it.
+        self._weights = [(self._names.get(_owner(self.model, n), n), torch.linalg.vector_norm(p.detach(), math.inf)
+                          .float()) for n, p in self.model.named_parameters()]
+        self._ops.__enter__()
+
+    def _stop(self) -> None:
+        if self._ops is not None:
+            self._ops.__exit__(None, None, None)
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _read(self) -> None:
+        ops = self._ops
+        self._stop()
+        self._ops = None
+        self.samples += 1
+        extra = [self._bad if self._bad is not None else torch.zeros((), dtype=torch.bool)]
+        if self.scaler is not None and self.scaler.is_enabled():
+            extra.append(self.scaler._scale if self.scaler._scale is not None else torch.ones(()))  # noqa: SLF001
+        parts = [v for _, v in self._weights] + ops.values + [t.float() for t in extra]
+        dev = parts[0].device
+        flat = torch.stack([p.to(dev) for p in parts]).tolist()  # the one host transfer of the sample
+        nw = len(self._weights)
+        weights, values, tail = flat[:nw], flat[nw:nw + len(ops.values)], flat[nw + len(ops.values):]
+        step = self.step_count
+        self._bad, bad_loss = None, bool(tail[0])
+        per: dict[str, list[float]] = {}
+        for (module, phase, _), v in zip(ops.names, values):
+            if module != OUTSIDE:
+                fb = per.setdefault(module, [0.0, 0.0])
+                i = phase == "backward"
+                fb[i] = v if math.isnan(v) else fb[i] if math.isnan(fb[i]) else max(fb[i], v)  # nan, inf win
+        for module, (f, b) in per.items():
+            self.run_up.setdefault(module, collections.deque(maxlen=RUN_UP)).append((step, f, b))
+        if self.first is None:
+            bad_w = next((name for (name, _), v in zip(self._weights, weights) if not math.isfinite(v)), None)
+            bad_op = next(((n, v) for n, v in zip(ops.names, values) if not math.isfinite(v)), None)
+            if bad_w is not None:
+                self._event({"step": step, "module": bad_w, "phase": "before the step", "op": "its weights",
+                             "value": "non-finite", "traced": False})
+            elif bad_op is not None:
+                (module, phase, op), v = bad_op
+                self._event({"step": step, "module": module, "phase": phase, "op": op,
+                             "value": "nan" if math.isnan(v) else "inf", "traced": True})
+            elif bad_loss and not self._chase:
+                self._start_chase(step - self.every + 1)  # a non-finite loss since the last sample
+            elif self._chase:
+                self._chase -= 1
+                if not self._chase:
+                    when = (f"at step {self._chase_from}" if self._chase_from == step - self.every else
+                            f"between steps {self._chase_from} and {step - self.every}")
+                    self._find("one_off", f"a non-finite value {when}, not made again in the {self.every} steps after it, "
+                                          f"all sampled: a one-off (a batch? the loss?); every=1 would catch it")
+        if ops.fp16:
+            scale = tail[1] if len(tail) > 1 else None
+            if self.scaler is None or not self.scaler.is_enabled():
+                what = "no GradScaler given to watch()" if self.scaler is None else "the GradScaler is disabled"
+                self._find("fp16_unscaled", f"FP16 compute with {what}: gradients below 2^-24 flush to zero "
+                                            f"(section 3.2); use torch.amp.GradScaler() (enabled) or BF16")
+            elif scale is not None and scale <= 1.0:
+                self._find("fp16_unscaled", f"FP16 compute with the GradScaler's scale at {scale:g} (step {step}): "
+                                            f"it does not scale the gradients; create it with the default "
+                                            f"init_scale (2^16) and let it move, or use BF16")
+
+    def _start_chase(self, since: int) -> None:
+        self._chase, self._chase_from = self.every, max(0, since)
+
+    def _event(self, e: dict) -> None:
+        self.first, self._chase = e, 0
+        if e["phase"] == "backward" and self.scaler is not None and self.scaler.is_enabled():
+            e["note"] = "the GradScaler skips such a step and lowers S: expected while it finds its scale"
+        self.log(f"first non-finite value: {_event(e)}")
+
+    def _run_up_line(self, module: str) -> str:
+        rows = list(self.run_up.get(module, ()))[-4:]
+        return ", ".join(f"step {s} fwd {f:.3g} bwd {b:.3g}" for s, f, b in rows) or "not sampled"
+
+    # -- which module is running ---------------------------------------------------------------------------
+    def _current(self) -> str:
+        # The innermost: the deepest running module (a child and its parent end on the same output tensor,
+        # so their backward hooks fire together), the latest entered among equals.
+        if not self._active:
+            return OUTSIDE
+        return self._names[max(reversed(self._active), key=self._depth.__getitem__)]
+
+    def _enter(self, mod, args) -> None:
+        self._active.append(mod)
+
+    def _leave(self, mod, args, out) -> None:
+        if mod in self._active:
+            self._active.remove(mod)
+        if not torch.is_grad_enabled():
+            return
+        # Backward: the module's gradients begin when its outputs' are ready, end when its inputs' (and its own
+        # parameters') are.
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        ins = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        ins += [p for p in mod.parameters(recurse=False) if p.requires_grad]  # a first layer's: its input has none
+        if outs:
+            self._handles.append(register_multi_grad_hook(outs, lambda grads: self._backward_enter(mod)))
+        if ins and outs:
+            self._handles.append(register_multi_grad_hook(ins, lambda grads: mod in self._active
+                                                          and self._active.remove(mod)))
+
+    def _backward_enter(self, mod) -> None:
+        if not self._reset_queued:
+            # At the end of this backward nothing is running any more (a module whose exit never fired: its
+            # inputs and parameters need no gradient); torch.utils.module_tracker resets the same way.
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+            self._reset_queued = True
+        self._active.append(mod)
+
+    def _backward_done(self) -> None:
+        self._active, self._reset_queued = [], False
+
+    # -- setup checks --------------------------------------------------------------------------------------
+    def _count_step(self, opt, args, kwargs) -> None:
+        self._opt_steps += 1
+
+    def _sched_epoch(self):
+        return getattr(self.scheduler, "last_epoch", None)
+
+    def _check_schedule(self, stepped: bool) -> None:
+        now = self._sched_epoch()
+        if self.optimizer is not None and self.scheduler is not None and now != self._sched_before and not stepped:
+            self._find("schedule", f"step {self.step_count}: the scheduler stepped though the optimizer did not (the "
+                                   f"GradScaler skipped the update for inf/nan): the schedule runs ahead of the "
+                                   f"updates; step it only when the update was applied (scaler.get_scale() did not "
+                                   f"drop in scaler.update())")
+        self._sched_before = now
+
+    def _find(self, kind: str, line: str) -> None:
+        if kind not in self.findings:
+            self.findings[kind] = line
+            self.log(line)
+
+
+def _event(e: dict) -> str:
+    if not e["traced"]:
+        return (f"the weights of {e['module']} were already non-finite as step {e['step']} began (made in a step "
+                f"between samples: lower every=)")
+    note = f" ({e['note']})" if e.get("note") else ""
+    return f"{e['value']} made by {e['op']} in {e['module']}, {e['phase']}, step {e['step']}{note}"
+
+
+def _owner(model: nn.Module, pname: str) -> nn.Module:
+    return model.get_submodule(pname.rpartition(".")[0])
+
+
+def _holds(obj, keys: set, depth: int = 0) -> bool:
+    """Somewhere in the (nested) checkpoint, a dict with every key of the scaler's state."""
+    if isinstance(obj, dict):
+        if keys <= set(obj):
+            return True
+        return depth < 4 and any(_holds(v, keys, depth + 1) for v in obj.values())
+    if isinstance(obj, (list, tuple)) and depth < 4:
+        return any(_holds(v, keys, depth + 1) for v in obj)
+    return False
+
+
+def watch(model: nn.Module, every: int = 10, optimizer=None, scaler=None, scheduler=None, log=None) -> Watch:
+    """`with mpt.doctor.watch(model, every=10, optimizer=opt, scaler=scaler, scheduler=sched) as w:` ... w.step()
+    in the loop (module docstring)."""
+    return Watch(model, every, optimizer, scaler, scheduler, log)
