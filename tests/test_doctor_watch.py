@@ -14,10 +14,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class SqrtAtZero(nn.Module):
-    """sqrt(relu(x)): finite outputs (0 where x <= 0), but its gradient at 0 is 1 / (2 sqrt(0)) = inf."""
+    """x + sqrt(|x - x|): its output is x, finite, but the gradient of sqrt(|d|) at d = 0 is
+    sign(0) / (2 sqrt(0)) = 0 x inf = nan (the norm of a zero vector)."""
 
     def forward(self, x):
-        return x.clamp(min=0).sqrt()
+        return x + (x - x.detach()).abs().sqrt()
 
 
 class Late(nn.Module):
@@ -32,9 +33,9 @@ class Late(nn.Module):
         return x * 1e30 * 1e30 if self.calls > self.at else x
 
 
-def _train(model, steps, every, x, y, lines, scaler=None):
+def _train(model, steps, every, x, y, lines, scaler=None, trace_every=None):
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    with watch(model, every=every, optimizer=opt, scaler=scaler, log=lines.append) as w:
+    with watch(model, every=every, optimizer=opt, scaler=scaler, log=lines.append, trace_every=trace_every) as w:
         for _ in range(steps):
             loss = F.mse_loss(model(x).float(), y)
             if scaler is None:
@@ -65,17 +66,45 @@ def test_forward_producer_inside_a_module_whose_output_is_finite():
     assert any("inf made by aten.mul in 1 (_RMSNorm), forward, step 0" in line for line in lines), lines
 
 
-def test_backward_producer_nested_in_a_block_is_named_not_its_parents():
+class From(nn.Module):
+    """Its inner module from step `at` on (counted by its own calls), the identity before."""
+
+    def __init__(self, at, inner):
+        super().__init__()
+        self.at, self.calls, self.inner = at, 0, inner
+
+    def forward(self, x):
+        self.calls += 1
+        return self.inner(x) if self.calls > self.at else x
+
+
+def _sqrt_model(at):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(SqrtAtZero(), nn.Linear(4, 4)), nn.Linear(4, 1))
-    with torch.no_grad():
-        model[0].weight.zero_()
-        model[0].bias.zero_()  # every input of the sqrt is 0: forward 0, gradient inf
-    x, y = torch.randn(8, 4), torch.randn(8, 1)
-    w = _train(model, 1, 1, x, y, [])
+    return nn.Sequential(nn.Linear(4, 4), nn.Sequential(From(at, SqrtAtZero()), nn.Linear(4, 4)), nn.Linear(4, 1))
+
+
+def test_backward_producer_nested_in_a_block_is_named_not_its_parents():
+    """Traced (every operation, step 0): the producer is the division in the sqrt's backward, in its module."""
+    w = _train(_sqrt_model(0), 1, 1, torch.randn(8, 4), torch.randn(8, 1), [])
     f = w.first
-    assert (f["module"], f["phase"], f["step"]) == ("1.0 (SqrtAtZero)", "backward", 0), f
-    assert max(w.run_up["1.0 (SqrtAtZero)"][-1][1:2]) == 0.0  # its forward values: all zero, finite
+    assert (f["module"], f["phase"], f["step"]) == ("1.0.inner (SqrtAtZero)", "backward", 0), f
+    assert f["op"].startswith("aten."), f
+    assert w.run_up["1.0.inner (SqrtAtZero)"][-1][1] < 10  # its forward values: finite
+
+
+def test_module_level_sample_names_the_module_then_the_trace_names_the_operation():
+    """At module level (step 1, not traced) the first non-finite record is the sqrt's input gradient: its module,
+    backward -- not the modules before it that received nan. The GradScaler skips the update, the weights stay
+    finite, and the next step's trace names the operation."""
+    lines = []
+    w = _train(_sqrt_model(1), 3, 1, torch.randn(8, 4), torch.randn(8, 1), lines,
+               scaler=torch.amp.GradScaler("cpu"), trace_every=1000)
+    f = w.first
+    assert (f["module"], f["phase"], f["what"], f["step"]) == ("1.0.inner (SqrtAtZero)", "backward",
+                                                               "input gradient", 1), f
+    t = f["traced"]
+    assert (t["module"], t["phase"], t["step"]) == ("1.0.inner (SqrtAtZero)", "backward", 2) and t["op"], t
+    assert "traced: nan made by" in " ".join(lines) or "traced: inf made by" in " ".join(lines), lines
 
 
 def test_a_producer_between_samples_is_chased_when_the_scaler_skips():
@@ -94,7 +123,8 @@ def test_without_a_scaler_a_producer_between_samples_is_reported_as_nonfinite_we
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), Late(3), nn.Linear(8, 1))
     w = _train(model, 12, 5, torch.randn(8, 4), torch.randn(8, 1), [])
-    assert w.first["step"] == 5 and not w.first["traced"] and "already non-finite" in w.report()[1], w.report()
+    assert w.first["step"] == 5 and w.first["phase"] == "before the step", w.first
+    assert "already non-finite as step 5 began" in " ".join(w.report()), w.report()
 
 
 # -- setup checks ----------------------------------------------------------------------------------------

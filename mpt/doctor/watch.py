@@ -12,20 +12,26 @@ cannot go (their own data pipeline, schedule, checkpointing)::
                 ckpt = {...}; w.check_checkpoint(ckpt); torch.save(ckpt, path)
     print("\\n".join(w.report()))
 
-Every `every`-th step is sampled: each operation the step runs inside the model, forward and backward (and the
-loss's), is seen by a dispatch mode that takes the largest |value| of its result on the device (inf/nan
-propagate into it). At w.step() the sample is stacked and read in one host transfer; the steps between cost a
-finiteness flag on the loss, kept on the device and read with the next sample. From a sample:
-  - the run-up of each module's largest |value| (forward and backward) over the last samples;
-  - the first non-finite value: the first operation in execution order whose result holds inf/nan -- every
-    operation before it made finite values, so it is the producer, not a module that passed it on -- named with
-    its module, forward or backward, and the step. A non-finite loss or a skipped update between samples makes
-    the following steps sampled until the producer is seen;
+Every `every`-th step is sampled at module granularity (and every `trace_every`-th, from step 0, at operation
+granularity, below): hooks take the min and max of each module's inputs
+and outputs as the forward pass makes them, and of the gradients of its outputs, inputs and weights as the
+backward pass makes them, on the device, in execution order; at w.step() the sample is stacked and read in one
+host transfer. The steps between cost a finiteness flag on the loss, kept on the device, read with the next
+sample. From a sample:
+  - the run-up of each module's largest |value| (forward outputs; gradients as the loop holds them, x S);
+  - the first non-finite value: the first record in execution order that holds inf/nan -- everything recorded
+    before it was finite, so its module made it (an output or a module's own gradients) or the operations
+    between modules did (an input, or the gradient arriving at an output: the parent's own code, the loss) --
+    not a module that passed it on. Its producing operation is then traced on the next steps: every
+    operation of forward and backward seen by a dispatch mode (about twice a step's time, paid only then and
+    every trace_every steps), which names too a value that overflows inside a module whose output stays
+    finite (a sum of squares in a norm): no module-level record shows that one. Non-finite weights cannot be traced (a GradScaler keeps them finite by skipping the update);
+  - a non-finite loss or a skipped update between samples makes the next steps sampled until it is seen;
   - setup mistakes (one line each, printed once): FP16 compute without loss scaling (no GradScaler, a disabled
     one, or its scale at 1), the scheduler stepped on a step the scaler skipped, a checkpoint without the
     scaler's state (check_checkpoint).
-Module attribution in backward follows torch.utils.module_tracker: a module's backward begins when the
-gradients of its outputs are ready and ends when those of its inputs are.
+Module attribution of the traced operations in backward follows torch.utils.module_tracker: a module's backward
+begins when the gradients of its outputs are ready and ends when those of its inputs (and weights) are.
 """
 from __future__ import annotations
 
@@ -69,7 +75,7 @@ class _Ops(TorchDispatchMode):
         super().__init__()
         self.current = current
         self.names: list[tuple[str, str, str]] = []  # (module, "forward" | "backward", op)
-        self.values: list[torch.Tensor] = []  # the matching 0-dim max |value| (device)
+        self.values: list[torch.Tensor] = []  # min and max of each result, in turn (0-dim, on the device)
         self.fp16 = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -78,31 +84,109 @@ class _Ops(TorchDispatchMode):
         if not (backward or torch.is_grad_enabled()) or not _makes_values(func):
             return out  # the optimizer, evaluation: not the step's forward or backward; views, allocations
         module = self.current()
-        if module == OUTSIDE and not backward and not any(
-                isinstance(a, torch.Tensor) and a.requires_grad for a in tree_flatten((args, kwargs))[0]):
+        if module == OUTSIDE and not backward and not any(a.requires_grad for a in _flat((args, kwargs))):
             return out  # outside the model, the loss's graph only (not a GradScaler's own bookkeeping)
-        results = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()
-                   and t.numel()]
-        if results:
-            self.fp16 |= any(t.dtype in _LOW for t in results)
-            m = [torch.linalg.vector_norm(t.detach(), math.inf).float() for t in results]
-            self.names.append((module, "backward" if backward else "forward", str(func.overloadpacket)))
-            self.values.append(m[0] if len(m) == 1 else torch.stack(m).amax())
+        for t in _flat(out):
+            if t.is_floating_point() and t.numel():
+                self.fp16 |= t.dtype in _LOW
+                # min and max in one pass (inf/nan propagate into them); |value| is taken on the host. On a
+                # CPU this is ~20x faster than linalg.vector_norm(t, inf).
+                self.names.append((module, "backward" if backward else "forward", str(func.overloadpacket)))
+                self.values += torch.aminmax(t.detach())
         return out
+
+
+def _flat(obj, depth: int = 0):
+    """The tensors in an operation's arguments or results (tensors, lists/tuples of them, kwargs)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth < 3 and isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from _flat(x, depth + 1)
+    elif depth < 3 and isinstance(obj, dict):
+        for x in obj.values():
+            yield from _flat(x, depth + 1)
+
+
+class _Modules:
+    """One sampled step at module granularity: the min and max of each module's inputs and outputs (forward)
+    and of the gradients of its outputs, inputs and weights (backward), on the device, in execution order."""
+
+    def __init__(self, model: nn.Module, names: dict):
+        self.names: list[tuple[str, str, str]] = []  # (module, "forward" | "backward", what)
+        self.values: list[torch.Tensor] = []  # min and max of each record, in turn (0-dim, on the device)
+        self.grads: list[int | None] = []  # per record, the gradient tensor's id (one tensor, several records)
+        self.fp16 = False
+        self._names = names
+        self._seen: dict = {}  # (id, version) -> tensor: a value already recorded in this forward pass
+        self._handles = []
+        for m in model.modules():
+            self._handles += [m.register_forward_pre_hook(self._pre), m.register_forward_hook(self._post)]
+            for p in m.parameters(recurse=False):
+                if p.requires_grad:
+                    self._handles.append(p.register_hook(self._grad(m, "weight gradient")))
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles, self._seen = [], {}
+
+    def _record(self, mod, phase: str, what: str, tensors, always: bool = False) -> None:
+        """Record each floating tensor's min and max; in the forward pass each value once."""
+        for t in tensors:
+            if not (t.is_floating_point() and t.numel()):
+                continue
+            if phase == "forward":
+                key = (id(t), t._version)  # the version: an in-place change is a new value
+                if key in self._seen and not always:
+                    continue  # the previous module's output is this one's input: recorded once
+                self._seen[key] = t  # held for the pass (most are saved for backward anyway): ids stay unique
+                self.fp16 |= t.dtype in _LOW
+            self.names.append((self._names[mod], phase, what))
+            self.grads.append(id(t) if phase == "backward" else None)
+            self.values += torch.aminmax(t.detach())
+
+    def _grad(self, mod, what: str):
+        def hook(g):
+            self._record(mod, "backward", what, [g])
+        return hook
+
+    def _pre(self, mod, args) -> None:
+        if torch.is_grad_enabled():
+            self._record(mod, "forward", "input", _flat(args))
+
+    def _post(self, mod, args, out) -> None:
+        if not torch.is_grad_enabled():
+            return
+        outs = list(_flat(out))
+        self._record(mod, "forward", "output", outs, always=bool(getattr(mod, "inplace", False)))
+        for t in outs:
+            if t.requires_grad:
+                self._handles.append(t.register_hook(self._grad(mod, "output gradient")))
+        if getattr(mod, "inplace", False):
+            return  # its input is its output
+        for t in _flat(args):
+            if t.requires_grad and not t.is_leaf:
+                self._handles.append(t.register_hook(self._grad(mod, "input gradient")))
 
 
 class Watch:
     """The watch on a user's loop (module docstring). `log` gets each finding's line once (default: stderr)."""
 
     def __init__(self, model: nn.Module, every: int = 10, optimizer: torch.optim.Optimizer | None = None,
-                 scaler=None, scheduler=None, log: Callable[[str], None] | None = None):
+                 scaler=None, scheduler=None, log: Callable[[str], None] | None = None, trace_every: int | None = None):
         if not isinstance(model, nn.Module):
             raise UserError(f"watch(model=...): got a {type(model).__name__}; give the torch.nn.Module you train")
         if int(every) != every or every < 1:
             raise UserError(f"watch(every={every}): sample every k >= 1 steps (10 costs a few % of step time)")
+        if trace_every is not None and (int(trace_every) != trace_every or trace_every < 1):
+            raise UserError(f"watch(trace_every={trace_every}): trace every k >= 1 steps (default 10 x every)")
         if scaler is not None and not hasattr(scaler, "is_enabled"):
             raise UserError(f"watch(scaler=...): got a {type(scaler).__name__}; give the torch.amp.GradScaler")
         self.model, self.every = model, int(every)
+        # Every operation traced (about twice a step's time) this often, from step 0: what overflows inside a
+        # module whose output stays finite shows only there.
+        self.trace_every = int(trace_every or 10 * self.every)
         self.optimizer, self.scaler, self.scheduler = optimizer, scaler, scheduler
         self.log = log or (lambda line: print(f"mpt.doctor.watch: {line}", file=sys.stderr))
         self.step_count = 0  # steps ended by step()
@@ -112,12 +196,13 @@ class Watch:
         self.samples = 0
         self._names = {m: f"{n or 'root'} ({type(m).__name__})" for n, m in model.named_modules()}
         self._depth = {m: (n.count(".") + 1 if n else 0) for n, m in model.named_modules()}
-        self._ops: _Ops | None = None
+        self._rec: _Ops | _Modules | None = None  # this step's sample, when it is one
+        self._parent = {self._names[m]: self._names[model.get_submodule(n.rpartition(".")[0])]
+                        for n, m in model.named_modules() if n}
         self._handles: list = []
         self._active: list[nn.Module] = []  # modules whose forward or backward is running, in entry order
         self._reset_queued = False
         self._bad: torch.Tensor | None = None  # a non-finite loss since the last sample (device)
-        self._bad_seen = False
         self._chase = 0  # steps left to sample one after another, chasing a non-finite value seen between samples
         self._chase_from = 0  # the first step that could have made it
         self._opt_steps = 0
@@ -147,7 +232,7 @@ class Watch:
             self._bad = flag if self._bad is None else self._bad | flag
         stepped = self._opt_steps != self._opt_steps_before
         self._check_schedule(stepped)
-        if self._ops is not None:
+        if self._rec is not None:
             self._read()
         elif self.optimizer is not None and self.scaler is not None and not stepped and self.first is None:
             self._start_chase(self.step_count)  # the scaler skipped an update between samples: find what overflowed
@@ -188,69 +273,88 @@ class Watch:
 
     # -- sampling ------------------------------------------------------------------------------------------
     def _begin(self) -> None:
-        if not (self._chase or self.step_count % self.every == 0):
+        trace = self._chase or self.step_count % self.trace_every == 0
+        if not (trace or self.step_count % self.every == 0):
             return
+        # The weights as the step starts: a value made non-finite by an earlier, unsampled step is not
+        # blamed on the first operation that reads it.
+        self._weights = [(self._names.get(_owner(self.model, n), n), p.detach().abs().amax())
+                         for n, p in self.model.named_parameters() if p.numel()]
+        if not trace:
+            self._rec = _Modules(self.model, self._names)
+            return
+        # Tracing: every operation, attributed to the innermost running module (forward and backward).
         self._active = []
-        self._ops = _Ops(self._current)
+        self._rec = _Ops(self._current)
         for m in self.model.modules():
             self._handles.append(m.register_forward_pre_hook(self._enter))
             self._handles.append(m.register_forward_hook(self._leave))
-        # The weights as the step starts: a value made non-finite by an earlier, unsampled step is not
-        # blamed on the first operation that reads it.
-        self._weights = [(self._names.get(_owner(self.model, n), n), torch.linalg.vector_norm(p.detach(), math.inf)
-                          .float()) for n, p in self.model.named_parameters()]
-        self._ops.__enter__()
+        self._rec.__enter__()
 
     def _stop(self) -> None:
-        if self._ops is not None:
-            self._ops.__exit__(None, None, None)
+        if isinstance(self._rec, _Ops):
+            self._rec.__exit__(None, None, None)
+        elif self._rec is not None:
+            self._rec.close()
         for h in self._handles:
             h.remove()
         self._handles = []
 
     def _read(self) -> None:
-        ops = self._ops
+        rec = self._rec
         self._stop()
-        self._ops = None
+        self._rec = None
         self.samples += 1
+        traced = isinstance(rec, _Ops)
         extra = [self._bad if self._bad is not None else torch.zeros((), dtype=torch.bool)]
         if self.scaler is not None and self.scaler.is_enabled():
             extra.append(self.scaler._scale if self.scaler._scale is not None else torch.ones(()))  # noqa: SLF001
-        parts = [v for _, v in self._weights] + ops.values + [t.float() for t in extra]
+        parts = [v for _, v in self._weights] + rec.values + [t.float() for t in extra]
         dev = parts[0].device
-        flat = torch.stack([p.to(dev) for p in parts]).tolist()  # the one host transfer of the sample
-        nw = len(self._weights)
-        weights, values, tail = flat[:nw], flat[nw:nw + len(ops.values)], flat[nw + len(ops.values):]
+        flat = torch.stack([p.to(dev, torch.float32) for p in parts]).tolist()  # the one host transfer
+        nw, no = len(self._weights), len(rec.values)
+        weights = flat[:nw]
+        values = [_abs_max(lo, hi) for lo, hi in zip(flat[nw:nw + no:2], flat[nw + 1:nw + no:2])]
+        tail = flat[nw + no:]
         step = self.step_count
         self._bad, bad_loss = None, bool(tail[0])
         per: dict[str, list[float]] = {}
-        for (module, phase, _), v in zip(ops.names, values):
-            if module != OUTSIDE:
+        for (module, phase, what), v in zip(rec.names, values):
+            if module != OUTSIDE and what != "input":
                 fb = per.setdefault(module, [0.0, 0.0])
                 i = phase == "backward"
                 fb[i] = v if math.isnan(v) else fb[i] if math.isnan(fb[i]) else max(fb[i], v)  # nan, inf win
         for module, (f, b) in per.items():
             self.run_up.setdefault(module, collections.deque(maxlen=RUN_UP)).append((step, f, b))
+        bad_w = next((name for (name, _), v in zip(self._weights, weights) if not math.isfinite(v)), None)
+        i = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
+        bad = None if i is None else (rec.names[self._first_of(rec, i)], values[i])
         if self.first is None:
-            bad_w = next((name for (name, _), v in zip(self._weights, weights) if not math.isfinite(v)), None)
-            bad_op = next(((n, v) for n, v in zip(ops.names, values) if not math.isfinite(v)), None)
             if bad_w is not None:
-                self._event({"step": step, "module": bad_w, "phase": "before the step", "op": "its weights",
-                             "value": "non-finite", "traced": False})
-            elif bad_op is not None:
-                (module, phase, op), v = bad_op
-                self._event({"step": step, "module": module, "phase": phase, "op": op,
-                             "value": "nan" if math.isnan(v) else "inf", "traced": True})
+                self._event({"step": step, "module": bad_w, "phase": "before the step", "what": "its weights",
+                             "value": "non-finite"})
+            elif bad is not None:
+                (module, phase, what), v = bad
+                e = {"step": step, "value": "nan" if math.isnan(v) else "inf"}
+                self._event({**e, "module": module, "phase": phase, "op": what} if traced else
+                            {**e, "what": what, **self._producer(module, phase, what)})
+            elif traced and self._chase:
+                self._countdown(step, f"at step {self._chase_from}" if self._chase_from == step - self.every else
+                                f"between steps {self._chase_from} and {step - self.every}")
             elif bad_loss and not self._chase:
                 self._start_chase(step - self.every + 1)  # a non-finite loss since the last sample
-            elif self._chase:
-                self._chase -= 1
-                if not self._chase:
-                    when = (f"at step {self._chase_from}" if self._chase_from == step - self.every else
-                            f"between steps {self._chase_from} and {step - self.every}")
-                    self._find("one_off", f"a non-finite value {when}, not made again in the {self.every} steps after it, "
-                                          f"all sampled: a one-off (a batch? the loss?); every=1 would catch it")
-        if ops.fp16:
+        elif traced and self._chase:  # naming the operation behind a value first seen at module level
+            if bad_w is not None:
+                self._chase = 0
+                self._find("untraced", f"the operation behind step {self.first['step']}'s non-finite value cannot "
+                                       f"be traced: the update made the weights non-finite (a GradScaler skips it)")
+            elif bad is not None:
+                (module, phase, op), v = bad
+                self._event({"step": step, "value": "nan" if math.isnan(v) else "inf", "module": module,
+                             "phase": phase, "op": op})
+            else:
+                self._countdown(step, f"at step {self.first['step']}")
+        if rec.fp16:
             scale = tail[1] if len(tail) > 1 else None
             if self.scaler is None or not self.scaler.is_enabled():
                 what = "no GradScaler given to watch()" if self.scaler is None else "the GradScaler is disabled"
@@ -261,14 +365,50 @@ class Watch:
                                             f"it does not scale the gradients; create it with the default "
                                             f"init_scale (2^16) and let it move, or use BF16")
 
+    @staticmethod
+    def _first_of(rec, i: int) -> int:
+        """The record that names the producer among those of one gradient tensor: a tensor that is one module's
+        input and another's output gets both records at once, the output's first; its maker is the module whose
+        input gradient it is (the deepest such)."""
+        gid = getattr(rec, "grads", None) and rec.grads[i]
+        if gid is None:
+            return i
+        same = [i]
+        while same[-1] + 1 < len(rec.grads) and rec.grads[same[-1] + 1] == gid:  # its hooks fire together
+            same.append(same[-1] + 1)
+        made = [j for j in same if rec.names[j][2] == "input gradient"]
+        return max(made, key=lambda j: rec.names[j][0].count(".")) if made else i
+
+    def _producer(self, module: str, phase: str, what: str) -> dict:
+        """Who made the first non-finite record of a module-level sample: the module itself (its output, its own
+        gradients), or the operations between modules (an input: its parent's own code or the batch; the
+        gradient arriving at an output: the parent's own code or the loss)."""
+        if what in ("output", "input gradient", "weight gradient"):
+            return {"module": module, "phase": phase}
+        parent = self._parent.get(module)
+        return {"module": parent or OUTSIDE, "phase": phase, "between": module}
+
+    def _countdown(self, step: int, when: str) -> None:
+        self._chase -= 1
+        if not self._chase:
+            self._find("one_off", f"a non-finite value {when}, not made again in the {self.every} steps after it, "
+                                  f"all traced: a one-off (a batch? the loss?)")
+
     def _start_chase(self, since: int) -> None:
         self._chase, self._chase_from = self.every, max(0, since)
 
     def _event(self, e: dict) -> None:
-        self.first, self._chase = e, 0
+        if "op" in e and self.first is not None:  # the trace of a value first seen at module level
+            self.first["traced"] = e
+            self._chase = 0
+            self.log(f"traced: {_traced(e)}")
+            return
+        self.first = e
         if e["phase"] == "backward" and self.scaler is not None and self.scaler.is_enabled():
             e["note"] = "the GradScaler skips such a step and lowers S: expected while it finds its scale"
         self.log(f"first non-finite value: {_event(e)}")
+        # Name the operation: trace the next steps (a module whose output stays finite hides it at module level).
+        self._chase = self.every if e["phase"] != "before the step" and "op" not in e else 0
 
     def _run_up_line(self, module: str) -> str:
         rows = list(self.run_up.get(module, ()))[-4:]
@@ -335,11 +475,25 @@ class Watch:
 
 
 def _event(e: dict) -> str:
-    if not e["traced"]:
+    if e["phase"] == "before the step":
         return (f"the weights of {e['module']} were already non-finite as step {e['step']} began (made in a step "
-                f"between samples: lower every=)")
+                f"between samples: lower every=, or use a GradScaler, which keeps them finite)")
     note = f" ({e['note']})" if e.get("note") else ""
-    return f"{e['value']} made by {e['op']} in {e['module']}, {e['phase']}, step {e['step']}{note}"
+    if "op" in e:
+        return _traced(e) + note
+    where = (f"in {e['module']}'s own operations between its modules, reaching {e['between']}'s {e['what']}"
+             if "between" in e else f"in {e['module']} (its {e['what']})")
+    return f"{e['value']} made {where}, {e['phase']}, step {e['step']}{note}" + (
+        f"; traced: {_traced(e['traced'])}" if e.get("traced") else "")
+
+
+def _traced(e: dict) -> str:
+    return f"{e['value']} made by {e['op']} in {e['module']}, {e['phase']}, step {e['step']}"
+
+
+def _abs_max(lo: float, hi: float) -> float:
+    """max |x| from min and max; nan when either is (a nan anywhere makes aminmax's results nan)."""
+    return math.nan if math.isnan(lo) or math.isnan(hi) else max(-lo, hi)
 
 
 def _owner(model: nn.Module, pname: str) -> nn.Module:
@@ -357,7 +511,8 @@ def _holds(obj, keys: set, depth: int = 0) -> bool:
     return False
 
 
-def watch(model: nn.Module, every: int = 10, optimizer=None, scaler=None, scheduler=None, log=None) -> Watch:
+def watch(model: nn.Module, every: int = 10, optimizer=None, scaler=None, scheduler=None, log=None,
+          trace_every: int | None = None) -> Watch:
     """`with mpt.doctor.watch(model, every=10, optimizer=opt, scaler=scaler, scheduler=sched) as w:` ... w.step()
     in the loop (module docstring)."""
-    return Watch(model, every, optimizer, scaler, scheduler, log)
+    return Watch(model, every, optimizer, scaler, scheduler, log, trace_every)
