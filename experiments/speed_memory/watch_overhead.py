@@ -58,21 +58,23 @@ def measure(name: str, every: int, rounds: int, steps: int, data: pathlib.Path) 
     # same objects in memory; separate copies ran up to 2x apart here, plain against plain).
     model, opt, step = _loop(patient, patient.batches)
 
+    # One watch for the whole measurement, on during the watched blocks: its step count runs on across them,
+    # so the first step of each block of `every` steps is sampled and one in trace_every is traced, as in a
+    # long run.
+    w = watch(model, every=every, optimizer=opt, log=lambda line: None)
+
     def block(watched: bool):
         # This thread's CPU time: on a machine shared with other processes, the time spent waiting for a core
         # is left out of every loop alike (engine_overhead's clock=cpu).
-        w = watch(model, every=every, optimizer=opt, log=lambda line: None) if watched else None
         t = time.thread_time()
-        if w is not None:
+        if watched:
             w.__enter__()
         for _ in range(steps):
-            step(w)
-        if w is not None:
+            step(w if watched else None)
+        if watched:
             w.__exit__(None, None, None)
-            samples.append(w.samples)
         return (time.thread_time() - t) / steps
 
-    samples: list[int] = []
     loops = [False, True, False]  # plain, watched, the control (plain again)
     for watched in loops:  # warm-up
         block(watched)
@@ -85,7 +87,7 @@ def measure(name: str, every: int, rounds: int, steps: int, data: pathlib.Path) 
             "plain_ms": 1e3 * statistics.median(plain_t), "watched_ms": 1e3 * statistics.median(watched_t),
             "overhead_pct": 100 * (statistics.median(b / a for a, b in zip(plain_t, watched_t)) - 1),
             "control_pct": 100 * (statistics.median(b / a for a, b in zip(plain_t, ctl_t)) - 1),
-            "samples_per_block": samples[-1]}
+            "watched_steps": w.step_count, "samples": w.samples, "traced": w.traced}
 
 
 def main(argv=None) -> list[dict]:
@@ -106,7 +108,8 @@ def main(argv=None) -> list[dict]:
         out.append(r)
         print(f"{r['model']}: plain {r['plain_ms']:.1f} ms/step, watched (every={r['every']}) {r['watched_ms']:.1f} "
               f"ms/step: overhead {r['overhead_pct']:+.1f}% (control loop {r['control_pct']:+.1f}%; "
-              f"{r['rounds']} rounds of {r['steps']} steps)", flush=True)
+              f"{r['rounds']} rounds of {r['steps']} steps; of {r['watched_steps']} watched steps {r['samples']} "
+              f"sampled, {r['traced']} of them traced)", flush=True)
     return out
 
 

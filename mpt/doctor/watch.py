@@ -47,6 +47,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from mpt.errors import UserError
+from mpt.numerics import hook_targets
 
 OUTSIDE = "(outside the model)"  # the loss and whatever else the step computes from the model's outputs
 RUN_UP = 8  # samples of each module's largest |value| kept
@@ -115,12 +116,15 @@ class _Modules:
     def __init__(self, model: nn.Module, names: dict):
         self.names: list[tuple[str, str, str]] = []  # (module, "forward" | "backward", what)
         self.values: list[torch.Tensor] = []  # min and max of each record, in turn (0-dim, on the device)
-        self.grads: list[int | None] = []  # per record, the gradient tensor's id (one tensor, several records)
+        self.grads: list[int | None] = []  # per backward record, its gradient's group (one tensor, several records)
         self.fp16 = False
         self._names = names
         self._seen: dict = {}  # (id, version) -> tensor: a value already recorded in this forward pass
+        self._last: tuple | None = None  # (gradient, its min and max, its group): one gradient, several records
         self._handles = []
-        for m in model.modules():
+        # Leaf modules and those owning weights (mpt.numerics.hook_targets): a container's input and output
+        # are its first and last child's.
+        for _, m in hook_targets(model):
             self._handles += [m.register_forward_pre_hook(self._pre), m.register_forward_hook(self._post)]
             for p in m.parameters(recurse=False):
                 if p.requires_grad:
@@ -129,7 +133,7 @@ class _Modules:
     def close(self) -> None:
         for h in self._handles:
             h.remove()
-        self._handles, self._seen = [], {}
+        self._handles, self._seen, self._last = [], {}, None
 
     def _record(self, mod, phase: str, what: str, tensors, always: bool = False) -> None:
         """Record each floating tensor's min and max; in the forward pass each value once."""
@@ -143,12 +147,20 @@ class _Modules:
                 self._seen[key] = t  # held for the pass (most are saved for backward anyway): ids stay unique
                 self.fp16 |= t.dtype in _LOW
             self.names.append((self._names[mod], phase, what))
-            self.grads.append(id(t) if phase == "backward" else None)
-            self.values += torch.aminmax(t.detach())
+            if phase == "backward" and self._last is not None and self._last[0] is t:
+                self.grads.append(self._last[2])
+                self.values += self._last[1]  # this gradient's hooks fire together: measured once
+                continue
+            mm = torch.aminmax(t.detach())
+            self.values += mm
+            self.grads.append(len(self.names) if phase == "backward" else None)
+            if phase == "backward":
+                self._last = (t, mm, len(self.names))  # held, so that no other tensor takes its id meanwhile
 
     def _grad(self, mod, what: str):
         def hook(g):
-            self._record(mod, "backward", what, [g])
+            if self._handles:  # not closed (an activation kept past its step)
+                self._record(mod, "backward", what, [g])
         return hook
 
     def _pre(self, mod, args) -> None:
@@ -160,14 +172,15 @@ class _Modules:
             return
         outs = list(_flat(out))
         self._record(mod, "forward", "output", outs, always=bool(getattr(mod, "inplace", False)))
+        # Hooks on activations go with them (no handle kept: removing ~1000 handles cost more than the hooks).
         for t in outs:
             if t.requires_grad:
-                self._handles.append(t.register_hook(self._grad(mod, "output gradient")))
+                t.register_hook(self._grad(mod, "output gradient"))
         if getattr(mod, "inplace", False):
             return  # its input is its output
         for t in _flat(args):
             if t.requires_grad and not t.is_leaf:
-                self._handles.append(t.register_hook(self._grad(mod, "input gradient")))
+                t.register_hook(self._grad(mod, "input gradient"))
 
 
 class Watch:
@@ -193,7 +206,8 @@ class Watch:
         self.first: dict | None = None  # the first non-finite value: step, module, phase, op
         self.findings: dict[str, str] = {}  # kind -> its line (each kind once)
         self.run_up: dict[str, collections.deque] = {}  # module -> (step, fwd max, bwd max) of recent samples
-        self.samples = 0
+        self.samples = 0  # sampled steps, traced ones included
+        self.traced = 0
         self._names = {m: f"{n or 'root'} ({type(m).__name__})" for n, m in model.named_modules()}
         self._depth = {m: (n.count(".") + 1 if n else 0) for n, m in model.named_modules()}
         self._rec: _Ops | _Modules | None = None  # this step's sample, when it is one
@@ -208,11 +222,12 @@ class Watch:
         self._opt_steps = 0
         self._opt_steps_before = 0
         self._sched_before = None
-        if optimizer is not None:
-            self._handles_opt = optimizer.register_step_post_hook(self._count_step)
+        self._handles_opt = None
 
     # -- the user's calls ----------------------------------------------------------------------------------
     def __enter__(self) -> "Watch":
+        if self.optimizer is not None:
+            self._handles_opt = self.optimizer.register_step_post_hook(self._count_step)
         self._opt_steps_before = self._opt_steps
         self._sched_before = self._sched_epoch()
         self._begin()
@@ -220,8 +235,10 @@ class Watch:
 
     def __exit__(self, *exc) -> None:
         self._stop()
-        if self.optimizer is not None:
+        self._rec = None
+        if self._handles_opt is not None:
             self._handles_opt.remove()
+            self._handles_opt = None
 
     def step(self, loss: torch.Tensor | None = None) -> None:
         """End the step (call it after the optimizer's step): read the sample if this step was one, check the
@@ -278,8 +295,9 @@ class Watch:
             return
         # The weights as the step starts: a value made non-finite by an earlier, unsampled step is not
         # blamed on the first operation that reads it.
-        self._weights = [(self._names.get(_owner(self.model, n), n), p.detach().abs().amax())
-                         for n, p in self.model.named_parameters() if p.numel()]
+        named = [(n, p.detach()) for n, p in self.model.named_parameters() if p.numel()]
+        self._weights = list(zip([self._names.get(_owner(self.model, n), n) for n, _ in named],
+                                 torch._foreach_max(torch._foreach_abs([p for _, p in named]))))
         if not trace:
             self._rec = _Modules(self.model, self._names)
             return
@@ -306,16 +324,19 @@ class Watch:
         self._rec = None
         self.samples += 1
         traced = isinstance(rec, _Ops)
+        self.traced += traced
         extra = [self._bad if self._bad is not None else torch.zeros((), dtype=torch.bool)]
         if self.scaler is not None and self.scaler.is_enabled():
             extra.append(self.scaler._scale if self.scaler._scale is not None else torch.ones(()))  # noqa: SLF001
-        parts = [v for _, v in self._weights] + rec.values + [t.float() for t in extra]
-        dev = parts[0].device
-        flat = torch.stack([p.to(dev, torch.float32) for p in parts]).tolist()  # the one host transfer
-        nw, no = len(self._weights), len(rec.values)
-        weights = flat[:nw]
-        values = [_abs_max(lo, hi) for lo, hi in zip(flat[nw:nw + no:2], flat[nw + 1:nw + no:2])]
-        tail = flat[nw + no:]
+        # max |x| of each record from its min and max, on the device (nan wins), then one host transfer.
+        dev = (rec.values or [v for _, v in self._weights] or [torch.zeros(())])[0].device
+        mm = torch.stack([v.to(dev, torch.float32) for v in rec.values]).view(-1, 2) if rec.values else None
+        parts = [torch.stack([v.to(dev, torch.float32) for _, v in self._weights]) if self._weights else None,
+                 torch.maximum(-mm[:, 0], mm[:, 1]) if mm is not None else None,
+                 torch.stack([t.to(dev, torch.float32) for t in extra])]
+        flat = torch.cat([x for x in parts if x is not None]).tolist()  # the one host transfer
+        nw, no = len(self._weights), len(rec.names)
+        weights, values, tail = flat[:nw], flat[nw:nw + no], flat[nw + no:]
         step = self.step_count
         self._bad, bad_loss = None, bool(tail[0])
         per: dict[str, list[float]] = {}
@@ -489,11 +510,6 @@ def _event(e: dict) -> str:
 
 def _traced(e: dict) -> str:
     return f"{e['value']} made by {e['op']} in {e['module']}, {e['phase']}, step {e['step']}"
-
-
-def _abs_max(lo: float, hi: float) -> float:
-    """max |x| from min and max; nan when either is (a nan anywhere makes aminmax's results nan)."""
-    return math.nan if math.isnan(lo) or math.isnan(hi) else max(-lo, hi)
 
 
 def _owner(model: nn.Module, pname: str) -> nn.Module:
