@@ -11,6 +11,7 @@ import torch.nn as nn
 from mpt.doctor.replay import fp32_gain, progress, tail_steps, train, untrained_losses
 from mpt.doctor.targets import STEPS, Patient
 from mpt.doctor.verdict import MARGIN, TOLERANCE, analyse, confirm
+from mpt.doctor.whatif import whatif
 from mpt.errors import UserError
 from mpt.numerics import FP16_MAX, HIST_HI, HIST_LO
 
@@ -57,9 +58,10 @@ def examine(patient: Patient, steps: int = STEPS, device="cpu", tol: float = TOL
                        "memory": r["memory"], "losses": r["losses"]}
     # The replay of the recommended recipe (the FP16 one itself when that is the verdict); none with verify=False.
     verified = list(checks)[-1] if verify or v["precision"] == "fp16" else None
+    formats = whatif(patient, device)
     judge = fp32_gain(fp32["losses"], untrained)
     confirm(v, checks, verified, found["backward"]["s_high"], steps, judge)
-    return {"fp32_gain": judge, "patient": patient.name, "device": str(device), "steps": steps, "notes": notes,
+    return {"fp32_gain": judge, "whatif": formats, "patient": patient.name, "device": str(device), "steps": steps, "notes": notes,
             "untrained_tail_loss": sum(untrained) / len(untrained), "fp16_max": FP16_MAX, "hist_lo": HIST_LO,
             "hist_hi": HIST_HI, **found, "runs": checks, "forward_hist": _sum_hists(fp32["forward"]),
             "wall_s": time.time() - t0}
