@@ -67,3 +67,30 @@ def test_toys_known_answers():
     f16 = o["formats"]["fp16"]
     assert f16["ranked"][0] == "big" and f16["verdict"].startswith("not as is: big overflows (activations")
     assert o["formats"]["bf16"]["verdict"] == "ok" and o["order"][0] == "bf16" and o["order"][-1].startswith("fp16")
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("toy,kept", [("overflow", ["big (Linear)"]), ("overflow_inside", ["1 (_RMSNorm)"]),
+                                      ("healthy", [])])
+def test_smallest_keep_wide_set_on_the_toys(tmp_path, capsys, toy, kept):
+    """The layer with huge weights, the RMS norm that overflows inside: each the one module to keep in FP32 for
+    FP16 to train (the set before it fails the replay, the set with it passes); the healthy toy needs none."""
+    from mpt.doctor.__main__ import main
+
+    rep = main([f"mpt.doctor.examples:{toy}", "--keep-wide", "--out", str(tmp_path)])
+    kw = rep["keep_wide"]
+    assert kw["kept"] == kept, kw
+    assert kw["trials"][-1]["ok"] and all(not t["ok"] for t in kw["trials"][:-1]), kw["trials"]
+    assert kw["trials"][-1]["progress"] >= 0.8 and kw["trials"][-1]["output_sqnr_db"] >= 20
+    said = " ".join(capsys.readouterr().out.split())
+    assert (f"keep wide: {', '.join(kept)} (checked by the last replay)" if kept else "nothing to keep wide") in said
+
+
+def test_keep_wide_precision_is_checked(tmp_path, capsys):
+    from mpt.doctor.__main__ import main
+    from mpt.errors import cli
+
+    with pytest.raises(SystemExit):
+        cli(main)(["mpt.doctor.examples:healthy", "--keep-wide", "fp4", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert err.startswith("error: --keep-wide fp4: choose one of") and err.count("\n") == 1, err

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from mpt.doctor.replay import tail_steps
 from mpt.doctor.verdict import MAX_SCALE, pct, pow2
+from mpt.doctor.keep_wide import lines as keep_wide_lines
 from mpt.doctor.whatif import table
 from mpt.plots import draw_hist, render
 from mpt.rundir import atomic_write_bytes, atomic_write_json, atomic_write_text
@@ -89,6 +90,8 @@ def text_report(rep: dict, max_layers: int = 4) -> list[str]:
     if rep.get("whatif"):
         out.append("What-if per format (the first batch's FP32 values rounded to each; fp16 gradients at the best S)")
         out += table(rep["whatif"])
+    if rep.get("keep_wide"):
+        out += keep_wide_lines(rep["keep_wide"])
     mem, _ = _memory_line(runs)
     out.append(f"Memory (activations saved for backward, step 1): {mem}")
     cmd = f"precision={v['precision']}" + ("" if v["loss_scale"] == "auto" else f" loss_scale={v['loss_scale']}")
