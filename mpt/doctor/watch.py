@@ -125,7 +125,9 @@ class _Modules:
         # Leaf modules and those owning weights (mpt.numerics.hook_targets): a container's input and output
         # are its first and last child's.
         for _, m in hook_targets(model):
-            self._handles += [m.register_forward_pre_hook(self._pre), m.register_forward_hook(self._post)]
+            if next(m.children(), None) is not None:  # its inputs recorded before its children's records
+                self._handles.append(m.register_forward_pre_hook(self._pre))
+            self._handles.append(m.register_forward_hook(self._post))
             for p in m.parameters(recurse=False):
                 if p.requires_grad:
                     self._handles.append(p.register_hook(self._grad(m, "weight gradient")))
@@ -170,8 +172,11 @@ class _Modules:
     def _post(self, mod, args, out) -> None:
         if not torch.is_grad_enabled():
             return
+        inplace = bool(getattr(mod, "inplace", False))
+        if not inplace and next(mod.children(), None) is None:
+            self._record(mod, "forward", "input", _flat(args))  # a leaf: its inputs are as they came in
         outs = list(_flat(out))
-        self._record(mod, "forward", "output", outs, always=bool(getattr(mod, "inplace", False)))
+        self._record(mod, "forward", "output", outs, always=inplace)
         # Hooks on activations go with them (no handle kept: removing ~1000 handles cost more than the hooks).
         for t in outs:
             if t.requires_grad:
@@ -330,7 +335,9 @@ class Watch:
             extra.append(self.scaler._scale if self.scaler._scale is not None else torch.ones(()))  # noqa: SLF001
         # max |x| of each record from its min and max, on the device (nan wins), then one host transfer.
         dev = (rec.values or [v for _, v in self._weights] or [torch.zeros(())])[0].device
-        mm = torch.stack([v.to(dev, torch.float32) for v in rec.values]).view(-1, 2) if rec.values else None
+        f32 = torch.float32
+        mm = torch.stack([v if v.dtype == f32 and v.device == dev else v.to(dev, f32) for v in rec.values]
+                         ).view(-1, 2) if rec.values else None
         parts = [torch.stack([v.to(dev, torch.float32) for _, v in self._weights]) if self._weights else None,
                  torch.maximum(-mm[:, 0], mm[:, 1]) if mm is not None else None,
                  torch.stack([t.to(dev, torch.float32) for t in extra])]
