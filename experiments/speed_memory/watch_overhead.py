@@ -1,11 +1,11 @@
 """What mpt.doctor.watch costs a training loop: the tiny-profile ResNet-50 (pre-activation) and bigLSTM, each
-trained on one CPU thread by a hand-written FP32 loop over its first batches, with and without `watch(model, every=k)`, and a
-second plain loop as the control (the machine's noise floor). Rotating blocks of `steps` steps, paired within
-each round, median over rounds, as engine_overhead does. Prints the figures; the tiny data are generated and
-prepared on first use (under data=, default data/).
+trained on one CPU thread by a hand-written FP32 loop over its first batches, with and without
+`watch(model, every=k)`, and with none again as the control (the machine's noise floor). One model for all
+three, blocks of `steps` steps rotated, paired within each round, median over rounds, as engine_overhead does.
+Prints the figures; the tiny data are generated and prepared on first use (under data=, default data/).
 
-    OMP_NUM_THREADS=1 python -m experiments.speed_memory.watch_overhead [every=10] [rounds=7] [steps=10] [data=data]
-        [models=ilsvrc_cnns,lm_biglstm]
+    OMP_NUM_THREADS=1 python -m experiments.speed_memory.watch_overhead [every=10] [rounds=7] [steps=10]
+        [data=data] [models=ilsvrc_cnns,lm_biglstm]
 """
 from __future__ import annotations
 

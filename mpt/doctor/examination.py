@@ -66,7 +66,8 @@ def examine(patient: Patient, steps: int = STEPS, device="cpu", tol: float = TOL
         kept = search(patient, keep_wide, fp32, untrained, formats, fp16["first_inf"], steps, device, wide)
     judge = fp32_gain(fp32["losses"], untrained)
     confirm(v, checks, verified, found["backward"]["s_high"], steps, judge)
-    return {"fp32_gain": judge, "whatif": formats, "keep_wide": kept, "patient": patient.name, "device": str(device), "steps": steps, "notes": notes,
+    return {"patient": patient.name, "device": str(device), "steps": steps, "notes": notes, "fp32_gain": judge,
+            "whatif": formats, "keep_wide": kept,
             "untrained_tail_loss": sum(untrained) / len(untrained), "fp16_max": FP16_MAX, "hist_lo": HIST_LO,
             "hist_hi": HIST_HI, **found, "runs": checks, "forward_hist": _sum_hists(fp32["forward"]),
             "wall_s": time.time() - t0}

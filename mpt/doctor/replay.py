@@ -66,7 +66,8 @@ def progress(losses: list[float], ref: list[float], untrained: list[float]) -> f
 
 def unjudged(judge: dict, steps: int) -> str:
     """The report's sentence for a replay whose progress cannot be judged (fp32_gain not enough)."""
-    return (f"FP32 moved the loss by {judge['gain']:.2g} in {steps} steps (from the untrained {judge['untrained']:.3g}; "
+    return (f"FP32 moved the loss by {judge['gain']:.2g} in {steps} steps "
+            f"(from the untrained {judge['untrained']:.3g}; "
             f"judging needs >= {100 * judge['rel']:g}% of it, {judge['needed']:.2g}): not enough to judge; "
             f"raise --steps or the learning rate")
 

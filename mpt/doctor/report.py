@@ -101,7 +101,8 @@ def text_report(rep: dict, max_layers: int = 4) -> list[str]:
         out.append("  not checked (--no-verify)")
     elif v["confirmed"] is None:
         c = runs[v["checked"]]
-        out.append(f"  checked: {v['checked']} replay: {c['skipped']} skipped steps, {c['nonfinite_losses']} non-finite "
+        out.append(f"  checked: {v['checked']} replay: {c['skipped']} skipped steps, {c['nonfinite_losses']} "
+                   f"non-finite "
                    f"losses; progress not judged -> neither confirmed nor refuted (FP32 itself did not learn enough)")
     else:
         c = runs[v["checked"]]

@@ -2,7 +2,7 @@
 cannot go (their own data pipeline, schedule, checkpointing)::
 
     with mpt.doctor.watch(model, every=10, optimizer=opt, scaler=scaler, scheduler=sched) as w:
-        for batch in loader:
+        for i, batch in enumerate(loader):
             with torch.autocast("cuda", torch.float16):
                 loss = loss_fn(model, batch)
             scaler.scale(loss).backward()
@@ -12,25 +12,26 @@ cannot go (their own data pipeline, schedule, checkpointing)::
                 ckpt = {...}; w.check_checkpoint(ckpt); torch.save(ckpt, path)
     print("\\n".join(w.report()))
 
-Every `every`-th step is sampled at module granularity (and every `trace_every`-th, from step 0, at operation
-granularity, below): hooks take the min and max of each module's inputs
-and outputs as the forward pass makes them, and of the gradients of its outputs, inputs and weights as the
-backward pass makes them, on the device, in execution order; at w.step() the sample is stacked and read in one
-host transfer. The steps between cost a finiteness flag on the loss, kept on the device, read with the next
-sample. From a sample:
-  - the run-up of each module's largest |value| (forward outputs; gradients as the loop holds them, x S);
+Every `every`-th step is sampled at module granularity: hooks take the min and max of each module's inputs and
+outputs as the forward pass makes them, and of the gradients of its outputs, inputs and weights as the backward
+pass makes them, on the device, in execution order; at w.step() the sample is stacked and read in one host
+transfer. Every `trace_every`-th step (from step 0), and on the steps after a non-finite value, every operation
+of forward and backward is recorded instead, seen by a dispatch mode (about twice a step's time, paid only then).
+The steps between cost a finiteness flag on the loss, kept on the device and read with the next sample.
+From the samples:
+  - the run-up of each module's largest |value| (forward; gradients as the loop holds them, x S);
   - the first non-finite value: the first record in execution order that holds inf/nan -- everything recorded
-    before it was finite, so its module made it (an output or a module's own gradients) or the operations
-    between modules did (an input, or the gradient arriving at an output: the parent's own code, the loss) --
-    not a module that passed it on. Its producing operation is then traced on the next steps: every
-    operation of forward and backward seen by a dispatch mode (about twice a step's time, paid only then and
-    every trace_every steps), which names too a value that overflows inside a module whose output stays
-    finite (a sum of squares in a norm): no module-level record shows that one. Non-finite weights cannot be traced (a GradScaler keeps them finite by skipping the update);
-  - a non-finite loss or a skipped update between samples makes the next steps sampled until it is seen;
-  - setup mistakes (one line each, printed once): FP16 compute without loss scaling (no GradScaler, a disabled
+    before it was finite, so its module made it (an output, a module's own gradients) or the code between
+    modules did (an input; the gradient arriving at an output: the parent's own code, the loss) -- not a module
+    that passed it on. The operation that made it is then traced on the next steps; a trace also names a value
+    that overflows inside a module whose output stays finite (a sum of squares in a norm), which no
+    module-level record shows. Weights already non-finite cannot be traced (a GradScaler keeps them finite by
+    skipping the update);
+  - a non-finite loss or a skipped update between samples makes the next steps traced until it is seen;
+  - setup mistakes (one line each, said once): FP16 compute without loss scaling (no GradScaler, a disabled
     one, or its scale at 1), the scheduler stepped on a step the scaler skipped, a checkpoint without the
     scaler's state (check_checkpoint).
-Module attribution of the traced operations in backward follows torch.utils.module_tracker: a module's backward
+Module attribution of traced operations in backward follows torch.utils.module_tracker: a module's backward
 begins when the gradients of its outputs are ready and ends when those of its inputs (and weights) are.
 """
 from __future__ import annotations

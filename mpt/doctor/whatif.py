@@ -17,7 +17,6 @@ import copy
 import math
 
 import torch
-import torch.nn as nn
 
 from mpt.doctor.targets import Patient
 from mpt.doctor.verdict import pct
@@ -158,7 +157,8 @@ def whatif(patient: Patient, device="cpu", formats: tuple[str, ...] | None = Non
         if best not in (None, 1.0):  # what the format loses without the loss scale (the paper's point, 3.2)
             out[f"{fmt}@S=1"] = _setting(fmt, per_s[1.0], 1.0)
             out[f"{fmt}@S=1"]["verdict"] = _verdict(fmt, out[f"{fmt}@S=1"])
-    order = sorted(out, key=lambda f: (_lost_summary(out[f]["kinds"]), -min(k["sqnr_db"] for k in out[f]["kinds"].values())))
+    order = sorted(out, key=lambda f: (_lost_summary(out[f]["kinds"]),
+                                       -min(k["sqnr_db"] for k in out[f]["kinds"].values())))
     return {"formats": {f: out[f] for f in order}, "order": order}
 
 
