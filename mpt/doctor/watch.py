@@ -37,6 +37,7 @@ begins when the gradients of its outputs are ready and ends when those of its in
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import sys
 from typing import Callable
@@ -112,81 +113,78 @@ def _flat(obj, depth: int = 0):
 
 class _Modules:
     """One sampled step at module granularity: the min and max of each module's inputs and outputs (forward)
-    and of the gradients of its outputs, inputs and weights (backward), on the device, in execution order."""
+    and of the gradients of its outputs, inputs and weights (backward), on the device, in execution order.
+    `plan`: (module, its label, leaf?, in place?, its own trainable weights) for each hooked module."""
 
-    def __init__(self, model: nn.Module, names: dict):
+    def __init__(self, plan: list):
         self.names: list[tuple[str, str, str]] = []  # (module, "forward" | "backward", what)
         self.values: list[torch.Tensor] = []  # min and max of each record, in turn (0-dim, on the device)
         self.grads: list[int | None] = []  # per backward record, its gradient's group (one tensor, several records)
         self.fp16 = False
-        self._names = names
         self._seen: dict = {}  # (id, version) -> tensor: a value already recorded in this forward pass
         self._last: tuple | None = None  # (gradient, its min and max, its group): one gradient, several records
         self._handles = []
-        # Leaf modules and those owning weights (mpt.numerics.hook_targets): a container's input and output
-        # are its first and last child's.
-        for _, m in hook_targets(model):
-            if next(m.children(), None) is not None:  # its inputs recorded before its children's records
-                self._handles.append(m.register_forward_pre_hook(self._pre))
-            self._handles.append(m.register_forward_hook(self._post))
-            for p in m.parameters(recurse=False):
-                if p.requires_grad:
-                    self._handles.append(p.register_hook(self._grad(m, "weight gradient")))
+        self._open = True
+        for m, label, leaf, inplace, weights in plan:
+            if not leaf:  # its inputs recorded before its children's records
+                self._handles.append(m.register_forward_pre_hook(functools.partial(self._pre, label)))
+            self._handles.append(m.register_forward_hook(functools.partial(self._post, label, leaf, inplace)))
+            for p in weights:
+                self._handles.append(p.register_hook(functools.partial(self._bwd, label, "weight gradient")))
 
     def close(self) -> None:
         for h in self._handles:
             h.remove()
-        self._handles, self._seen, self._last = [], {}, None
+        self._handles, self._seen, self._last, self._open = [], {}, None, False
 
-    def _record(self, mod, phase: str, what: str, tensors, always: bool = False) -> None:
-        """Record each floating tensor's min and max; in the forward pass each value once."""
-        for t in tensors:
-            if not (t.is_floating_point() and t.numel()):
-                continue
-            if phase == "forward":
-                key = (id(t), t._version)  # the version: an in-place change is a new value
-                if key in self._seen and not always:
-                    continue  # the previous module's output is this one's input: recorded once
-                self._seen[key] = t  # held for the pass (most are saved for backward anyway): ids stay unique
-                self.fp16 |= t.dtype in _LOW
-            self.names.append((self._names[mod], phase, what))
-            if phase == "backward" and self._last is not None and self._last[0] is t:
-                self.grads.append(self._last[2])
-                self.values += self._last[1]  # this gradient's hooks fire together: measured once
-                continue
-            mm = torch.aminmax(t.detach())
-            self.values += mm
-            self.grads.append(len(self.names) if phase == "backward" else None)
-            if phase == "backward":
-                self._last = (t, mm, len(self.names))  # held, so that no other tensor takes its id meanwhile
+    def _fwd(self, label: str, what: str, t: torch.Tensor, always: bool = False) -> None:
+        """Record a forward value's min and max, each value once (a module's input is its producer's output)."""
+        if not (t.is_floating_point() and t.numel()):
+            return
+        key = (id(t), t._version)  # the version: an in-place change is a new value
+        if key in self._seen and not always:
+            return
+        self._seen[key] = t  # held for the pass (most are saved for backward anyway): ids stay unique
+        self.fp16 |= t.dtype in _LOW
+        self.names.append((label, "forward", what))
+        self.grads.append(None)
+        self.values += torch.aminmax(t.detach())
 
-    def _grad(self, mod, what: str):
-        def hook(g):
-            if self._handles:  # not closed (an activation kept past its step)
-                self._record(mod, "backward", what, [g])
-        return hook
+    def _bwd(self, label: str, what: str, g: torch.Tensor) -> None:
+        """Record a gradient's min and max; the hooks of one tensor fire together: measured once, one group."""
+        if not self._open or not g.is_floating_point() or not g.numel():
+            return  # (a hook on an activation kept past its step: no handle is kept to remove it)
+        self.names.append((label, "backward", what))
+        last = self._last
+        if last is not None and last[0] is g:
+            self.grads.append(last[2])
+            self.values += last[1]
+            return
+        mm = torch.aminmax(g.detach())
+        self.values += mm
+        self.grads.append(len(self.names))
+        self._last = (g, mm, len(self.names))  # held, so that no other tensor takes its id meanwhile
 
-    def _pre(self, mod, args) -> None:
+    def _pre(self, label: str, mod, args) -> None:
         if torch.is_grad_enabled():
-            self._record(mod, "forward", "input", _flat(args))
+            for t in _flat(args):
+                self._fwd(label, "input", t)
 
-    def _post(self, mod, args, out) -> None:
+    def _post(self, label: str, leaf: bool, inplace: bool, mod, args, out) -> None:
         if not torch.is_grad_enabled():
             return
-        inplace = bool(getattr(mod, "inplace", False))
-        if not inplace and next(mod.children(), None) is None:
-            self._record(mod, "forward", "input", _flat(args))  # a leaf: its inputs are as they came in
-        outs = list(_flat(out))
-        self._record(mod, "forward", "output", outs, always=inplace)
+        ins = [] if inplace else list(_flat(args))
+        if leaf:
+            for t in ins:  # a leaf: its inputs are as they came in
+                self._fwd(label, "input", t)
         # Hooks on activations go with them (no handle kept: removing ~1000 handles cost more than the hooks).
-        for t in outs:
+        for t in _flat(out):
+            self._fwd(label, "output", t, always=inplace)
             if t.requires_grad:
-                t.register_hook(self._grad(mod, "output gradient"))
-        if getattr(mod, "inplace", False):
-            return  # its input is its output
-        for t in _flat(args):
+                t.register_hook(functools.partial(self._bwd, label, "output gradient"))
+        for t in ins:  # (an in-place module's input is its output)
             if t.requires_grad and not t.is_leaf:
-                t.register_hook(self._grad(mod, "input gradient"))
+                t.register_hook(functools.partial(self._bwd, label, "input gradient"))
 
 
 class Watch:
@@ -217,6 +215,10 @@ class Watch:
         self._names = {m: f"{n or 'root'} ({type(m).__name__})" for n, m in model.named_modules()}
         self._depth = {m: (n.count(".") + 1 if n else 0) for n, m in model.named_modules()}
         self._rec: _Ops | _Modules | None = None  # this step's sample, when it is one
+        # Leaf modules and those owning weights (mpt.numerics.hook_targets): a container's input and output
+        # are its first and last child's.
+        self._plan = [(m, self._names[m], next(m.children(), None) is None, bool(getattr(m, "inplace", False)),
+                       [p for p in m.parameters(recurse=False) if p.requires_grad]) for _, m in hook_targets(model)]
         self._parent = {self._names[m]: self._names[model.get_submodule(n.rpartition(".")[0])]
                         for n, m in model.named_modules() if n}
         self._handles: list = []
@@ -305,7 +307,7 @@ class Watch:
         self._weights = list(zip([self._names.get(_owner(self.model, n), n) for n, _ in named],
                                  torch._foreach_max(torch._foreach_abs([p for _, p in named]))))
         if not trace:
-            self._rec = _Modules(self.model, self._names)
+            self._rec = _Modules(self._plan)
             return
         # Tracing: every operation, attributed to the innermost running module (forward and backward).
         self._active = []
