@@ -184,6 +184,19 @@ def test_checkpoint_without_scaler_state_is_found():
     assert not ok and "has no GradScaler state" in w.findings["checkpoint"] and "scaler.state_dict()" in lines[-1]
 
 
+def test_watch_step_before_the_optimizer_step_is_found():
+    model, _, batches, opt_fn = ex.healthy()
+    opt = opt_fn(model)
+    with watch(model, every=5, optimizer=opt, log=lambda line: None) as w:
+        for i in range(4):
+            loss = F.mse_loss(model(batches[0][0]), batches[0][1])
+            loss.backward()
+            w.step(loss)  # too early: the optimizer steps after it
+            opt.step()
+            opt.zero_grad()
+    assert w.findings["order"].startswith("the optimizer given to watch() did not step before w.step()"), w.findings
+
+
 def test_bad_arguments_are_one_line_errors():
     with pytest.raises(UserError, match=r"watch\(every=0\)"):
         watch(nn.Linear(1, 1), every=0)

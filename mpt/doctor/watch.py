@@ -53,6 +53,7 @@ from mpt.numerics import hook_targets
 
 OUTSIDE = "(outside the model)"  # the loss and whatever else the step computes from the model's outputs
 RUN_UP = 8  # samples of each module's largest |value| kept
+SETUP = ("fp16_unscaled", "schedule", "checkpoint", "order")  # findings that are mistakes in the loop's setup
 _LOW = (torch.float16,)  # FP16 compute: the format whose gradients need a loss scale (BF16 does not)
 
 
@@ -249,9 +250,9 @@ class Watch:
             self._handles_opt = None
 
     def step(self, loss: torch.Tensor | None = None) -> None:
-        """End the step (call it after the optimizer's step): read the sample if this step was one, check the
-        setup, and start the next step's sample when it is due. `loss`: the step's loss, watched for
-        inf/nan between samples (on the device: no host read)."""
+        """End the step (call it last in the iteration, after the optimizer's and the scheduler's step): read
+        the sample if this step was one, check the setup, and start the next step's sample when it is due.
+        `loss`: the step's loss, watched for inf/nan between samples (on the device: no host read)."""
         if loss is not None and isinstance(loss, torch.Tensor):
             flag = ~torch.isfinite(loss.detach()).all()
             self._bad = flag if self._bad is None else self._bad | flag
@@ -259,8 +260,13 @@ class Watch:
         self._check_schedule(stepped)
         if self._rec is not None:
             self._read()
-        elif self.optimizer is not None and self.scaler is not None and not stepped and self.first is None:
+        elif self.optimizer is not None and self.scaler is not None and not stepped and self.first is None \
+                and self._opt_steps > 0:
             self._start_chase(self.step_count)  # the scaler skipped an update between samples: find what overflowed
+        if self.optimizer is not None and self.step_count == 0 and not stepped and \
+                (self.scaler is None or not self.scaler.is_enabled()):  # (a scaler may skip step 0: not told apart)
+            self._find("order", "the optimizer given to watch() did not step before w.step() in the first step: "
+                                "call w.step() last in the iteration, and give watch() the optimizer the loop steps")
         self._opt_steps_before = self._opt_steps
         self.step_count += 1
         self._begin()
@@ -285,9 +291,9 @@ class Watch:
     def report(self) -> list[str]:
         """The findings, the first non-finite value with its module's run-up, and the modules with the largest
         values, as lines."""
-        out = [f"watched {self.step_count} steps, {self.samples} sampled (every {self.every}); largest |value| of "
-               f"each module's operations, backward as the loop holds them (x the loss scale)"]
-        out += [f"{'NOTE' if kind == 'one_off' else 'SETUP'}: {line}" for kind, line in self.findings.items()]
+        out = [f"watched {self.step_count} steps, {self.samples} sampled (every {self.every}), {self.traced} of them "
+               f"traced; largest |value| per module, gradients as the loop holds them (x the loss scale)"]
+        out += [f"{'SETUP' if kind in SETUP else 'NOTE'}: {line}" for kind, line in self.findings.items()]
         if self.first:
             out.append(f"FIRST NON-FINITE: {_event(self.first)}")
             out.append(f"  its run-up: {self._run_up_line(self.first['module'])}")
@@ -305,7 +311,7 @@ class Watch:
         # blamed on the first operation that reads it.
         named = [(n, p.detach()) for n, p in self.model.named_parameters() if p.numel()]
         self._weights = list(zip([self._names.get(_owner(self.model, n), n) for n, _ in named],
-                                 torch._foreach_max(torch._foreach_abs([p for _, p in named]))))
+                                 torch._foreach_max(torch._foreach_abs([p for _, p in named])))) if named else []
         if not trace:
             self._rec = _Modules(self._plan)
             return
