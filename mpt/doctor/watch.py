@@ -220,6 +220,7 @@ class Watch:
         # are its first and last child's.
         self._plan = [(m, self._names[m], next(m.children(), None) is None, bool(getattr(m, "inplace", False)),
                        [p for p in m.parameters(recurse=False) if p.requires_grad]) for _, m in hook_targets(model)]
+        self._params = [(self._names[_owner(model, n)], p) for n, p in model.named_parameters() if p.numel()]
         self._parent = {self._names[m]: self._names[model.get_submodule(n.rpartition(".")[0])]
                         for n, m in model.named_modules() if n}
         self._handles: list = []
@@ -309,9 +310,8 @@ class Watch:
             return
         # The weights as the step starts: a value made non-finite by an earlier, unsampled step is not
         # blamed on the first operation that reads it.
-        named = [(n, p.detach()) for n, p in self.model.named_parameters() if p.numel()]
-        self._weights = list(zip([self._names.get(_owner(self.model, n), n) for n, _ in named],
-                                 torch._foreach_max(torch._foreach_abs([p for _, p in named])))) if named else []
+        # (their min and max: no copy of the weights is made)
+        self._weights = [(label, torch.aminmax(p.detach())) for label, p in self._params]
         if not trace:
             self._rec = _Modules(self._plan)
             return
@@ -343,11 +343,13 @@ class Watch:
         if self.scaler is not None and self.scaler.is_enabled():
             extra.append(self.scaler._scale if self.scaler._scale is not None else torch.ones(()))  # noqa: SLF001
         # max |x| of each record from its min and max, on the device (nan wins), then one host transfer.
-        dev = (rec.values or [v for _, v in self._weights] or [torch.zeros(())])[0].device
+        dev = (rec.values or [pair[0] for _, pair in self._weights] or [torch.zeros(())])[0].device
         f32 = torch.float32
         mm = torch.stack([v if v.dtype == f32 and v.device == dev else v.to(dev, f32) for v in rec.values]
                          ).view(-1, 2) if rec.values else None
-        parts = [torch.stack([v.to(dev, torch.float32) for _, v in self._weights]) if self._weights else None,
+        wm = torch.stack([v.to(dev, f32) for _, pair in self._weights for v in pair]).view(-1, 2) \
+            if self._weights else None
+        parts = [torch.maximum(-wm[:, 0], wm[:, 1]) if wm is not None else None,
                  torch.maximum(-mm[:, 0], mm[:, 1]) if mm is not None else None,
                  torch.stack([t.to(dev, torch.float32) for t in extra])]
         flat = torch.cat([x for x in parts if x is not None]).tolist()  # the one host transfer
