@@ -124,6 +124,7 @@ def test_task_class_target_and_written_report(tmp_path, capsys):
     assert not list(tmp_path.glob(".*.tmp"))  # written atomically: no temp files left
 
 
+@pytest.mark.heavy
 def test_progress_is_not_judged_when_fp32_barely_moves_the_loss(capsys, tmp_path):
     """The stalled toy: FP32 moves its loss by ~1e-15 in 20 steps. Dividing two such numbers gave progress of
     -100000% ("NOT confirmed"); the report must say the replay cannot be judged, with the tolerance."""
