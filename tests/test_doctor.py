@@ -124,6 +124,33 @@ def test_task_class_target_and_written_report(tmp_path, capsys):
     assert not list(tmp_path.glob(".*.tmp"))  # written atomically: no temp files left
 
 
+@pytest.mark.heavy
+def test_progress_is_not_judged_when_fp32_barely_moves_the_loss(capsys, tmp_path):
+    """The stalled toy: FP32 moves its loss by ~1e-15 in 20 steps. Dividing two such numbers gave progress of
+    -100000% ("NOT confirmed"); the report must say the replay cannot be judged, with the tolerance."""
+    rep = main(["mpt.doctor.examples:stalled", "--out", str(tmp_path)])
+    said = " ".join(capsys.readouterr().out.split())
+    assert "% of fp32's" not in said, said  # no ratio of two numbers near zero
+    assert re.search(r"FP32 moved the loss by [-\d.e]+ in 20 steps \(from the untrained [\d.e-]+; judging needs "
+                     r">= 1% of it, [\d.e-]+\): not enough to judge; raise --steps or the learning rate", said), said
+    assert "neither confirmed nor refuted" in said and "NOT confirmed" not in said
+    judge = rep["fp32_gain"]
+    assert not judge["enough"] and abs(judge["gain"]) < judge["needed"] == pytest.approx(0.01 * judge["untrained"])
+    assert all(r["progress"] is None for r in rep["runs"].values()), rep["runs"]
+    assert rep["verdict"]["confirmed"] is None
+
+
+def test_progress_is_judged_against_a_stated_tolerance():
+    from mpt.doctor.replay import fp32_gain, progress
+
+    untrained = [1.0] * 5
+    moved = [1.0] * 15 + [0.5] * 5  # FP32 halved the loss: judged
+    assert progress([1.0] * 15 + [0.75] * 5, moved, untrained) == pytest.approx(0.5)
+    barely = [1.0] * 15 + [1.0 - 1e-3] * 5  # 0.1% of the untrained loss: below the 1% needed
+    assert fp32_gain(barely, untrained)["needed"] == pytest.approx(0.01)
+    assert progress([0.0] * 20, barely, untrained) is None
+
+
 def _patient_module(tmp_path, monkeypatch, body):
     (tmp_path / "patient_mod.py").write_text(body)
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -5,7 +5,7 @@ TARGET is one of:
                      dict with those keys: `loss(model, batch)` gives the mean loss (or (mean loss, items),
                      as Task.loss), `batches` is a list of batches (tensors, or tuples/dicts of tensors),
                      `optimizer(model)` builds the optimizer (default: SGD, lr 0.01, momentum 0.9);
-                     mpt/doctor/examples.py has four.
+                     mpt/doctor/examples.py has five.
   module:TaskClass   a subclass of mpt.task.Task (its datasets, model, optimizer and loss under the
                      default Config); a function returning a Task instance works too.
   experiment:NAME    one of this repository's experiments, with --profile and key=value overrides as a run
@@ -19,19 +19,27 @@ What it does, through the one recipe and step code every run uses (mpt.precision
      (precision=fp16, S = 1), watching for the first operation that makes inf/nan (FirstOverflow);
   3. decides a verdict from the measurements: fp16 as it is, fp16 + a static S (which), fp16 + dynamic S,
      or bf16 / layers kept in FP32 -- and replays the same steps once more in the recipe it recommends,
-     so the verdict says whether that recipe then trains (skipped steps, progress against FP32).
+     so the verdict says whether that recipe then trains (skipped steps, progress against FP32);
+  4. rounds one FP32 pass's values to every format (whatif.py) and, with --keep-wide PRECISION, finds the
+     smallest set of modules to compute wide for that precision to train, each set checked by a replay.
 It prints a one-screen report and writes report.md, report.json and histograms.png (--out).
 
 "Progress" is how far a replay got, as a share of how far FP32 got: its mean loss over the last quarter of the
 steps against the untrained model's and FP32's on the same batches, (untrained - it) / (untrained - FP32);
-100% = learned as FP32 did, 0 = did not learn.
+100% = learned as FP32 did, 0 = did not learn. It is not judged (the report says so) when FP32 itself moved that
+loss by less than 1% of the untrained model's: two numbers near zero make no ratio.
 
 The package, in the order of an examination:
   targets.py      TARGET -> a Patient (the model, its loss, batches and optimizer)
   replay.py       train(): the patient's steps under one precision, measured
   verdict.py      measurements -> findings, the recipe to use, and whether its replay confirms it
   examination.py  examine(): the replays and the verdict in order -> the report as a dict (report.json)
+  whatif.py       one FP32 pass rounded to every format: shares flushed and overflowed, SQNR, a verdict each
+  keep_wide.py    the smallest set of modules kept wide, promoted greedily, each set replayed
   report.py       the one-screen text, report.md, report.json and histograms.png
   __main__.py     the command line
   examples.py     toys whose answers are known (the tests' and the README's patients)
+  watch.py        watch(model, every=10, ...): a user's own training loop watched (the first non-finite value's
+                  producer, each module's run-up, setup mistakes); not part of an examination
 """
+from mpt.doctor.watch import watch  # noqa: E402,F401 -- `with mpt.doctor.watch(model) as w:`

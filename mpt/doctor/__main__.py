@@ -9,6 +9,7 @@ from pathlib import Path
 
 import mpt.doctor
 from mpt.doctor.examination import examine
+from mpt.doctor.keep_wide import FORMAT_OF as KEEP_WIDE
 from mpt.doctor.report import text_report, wrap, write
 from mpt.doctor.targets import STEPS, load
 from mpt.doctor.verdict import TOLERANCE
@@ -29,6 +30,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--tolerance", type=float, default=TOLERANCE,
                    help=f"share of non-zero gradient values allowed to flush to zero (default {TOLERANCE})")
     p.add_argument("--no-verify", action="store_true", help="skip the replay in the recommended recipe")
+    p.add_argument("--keep-wide", nargs="?", const="fp16", default=None, metavar="PRECISION",
+                   help="find the smallest set of modules to keep wide for PRECISION to train (fp16, mixed, bf16, "
+                        "fp8; default fp16), each set checked by a replay")
+    p.add_argument("--wide", default="fp32", choices=("fp32", "bf16"), help="what kept modules compute in")
     a = p.parse_intermixed_args(argv)
     if a.steps < 1:
         raise UserError(f"--steps={a.steps}: need at least 1 step")
@@ -36,7 +41,9 @@ def main(argv: list[str] | None = None) -> dict:
         raise UserError(f"--tolerance={a.tolerance}: need a share in [0, 1)")
     device = pick_device(a.device)
     patient = load(a.target, a.overrides, a.profile, a.steps)
-    rep = examine(patient, a.steps, device, a.tolerance, verify=not a.no_verify)
+    if a.keep_wide and a.keep_wide not in KEEP_WIDE:
+        raise UserError(f"--keep-wide {a.keep_wide}: choose one of {', '.join(KEEP_WIDE)}")
+    rep = examine(patient, a.steps, device, a.tolerance, verify=not a.no_verify, keep_wide=a.keep_wide, wide=a.wide)
     out = Path(a.out) if a.out else Path("doctor_out") / re.sub(r"[^\w.-]+", "_", a.target)
     lines = wrap(text_report(rep))
     files = write(rep, out)

@@ -8,17 +8,20 @@ import time
 import torch
 import torch.nn as nn
 
-from mpt.doctor.replay import progress, tail_steps, train, untrained_losses
+from mpt.doctor.replay import fp32_gain, progress, tail_steps, train, untrained_losses
 from mpt.doctor.targets import STEPS, Patient
 from mpt.doctor.verdict import MARGIN, TOLERANCE, analyse, confirm
+from mpt.doctor.keep_wide import search
+from mpt.doctor.whatif import whatif
 from mpt.errors import UserError
 from mpt.numerics import FP16_MAX, HIST_HI, HIST_LO
 
 
 def examine(patient: Patient, steps: int = STEPS, device="cpu", tol: float = TOLERANCE, margin: float = MARGIN,
-            verify: bool = True) -> dict:
+            verify: bool = True, keep_wide: str | None = None, wide: str = "fp32") -> dict:
     """The whole examination: FP32 with numerics, the FP16 (S = 1) replay, the analysis and verdict, and a
-    replay in the recommended recipe. Returns the report as a dict (report.json)."""
+    replay in the recommended recipe; the what-if per format; with `keep_wide` (a precision), the smallest set of
+    modules to keep in `wide` for it to train (keep_wide.search). Returns the report as a dict (report.json)."""
     t0 = time.time()
     device = torch.device(device)
     fp32 = train(patient, "fp32", steps=steps, device=device)
@@ -57,8 +60,14 @@ def examine(patient: Patient, steps: int = STEPS, device="cpu", tol: float = TOL
                        "memory": r["memory"], "losses": r["losses"]}
     # The replay of the recommended recipe (the FP16 one itself when that is the verdict); none with verify=False.
     verified = list(checks)[-1] if verify or v["precision"] == "fp16" else None
-    confirm(v, checks, verified, found["backward"]["s_high"], steps)
-    return {"patient": patient.name, "device": str(device), "steps": steps, "notes": notes,
+    formats = whatif(patient, device)
+    kept = None
+    if keep_wide:
+        kept = search(patient, keep_wide, fp32, untrained, formats, fp16["first_inf"], steps, device, wide)
+    judge = fp32_gain(fp32["losses"], untrained)
+    confirm(v, checks, verified, found["backward"]["s_high"], steps, judge)
+    return {"patient": patient.name, "device": str(device), "steps": steps, "notes": notes, "fp32_gain": judge,
+            "whatif": formats, "keep_wide": kept,
             "untrained_tail_loss": sum(untrained) / len(untrained), "fp16_max": FP16_MAX, "hist_lo": HIST_LO,
             "hist_hi": HIST_HI, **found, "runs": checks, "forward_hist": _sum_hists(fp32["forward"]),
             "wall_s": time.time() - t0}

@@ -6,6 +6,9 @@ optimizer), with loss(model, batch) -> mean loss and optimizer(model) -> a torch
   underflow  the same regression with its loss multiplied by 2^-22 and the learning rate by 2^22, so FP32
              trains exactly as `healthy` while every gradient sits 2^22 times lower, mostly below FP16's
              2^-24: FP16 at S = 1 flushes them and does not learn; a loss scale brings them back (3.2)
+  stalled    `underflow`'s scaled loss under the doctor's default optimizer (SGD, lr 0.01): the update is 2^22
+             times too small and FP32 itself barely moves the loss in 20 steps, so no replay's progress can be
+             judged (the report says so instead of dividing two numbers near zero)
   overflow   a layer with large weights (as a BF16- or FP32-pretrained layer may have, transformers #5651):
              its outputs exceed 65504, inf in FP16 whatever the loss scale; BF16 holds them
   overflow_inside  an RMS norm over large activations (as T5's layer norm in FP16): every module's output stays
@@ -65,6 +68,14 @@ def underflow():
         return F.mse_loss(model(x).float(), y) * UNDERFLOW_SHIFT
 
     return _mlp(), loss, _data(), _sgd(0.05 / UNDERFLOW_SHIFT)
+
+
+def stalled():
+    def loss(model, batch):
+        x, y = batch
+        return F.mse_loss(model(x).float(), y) * UNDERFLOW_SHIFT
+
+    return _mlp(), loss, _data()  # no optimizer: the doctor's default, whose lr does not go with the scaled loss
 
 
 class _Pretrained(nn.Module):

@@ -13,7 +13,8 @@ from mpt.config import Config
 from mpt.doctor.targets import STEPS, Patient
 from mpt.errors import UserError
 from mpt.memory import ActivationMeter
-from mpt.numerics import FirstOverflow, Numerics, NumericsObserver, ValueRanges
+from mpt.precision import _cast_floats
+from mpt.numerics import FirstOverflow, Numerics, NumericsObserver, ValueRanges, _tensors
 from mpt.ranks import to_device
 from mpt.step import TrainStep, loss_body
 
@@ -35,16 +36,40 @@ def untrained_losses(patient: Patient, steps: int, device) -> list[float]:
     return out
 
 
+# Progress is a ratio of two loss reductions; it means something only when FP32's is clearly above the noise
+# of the tail's mean loss: at least this share of the untrained model's loss (stated with its absolute value).
+JUDGE = 0.01
+
+
+def fp32_gain(ref: list[float], untrained: list[float]) -> dict:
+    """How far FP32 lowered the tail steps' mean loss from the untrained model's, and whether that is enough to
+    judge other replays against (`enough`: gain >= JUDGE x |untrained|; `needed` is that bound in loss units)."""
+    tail = tail_steps(len(ref))
+    start = sum(untrained) / len(untrained)
+    gain = start - sum(ref[i] for i in tail) / len(tail)
+    needed = JUDGE * abs(start)
+    return {"gain": gain, "untrained": start, "needed": needed, "rel": JUDGE,
+            "enough": math.isfinite(gain) and gain > 0 and gain >= needed}
+
+
 def progress(losses: list[float], ref: list[float], untrained: list[float]) -> float | None:
     """How far a run got on the tail steps' batches, as a share of how far FP32 got from the untrained
-    model's losses on the same batches: 1 = as FP32, 0 = not at all (None: non-finite, or FP32 did not learn)."""
+    model's losses on the same batches: 1 = as FP32, 0 = not at all (None: non-finite, or FP32 did not move
+    the loss enough to judge, fp32_gain)."""
     tail = tail_steps(len(ref))
     mine = sum(losses[i] for i in tail) / len(tail)
-    theirs = sum(ref[i] for i in tail) / len(tail)
-    start = sum(untrained) / len(untrained)
-    if not math.isfinite(mine) or not start - theirs > 0:
+    judge = fp32_gain(ref, untrained)
+    if not math.isfinite(mine) or not judge["enough"]:
         return None
-    return (start - mine) / (start - theirs)
+    return (judge["untrained"] - mine) / judge["gain"]
+
+
+def unjudged(judge: dict, steps: int) -> str:
+    """The report's sentence for a replay whose progress cannot be judged (fp32_gain not enough)."""
+    return (f"FP32 moved the loss by {judge['gain']:.2g} in {steps} steps "
+            f"(from the untrained {judge['untrained']:.3g}; "
+            f"judging needs >= {100 * judge['rel']:g}% of it, {judge['needed']:.2g}): not enough to judge; "
+            f"raise --steps or the learning rate")
 
 
 def _mean_loss(loss_fn, model, batch, where: str):
@@ -62,6 +87,34 @@ def _mean_loss(loss_fn, model, batch, where: str):
     return loss.reshape(()), items
 
 
+def keep_modules_wide(model: torch.nn.Module, names, wide: str, device, precision: str) -> list:
+    """Compute the named modules in `wide` (fp32 | bf16) inside a low-precision recipe: their inputs cast to it
+    and autocast off (fp32) or in BF16 (bf16) for their forward -- their backward follows the dtypes autograd
+    recorded. Under precision=fp8 a module kept wide is marked keep_fp32, which mpt.fp8 leaves unquantised.
+    Returns the hook handles."""
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[wide]
+    handles = []
+    for name in names:
+        try:
+            m = model.get_submodule(name)
+        except AttributeError:
+            raise UserError(f"keep wide: the model has no module {name!r}") from None
+        if precision == "fp8":
+            m.keep_fp32 = True
+        ctx = torch.autocast(torch.device(device).type, dtype=torch.bfloat16) if wide == "bf16" else \
+            torch.autocast(torch.device(device).type, enabled=False)
+
+        def enter(mod, args, kwargs, ctx=ctx):
+            ctx.__enter__()
+            return _cast_floats(args, dtype), _cast_floats(kwargs, dtype)
+
+        def leave(mod, args, out, ctx=ctx):
+            ctx.__exit__(None, None, None)  # (a forward hook's return value would replace the output)
+
+        handles += [m.register_forward_pre_hook(enter, with_kwargs=True), m.register_forward_hook(leave)]
+    return handles
+
+
 # ------------------------------------------------------------------------------------------------
 # train(): one replay, whole. Every phase (FP32 measured, FP16 at S = 1, the recommended recipe) runs
 # through it, so their steps differ only in the recipe: same weights, batches and random stream.
@@ -69,17 +122,24 @@ def _mean_loss(loss_fn, model, batch, where: str):
 
 def train(patient: Patient, precision: str, loss_scale: str = "auto", steps: int = STEPS,
           device: torch.device | str = "cpu", numerics: bool = True, half_math: str = "auto",
-          watch: bool = False) -> dict:
+          watch: bool = False, keep_wide: tuple[str, ...] = (), wide: str = "fp32") -> dict:
     """Train a copy of the patient's model for `steps` steps under `precision` (mpt.precision.build: the same
     recipes as every run) and measure: losses, skipped steps, forward value ranges per layer, and with
     `numerics` the gradient histograms and swamping of every step (mpt.numerics.Numerics, as the engine
     samples them) and the initial weights' ranges; with `watch`, the first operation whose FP16/BF16 result is
-    inf/nan from finite inputs (mpt.numerics.FirstOverflow). Returns a dict of plain values."""
+    inf/nan from finite inputs (mpt.numerics.FirstOverflow). `keep_wide`: modules (names) computed in `wide`
+    (fp32 or bf16) inside the recipe (keep_wide.py). The model's output at step 1 is kept ("first_output":
+    every replay starts from the same weights and batch, so outputs compare). Returns a dict of plain values."""
     device = torch.device(device)
     recipe = recipes.build(Config(precision=precision, loss_scale=loss_scale, half_math=half_math), device)
     model = copy.deepcopy(patient.model).to(device)
     opt = patient.optimizer(model)
+    wide_handles = keep_modules_wide(model, keep_wide, wide, device, precision)
     model = recipe.prepare(model, [opt])
+    first_output: list = []
+    out_hook = model.register_forward_hook(
+        lambda m, a, out: first_output.append(torch.cat([t.detach().double().reshape(-1).cpu() for t in _tensors(out)
+                                                         if t.is_floating_point()] or [torch.zeros(0)])))
     num = NumericsObserver(Numerics(model, every=1 if numerics else 0))
     forward = ValueRanges()
     weights = ValueRanges()
@@ -98,11 +158,15 @@ def train(patient: Patient, precision: str, loss_scale: str = "auto", steps: int
     for i in range(steps):
         with forward.recording(model), (watch.watching(i) if watch else contextlib.nullcontext()):
             logs, _ = train_step([patient.batches[i % len(patient.batches)]], meter=meter if i == 0 else None)
+        out_hook.remove()  # the first forward's output only
         losses.append(float(logs["loss"]))
         skipped += not train_step.applied["main"]
         if numerics:
             samples.append(num.stats)
+    for h in wide_handles:
+        h.remove()
     return {"precision": precision, "loss_scale": loss_scale, "final_loss_scale": recipe.loss_scale,
+            "keep_wide": list(keep_wide), "first_output": first_output[0] if first_output else None,
             "half_math": recipe.half_math, "losses": losses, "skipped": skipped,
             "nonfinite_losses": sum(not math.isfinite(v) for v in losses), "forward": forward.summary(),
             "weights": weights.summary(), "numerics": samples, "memory": meter.breakdown(),

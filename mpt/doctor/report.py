@@ -8,6 +8,8 @@ from pathlib import Path
 
 from mpt.doctor.replay import tail_steps
 from mpt.doctor.verdict import MAX_SCALE, pct, pow2
+from mpt.doctor.keep_wide import lines as keep_wide_lines
+from mpt.doctor.whatif import table
 from mpt.plots import draw_hist, render
 from mpt.rundir import atomic_write_bytes, atomic_write_json, atomic_write_text
 
@@ -43,7 +45,9 @@ def text_report(rep: dict, max_layers: int = 4) -> list[str]:
     n_tail = len(tail_steps(rep["steps"]))
     out.append(f"  mean loss over the last {n_tail} steps' batches: untrained {rep['untrained_tail_loss']:.4g}, "
                f"fp32 {f32['tail_loss']:.4g}, fp16 (S = 1) {f16['tail_loss']:.4g} "
-               f"(progress {pct(f16['progress'])} of fp32's)")
+               + (f"(progress {pct(f16['progress'])} of fp32's)" if not v.get("unjudged") else "(progress: n/a)"))
+    if v.get("unjudged"):
+        out.append(f"  CANNOT JUDGE PROGRESS: {v['unjudged']}")
     out.append("Forward pass (FP32 values against FP16's range)")
     rows = sorted(fw["rows"], key=lambda r: -r["max_abs"])
     if rows:
@@ -83,6 +87,11 @@ def text_report(rep: dict, max_layers: int = 4) -> list[str]:
                f"in a step); {pct(up['frac_update_underflow_mean'])} are below 2^-24 outright -> "
                + ("keep the FP32 master copy (mixed / fp16, not fp16_pure)" if up["master_matters"]
                   else "the master copy matters little at this learning rate"))
+    if rep.get("whatif"):
+        out.append("What-if per format (the first batch's FP32 values rounded to each; fp16 gradients at the best S)")
+        out += table(rep["whatif"])
+    if rep.get("keep_wide"):
+        out += keep_wide_lines(rep["keep_wide"])
     mem, _ = _memory_line(runs)
     out.append(f"Memory (activations saved for backward, step 1): {mem}")
     cmd = f"precision={v['precision']}" + ("" if v["loss_scale"] == "auto" else f" loss_scale={v['loss_scale']}")
@@ -90,6 +99,11 @@ def text_report(rep: dict, max_layers: int = 4) -> list[str]:
     out.append(f"  because {v['why']}")
     if v["checked"] is None:
         out.append("  not checked (--no-verify)")
+    elif v["confirmed"] is None:
+        c = runs[v["checked"]]
+        out.append(f"  checked: {v['checked']} replay: {c['skipped']} skipped steps, {c['nonfinite_losses']} "
+                   f"non-finite "
+                   f"losses; progress not judged -> neither confirmed nor refuted (FP32 itself did not learn enough)")
     else:
         c = runs[v["checked"]]
         allowed = f" (<= {v['allowed_skips']} while the scaler backs off from 2^16)" if v["allowed_skips"] else ""

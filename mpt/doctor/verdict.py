@@ -7,7 +7,7 @@ import math
 import re
 
 from mpt.config import Config
-from mpt.doctor.replay import progress
+from mpt.doctor.replay import progress, unjudged
 from mpt.numerics import FP16_ROUNDS_TO_INF, HIST_LO, advise_loss_scale
 
 TOLERANCE = 1e-3  # a share of non-zero values flushed to zero that we call negligible
@@ -213,10 +213,11 @@ def _num(s: float) -> str:
     return str(int(s)) if s == int(s) else repr(s)
 
 
-def confirm(v: dict, checks: dict, verified: str | None, s_high: float, steps: int) -> None:
+def confirm(v: dict, checks: dict, verified: str | None, s_high: float, steps: int, judge: dict | None = None) -> None:
     """Judge the verdict `v` by the replay `verified` of its recipe (a key of `checks`, the replays' summaries;
-    None: not replayed), in place: v["checked"], v["allowed_skips"], v["confirmed"], and FP16 at S = 1 as an
-    alternative where its own replay learned anyway."""
+    None: not replayed), in place: v["checked"], v["allowed_skips"], v["confirmed"] (None: not replayed, or
+    FP32 itself moved the loss too little to judge -- `judge`, replay.fp32_gain; v["unjudged"] says so), and
+    FP16 at S = 1 as an alternative where its own replay learned anyway."""
     c = checks.get(verified, {"skipped": 0, "nonfinite_losses": 0, "progress": None})
     v["checked"] = verified
     # A static S must never skip; a dynamic scaler skips while it backs off from its initial 2^16 to the
@@ -224,8 +225,12 @@ def confirm(v: dict, checks: dict, verified: str | None, s_high: float, steps: i
     v["allowed_skips"] = 0
     if v["loss_scale"] == "dynamic":
         v["allowed_skips"] = max(0, math.ceil(math.log2(Config().scaler.init_scale / s_high)))
-    v["confirmed"] = None if verified is None else (c["skipped"] <= v["allowed_skips"] and c["nonfinite_losses"] == 0
-                                                    and c["progress"] is not None and c["progress"] >= CONFIRM)
+    failed = c["skipped"] > v["allowed_skips"] or c["nonfinite_losses"] > 0
+    v["unjudged"] = unjudged(judge, steps) if judge is not None and not judge["enough"] else None
+    if verified is None or (v["unjudged"] and not failed):
+        v["confirmed"] = None  # skips or inf/nan refute a recipe even when progress cannot be judged
+    else:
+        v["confirmed"] = not failed and c["progress"] is not None and c["progress"] >= CONFIRM
     p16 = checks["fp16"]["progress"]
     if v["precision"] == "mixed" and p16 is not None and p16 >= CONFIRM and checks["fp16"]["nonfinite_losses"] == 0:
         v["alternatives"].append(f"precision=fp16 (S = 1) also reached {pct(p16)} of FP32's progress in its replay, "

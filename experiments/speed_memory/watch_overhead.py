@@ -1,0 +1,120 @@
+"""What mpt.doctor.watch costs a training loop: the tiny-profile ResNet-50 (pre-activation) and bigLSTM, each
+trained on one CPU thread by a hand-written FP32 loop over its first batches, with and without
+`watch(model, every=k)`, and with none again as the control (the machine's noise floor). One model for all
+three, blocks of `steps` steps rotated, paired within each round, median over rounds, as engine_overhead does.
+Prints the figures; the tiny data are generated and prepared on first use (under data=, default data/).
+
+    OMP_NUM_THREADS=1 python -m experiments.speed_memory.watch_overhead [every=10] [rounds=7] [steps=10]
+        [data=data] [models=ilsvrc_cnns,lm_biglstm]
+"""
+from __future__ import annotations
+
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+
+from mpt.config import parse_options
+from mpt.doctor.targets import load
+from mpt.doctor.watch import watch
+from mpt.errors import UserError, cli
+
+# experiment -> (its tiny dataset, the demo's name for it, extra overrides)
+MODELS = {"ilsvrc_cnns": ("imagenet", ["model=resnet50_preact"]), "lm_biglstm": ("lm1b", [])}
+
+
+def _loop(patient, batches):
+    """One plain training step per call over the patient's batches (FP32, its optimizer, its loss)."""
+    import copy
+
+    model = copy.deepcopy(patient.model)
+    opt = patient.optimizer(model)
+    loss_fn = patient.loss_fn()
+    state = {"i": 0}
+
+    def step(w=None):
+        b = batches[state["i"] % len(batches)]
+        state["i"] += 1
+        out = loss_fn(model, b)
+        loss = out[0] if isinstance(out, tuple) else out
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if w is not None:
+            w.step(loss)
+    return model, opt, step
+
+
+def measure(name: str, every: int, rounds: int, steps: int, data: pathlib.Path) -> dict:
+    from experiments.__main__ import _prepare
+
+    ds, extra = MODELS[name]
+    root = _prepare(ds, data / f"tiny_{ds}")
+    patient = load(f"experiment:{name}", [f"task.data_root={root}", *extra], "tiny", steps=max(steps, 20))
+    torch.manual_seed(0)
+    # One model, optimizer and batch cycle for all three: blocks differ only in whether a watch is on (the
+    # same objects in memory; separate copies ran up to 2x apart here, plain against plain).
+    model, opt, step = _loop(patient, patient.batches)
+
+    # One watch for the whole measurement, on during the watched blocks: its step count runs on across them,
+    # so the first step of each block of `every` steps is sampled and one in trace_every is traced, as in a
+    # long run.
+    w = watch(model, every=every, optimizer=opt, log=lambda line: None)
+
+    def block(watched: bool):
+        # This thread's CPU time: on a machine shared with other processes, the time spent waiting for a core
+        # is left out of every loop alike (engine_overhead's clock=cpu).
+        t = time.thread_time()
+        if watched:
+            w.__enter__()
+        for _ in range(steps):
+            step(w if watched else None)
+        if watched:
+            w.__exit__(None, None, None)
+        return (time.thread_time() - t) / steps
+
+    loops = [False, True, False]  # plain, watched, the control (plain again)
+    for watched in loops:  # warm-up
+        block(watched)
+    times: dict = {i: [] for i in range(3)}
+    for r in range(rounds):  # rotate the order so drift in machine load hits every loop alike
+        for i in [(r + j) % 3 for j in range(3)]:
+            times[i].append(block(loops[i]))
+    plain_t, watched_t, ctl_t = times[0], times[1], times[2]
+    return {"model": patient.name, "every": every, "rounds": rounds, "steps": steps,
+            "plain_ms": 1e3 * statistics.median(plain_t), "watched_ms": 1e3 * statistics.median(watched_t),
+            "overhead_pct": 100 * (statistics.median(b / a for a, b in zip(plain_t, watched_t)) - 1),
+            "control_pct": 100 * (statistics.median(b / a for a, b in zip(plain_t, ctl_t)) - 1),
+            # All watched steps over all plain ones: the rare traced steps (every 10 x every) counted in.
+            "overhead_mean_pct": 100 * (sum(watched_t) / sum(plain_t) - 1),
+            "watched_steps": w.step_count, "samples": w.samples, "traced": w.traced}
+
+
+def main(argv=None) -> list[dict]:
+    o = parse_options(argv or [], {"every": 10, "rounds": 7, "steps": 10, "data": "data",
+                                   "models": ",".join(MODELS)}, "experiments.speed_memory.watch_overhead")
+    names = [m for m in o["models"].split(",") if m]
+    for m in names:
+        if m not in MODELS:
+            raise UserError(f"models={m}: choose from {', '.join(MODELS)}")
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               "unknown CPU") if pathlib.Path("/proc/cpuinfo").exists() else "unknown CPU"
+    if torch.get_num_threads() != 1:
+        raise UserError("the blocks are timed by this thread's CPU time: run with OMP_NUM_THREADS=1")
+    print(f"watch overhead on {cpu}, one thread, FP32, timed by the thread's CPU time")
+    out = []
+    for m in names:
+        r = measure(m, int(o["every"]), int(o["rounds"]), int(o["steps"]), pathlib.Path(o["data"]))
+        out.append(r)
+        print(f"{r['model']}: plain {r['plain_ms']:.1f} ms/step, watched (every={r['every']}) {r['watched_ms']:.1f} "
+              f"ms/step: overhead {r['overhead_pct']:+.1f}% (median of rounds; {r['overhead_mean_pct']:+.1f}% over all "
+              f"steps; control loop {r['control_pct']:+.1f}%; "
+              f"{r['rounds']} rounds of {r['steps']} steps; of {r['watched_steps']} watched steps {r['samples']} "
+              f"sampled, {r['traced']} of them traced)", flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    cli(main)(sys.argv[1:])

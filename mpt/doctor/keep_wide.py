@@ -1,0 +1,80 @@
+"""The smallest set of modules to keep wide (FP32, or BF16) for a model to train in a narrower precision: from
+the precision asked for, modules are promoted one at a time, in the order of what they lose -- the module whose
+operation first made inf/nan in the FP16 replay (mpt.numerics.FirstOverflow: an overflow inside a module shows
+only there), then the what-if's ranking for the format (whatif.py) -- each set checked by a replay, until the
+replay's progress and its output's SQNR against FP32 are within tolerance. The last replay is the check."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mpt.doctor.replay import progress, train
+from mpt.doctor.targets import Patient
+from mpt.doctor.verdict import CONFIRM
+
+OUTPUT_SQNR = 20.0  # dB: the first step's output within 10% RMS of FP32's
+MAX_KEPT = 8  # modules tried at most
+FORMAT_OF = {"fp16": "fp16", "mixed": "fp16", "fp16_storage": "fp16", "bf16": "bf16", "fp8": "e4m3"}
+
+
+def sqnr_db(ref: torch.Tensor | None, got: torch.Tensor | None) -> float:
+    """10 log10(|ref|^2 / |ref - got|^2): inf when equal, -inf when `got` is not finite."""
+    if ref is None or got is None or ref.shape != got.shape:
+        return -math.inf
+    if not bool(torch.isfinite(got).all()):
+        return -math.inf
+    noise = float(((ref - got) ** 2).sum())
+    return math.inf if noise == 0 else 10 * math.log10(float((ref**2).sum()) / noise)
+
+
+def _module(label: str) -> str:
+    """"big (Linear)" -> "big"; "root (..)" -> "" (the model itself)."""
+    name = label.rsplit(" (", 1)[0]
+    return "" if name == "root" else name
+
+
+def search(patient: Patient, precision: str, fp32: dict, untrained: list[float], whatif: dict,
+           first_inf: dict | None, steps: int, device, wide: str = "fp32") -> dict:
+    """Greedy: the candidates in order, promoted one more at a time, until a replay passes (or MAX_KEPT)."""
+    fmt = FORMAT_OF.get(precision, precision)
+    ranked = whatif["formats"].get(fmt, {}).get("ranked", [])
+    order = ([_module(first_inf["module"])] if first_inf else []) + [m for m in ranked if m != "root"]
+    candidates = list(dict.fromkeys(m for m in order if m))  # de-duplicated, in order
+    trials = []
+    for k in range(0, min(MAX_KEPT, len(candidates)) + 1):
+        kept = candidates[:k]
+        r = train(patient, precision, steps=steps, device=device, numerics=False, keep_wide=tuple(kept), wide=wide)
+        p = progress(r["losses"], fp32["losses"], untrained)
+        sq = sqnr_db(fp32["first_output"], r["first_output"])
+        ok = r["nonfinite_losses"] == 0 and p is not None and p >= CONFIRM and sq >= OUTPUT_SQNR
+        trials.append({"kept": kept, "progress": p, "output_sqnr_db": sq, "nonfinite_losses": r["nonfinite_losses"],
+                       "skipped": r["skipped"], "ok": ok})
+        if ok:
+            break
+    found = trials[-1]["ok"]
+    for t in trials:  # "big (Linear)", as the rest of the report names modules
+        t["kept"] = [f"{m} ({type(patient.model.get_submodule(m)).__name__})" for m in t["kept"]]
+    return {"precision": precision, "wide": wide, "format": fmt, "candidates": candidates, "trials": trials,
+            "kept": trials[-1]["kept"] if found else None, "tolerance": {"progress": CONFIRM, "output_sqnr_db":
+                                                                         OUTPUT_SQNR}}
+
+
+def lines(kw: dict) -> list[str]:
+    """The report's lines."""
+    from mpt.doctor.verdict import pct
+
+    tol = kw["tolerance"]
+    head = (f"Keep wide for precision={kw['precision']} (modules promoted to {kw['wide'].upper()} one at a time until "
+            f"a replay reaches >= {pct(tol['progress'])} of FP32's progress and output SQNR >= "
+            f"{tol['output_sqnr_db']:g} dB)")
+    tried = "; ".join(f"{{{', '.join(t['kept'])}}}: progress {pct(t['progress'])}, output SQNR "
+                      f"{t['output_sqnr_db']:.1f} dB" + (f", {t['nonfinite_losses']} non-finite losses"
+                                                         if t["nonfinite_losses"] else "") for t in kw["trials"])
+    if kw["kept"] is None:
+        res = f"  none found among {len(kw['trials']) - 1} modules promoted in turn ({', '.join(kw['candidates'])})"
+    elif not kw["kept"]:
+        res = f"  nothing to keep wide: precision={kw['precision']} passes as it is"
+    else:
+        res = f"  keep wide: {', '.join(kw['kept'])} (checked by the last replay)"
+    return [head, res, f"  tried: {tried}"]

@@ -1,0 +1,228 @@
+"""What each number format would do to this model, from one FP32 pass: for every module (mpt.numerics.hook_targets)
+its forward outputs, weights, output gradients and weight gradients are rounded to each format of
+mpt.numerics.FORMATS, in FP64, and compared with themselves: the share of non-zero values flushed to zero, the
+share above the format's largest value (inf, or saturated where the format's casts saturate), and the SQNR
+(signal over rounding noise, dB). Nothing is trained: the question is what storing these very values would lose.
+
+A format is read from its FORMATS row (min_subnormal, min_normal, max, mantissa, and optionally "block": values
+sharing one scale), so a row added there is examined here too. How a format is scaled:
+  fp16        gradients at each loss scale S of a sweep (section 3.2), the rest as they are
+  bf16        as they are (FP32's exponent range)
+  any other   each tensor (each block of `block` values) at its own scale, max / amax, as mpt.fp8's current
+              scaling does; the casts saturate (mpt.fp8)
+"""
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+
+from mpt.doctor.targets import Patient
+from mpt.doctor.verdict import pct
+from mpt.numerics import FORMATS, _tensors, hook_targets
+from mpt.ranks import to_device
+
+KINDS = ("activations", "weights", "activation grads", "weight grads")
+GRADS = KINDS[2:]
+SWEEP = tuple(2.0**k for k in range(0, 25, 2))  # the loss scales tried for fp16's gradients
+UNSCALED = {"fp16": "loss_scale", "bf16": "none"}  # every other format: per tensor (or block) scaling
+SATURATES = {"e4m3", "e5m2"}  # mpt.fp8's casts clip to the largest value; fp16/bf16 make inf
+OK_SHARE = 1e-3  # flushed or overflowed share of non-zero values called negligible (verdict.TOLERANCE)
+
+
+def scaling_of(fmt: str) -> str:
+    return FORMATS[fmt].get("scaling") or UNSCALED.get(fmt, "per_tensor")
+
+
+def quantize(v: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """v (FP64) rounded to `fmt` (nearest, ties to even), and where it overflowed. Above the largest value:
+    inf, or the largest value where the format's casts saturate."""
+    f = FORMATS[fmt]
+    a = v.abs()
+    _, e = torch.frexp(a)  # a = m 2^e, m in [0.5, 1): floor(log2 a) = e - 1
+    e = (e.to(torch.int64) - 1).clamp_(min=round(math.log2(f["min_normal"])))  # subnormals: one exponent
+    ulp = torch.ldexp(torch.ones_like(a), e - f["mantissa"])
+    q = torch.round(a / ulp) * ulp  # torch.round: half to even
+    over = (q > f["max"]) | ~torch.isfinite(a)
+    q = torch.where(over, torch.full_like(q, f["max"] if fmt in SATURATES else math.inf), q)
+    return torch.copysign(q, v), over
+
+
+def _scaled(v: torch.Tensor, fmt: str, s: float | None) -> torch.Tensor:
+    """v x its scale: S for a loss scale, max / amax per tensor or per block, 1 otherwise (returns v * scale
+    and scale, broadcastable)."""
+    kind = scaling_of(fmt)
+    if kind == "loss_scale":
+        return v * (s or 1.0), torch.tensor(s or 1.0, dtype=v.dtype, device=v.device)
+    if kind == "none":
+        return v, torch.ones((), dtype=v.dtype, device=v.device)
+    block = FORMATS[fmt].get("block") or v.numel()
+    flat = v.reshape(-1)
+    pad = (-flat.numel()) % block
+    blocks = torch.cat([flat, flat.new_zeros(pad)]).view(-1, block)
+    amax = blocks.abs().amax(1, keepdim=True)
+    scale = torch.where(amax > 0, FORMATS[fmt]["max"] / amax, torch.ones_like(amax))
+    scaled = (blocks * scale).reshape(-1)[: flat.numel()].view_as(v)
+    return scaled, scale.expand_as(blocks).reshape(-1)[: flat.numel()].view_as(v)
+
+
+def measure(t: torch.Tensor, fmt: str, s: float | None = None) -> dict:
+    """Counts of one tensor in one format: n, nonzero, flushed, overflowed, signal and noise energy."""
+    v = t.detach().to(torch.float64)
+    x, scale = _scaled(v, fmt, s)
+    q, over = quantize(x, fmt)
+    back = q / scale
+    nonzero = (v != 0) & torch.isfinite(v)
+    flushed = nonzero & (q == 0)
+    finite = torch.isfinite(back)
+    noise = torch.where(finite, back - v, torch.zeros_like(v))
+    return {"n": v.numel(), "nonzero": int(nonzero.sum()), "flushed": int(flushed.sum()),
+            "overflow": int((over & nonzero).sum()), "inf": int((~finite & nonzero).sum()),
+            "signal": float((v[nonzero] ** 2).sum()), "noise": float((noise**2).sum())}
+
+
+def _add(acc: dict, m: dict) -> None:
+    for k, v in m.items():
+        acc[k] = acc.get(k, 0) + v
+
+
+def _summary(c: dict) -> dict:
+    nz = c.get("nonzero", 0)
+    sqnr = (-math.inf if c.get("inf") else math.inf if c.get("noise", 0) == 0
+            else 10 * math.log10(c["signal"] / c["noise"]) if c.get("signal") else math.inf)
+    return {"flushed": c.get("flushed", 0) / nz if nz else 0.0, "overflow": c.get("overflow", 0) / nz if nz else 0.0,
+            "sqnr_db": sqnr, "nonzero": nz}
+
+
+def collect(patient: Patient, device="cpu", batches: int = 1) -> dict:
+    """One FP32 forward and backward of a copy of the patient's model on its first batch(es): {(module, kind):
+    [tensors]} for the four kinds (KINDS), on the CPU."""
+    device = torch.device(device)
+    model = copy.deepcopy(patient.model).to(device)
+    names = {m: name for name, m in hook_targets(model)}
+    got: dict = {}
+
+    def keep(name, kind, t):
+        if t.is_floating_point() and t.numel():
+            got.setdefault((name, kind), []).append(t.detach().cpu())
+
+    def hook(mod, args, out):
+        ins = list(_tensors(args))
+        for t in _tensors(out):
+            if not any(t is x for x in ins):
+                keep(names[mod], "activations", t)
+                if t.requires_grad:
+                    t.register_hook(lambda g, n=names[mod]: keep(n, "activation grads", g))
+
+    handles = [m.register_forward_hook(hook) for m in names]
+    loss_fn = patient.loss_fn()
+    torch.manual_seed(patient.seed)
+    try:
+        for b in patient.batches[:batches]:
+            out = loss_fn(model, to_device(b, device, False))
+            (out[0] if isinstance(out, tuple) else out).backward()
+    finally:
+        for h in handles:
+            h.remove()
+    for m, name in names.items():
+        for p in m.parameters(recurse=False):
+            keep(name, "weights", p)
+            if p.grad is not None:
+                keep(name, "weight grads", p.grad)
+    return got
+
+
+def whatif(patient: Patient, device="cpu", formats: tuple[str, ...] | None = None) -> dict:
+    """Per format: per (module, kind) and per kind overall, the shares flushed and overflowed and the SQNR; for
+    fp16 the loss scale of the sweep that loses least; the modules ranked by what they lose; a verdict.
+    Formats ranked by what they lose (report.json's "whatif")."""
+    tensors = collect(patient, device)
+    out = {}
+    for fmt in formats or tuple(FORMATS):
+        scales = SWEEP if scaling_of(fmt) == "loss_scale" else (None,)
+        per_s = {}
+        for s in scales:
+            per: dict = {}
+            for (module, kind), ts in tensors.items():
+                use = s if kind in GRADS else None
+                for t in ts:
+                    _add(per.setdefault((module, kind), {}), measure(t, fmt, use))
+            per_s[s] = per
+        best = min(scales, key=lambda s: (_lost(per_s[s]), -(s or 0)))  # ties: the larger S (headroom aside)
+        per = per_s[best]
+        out[fmt] = _setting(fmt, per, best)
+        out[fmt]["sweep"] = {str(s): _lost(per_s[s]) for s in scales} if len(scales) > 1 else None
+        out[fmt]["verdict"] = _verdict(fmt, out[fmt])
+        if best not in (None, 1.0):  # what the format loses without the loss scale (the paper's point, 3.2)
+            out[f"{fmt}@S=1"] = _setting(fmt, per_s[1.0], 1.0)
+            out[f"{fmt}@S=1"]["verdict"] = _verdict(fmt, out[f"{fmt}@S=1"])
+    order = sorted(out, key=lambda f: (_lost_summary(out[f]["kinds"]),
+                                       -min(k["sqnr_db"] for k in out[f]["kinds"].values())))
+    return {"formats": {f: out[f] for f in order}, "order": order}
+
+
+def _setting(fmt: str, per: dict, s: float | None) -> dict:
+    """One format at one scale: per kind and per module, its modules ranked by what they lose."""
+    kinds = {}
+    for kind in KINDS:
+        acc: dict = {}
+        for (module, k), c in per.items():
+            if k == kind:
+                _add(acc, c)
+        kinds[kind] = _summary(acc)
+    modules: dict = {}
+    for (module, kind), c in per.items():
+        modules.setdefault(module, {})[kind] = _summary(c)
+    ranked = sorted(modules, key=lambda m: _module_loss(modules[m]), reverse=True)
+    return {"format": fmt, "scaling": scaling_of(fmt), "loss_scale": s, "kinds": kinds, "modules": modules,
+            "ranked": ranked}
+
+
+def _lost(per: dict) -> float:
+    """What one setting loses: the worst kind's flushed + overflowed share (all modules together)."""
+    kinds: dict = {}
+    for (module, kind), c in per.items():
+        _add(kinds.setdefault(kind, {}), c)
+    return _lost_summary({k: _summary(c) for k, c in kinds.items()})
+
+
+def _lost_summary(kinds: dict) -> float:
+    return max((k["flushed"] + k["overflow"] for k in kinds.values()), default=0.0)
+
+
+def _module_loss(kinds: dict) -> tuple:
+    """A module's rank key: overflow first (inf or clipped values), then the share flushed, then low SQNR."""
+    return (max(k["overflow"] for k in kinds.values()), max(k["flushed"] for k in kinds.values()),
+            -min(k["sqnr_db"] for k in kinds.values()))
+
+
+def _verdict(fmt: str, r: dict) -> str:
+    s = "" if r["loss_scale"] is None else f" at S = 2^{round(math.log2(r['loss_scale']))}"
+    over = [(m, k) for m in r["ranked"] for k, v in r["modules"][m].items() if v["overflow"] > 0]
+    if over:
+        m, k = over[0]
+        verb = "clips" if fmt in SATURATES else "overflows"
+        return f"not as is: {m} {verb} ({k}, {pct(r['modules'][m][k]['overflow'])}){s}; keep it wide"
+    flushed = [(m, k, v["flushed"]) for m in r["ranked"] for k, v in r["modules"][m].items() if v["flushed"] > OK_SHARE]
+    if flushed:
+        m, k, share = max(flushed, key=lambda x: x[2])
+        return f"loses values: flushes {pct(share)} of {m}'s {k}{s}"
+    return f"ok{s}"
+
+
+def table(w: dict) -> list[str]:
+    """The one-screen table: one line per format, ranked by what it loses."""
+    lines = [f"  {'format':<9} {'flushed: act / w / act-grad / w-grad':<36} {'over':>6} {'min SQNR':>9}  verdict"]
+    for fmt in w["order"]:
+        r = w["formats"][fmt]
+        k = r["kinds"]
+        fl = " / ".join(_pct(k[kind]["flushed"]) for kind in KINDS)
+        over = max(v["overflow"] for v in k.values())
+        sq = min(v["sqnr_db"] for v in k.values())
+        lines.append(f"  {fmt:<9} {fl:<36} {_pct(over):>6} {sq:>6.1f} dB  {r['verdict']}")
+    return lines
+
+
+def _pct(x: float) -> str:
+    return pct(x) if x else "0"

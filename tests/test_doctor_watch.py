@@ -1,0 +1,206 @@
+"""mpt.doctor.watch on a user's own loop: the first non-finite value is named where it is made (the operation,
+its module, forward or backward, the step), not where it is passed on; the setup checks fire on a planted
+mistake and stay silent on a correct loop."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from mpt.doctor import examples as ex
+from mpt.doctor.watch import watch
+from mpt.errors import UserError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class SqrtAtZero(nn.Module):
+    """x + sqrt(|x - x|): its output is x, finite, but the gradient of sqrt(|d|) at d = 0 is
+    sign(0) / (2 sqrt(0)) = 0 x inf = nan (the norm of a zero vector)."""
+
+    def forward(self, x):
+        return x + (x - x.detach()).abs().sqrt()
+
+
+class Late(nn.Module):
+    """Multiplies by 1e30 from step `at` on (counted by its own calls): a producer of inf that starts late."""
+
+    def __init__(self, at):
+        super().__init__()
+        self.at, self.calls = at, 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x * 1e30 * 1e30 if self.calls > self.at else x
+
+
+def _train(model, steps, every, x, y, lines, scaler=None, trace_every=None):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with watch(model, every=every, optimizer=opt, scaler=scaler, log=lines.append, trace_every=trace_every) as w:
+        for _ in range(steps):
+            loss = F.mse_loss(model(x).float(), y)
+            if scaler is None:
+                loss.backward()
+                opt.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            opt.zero_grad()
+            w.step(loss)
+    return w
+
+
+def test_forward_producer_inside_a_module_whose_output_is_finite():
+    """The RMS-norm toy in FP16: x * x overflows inside the norm, whose output x / sqrt(inf) = 0 is finite; the
+    next modules and the loss only pass the result on. The watch names the product, in the norm, forward."""
+    model, _, batches, _ = ex.overflow_inside()
+    model = model.half()
+    outs = []
+    model[1].register_forward_hook(lambda m, a, out: outs.append(bool(torch.isfinite(out).all())))
+    x, y = batches[0]
+    lines = []
+    w = _train(model, 2, 1, x.half(), y, lines)
+    assert outs[0], "the planted module's output alone must look fine"
+    f = w.first
+    assert (f["module"], f["phase"], f["op"], f["step"]) == ("1 (_RMSNorm)", "forward", "aten.mul", 0), f
+    assert any("inf made by aten.mul in 1 (_RMSNorm), forward, step 0" in line for line in lines), lines
+
+
+class From(nn.Module):
+    """Its inner module from step `at` on (counted by its own calls), the identity before."""
+
+    def __init__(self, at, inner):
+        super().__init__()
+        self.at, self.calls, self.inner = at, 0, inner
+
+    def forward(self, x):
+        self.calls += 1
+        return self.inner(x) if self.calls > self.at else x
+
+
+def _sqrt_model(at):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), nn.Sequential(From(at, SqrtAtZero()), nn.Linear(4, 4)), nn.Linear(4, 1))
+
+
+def test_backward_producer_nested_in_a_block_is_named_not_its_parents():
+    """Traced (every operation, step 0): the producer is the division in the sqrt's backward, in its module."""
+    w = _train(_sqrt_model(0), 1, 1, torch.randn(8, 4), torch.randn(8, 1), [])
+    f = w.first
+    assert (f["module"], f["phase"], f["step"]) == ("1.0.inner (SqrtAtZero)", "backward", 0), f
+    assert f["op"].startswith("aten."), f
+    assert w.run_up["1.0.inner (SqrtAtZero)"][-1][1] < 10  # its forward values: finite
+
+
+def test_module_level_sample_names_the_module_then_the_trace_names_the_operation():
+    """At module level (step 1, not traced) the first non-finite record is the sqrt's input gradient: its module,
+    backward -- not the modules before it that received nan. The GradScaler skips the update, the weights stay
+    finite, and the next step's trace names the operation."""
+    lines = []
+    w = _train(_sqrt_model(1), 3, 1, torch.randn(8, 4), torch.randn(8, 1), lines,
+               scaler=torch.amp.GradScaler("cpu"), trace_every=1000)
+    f = w.first
+    assert (f["module"], f["phase"], f["what"], f["step"]) == ("1.0.inner (SqrtAtZero)", "backward",
+                                                               "input gradient", 1), f
+    t = f["traced"]
+    assert (t["module"], t["phase"], t["step"]) == ("1.0.inner (SqrtAtZero)", "backward", 2) and t["op"], t
+    assert "traced: nan made by" in " ".join(lines) or "traced: inf made by" in " ".join(lines), lines
+
+
+def test_a_producer_between_samples_is_chased_when_the_scaler_skips():
+    """Every 10 steps sampled; the producer starts at step 13 (unsampled). The GradScaler skips that update, so
+    the weights stay finite; the watch samples the next steps and names the producer at step 14."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), Late(13), nn.Linear(8, 1))
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    w = _train(model, 20, 10, x, y, [], scaler=torch.amp.GradScaler("cpu"))
+    f = w.first
+    assert (f["module"], f["phase"], f["op"], f["step"]) == ("1 (Late)", "forward", "aten.mul", 14), f
+    assert w.samples == 3  # steps 0, 10 and 14: chasing stops once the producer is seen
+
+
+def test_without_a_scaler_a_producer_between_samples_is_reported_as_nonfinite_weights():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), Late(3), nn.Linear(8, 1))
+    w = _train(model, 12, 5, torch.randn(8, 4), torch.randn(8, 1), [])
+    assert w.first["step"] == 5 and w.first["phase"] == "before the step", w.first
+    assert "already non-finite as step 5 began" in " ".join(w.report()), w.report()
+
+
+# -- setup checks ----------------------------------------------------------------------------------------
+
+def _amp_loop(steps=12, scaler=None, sched_always=False, plant_inf_at=None, checkpoint=None):
+    """A CPU autocast FP16 loop over the healthy toy, correct unless told otherwise."""
+    model, _, batches, opt_fn = ex.healthy()
+    opt = opt_fn(model)
+    scaler = torch.amp.GradScaler("cpu") if scaler is None else scaler
+    sched = torch.optim.lr_scheduler.StepLR(opt, 4)
+    lines = []
+    with watch(model, every=5, optimizer=opt, scaler=scaler, scheduler=sched, log=lines.append) as w:
+        for i in range(steps):
+            x, y = batches[i % len(batches)]
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.mse_loss(model(x).float(), y)
+            if i == plant_inf_at:
+                loss = loss * float("inf")
+            scaler.scale(loss).backward()
+            before = scaler.get_scale()
+            scaler.step(opt)
+            scaler.update()
+            if sched_always or scaler.get_scale() >= before:  # the correct loop: only applied updates
+                sched.step()
+            opt.zero_grad()
+            w.step(loss)
+        ok = w.check_checkpoint(checkpoint(model, opt, scaler, sched) if checkpoint else
+                                {"model": model.state_dict(), "opt": opt.state_dict(),
+                                 "amp": {"scaler": scaler.state_dict()}, "sched": sched.state_dict()})
+    return w, lines, ok
+
+
+def test_correct_amp_loop_has_no_findings():
+    w, lines, ok = _amp_loop(plant_inf_at=7)  # a skipped step, handled correctly
+    assert ok and w.findings.keys() <= {"one_off"} and not any("SETUP" in line for line in w.report()), w.report()
+
+
+@pytest.mark.parametrize("scaler,what", [
+    (torch.amp.GradScaler("cpu", enabled=False), "FP16 compute with the GradScaler is disabled"),
+    (torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=10**9), "the GradScaler's scale at 1"),
+])
+def test_fp16_without_loss_scaling_is_found(scaler, what):
+    w, lines, _ = _amp_loop(scaler=scaler)
+    assert "fp16_unscaled" in w.findings and what in w.findings["fp16_unscaled"], w.findings
+    assert sum("FP16 compute" in line for line in lines) == 1  # said once, not every sample
+
+
+def test_scheduler_stepped_on_a_skipped_update_is_found():
+    w, lines, _ = _amp_loop(sched_always=True, plant_inf_at=7)
+    assert w.findings["schedule"].startswith("step 7: the scheduler stepped though the optimizer did not"), w.findings
+    w, _, _ = _amp_loop(sched_always=True)  # no skipped step: nothing to find
+    assert "schedule" not in w.findings
+
+
+def test_checkpoint_without_scaler_state_is_found():
+    w, lines, ok = _amp_loop(checkpoint=lambda m, o, s, sch: {"model": m.state_dict(), "opt": o.state_dict()})
+    assert not ok and "has no GradScaler state" in w.findings["checkpoint"] and "scaler.state_dict()" in lines[-1]
+
+
+def test_watch_step_before_the_optimizer_step_is_found():
+    model, _, batches, opt_fn = ex.healthy()
+    opt = opt_fn(model)
+    with watch(model, every=5, optimizer=opt, log=lambda line: None) as w:
+        for i in range(4):
+            loss = F.mse_loss(model(batches[0][0]), batches[0][1])
+            loss.backward()
+            w.step(loss)  # too early: the optimizer steps after it
+            opt.step()
+            opt.zero_grad()
+    assert w.findings["order"].startswith("the optimizer given to watch() did not step before w.step()"), w.findings
+
+
+def test_bad_arguments_are_one_line_errors():
+    with pytest.raises(UserError, match=r"watch\(every=0\)"):
+        watch(nn.Linear(1, 1), every=0)
+    with pytest.raises(UserError, match="give the torch.nn.Module"):
+        watch(lambda x: x)
+    with pytest.raises(UserError, match="give the dict passed to torch.save"):
+        watch(nn.Linear(1, 1), scaler=torch.amp.GradScaler("cpu")).check_checkpoint([1])

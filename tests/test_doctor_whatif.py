@@ -1,0 +1,96 @@
+"""mpt.doctor.whatif: what rounding to each format loses, on tensors whose exponents are known, and on the toys
+whose answers are known."""
+import math
+
+import pytest
+import torch
+
+from mpt.doctor.targets import load
+from mpt.doctor.whatif import SATURATES, measure, quantize, whatif
+from mpt.numerics import FORMATS
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _known(a=300, b=200, c=500):
+    """a values of 2^-30, b of 2^-20, c of 1 (signs mixed): an exponent histogram known exactly."""
+    t = torch.cat([torch.full((a,), 2.0**-30), torch.full((b,), 2.0**-20), torch.ones(c)])
+    return t * torch.where(torch.arange(a + b + c) % 2 == 0, 1.0, -1.0)
+
+
+@pytest.mark.parametrize("fmt,scale,flushed", [
+    ("fp16", 1.0, 300),  # 2^-30 <= 2^-25 rounds to zero; 2^-20 is an FP16 subnormal
+    ("fp16", 2.0**8, 0),  # x S: 2^-22 and 2^-12 both kept
+    ("bf16", None, 0),  # FP32's exponent range
+    ("e4m3", None, 500),  # per tensor: x 448 (amax 1): 2^-30 and 2^-20 land below 2^-10, half E4M3's 2^-9
+    ("e5m2", None, 0),  # x 57344: 2^-14.2 and 2^-4.2, above E5M2's 2^-17
+])
+def test_flushed_share_on_a_known_exponent_histogram(fmt, scale, flushed):
+    m = measure(_known(), fmt, scale)
+    assert (m["nonzero"], m["flushed"], m["overflow"]) == (1000, flushed, 0), m
+
+
+def test_overflow_and_saturation_thresholds():
+    t = torch.tensor([65519.0, 65520.0, 1e6, 1.0])
+    assert measure(t, "fp16")["overflow"] == 2  # 65519 rounds to 65504; 65520 ties away to inf
+    q, over = quantize(torch.tensor([460.0, 464.0, 470.0], dtype=torch.float64), "e4m3")
+    assert q.tolist() == [448.0, 448.0, 448.0] and over.tolist() == [False, False, True]  # saturates (mpt.fp8)
+    assert "e4m3" in SATURATES and math.isinf(quantize(torch.tensor([1e5], dtype=torch.float64), "fp16")[0].item())
+
+
+def test_rounding_matches_torch_casts():
+    """The generic rounding (from the FORMATS row alone) gives what torch's own casts give."""
+    x = torch.randn(4096, dtype=torch.float64) * torch.exp2(torch.randint(-30, 12, (4096,)).double())
+    for fmt, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16), ("e5m2", torch.float8_e5m2)):
+        q, over = quantize(x, fmt)
+        ref = x.float().to(dtype).double()  # via FP32: exact for these ranges except double rounding at ties
+        keep = ~over
+        assert (q[keep] == ref[keep]).float().mean() > 0.999, fmt
+    assert set(FORMATS) >= {"fp16", "bf16", "e4m3", "e5m2"}
+
+
+def test_sqnr_grows_with_mantissa_bits():
+    x = torch.randn(10000)
+    sq = {f: 10 * math.log10(m["signal"] / m["noise"]) for f in ("fp16", "bf16", "e4m3", "e5m2")
+          for m in [measure(x, f)]}
+    assert sq["fp16"] > sq["bf16"] > sq["e4m3"] > sq["e5m2"] > 10, sq
+    assert abs((sq["fp16"] - sq["bf16"]) - 6.02 * 3) < 2  # 3 mantissa bits apart: ~6 dB each
+
+
+def test_toys_known_answers():
+    """The underflowing toy: fp16 flushes its gradients at S = 1 and keeps them at the sweep's S; the overflow
+    toy: fp16 overflows in `big` and nowhere else first, bf16 is fine; formats ranked by what they lose."""
+    w = whatif(load("mpt.doctor.examples:underflow"))["formats"]
+    assert w["fp16@S=1"]["kinds"]["activation grads"]["flushed"] > 0.95
+    assert w["fp16"]["kinds"]["activation grads"]["flushed"] < 1e-3 and w["fp16"]["loss_scale"] >= 2.0**16
+    o = whatif(load("mpt.doctor.examples:overflow"))
+    f16 = o["formats"]["fp16"]
+    assert f16["ranked"][0] == "big" and f16["verdict"].startswith("not as is: big overflows (activations")
+    assert o["formats"]["bf16"]["verdict"] == "ok" and o["order"][0] == "bf16" and o["order"][-1].startswith("fp16")
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("toy,kept", [("overflow", ["big (Linear)"]), ("overflow_inside", ["1 (_RMSNorm)"]),
+                                      ("healthy", [])])
+def test_smallest_keep_wide_set_on_the_toys(tmp_path, capsys, toy, kept):
+    """The layer with huge weights, the RMS norm that overflows inside: each the one module to keep in FP32 for
+    FP16 to train (the set before it fails the replay, the set with it passes); the healthy toy needs none."""
+    from mpt.doctor.__main__ import main
+
+    rep = main([f"mpt.doctor.examples:{toy}", "--keep-wide", "--out", str(tmp_path)])
+    kw = rep["keep_wide"]
+    assert kw["kept"] == kept, kw
+    assert kw["trials"][-1]["ok"] and all(not t["ok"] for t in kw["trials"][:-1]), kw["trials"]
+    assert kw["trials"][-1]["progress"] >= 0.8 and kw["trials"][-1]["output_sqnr_db"] >= 20
+    said = " ".join(capsys.readouterr().out.split())
+    assert (f"keep wide: {', '.join(kept)} (checked by the last replay)" if kept else "nothing to keep wide") in said
+
+
+def test_keep_wide_precision_is_checked(tmp_path, capsys):
+    from mpt.doctor.__main__ import main
+    from mpt.errors import cli
+
+    with pytest.raises(SystemExit):
+        cli(main)(["mpt.doctor.examples:healthy", "--keep-wide", "fp4", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert err.startswith("error: --keep-wide fp4: choose one of") and err.count("\n") == 1, err
