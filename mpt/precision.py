@@ -619,8 +619,10 @@ class FP8(Recipe):
     `fp8.scaling`: `current` (FP8_MAX / amax of the tensor now) or `delayed` (FP8_MAX / the max over an
     amax history of fp8.amax_history_len iterations, Transformer Engine's DelayedScaling defaults: 1024,
     "max", margin 0; the scale starts at 1 and is recomputed once per iteration). `fp8.ends=bf16`
-    (default) keeps the first and the last weight-bearing layer of each model (registration order) in
-    BF16, as the FP8 paper kept them in 16 bits; `fp8.ends=fp8` quantises them too."""
+    (default) keeps the first and the last weight-bearing layers of each model in BF16, as the FP8 paper
+    kept them in 16 bits -- found from the model's dataflow at its first call (FP8State.find_ends): every
+    layer reading the input, every layer whose output reaches no other layer; `fp8.ends=fp8` quantises
+    them too."""
 
     name = "fp8"
 

@@ -117,6 +117,8 @@ def test_fp8_linear_forward_and_backward_by_hand():
     c.fp8.scaling = "current"
     r = precision.build(c, "cpu")
     r.prepare(lin, [torch.optim.SGD(lin.parameters(), lr=0.1)])
+    with r.autocast():
+        lin(torch.randn(2, 5))  # the first call finds the ends from the dataflow
     assert [r.state.sites[id(m.weight)][1] for m in lin] == [True, False, True]  # the ends in BF16
     mid = lin[1]
     h = torch.randn(6, 4, requires_grad=True)
@@ -148,6 +150,9 @@ def test_fp8_first_last_layer_option_and_skipped_layers():
     m = models.build("biglstm", vocab_size=60, width=1 / 128, num_sampled=12)
     r = precision.build(Config(precision="fp8"), "cpu")
     r.prepare(m, [torch.optim.SGD(m.parameters(), lr=0.1)])
+    m.train()
+    with r.autocast():
+        m(torch.randint(0, 60, (2, 5)), torch.randint(0, 60, (2, 5)), torch.ones(2, 5, dtype=torch.bool))
     # the embedding (a lookup) and the keep_fp32 softmax are the ends: both LSTMs are FP8
     assert sorted(set(r.state.sites.values())) == [("lstm.0", False), ("lstm.1", False)]
     c = Config(precision="fp8")
