@@ -63,6 +63,8 @@ class TensorFormat:
         _one_of("rounding", self.rounding, ROUNDINGS)
         if (self.granularity == "nvfp4_16") != (self.scale_rounding == "e4m3"):
             raise ValueError("nvfp4_16 blocks and E4M3 scales go together (arXiv 2509.25149)")
+        if self.hadamard and (self.block or 1) % 16:
+            raise ValueError("the random Hadamard transform is 16x16: blocks of a multiple of 16 elements")
         if self.granularity == "mx32" and self.scale_rounding not in ("floor", "rceil"):
             raise ValueError("MX blocks have E8M0 scales: scale_rounding floor or rceil")
 
@@ -88,8 +90,9 @@ class FormatRecipe:
     def __post_init__(self):
         _one_of("scaling", self.scaling, SCALINGS)
         _one_of("accumulation", self.accumulate, ACCUMULATIONS)
-        if self.scaling == "delayed" and any(f.granularity != "tensor" for f in self.roles.values()):
-            raise ValueError("delayed scaling keeps one amax history per tensor: per-tensor scales only")
+        if self.scaling == "delayed" and any((f.granularity, f.scale_rounding) != ("tensor", "exact")
+                                             for f in self.roles.values()):
+            raise ValueError("delayed scaling keeps one amax history per tensor: per-tensor exact scales only")
 
     @property
     def roles(self) -> dict[str, TensorFormat]:

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from mpt import formats
+from mpt import torch_private as TP
 from mpt.half_math import float_tensors, map_tensors, ops_of
 
 # (torch dtype, largest finite magnitude): E4M3 has no infinities, so its top binade reaches 448;
@@ -70,9 +71,15 @@ def round_to(x: torch.Tensor, fmt: str, generator: torch.Generator | None = None
     the distance from the value below, in units of the spacing there (unbiased). Torch's own casts where
     it has the format; E2M1 and stochastic rounding by the spacing of the value's binade (frexp gives
     the binade exactly, where floor(log2) can round up)."""
-    m, emin, top = ELEMENTS[fmt]
     if generator is None and fmt in _TORCH_DTYPES:
+        top = ELEMENTS[fmt][2]
         return x.float().clamp(-top, top).to(_TORCH_DTYPES[fmt]).float()
+    return round_by_spacing(x, fmt, generator)
+
+
+def round_by_spacing(x: torch.Tensor, fmt: str, generator: torch.Generator | None = None) -> torch.Tensor:
+    """round_to's arithmetic for any format of ELEMENTS (the tests check it against torch's casts)."""
+    m, emin, top = ELEMENTS[fmt]
     a = x.float().abs().clamp(max=top)
     e = (torch.frexp(a)[1] - 1).clamp(min=emin)  # floor(log2 a); the subnormals share emin's spacing
     ulp = torch.ldexp(torch.ones_like(a), e - m)
@@ -156,6 +163,8 @@ def block_quantize(t: torch.Tensor, f: formats.TensorFormat, axis: int = -1,
         rpad = -rows % 128
         x = F.pad(x, (0, 0, 0, rpad)).reshape(-1, 128, x.shape[1] // 128, 128).transpose(1, 2)
         blocks = x.reshape(-1, 128 * 128)
+    elif f.granularity == "tensor":
+        blocks = x.reshape(1, -1)
     else:
         blocks = x.reshape(-1, b)
     amax = _finite_abs(blocks).amax(-1, keepdim=True)
@@ -362,16 +371,12 @@ class FP8State:
                 return map_tensors(out, tag)
             return hook
 
-        handles = []
-        for name, m, _ in layers:
-            handles.append(m.register_forward_pre_hook(pre(name), with_kwargs=True))
-            handles.append(m.register_forward_hook(post(name), with_kwargs=True))
-        try:
+        with TP.forward_hooks_suspended(top):  # other observers (mpt.numerics) see no probe
+            for name, m, _ in layers:
+                m.register_forward_pre_hook(pre(name), with_kwargs=True)
+                m.register_forward_hook(post(name), with_kwargs=True)
             with torch.enable_grad():
                 top(*args, **(kwargs or {}))
-        finally:
-            for h in handles:
-                h.remove()
         return firsts | (called - upstream_of_some)
 
     def _generator(self, device) -> torch.Generator:
@@ -384,7 +389,7 @@ class FP8State:
         """The function that rounds a tensor of `layer`'s role ("x", "w<i>", "g") as the recipe says;
         `axis`: its dot product's reduction axis, along which blocks run."""
         f = self.recipe.roles[role[0]]
-        if f.granularity == "tensor":
+        if f.granularity == "tensor" and f.scale_rounding == "exact":
             return self.quantizer(f"{layer}:{role}", f.element, record, f.rounding == "stochastic")
 
         def quant(t: torch.Tensor) -> torch.Tensor:
