@@ -312,3 +312,76 @@ def test_formats_are_typed_and_unknown_values_are_errors():
     with pytest.raises(ValueError, match="delayed"):
         formats.FormatRecipe("x", *(_fmt(),) * 3, scaling="delayed")
     assert set(formats.RECIPES) == {"fp8", "fp8_block", "mxfp8", "nvfp4"}
+
+
+# ------------------------------------------------------------------------------------------------
+# the recipes end to end, and the beyond-the-paper table
+
+
+@pytest.mark.parametrize("name", ["fp8_block", "mxfp8", "nvfp4"])
+def test_each_format_trains_every_layer_kind(name):
+    """Linear, Conv2d, ConvTranspose2d and LSTM layers all quantised (every layer: fp8.ends=fp8), gradients
+    reach every parameter, the output is near FP32's and not equal to it; nvfp4's stochastic rounding is
+    seeded: two builds give the same gradients."""
+    def once():
+        torch.manual_seed(0)
+        conv = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.ConvTranspose2d(8, 4, 3), nn.Flatten(),
+                             nn.Linear(4 * 8 * 8, 16))
+        lstm = nn.LSTM(16, 8)
+        both = nn.ModuleDict({"conv": conv, "lstm": lstm})
+        c = Config(precision=name)
+        c.fp8.ends = "fp8"
+        r = precision.build(c, "cpu")
+        r.prepare(both, [torch.optim.SGD(both.parameters(), lr=0.1)])
+        x = torch.randn(4, 3, 8, 8)
+        with r.autocast():
+            y, _ = lstm(conv(x)[None])
+        ref, _ = lstm(conv(x)[None])
+        y.square().sum().backward()
+        return y.detach(), ref.detach(), [p.grad.clone() for p in both.parameters()], r
+
+    y, ref, grads, r = once()
+    assert r.state.recipe is formats.RECIPES[name]
+    assert not torch.equal(y, ref)
+    assert (y - ref).norm() / ref.norm() < (0.3 if name == "nvfp4" else 0.1)
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+    assert all(torch.equal(a, b) for a, b in zip(grads, once()[2]))
+
+
+def test_block_formats_take_only_fp8_ends():
+    from mpt.errors import UserError
+
+    c = Config(precision="mxfp8")
+    c.fp8.ends = "fp8"
+    precision.build(c, "cpu")
+    c.fp8.scaling = "current"
+    with pytest.raises(UserError, match="only fp8.ends applies"):
+        precision.build(c, "cpu")
+
+
+def test_beyond_the_paper_table(tmp_path):
+    """One row per model of the paper's tables, the new formats' columns beside FP32 and the paper's MP,
+    Δ against the row's FP32."""
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from test_fp8_bf16_pure import _tiny_run
+
+    from paper_tables import beyond, report, results
+
+    for seed in range(3):
+        _tiny_run(tmp_path, "fp32", seed, 97.0 + seed)
+        _tiny_run(tmp_path, "mxfp8", seed, 96.0 + seed)
+        _tiny_run(tmp_path, "nvfp4", seed, 60.0 + seed)
+        _tiny_run(tmp_path, "nvfp4", seed, 10.0, {"fp8": {"ends": "fp8"}})  # another column: not this table's
+    runs, problems = results.collect_dir(tmp_path)
+    rep = report.build(runs, problems, "test")
+    t = next(s for s in rep.sections if s.profile.startswith("tiny")).beyond
+    cell = lambda c: t.cells[("table1", "resnet50_preact", c)]  # noqa: E731
+    assert cell("fp32").mean == 98.0 and cell("mxfp8").mean == 97.0 and cell("nvfp4").mean == 61.0
+    assert "within seed noise" in cell("mxfp8").diff_text() and "DIFFERS" in cell("nvfp4").diff_text()
+    assert cell("fp8_block").status == "missing"
+    md = beyond.to_markdown(t)
+    assert "| ResNet-50 (pre-activation) | top1" in md and "| Multibox SSD (VGG-16, 300) |" in md
+    written = report.write(rep, tmp_path / "out")
+    assert (tmp_path / "out" / f"{t.stem}.csv") in written
