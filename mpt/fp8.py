@@ -26,6 +26,7 @@ convolutions).
 """
 from __future__ import annotations
 
+import math
 import random
 
 import torch
@@ -57,9 +58,8 @@ def fp8_quantize(x: torch.Tensor, fmt: str, scale=1.0, generator: torch.Generato
     """x rounded to FP8 format `fmt` ("e4m3" | "e5m2") at per-tensor `scale` (a number or a 0-dim
     tensor) and returned in FP32 at x's magnitude: fp8(x * scale) / scale, round to nearest even (or
     stochastically, with a generator), saturating at the format's largest value, subnormals kept."""
-    dtype, top = FP8_FORMATS[fmt]
     y = x.float() * scale
-    q = y.clamp(-top, top).to(dtype).float() if generator is None else round_to(y, fmt, generator)
+    q = round_to(y, fmt, generator)
     if fmt == "e5m2":
         q = torch.where(torch.isinf(y), y, q)
     return q / scale
@@ -69,24 +69,29 @@ def round_to(x: torch.Tensor, fmt: str, generator: torch.Generator | None = None
     """FP32 x (already scaled) rounded to element format `fmt`, saturating at its largest value, returned
     in FP32. Round to nearest even, or with a generator stochastically: up with probability equal to
     the distance from the value below, in units of the spacing there (unbiased). Torch's own casts where
-    it has the format; E2M1 and stochastic rounding by the spacing of the value's binade (frexp gives
-    the binade exactly, where floor(log2) can round up)."""
-    if generator is None and fmt in _TORCH_DTYPES:
+    they are cheap; E4M3 and E2M1 by the spacing of each value's binade (round_by_spacing): on a CPU,
+    torch's FP8-to-FP32 cast costs several times the arithmetic, and the result is the same bits."""
+    if generator is None and fmt in ("e5m2", "fp16", "bf16"):
         top = ELEMENTS[fmt][2]
         return x.float().clamp(-top, top).to(_TORCH_DTYPES[fmt]).float()
     return round_by_spacing(x, fmt, generator)
 
 
 def round_by_spacing(x: torch.Tensor, fmt: str, generator: torch.Generator | None = None) -> torch.Tensor:
-    """round_to's arithmetic for any format of ELEMENTS (the tests check it against torch's casts)."""
+    """round_to's arithmetic for any format of ELEMENTS (the tests check it against torch's casts). The
+    spacing u of a value's binade is its FP32 exponent bits (the value with its mantissa cleared) times
+    2^-mantissa_bits, and at least the spacing of the format's subnormals. Nearest even: adding and
+    subtracting 1.5 * 2^23 to x / u makes FP32's own round-to-nearest-even round it to an integer (the
+    sum lies in the binade whose spacing is 1)."""
     m, emin, top = ELEMENTS[fmt]
-    a = x.float().abs().clamp(max=top)
-    e = (torch.frexp(a)[1] - 1).clamp(min=emin)  # floor(log2 a); the subnormals share emin's spacing
-    ulp = torch.ldexp(torch.ones_like(a), e - m)
-    r = a / ulp
-    r = torch.round(r) if generator is None else torch.floor(r + torch.rand(r.shape, generator=generator,
-                                                                             device=r.device))
-    return torch.copysign((r * ulp).clamp(max=top), x.float())
+    xc = x.float().clamp(-top, top)
+    u = (xc.view(torch.int32) & 0x7F800000).view(torch.float32).mul(2.0 ** -m).clamp_min_(2.0 ** (emin - m))
+    if generator is None:  # x / u is exact (u is a power of 2) and below 2^22 in magnitude
+        q = (xc / u).add_(1.5 * 2.0 ** 23).sub_(1.5 * 2.0 ** 23).mul_(u)
+    else:
+        r = xc.abs().div_(u)
+        q = r.add_(torch.rand(r.shape, generator=generator, device=r.device)).floor_().mul_(u)
+    return q.copysign_(x.float())
 
 
 def bf16_quantize(x: torch.Tensor) -> torch.Tensor:
@@ -146,39 +151,50 @@ def _hadamard16(device) -> torch.Tensor:
 def block_quantize(t: torch.Tensor, f: formats.TensorFormat, axis: int = -1,
                    generator: torch.Generator | None = None) -> torch.Tensor:
     """t rounded to format f block by block along `axis` (its dot product's reduction axis) and
-    returned in FP32 at t's magnitude. The axis is padded with zeros to a whole number of blocks (a
-    zero changes no block's amax). Per-tensor formats take FP8State.quantizer's path, not this one."""
-    x = t.float().movedim(axis, -1)
+    returned in FP32 at t's magnitude. Computed on the view [before axis, axis, after axis] of t, so no
+    transposed copy is made; the axis is padded with zeros only where it is longer than a block and not
+    a whole number of them (a zero changes no block's amax), and a block longer than the axis is the
+    whole axis. Per-tensor exact scales take FP8State.quantizer's path."""
+    x = t.float()
     shape = x.shape
-    k = shape[-1] if shape else 1
-    x = x.reshape(-1, k)
-    b = f.block or k
+    if x.dim() == 0:
+        x = x.reshape(1)
+    axis = axis % x.dim()
+    k = x.shape[axis]
+    v = x.reshape(math.prod(x.shape[:axis]), k, -1)
+    pre, post = v.shape[0], v.shape[2]
+    b = min(f.block or k, k)
     pad = -k % b
-    if pad:
-        x = F.pad(x, (0, pad))
     if f.hadamard:
-        x = (x.reshape(-1, 16) @ _hadamard16(x.device)).reshape(x.shape)
-    rows = x.shape[0]
-    if f.granularity == "block128x128":  # [rows, k] -> [rows/128, 128, k/128, 128]: 2-D blocks
-        rpad = -rows % 128
-        x = F.pad(x, (0, 0, 0, rpad)).reshape(-1, 128, x.shape[1] // 128, 128).transpose(1, 2)
-        blocks = x.reshape(-1, 128 * 128)
-    elif f.granularity == "tensor":
-        blocks = x.reshape(1, -1)
+        pad = -k % 16 if b < 16 or pad else pad
+        b = max(b, 16)
+    rb = min(128, pre) if f.granularity == "block128x128" else pre
+    rpad = -pre % rb
+    if pad or rpad:
+        v = F.pad(v, (0, 0, 0, pad, 0, rpad))
+    kk = v.shape[1]
+    if f.hadamard:  # along the axis, 16 elements at a time
+        v = torch.einsum("pjiq,ic->pjcq", v.reshape(v.shape[0], kk // 16, 16, post),
+                         _hadamard16(v.device)).reshape(v.shape)
+    if f.granularity == "tensor":
+        blocks, dims = v, (0, 1, 2)
+    elif f.granularity == "block128x128":  # 2-D blocks: 128 rows (outputs) x 128 along the axis
+        blocks, dims = v.reshape(v.shape[0] // rb, rb, kk // b, b, post), (1, 3)
     else:
-        blocks = x.reshape(-1, b)
-    amax = _finite_abs(blocks).amax(-1, keepdim=True)
+        blocks, dims = v.reshape(v.shape[0], kk // b, b, post), (2,)
+    amax = blocks.abs().nan_to_num(nan=0.0, posinf=0.0).amax(dim=dims, keepdim=True)
     if f.granularity == "nvfp4_16":
         q = _nvfp4(blocks, amax, f.element, generator)
     else:
         s = block_scale(amax, f.element, f.scale_rounding)
         q = round_to(blocks * s, f.element, generator) / s
-    if f.granularity == "block128x128":
-        q = q.reshape(-1, x.shape[1], 128, 128).transpose(1, 2).reshape(-1, x.shape[1] * 128)[:rows]
-    q = q.reshape(rows, -1)
+    q = q.reshape(v.shape)
     if f.hadamard:
-        q = (q.reshape(-1, 16) @ _hadamard16(q.device).t()).reshape(q.shape)
-    return q[:, :k].reshape(shape).movedim(-1, axis)
+        q = torch.einsum("pjiq,ci->pjcq", q.reshape(q.shape[0], kk // 16, 16, post),
+                         _hadamard16(q.device)).reshape(q.shape)
+    if pad or rpad:
+        q = q[:pre, :k]
+    return q.reshape(shape)
 
 
 def _nvfp4(blocks, amax, fmt, generator):
