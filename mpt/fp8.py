@@ -242,7 +242,7 @@ class _FP8Grad(torch.autograd.Function):
 def _amax(t: torch.Tensor) -> torch.Tensor:
     """Largest finite |t| as an FP32 0-dim tensor (0 for an empty or all-non-finite tensor)."""
     a = t.detach().abs().float()
-    return torch.where(torch.isfinite(a), a, torch.zeros_like(a)).amax() if a.numel() else a.new_zeros(())
+    return a.nan_to_num(nan=0.0, posinf=0.0).amax() if a.numel() else a.new_zeros(())
 
 
 class FP8State:
