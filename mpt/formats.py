@@ -38,7 +38,9 @@ GRANULARITIES = ("tensor", "row", "tile128", "block128x128", "mx32", "nvfp4_16")
 SCALE_ROUNDINGS = ("exact", "pow2", "floor", "rceil", "e4m3")
 ROUNDINGS = ("nearest", "stochastic")
 SCALINGS = ("delayed", "current")
-ACCUMULATIONS = ("fp32",)
+# fp32: every dot product accumulates in FP32 (section 3.3); another format: each addition of a linear
+# layer's dot products rounded to it, to show what section 3.3 guards against (mpt.fp8.accumulate_linear).
+ACCUMULATIONS = ("fp32", *ELEMENTS)
 
 
 def _one_of(what: str, value, allowed) -> None:

@@ -209,6 +209,22 @@ def _nvfp4(blocks, amax, fmt, generator):
     return round_to(blocks / safe, fmt, generator) * safe
 
 
+def accumulate_linear(x: torch.Tensor, w: torch.Tensor, fmt: str) -> torch.Tensor:
+    """x @ w.T with every addition of each dot product rounded to `fmt`: the running sum of the products,
+    taken in order along the reduction axis, is rounded after each one (the products themselves are
+    exact in FP32 for FP8 operands). Section 3.3 of the paper: "some networks require that FP16 vector
+    dot-product accumulates the partial products into an FP32 value" -- summing 4096 products of 2^-10
+    in FP16 stops at 2 (each addend is then half the spacing, and ties go to the even value). One
+    Python step per element of the reduction axis: for demonstrations and tests, not for training."""
+    p = x.float().unsqueeze(-2) * w.float()  # [..., out, K]: the products
+    acc = torch.zeros(p.shape[:-1], device=p.device)
+    for k in range(p.shape[-1]):
+        acc = acc + p[..., k]  # FP32's own rounding
+        if fmt != "fp32":
+            acc = round_to(acc, fmt)
+    return acc
+
+
 class _FP8Operand(torch.autograd.Function):
     """Forward: an operand of a dot product rounded (E4M3 at its scale, or BF16); backward: the
     gradient passes through unchanged (straight-through) -- the gradient that reaches the
@@ -518,9 +534,26 @@ class FP8Math(TorchFunctionMode):
         if isinstance(x, torch.Tensor) and x.is_floating_point() and id(x) not in order:
             new_args[0] = _FP8Operand.apply(x, q("x", x_axis))
         out = func(*new_args, **map_tensors(kwargs, operand))
+        if st.recipe.accumulate != "fp32" and not keep16:
+            out = self._narrow(func, new_args, kwargs, out, weights, st.recipe.accumulate)
         grad_q = q("g", g_axis)
         if isinstance(out, torch.Tensor):
             return _FP8Grad.apply(out, grad_q) if out.requires_grad else out
         if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor) and out[0].requires_grad:
             return (_FP8Grad.apply(out[0], grad_q), *out[1:])
         return out
+
+    @staticmethod
+    def _narrow(func, args, kwargs, out, weights, fmt):
+        """The forward value of a linear layer whose dot products accumulate in `fmt` (accumulate_linear),
+        the bias added after; its gradients are the FP32 product's (straight-through)."""
+        if func is not F.linear:
+            raise NotImplementedError(f"accumulation in {fmt} is simulated for linear layers only, not "
+                                      f"{getattr(func, '__name__', func)}")
+        x, w = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+        b = args[2] if len(args) > 2 else kwargs.get("bias")
+        with torch.no_grad():
+            narrow = accumulate_linear(x, w, fmt)
+            if b is not None:
+                narrow = narrow + b
+        return out + (narrow - out).detach()

@@ -390,3 +390,28 @@ def test_beyond_the_paper_table(tmp_path):
     assert "| ResNet-50 (pre-activation) | top1" in md and "| Multibox SSD (VGG-16, 300) |" in md
     written = report.write(rep, tmp_path / "out")
     assert (tmp_path / "out" / f"{t.stem}.csv") in written
+
+
+def test_accumulating_in_16_bits_loses_what_fp32_keeps():
+    """Section 3.3: 4096 products of 2^-10 sum to 4 in FP32; accumulated in FP16 the sum stops at 2 (the
+    addend is half FP16's spacing there, and the tie goes to the even value), in BF16 at 0.25. A linear
+    layer under a recipe accumulating in FP16 computes the same value; its gradient is the FP32 product's."""
+    from mpt.fp8 import FP8Math, accumulate_linear
+
+    x, w = torch.ones(1, 4096), torch.full((1, 4096), 2.0 ** -10)
+    assert accumulate_linear(x, w, "fp32").item() == 4.0
+    assert accumulate_linear(x, w, "fp16").item() == 2.0
+    assert accumulate_linear(x, w, "bf16").item() == 0.25
+    exact = formats.TensorFormat("bf16", "row", "pow2")  # 1 and 2^-10 are exact: only the sum is narrow
+    for acc, want in (("fp32", 4.0), ("fp16", 2.0)):
+        lin = nn.Linear(4096, 1, bias=False)
+        with torch.no_grad():
+            lin.weight.fill_(2.0 ** -10)
+        st = FP8State("current", recipe=formats.FormatRecipe("t", x=exact, w=exact, g=exact, accumulate=acc))
+        st.register(lin, "fp8")
+        xin = torch.ones(1, 4096, requires_grad=True)
+        with FP8Math(st):
+            y = lin(xin)
+        assert y.item() == want
+        y.backward()
+        assert torch.equal(lin.weight.grad, torch.ones(1, 4096)) and torch.all(xin.grad == 2.0 ** -10)
