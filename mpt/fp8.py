@@ -81,11 +81,15 @@ def round_by_spacing(x: torch.Tensor, fmt: str, generator: torch.Generator | Non
     """round_to's arithmetic for any format of ELEMENTS (the tests check it against torch's casts). The
     spacing u of a value's binade is its FP32 exponent bits (the value with its mantissa cleared) times
     2^-mantissa_bits, and at least the spacing of the format's subnormals. Nearest even: adding and
-    subtracting 1.5 * 2^23 to x / u makes FP32's own round-to-nearest-even round it to an integer (the
-    sum lies in the binade whose spacing is 1)."""
+    subtracting C = 1.5 * 2^23 * u makes FP32's own round-to-nearest-even round x to a multiple of u (the
+    sum lies in the binade whose spacing is u); for BF16, whose C would overflow, the same on x / u."""
     m, emin, top = ELEMENTS[fmt]
     xc = x.float().clamp(-top, top)
-    u = (xc.view(torch.int32) & 0x7F800000).view(torch.float32).mul(2.0 ** -m).clamp_min_(2.0 ** (emin - m))
+    binade = (xc.view(torch.int32) & 0x7F800000).view(torch.float32).clamp_min_(2.0 ** emin)
+    if generator is None and fmt != "bf16":  # 1.5 * 2^23 * u is finite: add and subtract it
+        c = binade.mul_(1.5 * 2.0 ** (23 - m))
+        return (xc + c).sub_(c).copysign_(x.float())
+    u = binade.mul_(2.0 ** -m)
     if generator is None:  # x / u is exact (u is a power of 2) and below 2^22 in magnitude
         q = (xc / u).add_(1.5 * 2.0 ** 23).sub_(1.5 * 2.0 ** 23).mul_(u)
     else:
@@ -187,7 +191,9 @@ def block_quantize(t: torch.Tensor, f: formats.TensorFormat, axis: int = -1,
         q = _nvfp4(blocks, amax, f.element, generator)
     else:
         s = block_scale(amax, f.element, f.scale_rounding)
-        q = round_to(blocks * s, f.element, generator) / s
+        # A power-of-2 scale's reciprocal is exact (2^-127 .. 2^127): a multiplication, cheaper than x / s.
+        q = round_to(blocks * s, f.element, generator)
+        q = q / s if f.scale_rounding == "exact" else q.mul_(s.reciprocal_())
     q = q.reshape(v.shape)
     if f.hadamard:
         q = torch.einsum("pjiq,ci->pjcq", q.reshape(q.shape[0], kk // 16, 16, post),
