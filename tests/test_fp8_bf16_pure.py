@@ -336,7 +336,10 @@ def _toy(out, **kw):
 @pytest.mark.heavy
 @pytest.mark.parametrize("kw", [dict(precision="bf16_pure", rounding="stochastic"),
                                 dict(precision="bf16_pure", rounding="kahan"),
-                                dict(precision="fp8", fp8=FP8Cfg(ends="fp8"))])
+                                dict(precision="fp8", fp8=FP8Cfg(ends="fp8")),
+                                # stochastic rounding of the gradients: its generator is in the checkpoint
+                                dict(precision="nvfp4", fp8=FP8Cfg(ends="fp8")),
+                                dict(precision="nvfp4")])  # the ends found again after the resume
 def test_resume_is_bit_identical(tmp_path, monkeypatch, kw):
     from conftest import run_interrupted
     from toy_mlp import ToyMLP
@@ -357,8 +360,11 @@ def test_resume_is_bit_identical(tmp_path, monkeypatch, kw):
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k], k
-    if "fp8" in kw:
+    if kw["precision"] == "fp8":
         assert ca["recipe"]["fp8"]["scale"]["0:g"].item() != 1.0  # the delayed scales were in use
+    if kw["precision"] == "nvfp4":  # the generator of stochastic rounding was in use where a layer was FP4
+        # (with BF16 ends both of the toy's two layers are ends: nothing is FP4)
+        assert ("rng" in ca["recipe"]["fp8"]) == ("fp8" in kw)
 
 
 # ------------------------------------------------------------------------------------------------
