@@ -563,3 +563,40 @@ class FP8Math(TorchFunctionMode):
             if b is not None:
                 narrow = narrow + b
         return out + (narrow - out).detach()
+
+
+def sqnr_db(ref: torch.Tensor, test: torch.Tensor) -> float:
+    """Signal to quantisation-noise ratio of `test` against `ref` in dB (inf where they are identical)."""
+    noise = (ref.double() - test.double()).pow(2).sum()
+    return float("inf") if noise == 0 else float(10 * torch.log10(ref.double().pow(2).sum() / noise))
+
+
+def fidelity(model: nn.Module, run, context) -> dict[str, float]:
+    """How far a simulated format moves a model's output and its gradients: `run(model)` (a forward
+    returning the output tensor; its sum is back-propagated) once in FP32 and once inside `context` (a
+    recipe's autocast()), on the same weights, batch and random draws; returns the SQNR in dB of the
+    output ("output") and of each parameter's gradient ("grad/<name>"). Batch-norm statistics and the
+    random streams are put back after each pass, the gradients cleared."""
+    bufs = [b.detach().clone() for b in model.buffers()]
+    rng = torch.get_rng_state()
+    outs, grads = [], []
+    for ctx in (None, context):
+        torch.set_rng_state(rng)
+        for p in model.parameters():
+            p.grad = None
+        if ctx is None:
+            out = run(model)
+        else:
+            with ctx:
+                out = run(model)
+        out.float().sum().backward()
+        outs.append(out.detach().float())
+        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+        with torch.no_grad():
+            for b, v in zip(model.buffers(), bufs):
+                b.copy_(v)
+    for p in model.parameters():
+        p.grad = None
+    res = {"output": sqnr_db(*outs)}
+    res.update({f"grad/{n}": sqnr_db(g, grads[1][n]) for n, g in grads[0].items() if n in grads[1]})
+    return res
