@@ -11,17 +11,31 @@ finite values (Transformer Engine's choice: a value beyond the delayed scale's r
 made inf). E4M3 has no infinities, so inf saturates too; E5M2 keeps inf (it has one); nan stays nan in
 both, so a diverging run is still seen as one.
 
+The same mechanism runs the block-scaled successors (precisions fp8_block, mxfp8, nvfp4; their
+switches are data, mpt.formats): each role's tensor is cut into blocks along the product's reduction
+axis (_AXES), each block scaled by its own amax and rounded (block_quantize).
+
 Not quantised: a recurrent layer's state inside its fused kernel (its input sequence and weights are;
 the gradient of its output sequence is), dot products without a weight (attention's), embeddings
 (lookups), modules marked keep_fp32.
+
+With fp8.ends=bf16 the model's ends compute on BF16 operands, found from its dataflow at its first
+forward (FP8State.find_ends): every layer that reads the model's input without another layer before it,
+and every layer whose output reaches no other layer (a classifier, each of a detector's prediction
+convolutions).
 """
 from __future__ import annotations
+
+import math
+import random
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from mpt import formats
+from mpt import torch_private as TP
 from mpt.half_math import float_tensors, map_tensors, ops_of
 
 # (torch dtype, largest finite magnitude): E4M3 has no infinities, so its top binade reaches 448;
@@ -29,23 +43,192 @@ from mpt.half_math import float_tensors, map_tensors, ops_of
 FP8_FORMATS = {"e4m3": (torch.float8_e4m3fn, 448.0), "e5m2": (torch.float8_e5m2, 57344.0)}
 # Table lookups: layers with a weight but no dot product to quantise.
 _LOOKUPS = (nn.Embedding, nn.EmbeddingBag)
+# Every element format by its bits: (mantissa bits, exponent of the smallest normal, largest finite
+# value). E2M1 (FP4): 0, 0.5, 1, 1.5, 2, 3, 4, 6 (OCP MX spec v1.0, section 5.3.3).
+ELEMENTS = {"e4m3": (3, -6, 448.0), "e5m2": (2, -14, 57344.0), "e2m1": (1, 0, 6.0),
+            "fp16": (10, -14, 65504.0), "bf16": (7, -126, float(torch.finfo(torch.bfloat16).max))}
+_TORCH_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2, "fp16": torch.float16,
+                 "bf16": torch.bfloat16}
+# A scale is capped at the largest finite FP32 (Transformer Engine does the same): FP8_MAX / amax of a
+# tensor whose amax is below ~1e-34 is inf otherwise, and 0 * inf makes its zeros NaN.
+FLT_MAX = torch.finfo(torch.float32).max
 
 
-def fp8_quantize(x: torch.Tensor, fmt: str, scale=1.0) -> torch.Tensor:
+def fp8_quantize(x: torch.Tensor, fmt: str, scale=1.0, generator: torch.Generator | None = None) -> torch.Tensor:
     """x rounded to FP8 format `fmt` ("e4m3" | "e5m2") at per-tensor `scale` (a number or a 0-dim
-    tensor) and returned in FP32 at x's magnitude: fp8(x * scale) / scale, round to nearest even,
-    saturating at the format's largest value, subnormals kept."""
-    dtype, top = FP8_FORMATS[fmt]
+    tensor) and returned in FP32 at x's magnitude: fp8(x * scale) / scale, round to nearest even (or
+    stochastically, with a generator), saturating at the format's largest value, subnormals kept."""
     y = x.float() * scale
-    q = y.clamp(-top, top).to(dtype).float()
+    q = round_to(y, fmt, generator)
     if fmt == "e5m2":
         q = torch.where(torch.isinf(y), y, q)
     return q / scale
 
 
+def round_to(x: torch.Tensor, fmt: str, generator: torch.Generator | None = None) -> torch.Tensor:
+    """FP32 x (already scaled) rounded to element format `fmt`, saturating at its largest value, returned
+    in FP32. Round to nearest even, or with a generator stochastically: up with probability equal to
+    the distance from the value below, in units of the spacing there (unbiased). Torch's own casts where
+    they are cheap; E4M3 and E2M1 by the spacing of each value's binade (round_by_spacing): on a CPU,
+    torch's FP8-to-FP32 cast costs several times the arithmetic, and the result is the same bits."""
+    if generator is None and fmt in ("e5m2", "fp16", "bf16"):
+        top = ELEMENTS[fmt][2]
+        return x.float().clamp(-top, top).to(_TORCH_DTYPES[fmt]).float()
+    return round_by_spacing(x, fmt, generator)
+
+
+def round_by_spacing(x: torch.Tensor, fmt: str, generator: torch.Generator | None = None) -> torch.Tensor:
+    """round_to's arithmetic for any format of ELEMENTS (the tests check it against torch's casts). The
+    spacing u of a value's binade is its FP32 exponent bits (the value with its mantissa cleared) times
+    2^-mantissa_bits, and at least the spacing of the format's subnormals. Nearest even: adding and
+    subtracting C = 1.5 * 2^23 * u makes FP32's own round-to-nearest-even round x to a multiple of u (the
+    sum lies in the binade whose spacing is u); for BF16, whose C would overflow, the same on x / u."""
+    m, emin, top = ELEMENTS[fmt]
+    xc = x.float().clamp(-top, top)
+    binade = (xc.view(torch.int32) & 0x7F800000).view(torch.float32).clamp_min_(2.0 ** emin)
+    if generator is None and fmt != "bf16":  # 1.5 * 2^23 * u is finite: add and subtract it
+        c = binade.mul_(1.5 * 2.0 ** (23 - m))
+        return (xc + c).sub_(c).copysign_(x.float())
+    u = binade.mul_(2.0 ** -m)
+    if generator is None:  # x / u is exact (u is a power of 2) and below 2^22 in magnitude
+        q = (xc / u).add_(1.5 * 2.0 ** 23).sub_(1.5 * 2.0 ** 23).mul_(u)
+    else:
+        r = xc.abs().div_(u)
+        q = r.add_(torch.rand(r.shape, generator=generator, device=r.device)).floor_().mul_(u)
+    return q.copysign_(x.float())
+
+
 def bf16_quantize(x: torch.Tensor) -> torch.Tensor:
     """x rounded to BF16 (nearest even) and returned in FP32: fp8.ends=bf16's 16-bit operands."""
     return x.to(torch.bfloat16).float()
+
+
+def _finite_abs(t: torch.Tensor) -> torch.Tensor:
+    a = t.abs()
+    return torch.where(torch.isfinite(a), a, torch.zeros_like(a))
+
+
+def _pow2(e: torch.Tensor) -> torch.Tensor:
+    return torch.ldexp(torch.ones_like(e, dtype=torch.float32), e)
+
+
+def block_scale(amax: torch.Tensor, fmt: str, rounding: str) -> torch.Tensor:
+    """The factor each block is multiplied by before rounding to `fmt` (divided by after), from the
+    block's largest finite |value| (a zero block: 1).
+      exact  top / amax, capped at FLT_MAX
+      pow2   that rounded down to a power of 2 (arXiv 2412.19437's and TE's block scales)
+      floor  OCP MX (arXiv 2310.10537, section 6.3): shared exponent floor(log2 amax) - emax(fmt),
+             E8M0 clamped to [-127, 127]; a block's largest value can then round past top (saturated)
+      rceil  2^-ceil(log2(amax / top)), clamped the same: amax * scale <= top always (arXiv 2506.08027)"""
+    top = ELEMENTS[fmt][2]
+    if rounding == "exact":
+        s = (top / amax).clamp(max=FLT_MAX)
+    elif rounding == "pow2":
+        s = _pow2(torch.frexp((top / amax).clamp(max=FLT_MAX))[1] - 1)
+    elif rounding == "floor":
+        emax = int(torch.frexp(torch.tensor(top))[1]) - 1
+        s = _pow2(-((torch.frexp(amax)[1] - 1) - emax).clamp(-127, 127))
+    elif rounding == "rceil":
+        mant, e = torch.frexp(amax / top)
+        s = _pow2(-torch.where(mant == 0.5, e - 1, e).clamp(-127, 127))  # ceil(log2): exact at powers of 2
+    else:
+        raise ValueError(f"block_scale: {rounding!r} is not a scale of its own (nvfp4 scales: _nvfp4)")
+    return torch.where(amax > 0, s, torch.ones_like(s))
+
+
+_HADAMARD: dict = {}
+
+
+def _hadamard16(device) -> torch.Tensor:
+    """A 16x16 orthonormal Hadamard matrix with a fixed random sign on each row (arXiv 2509.25149,
+    section 4.2: a random Hadamard transform spreads a block's outliers over its 16 elements). Fixed
+    seed: the same transform every step and every run."""
+    if device not in _HADAMARD:
+        h = torch.ones(1, 1)
+        while h.shape[0] < 16:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        signs = torch.randint(0, 2, (16,), generator=torch.Generator().manual_seed(16)) * 2.0 - 1
+        _HADAMARD[device] = (signs[:, None] * h / 4.0).to(device)
+    return _HADAMARD[device]
+
+
+def block_quantize(t: torch.Tensor, f: formats.TensorFormat, axis: int = -1,
+                   generator: torch.Generator | None = None) -> torch.Tensor:
+    """t rounded to format f block by block along `axis` (its dot product's reduction axis) and
+    returned in FP32 at t's magnitude. Computed on the view [before axis, axis, after axis] of t, so no
+    transposed copy is made; the axis is padded with zeros only where it is longer than a block and not
+    a whole number of them (a zero changes no block's amax), and a block longer than the axis is the
+    whole axis. Per-tensor exact scales take FP8State.quantizer's path."""
+    x = t.float()
+    shape = x.shape
+    if x.dim() == 0:
+        x = x.reshape(1)
+    axis = axis % x.dim()
+    k = x.shape[axis]
+    v = x.reshape(math.prod(x.shape[:axis]), k, -1)
+    pre, post = v.shape[0], v.shape[2]
+    b = min(f.block or k, k)
+    pad = -k % b
+    if f.hadamard:
+        pad = -k % 16 if b < 16 or pad else pad
+        b = max(b, 16)
+    rb = min(128, pre) if f.granularity == "block128x128" else pre
+    rpad = -pre % rb
+    if pad or rpad:
+        v = F.pad(v, (0, 0, 0, pad, 0, rpad))
+    kk = v.shape[1]
+    if f.hadamard:  # along the axis, 16 elements at a time
+        v = torch.einsum("pjiq,ic->pjcq", v.reshape(v.shape[0], kk // 16, 16, post),
+                         _hadamard16(v.device)).reshape(v.shape)
+    if f.granularity == "tensor":
+        blocks, dims = v, (0, 1, 2)
+    elif f.granularity == "block128x128":  # 2-D blocks: 128 rows (outputs) x 128 along the axis
+        blocks, dims = v.reshape(v.shape[0] // rb, rb, kk // b, b, post), (1, 3)
+    else:
+        blocks, dims = v.reshape(v.shape[0], kk // b, b, post), (2,)
+    amax = blocks.abs().nan_to_num(nan=0.0, posinf=0.0).amax(dim=dims, keepdim=True)
+    if f.granularity == "nvfp4_16":
+        q = _nvfp4(blocks, amax, f.element, generator)
+    else:
+        s = block_scale(amax, f.element, f.scale_rounding)
+        # A power-of-2 scale's reciprocal is exact (2^-127 .. 2^127): a multiplication, cheaper than x / s.
+        q = round_to(blocks * s, f.element, generator)
+        q = q / s if f.scale_rounding == "exact" else q.mul_(s.reciprocal_())
+    q = q.reshape(v.shape)
+    if f.hadamard:
+        q = torch.einsum("pjiq,ci->pjcq", q.reshape(q.shape[0], kk // 16, 16, post),
+                         _hadamard16(q.device)).reshape(q.shape)
+    if pad or rpad:
+        q = q[:pre, :k]
+    return q.reshape(shape)
+
+
+def _nvfp4(blocks, amax, fmt, generator):
+    """NVFP4 (arXiv 2509.25149, section 2): a per-tensor FP32 decode scale g = amax(tensor) / (6 * 448)
+    maps the blocks' scales into E4M3's range; each 16-element block's decode scale is
+    e4m3(amax(block) / 6 / g) * g, and its elements are E2M1 at that scale."""
+    top = ELEMENTS[fmt][2]
+    t_amax = amax.amax()
+    g = torch.where(t_amax > 0, t_amax / (top * ELEMENTS["e4m3"][2]), torch.ones_like(t_amax))
+    d = round_to(amax / top / g, "e4m3") * g
+    safe = torch.where(d > 0, d, torch.ones_like(d))
+    return round_to(blocks / safe, fmt, generator) * safe
+
+
+def accumulate_linear(x: torch.Tensor, w: torch.Tensor, fmt: str) -> torch.Tensor:
+    """x @ w.T with every addition of each dot product rounded to `fmt`: the running sum of the products,
+    taken in order along the reduction axis, is rounded after each one (the products themselves are
+    exact in FP32 for FP8 operands). Section 3.3 of the paper: "some networks require that FP16 vector
+    dot-product accumulates the partial products into an FP32 value" -- summing 4096 products of 2^-10
+    in FP16 stops at 2 (each addend is then half the spacing, and ties go to the even value). One
+    Python step per element of the reduction axis: for demonstrations and tests, not for training."""
+    p = x.float().unsqueeze(-2) * w.float()  # [..., out, K]: the products
+    acc = torch.zeros(p.shape[:-1], device=p.device)
+    for k in range(p.shape[-1]):
+        acc = acc + p[..., k]  # FP32's own rounding
+        if fmt != "fp32":
+            acc = round_to(acc, fmt)
+    return acc
 
 
 class _FP8Operand(torch.autograd.Function):
@@ -81,70 +264,186 @@ class _FP8Grad(torch.autograd.Function):
 def _amax(t: torch.Tensor) -> torch.Tensor:
     """Largest finite |t| as an FP32 0-dim tensor (0 for an empty or all-non-finite tensor)."""
     a = t.detach().abs().float()
-    return torch.where(torch.isfinite(a), a, torch.zeros_like(a)).amax() if a.numel() else a.new_zeros(())
+    return a.nan_to_num(nan=0.0, posinf=0.0).amax() if a.numel() else a.new_zeros(())
 
 
 class FP8State:
-    """The per-tensor scales of precision=fp8: one slot per (layer, role) -- role "x" (the input,
-    E4M3), "w<i>" (a weight, E4M3), "g" (the gradient of the output, E5M2).
+    """The scales of a simulated FP8/FP4 precision: one slot per (layer, role) -- role "x" (the input),
+    "w<i>" (a weight), "g" (the gradient of the output), each quantised as `recipe` (mpt.formats) says:
+    for precision=fp8 E4M3, E4M3 and E5M2 at per-tensor scales; for the block-scaled recipes at block
+    scales computed from the tensor itself (block_quantize), with no state but the stochastic rounding's
+    generator.
 
+    Per-tensor scales:
     current: each quantisation computes scale = FP8_MAX / amax(tensor) / 2^margin from the tensor
-    itself (amax 0: scale 1).
+    itself (amax 0: scale 1; capped at FLT_MAX).
     delayed (Transformer Engine's DelayedScaling): each slot has an amax history of `history_len`
     entries (index 0 the newest) and a scale. During an iteration the slot's scale is fixed and the
     amax of every tensor it quantises (several per iteration for a layer called several times) is
     recorded; `update()` -- once per iteration, after the optimizer steps -- rolls the history, puts
     the iteration's amax first and recomputes scale = FP8_MAX / reduce(history) / 2^margin, with
-    reduce = max (default) or most_recent; where that is 0 or not finite the scale is kept. The
-    scale starts at 1, before any history exists. Only training passes (grad enabled) record amax;
-    evaluation uses the scales as they are. Slots are keyed by parameter names, so the state is
-    checkpointed and a resumed run continues bit-identically."""
+    reduce = max (default) or most_recent, capped at FLT_MAX; where the history's amax is 0 the scale
+    is kept. The scale starts at 1, before any history exists. Only training passes (grad enabled)
+    record amax; evaluation uses the scales as they are. Slots are keyed by parameter names, so the
+    state is checkpointed and a resumed run continues bit-identically."""
 
-    def __init__(self, scaling: str = "delayed", history_len: int = 1024, algo: str = "max", margin: int = 0):
+    def __init__(self, scaling: str = "delayed", history_len: int = 1024, algo: str = "max", margin: int = 0,
+                 recipe: formats.FormatRecipe | None = None, seed: int = 0):
         self.scaling, self.history_len, self.algo, self.margin = scaling, int(history_len), algo, int(margin)
+        self.recipe = recipe or formats.RECIPES["fp8"].with_scaling(scaling)
+        self.seed = int(seed)
         self.sites: dict[int, tuple[str, bool]] = {}  # id(weight parameter) -> (layer name, in BF16)
         self.history: dict[str, torch.Tensor] = {}
         self.scale: dict[str, torch.Tensor] = {}
         self._seen: dict[str, torch.Tensor] = {}  # this iteration's amax per slot (delayed)
+        self._gens: dict[str, torch.Generator] = {}  # stochastic rounding, one per device
+        self._models: list = []  # (top-level model, its layers) awaiting find_ends
+        self.probing = False  # find_ends is running the model: FP8Math quantises nothing meanwhile
 
     def register(self, model: nn.Module, ends: str = "bf16") -> None:
         """Find the weight-bearing layers: every module owning a parameter of 2 or more dimensions.
         Lookups (nn.Embedding) and keep_fp32 modules (with everything inside them) are layers too,
-        but never quantised. With ends="bf16" the first and the last layer of each model (registration
-        order; each entry of an nn.ModuleDict is a model) compute on BF16 operands instead of FP8 --
-        where that layer is an embedding or a keep_fp32 softmax (the bigLSTM), it already is in
-        higher precision, and every layer between is FP8."""
-        self.sites = {}
+        but never quantised. With ends="bf16" the first and the last layers of each model (each entry
+        of an nn.ModuleDict is a model) compute on BF16 operands instead of FP8; which they are is
+        read from the model's dataflow at its first call (find_ends), since registration order says
+        nothing about it (a detector's prediction convolutions are registered among its other layers,
+        a classifier may be registered before the layers feeding it)."""
+        self.sites, self._models = {}, []
         tops = list(model.items()) if isinstance(model, nn.ModuleDict) else [("", model)]
         for prefix, top in tops:
             layers, skip = [], ()
             for name, m in top.named_modules():
                 if skip and name.startswith(skip):
                     continue
+                full = ".".join(x for x in (prefix, name) if x) or "root"
                 if getattr(m, "keep_fp32", False):
-                    layers.append((name, None))  # FP32 whole: nothing inside it is quantised
+                    layers.append((full, m, None))  # FP32 whole: nothing inside it is quantised
                     skip = name + "."
                     continue
                 if isinstance(m, _LOOKUPS):
-                    layers.append((name, None))
+                    layers.append((full, m, None))
                     continue
                 ws = [p for p in m.parameters(recurse=False) if p.dim() >= 2]
                 if ws:
-                    layers.append((name, ws))
-            kept = {0, len(layers) - 1} if ends == "bf16" and layers else set()
-            for i, (name, ws) in enumerate(layers):
+                    layers.append((full, m, ws))
+            for full, _, ws in layers:
                 for w in ws or ():
-                    self.sites.setdefault(id(w), (".".join(x for x in (prefix, name) if x) or "root", i in kept))
+                    self.sites.setdefault(id(w), (full, False))
+            if ends == "bf16" and layers:
+                entry = [top, layers, None]
+                entry[2] = top.register_forward_pre_hook(
+                    lambda mod, args, kwargs, entry=entry: self._probe(entry, args, kwargs), with_kwargs=True)
+                self._models.append(entry)
 
-    def quantizer(self, key: str, fmt: str, record: bool = True):
-        """The function that rounds a tensor of slot `key` to `fmt` at the slot's scale; `record`: its
-        amax goes into this iteration's history entry (training, not evaluation)."""
-        top = FP8_FORMATS[fmt][1] / 2.0 ** self.margin
+    def _probe(self, entry, args, kwargs) -> None:
+        """Forward pre-hook of a model under ends=bf16, at its first call: find_ends on these inputs.
+        The probe forward leaves no trace: buffers (batch-norm statistics) and every random generator
+        are restored, and nothing is quantised or recorded during it."""
+        if self.probing or torch.is_inference_mode_enabled():
+            return  # the probe's own call; or no graph to read (the next call finds them)
+        top, layers, handle = entry
+        handle.remove()
+        self._models.remove(entry)
+        bufs = [b.detach().clone() for b in top.buffers()]
+        rng = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
+               random.getstate())
+        self.probing = True
+        try:
+            ends = self.find_ends(top, layers, args, kwargs)
+        finally:
+            self.probing = False
+            with torch.no_grad():
+                for b, v in zip(top.buffers(), bufs):
+                    b.copy_(v)
+            torch.set_rng_state(rng[0])
+            if rng[1] is not None:
+                torch.cuda.set_rng_state_all(rng[1])
+            random.setstate(rng[2])
+        for name, _, ws in layers:
+            for w in ws or ():
+                if name in ends:
+                    self.sites[id(w)] = (name, True)
+
+    @staticmethod
+    def find_ends(top: nn.Module, layers, args=(), kwargs=None) -> set[str]:
+        """The names of the model's end layers, from one forward on (args, kwargs) with autograd's graph
+        as the dataflow: a first layer reads the model's input with no layer upstream of it; a last
+        layer's output reaches no other layer's input (the FP8 paper's "first and last layers", arXiv
+        2209.05433 section 4: the embedding and the classifier, every prediction convolution of a
+        detection head). `layers`: (name, module, weights) as register lists them."""
+        made: dict = {}  # grad_fn of a layer's output -> the layer
+        called, upstream_of_some = set(), set()
+        firsts = set()
+
+        def upstream(tensors) -> set:
+            found, seen = set(), set()
+            stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
+            while stack:
+                n = stack.pop()
+                if n is None or n in seen:
+                    continue
+                seen.add(n)
+                if n in made:
+                    found.add(made[n])  # the nearest layer on this path: do not look past it
+                    continue
+                stack.extend(f for f, _ in n.next_functions)
+            return found
+
+        def pre(name):
+            def hook(mod, a, kw):
+                ups = upstream(float_tensors(list(a) + list(kw.values()), []))
+                (upstream_of_some.update(ups) if ups else firsts.add(name))
+                called.add(name)
+            return hook
+
+        def post(name):
+            def tag(t):
+                if not t.is_floating_point():
+                    return t
+                if t.grad_fn is None:  # a frozen layer's output has no graph: give it a node to carry
+                    t = t.detach().requires_grad_().clone()
+                made.setdefault(t.grad_fn, name)
+                return t
+
+            def hook(mod, a, kw, out):
+                return map_tensors(out, tag)
+            return hook
+
+        with TP.forward_hooks_suspended(top):  # other observers (mpt.numerics) see no probe
+            for name, m, _ in layers:
+                m.register_forward_pre_hook(pre(name), with_kwargs=True)
+                m.register_forward_hook(post(name), with_kwargs=True)
+            with torch.enable_grad():
+                top(*args, **(kwargs or {}))
+        return firsts | (called - upstream_of_some)
+
+    def _generator(self, device) -> torch.Generator:
+        key = str(torch.device(device))
+        if key not in self._gens:  # seeded, and in the checkpoint: a resume is bit-identical
+            self._gens[key] = torch.Generator(device=device).manual_seed(7_919 * (self.seed + 1))
+        return self._gens[key]
+
+    def role_quantizer(self, layer: str, role: str, record: bool, axis: int):
+        """The function that rounds a tensor of `layer`'s role ("x", "w<i>", "g") as the recipe says;
+        `axis`: its dot product's reduction axis, along which blocks run."""
+        f = self.recipe.roles[role[0]]
+        if f.granularity == "tensor" and f.scale_rounding == "exact":
+            return self.quantizer(f"{layer}:{role}", f.element, record, f.rounding == "stochastic")
+
+        def quant(t: torch.Tensor) -> torch.Tensor:
+            gen = self._generator(t.device) if f.rounding == "stochastic" else None
+            return block_quantize(t, f, axis, gen)
+        return quant
+
+    def quantizer(self, key: str, fmt: str, record: bool = True, stochastic: bool = False):
+        """The function that rounds a tensor of slot `key` to `fmt` at the slot's per-tensor scale;
+        `record`: its amax goes into this iteration's history entry (training, not evaluation)."""
+        top = ELEMENTS[fmt][2] / 2.0 ** self.margin
 
         def quant(t: torch.Tensor) -> torch.Tensor:
             if self.scaling == "current":
                 a = _amax(t)
-                s = torch.where(a > 0, top / a, torch.ones_like(a))
+                s = torch.where(a > 0, (top / a).clamp(max=FLT_MAX), torch.ones_like(a))
             else:
                 s = self.scale.get(key)
                 if s is None:
@@ -154,7 +453,7 @@ class FP8State:
                     a = _amax(t)
                     seen = self._seen.get(key)
                     self._seen[key] = a if seen is None else torch.maximum(seen, a)
-            return fp8_quantize(t, fmt, s)
+            return fp8_quantize(t, fmt, s, self._generator(t.device) if stochastic else None)
         return quant
 
     def update(self) -> None:
@@ -166,14 +465,17 @@ class FP8State:
             h.copy_(torch.roll(h, 1))
             h[0] = a
             ref = h.max() if self.algo == "max" else h[0]
-            top = {"g": FP8_FORMATS["e5m2"][1]}.get(key.rpartition(":")[2], FP8_FORMATS["e4m3"][1])
-            new = top / ref / 2.0 ** self.margin
+            top = ELEMENTS[self.recipe.roles[key.rpartition(":")[2][0]].element][2]
+            new = (top / ref / 2.0 ** self.margin).clamp(max=FLT_MAX)
             self.scale[key] = torch.where((ref > 0) & torch.isfinite(new), new, self.scale[key])
         self._seen = {}
 
     def state_dict(self) -> dict:
-        return {"history": {k: v.clone() for k, v in self.history.items()},
-                "scale": {k: v.clone() for k, v in self.scale.items()}}
+        sd = {"history": {k: v.clone() for k, v in self.history.items()},
+              "scale": {k: v.clone() for k, v in self.scale.items()}}
+        if self._gens:
+            sd["rng"] = {k: g.get_state() for k, g in self._gens.items()}
+        return sd
 
     def load_state_dict(self, sd: dict, device=None) -> None:
         """`device`: where the model is. A checkpoint is read onto the CPU; scales left there would cost
@@ -181,19 +483,29 @@ class FP8State:
         self.history = {k: v.to(device).clone() for k, v in sd["history"].items()}
         self.scale = {k: v.to(device).clone() for k, v in sd["scale"].items()}
         self._seen = {}
+        for k, state in sd.get("rng", {}).items():
+            self._generator(k).set_state(state)
 
 
 # The dot products precision=fp8 quantises when one of their operands is a registered weight.
-_FP8_OPS = ({F.linear, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d}
-            | ops_of(torch, ("gru", "lstm", "rnn_tanh", "rnn_relu", "gru_cell", "lstm_cell", "rnn_tanh_cell",
-                             "rnn_relu_cell")))
+_CONVS = {F.conv1d, F.conv2d, F.conv3d}
+_CONV_TS = {F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d}
+_RNNS = ops_of(torch, ("gru", "lstm", "rnn_tanh", "rnn_relu", "gru_cell", "lstm_cell", "rnn_tanh_cell",
+                       "rnn_relu_cell"))
+_FP8_OPS = {F.linear} | _CONVS | _CONV_TS | _RNNS
+# Each product's reduction axis for its (input, weight, output gradient): where a block-scaled format's
+# blocks run (mpt.formats). A convolution reduces over input channels (dim 1 of its input and weight;
+# dim 0 of a transposed convolution's weight); the gradient of its output is cut along the output
+# channels, the axis the input-gradient product reduces over.
+_AXES = {**{f: (-1, -1, -1) for f in {F.linear} | _RNNS}, **{f: (1, 1, 1) for f in _CONVS},
+         **{f: (1, 0, 1) for f in _CONV_TS}}
 
 
 class FP8Math(TorchFunctionMode):
     """Within this context every dot product of _FP8_OPS that reads a registered weight runs on
-    quantised operands: its input (args[0]) and each registered weight rounded to E4M3 at their
-    scales (BF16 for a first/last layer under fp8.ends=bf16), the FP32 kernel, and in the backward
-    the gradient of its (first) output rounded to E5M2 at its scale (BF16). Anything else runs as
+    quantised operands: its input (args[0]) and each registered weight rounded as the recipe's x and
+    w formats say (BF16 for an end layer under fp8.ends=bf16), the FP32 kernel, and in the backward
+    the gradient of its (first) output rounded as the g format says (BF16). Anything else runs as
     it would without the mode."""
 
     def __init__(self, state: FP8State):
@@ -202,7 +514,7 @@ class FP8Math(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func not in _FP8_OPS:
+        if func not in _FP8_OPS or self.state.probing:
             return func(*args, **kwargs)
         sites = self.state.sites
         weights = [t for t in float_tensors(kwargs.values(), float_tensors(args, [])) if id(t) in sites]
@@ -213,23 +525,78 @@ class FP8Math(TorchFunctionMode):
         # Only training passes feed the delayed scales (autograd Functions run their forward without
         # grad, so the decision is taken here); the backward's gradient is training's by definition.
         record = torch.is_grad_enabled()
-        q = (lambda key, fmt: bf16_quantize) if keep16 else \
-            (lambda key, fmt: st.quantizer(f"{layer}:{key}", fmt, record or fmt == "e5m2"))
+        x_axis, w_axis, g_axis = _AXES[func]
+        q = (lambda role, axis: bf16_quantize) if keep16 else \
+            (lambda role, axis: st.role_quantizer(layer, role, record or role == "g", axis))
         order = {id(w): i for i, w in enumerate(weights)}
 
         def operand(t):
             if id(t) in order:
-                return _FP8Operand.apply(t, q(f"w{order[id(t)]}", "e4m3"))
+                return _FP8Operand.apply(t, q(f"w{order[id(t)]}", w_axis))
             return t
 
         x = args[0]
         new_args = list(map_tensors(tuple(args), operand))
         if isinstance(x, torch.Tensor) and x.is_floating_point() and id(x) not in order:
-            new_args[0] = _FP8Operand.apply(x, q("x", "e4m3"))
+            new_args[0] = _FP8Operand.apply(x, q("x", x_axis))
         out = func(*new_args, **map_tensors(kwargs, operand))
-        grad_q = q("g", "e5m2")
+        if st.recipe.accumulate != "fp32" and not keep16:
+            out = self._narrow(func, new_args, kwargs, out, weights, st.recipe.accumulate)
+        grad_q = q("g", g_axis)
         if isinstance(out, torch.Tensor):
             return _FP8Grad.apply(out, grad_q) if out.requires_grad else out
         if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor) and out[0].requires_grad:
             return (_FP8Grad.apply(out[0], grad_q), *out[1:])
         return out
+
+    @staticmethod
+    def _narrow(func, args, kwargs, out, weights, fmt):
+        """The forward value of a linear layer whose dot products accumulate in `fmt` (accumulate_linear),
+        the bias added after; its gradients are the FP32 product's (straight-through)."""
+        if func is not F.linear:
+            raise NotImplementedError(f"accumulation in {fmt} is simulated for linear layers only, not "
+                                      f"{getattr(func, '__name__', func)}")
+        x, w = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+        b = args[2] if len(args) > 2 else kwargs.get("bias")
+        with torch.no_grad():
+            narrow = accumulate_linear(x, w, fmt)
+            if b is not None:
+                narrow = narrow + b
+        return out + (narrow - out).detach()
+
+
+def sqnr_db(ref: torch.Tensor, test: torch.Tensor) -> float:
+    """Signal to quantisation-noise ratio of `test` against `ref` in dB (inf where they are identical)."""
+    noise = (ref.double() - test.double()).pow(2).sum()
+    return float("inf") if noise == 0 else float(10 * torch.log10(ref.double().pow(2).sum() / noise))
+
+
+def fidelity(model: nn.Module, run, context) -> dict[str, float]:
+    """How far a simulated format moves a model's output and its gradients: `run(model)` (a forward
+    returning the output tensor; its sum is back-propagated) once in FP32 and once inside `context` (a
+    recipe's autocast()), on the same weights, batch and random draws; returns the SQNR in dB of the
+    output ("output") and of each parameter's gradient ("grad/<name>"). Batch-norm statistics and the
+    random streams are put back after each pass, the gradients cleared."""
+    bufs = [b.detach().clone() for b in model.buffers()]
+    rng = torch.get_rng_state()
+    outs, grads = [], []
+    for ctx in (None, context):
+        torch.set_rng_state(rng)
+        for p in model.parameters():
+            p.grad = None
+        if ctx is None:
+            out = run(model)
+        else:
+            with ctx:
+                out = run(model)
+        out.float().sum().backward()
+        outs.append(out.detach().float())
+        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+        with torch.no_grad():
+            for b, v in zip(model.buffers(), bufs):
+                b.copy_(v)
+    for p in model.parameters():
+        p.grad = None
+    res = {"output": sqnr_db(*outs)}
+    res.update({f"grad/{n}": sqnr_db(g, grads[1][n]) for n, g in grads[0].items() if n in grads[1]})
+    return res

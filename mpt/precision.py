@@ -25,7 +25,7 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
-from mpt import precisions
+from mpt import formats, precisions
 from mpt import torch_private as TP
 from mpt.errors import UserError
 from mpt.fp8 import FP8_FORMATS, FP8Math, FP8State, fp8_quantize  # noqa: F401 -- also imported from here
@@ -627,7 +627,7 @@ class NoMasterCopy(HalfModel):
 
 
 class FP8(Recipe):
-    """precision=fp8, beyond the paper (mpt.fp8): FP32 parameters that are the master copy, every
+    """precision=fp8, fp8_block, mxfp8 and nvfp4, beyond the paper (mpt.fp8, their formats mpt.formats): FP32 parameters that are the master copy, every
     weight-bearing dot product on FP8 operands (FP8Math), per-tensor scales (FP8State, checkpointed),
     FP32 accumulation and outputs, no loss scaling (the per-tensor scales replace it). The same recipe
     for impl=autocast and impl=paper.
@@ -635,20 +635,27 @@ class FP8(Recipe):
     `fp8.scaling`: `current` (FP8_MAX / amax of the tensor now) or `delayed` (FP8_MAX / the max over an
     amax history of fp8.amax_history_len iterations, Transformer Engine's DelayedScaling defaults: 1024,
     "max", margin 0; the scale starts at 1 and is recomputed once per iteration). `fp8.ends=bf16`
-    (default) keeps the first and the last weight-bearing layer of each model (registration order) in
-    BF16, as the FP8 paper kept them in 16 bits; `fp8.ends=fp8` quantises them too."""
+    (default) keeps the first and the last weight-bearing layers of each model in BF16, as the FP8 paper
+    kept them in 16 bits -- found from the model's dataflow at its first call (FP8State.find_ends): every
+    layer reading the input, every layer whose output reaches no other layer; `fp8.ends=fp8` quantises
+    them too."""
 
     name = "fp8"
 
-    def __init__(self, device, f8, impl: str = "autocast"):
+    def __init__(self, device, f8, impl: str = "autocast", name: str = "fp8", seed: int = 0):
         super().__init__(device)
-        self.impl = impl
+        self.impl, self.name = impl, name
         self.ends = f8.ends
-        self.state = FP8State(f8.scaling, f8.amax_history_len, f8.amax_compute_algo, f8.margin)
+        # The precision's formats (mpt.formats): precision=fp8 takes its scaling from fp8.scaling; the
+        # block-scaled ones scale from each block now.
+        fmt = formats.RECIPES[name]
+        if name == "fp8":
+            fmt = fmt.with_scaling(f8.scaling)
+        self.state = FP8State(fmt.scaling, f8.amax_history_len, f8.amax_compute_algo, f8.margin, fmt, seed)
 
     @classmethod
     def from_config(cls, cfg, device):
-        return cls(device, cfg.fp8, cfg.impl)
+        return cls(device, cfg.fp8, cfg.impl, cfg.precision, cfg.seed)
 
     def prepare(self, model, optimizers):
         self.state.register(model, self.ends)
@@ -680,7 +687,7 @@ class FP8(Recipe):
 # The recipe of each precision that has one of its own; the others (fp16, mixed, bf16) run the scheme
 # cfg.impl names (precisions.Precision.impls).
 RECIPES: dict[str, type[Recipe]] = {"fp32": FP32, "fp16_pure": NoMasterCopy, "fp16_storage": FP16Storage,
-                                    "fp8": FP8, "bf16_pure": NoMasterCopy}
+                                    "bf16_pure": NoMasterCopy, **dict.fromkeys(precisions.FORMATS, FP8)}
 IMPL_RECIPES: dict[str, type[Recipe]] = {"autocast": Autocast, "paper": MasterCopy}
 
 

@@ -48,7 +48,7 @@ class Precision:
     name: str
     doc: str  # what it is, and where the paper (or the successor it comes from) describes it
     storage: str  # torch dtype of the weights, activations and gradients in the paper's scheme (impl=paper)
-    compute: str  # what the dot products' operands are: float32 | tfloat32 | float16 | bfloat16 | float8
+    compute: str  # what the dot products' operands are: float32 | tfloat32 | float16 | bfloat16 | float8 | float4
     # The optimizer's result lives on in FP32 (a master copy, or FP32 weights that are their own);
     # False: it is rounded into FP16/BF16 weights each step and what rounding loses is lost (section 3.1).
     master: bool
@@ -129,6 +129,36 @@ TABLE: tuple[Precision, ...] = (
         refuses_scale="precision=fp8 scales each tensor on its own (fp8.scaling); loss_scale={value} "
                       "is not used: leave it at auto"),
     Precision(
+        "fp8_block", "DeepSeek-V3's fine-grained FP8 (arXiv 2412.19437, section 3.3): E4M3 operands for every "
+        "weight-bearing dot product, activations and gradients scaled per 1x128 tile, weights per 128x128 "
+        "block, power-of-2 scales; FP32 accumulation and master weights; simulated (mpt.formats).",
+        storage="float32", compute="float8", master=True, loss_scaling=False, auto_loss_scale=None,
+        impls=(), beyond_paper=True,
+        columns=(_beyond("fp8_block", "block-scaled FP8 (1x128 / 128x128), BF16 first/last layers", "peru"),
+                 _beyond("fp8_block_all", "block-scaled FP8 (1x128 / 128x128), every layer")),
+        refuses_scale="precision=fp8_block scales each block on its own; loss_scale={value} is not used: "
+                      "leave it at auto"),
+    Precision(
+        "mxfp8", "OCP Microscaling MXFP8 (arXiv 2310.10537): E4M3 operands in 32-element blocks, each with a "
+        "power-of-2 (E8M0) scale rounded up so that no block overflows (RCEIL, arXiv 2506.08027); FP32 "
+        "accumulation and master weights; simulated (mpt.formats).",
+        storage="float32", compute="float8", master=True, loss_scaling=False, auto_loss_scale=None,
+        impls=(), beyond_paper=True,
+        columns=(_beyond("mxfp8", "MXFP8 (32-element E8M0 blocks), BF16 first/last layers", "teal"),
+                 _beyond("mxfp8_all", "MXFP8 (32-element E8M0 blocks), every layer")),
+        refuses_scale="precision=mxfp8 scales each block on its own; loss_scale={value} is not used: "
+                      "leave it at auto"),
+    Precision(
+        "nvfp4", "NVFP4 (arXiv 2509.25149): E2M1 operands in 16-element blocks with E4M3 scales under an FP32 "
+        "per-tensor scale; gradients rounded stochastically through a 16x16 random Hadamard transform; FP32 "
+        "accumulation and master weights; simulated (mpt.formats).",
+        storage="float32", compute="float4", master=True, loss_scaling=False, auto_loss_scale=None,
+        impls=(), beyond_paper=True,
+        columns=(_beyond("nvfp4", "NVFP4 (16-element E4M3-scaled blocks), BF16 first/last layers", "crimson"),
+                 _beyond("nvfp4_all", "NVFP4 (16-element E4M3-scaled blocks), every layer")),
+        refuses_scale="precision=nvfp4 scales each block on its own; loss_scale={value} is not used: "
+                      "leave it at auto"),
+    Precision(
         "bf16_pure", "BF16 weights updated directly, no FP32 master copy: fp16_pure's scheme in BF16 "
         "(Zamirai et al. 2020, \"Revisiting BFloat16 Training\"), the update rounded by `rounding`.",
         storage="bfloat16", compute="bfloat16", master=False, loss_scaling=False, auto_loss_scale=None,
@@ -149,6 +179,9 @@ _OWN = [p for p in TABLE if not p.tf32 and not p.beyond_paper]
 COLUMNS = (tuple(c for p in _OWN for c in p.columns if not c.beyond_paper)
            + tuple(c for p in TABLE if p.beyond_paper for c in p.columns)
            + tuple(c for p in _OWN for c in p.columns if c.beyond_paper))
+# The simulated formats beyond per-tensor FP8 (mpt.formats.RECIPES): their scales are the blocks' own.
+BLOCK_SCALED = ("fp8_block", "mxfp8", "nvfp4")
+FORMATS = ("fp8", *BLOCK_SCALED)  # the precisions the FP8 recipe runs, each by its format recipe
 _ROW_OF = {c.name: p for p in TABLE if not p.tf32 for c in p.columns}
 _TF32 = {p.run_as: p.columns[0] for p in TABLE if p.tf32}
 
@@ -226,7 +259,12 @@ def check(cfg) -> None:
                 raise UserError(f"unknown fp8.{key} {value!r}; choose one of: {', '.join(allowed)}")
         if f8.amax_history_len < 1:
             raise UserError(f"fp8.amax_history_len={f8.amax_history_len} must be >= 1")
-        if cfg.precision != "fp8" and type(f8)() != f8:
+        if cfg.precision in BLOCK_SCALED:
+            # Block scales are computed from each block now: only the choice of the ends applies.
+            if dataclasses.replace(f8, ends=type(f8)().ends) != type(f8)():
+                raise UserError(f"precision={cfg.precision} scales each block from the block itself: of the "
+                                f"fp8.* keys only fp8.ends applies; leave the others at their defaults")
+        elif cfg.precision != "fp8" and type(f8)() != f8:
             raise UserError(f"fp8.* keys do nothing for precision={cfg.precision}; leave them at their defaults")
     s = cfg.scaler
     if not (s.init_scale > 0 and s.growth_factor > 1 and 0 < s.backoff_factor < 1 and s.growth_interval >= 1):

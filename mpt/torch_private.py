@@ -3,6 +3,8 @@ breaks here (and in tests/test_torch_private.py, which checks each against the p
 stands for), not somewhere in the precision recipes. Checked with torch 2.14."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 
@@ -46,3 +48,25 @@ def reset_compiled() -> None:
     """Forget every graph torch.compile has made (and its recompilation counts): the speed benchmark
     compiles one model after another, each measured from a clean cache."""
     torch._dynamo.reset()
+
+
+_FORWARD_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                       "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs")
+
+
+@contextlib.contextmanager
+def forward_hooks_suspended(model: nn.Module):
+    """Within this context no forward hook registered on `model` or its modules before it was entered
+    runs; hooks registered inside run, and the others come back on exit. mpt.fp8's probe forward reads
+    the model's dataflow without recording into other observers (mpt.numerics). No public API turns a
+    module's hooks off."""
+    saved = [(m, {k: getattr(m, k) for k in _FORWARD_HOOK_DICTS}) for m in model.modules()]
+    for m, dicts in saved:
+        for k, d in dicts.items():
+            setattr(m, k, type(d)())
+    try:
+        yield
+    finally:
+        for m, dicts in saved:
+            for k, d in dicts.items():
+                setattr(m, k, d)

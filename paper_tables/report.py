@@ -10,7 +10,7 @@ import json
 import pathlib
 
 from mpt.rundir import atomic_write_bytes
-from paper_tables import figures, specs, tables
+from paper_tables import beyond, figures, specs, tables
 from paper_tables.results import Problem, RunResult
 
 MANIFEST = ".paper_tables_manifest.json"
@@ -21,6 +21,7 @@ class Section:
     profile: str
     tables: list
     figures: list
+    beyond: beyond.BeyondTable | None = None  # the paper's models in its successors' formats
 
 
 @dataclasses.dataclass
@@ -45,7 +46,7 @@ def build(runs: list[RunResult], problems: list[Problem], source: str) -> Report
     for prof in profiles:
         ts = [tables.build_table(spec, runs, prof, problems) for spec in specs.TABLES]
         fs = [figures.build_figure(spec, runs, prof, problems) for spec in specs.FIGURES]
-        sections.append(Section(prof, ts, fs))
+        sections.append(Section(prof, ts, fs, beyond.build(runs, prof, problems)))
     return Report(source, sections, problems, len(runs))
 
 
@@ -62,6 +63,9 @@ def _index_md(rep: Report) -> str:
         for t in sec.tables:
             out.append(f"- {t.title}: [{t.stem}.md]({t.stem}.md), [{t.stem}.tex]({t.stem}.tex), "
                        f"[{t.stem}.csv]({t.stem}.csv)")
+        if sec.beyond is not None:
+            b = sec.beyond.stem
+            out.append(f"- {sec.beyond.title}: [{b}.md]({b}.md), [{b}.csv]({b}.csv)")
         out += ["", "Figures:"]
         for f in sec.figures:
             if f.missing:
@@ -113,6 +117,8 @@ def _report_html(rep: Report) -> str:
         if label:
             out.append(f'<p class="profile-label">{e(label)}</p>')
         out += [tables.to_html(t) for t in sec.tables]
+        if sec.beyond is not None:
+            out.append(beyond.to_html(sec.beyond))
         for f in sec.figures:
             out.append(f'<section class="figure" id="{e(f.stem)}"><h3>{e(f.title)}</h3>')
             if f.label:
@@ -159,6 +165,9 @@ def write(rep: Report, out: pathlib.Path) -> list[pathlib.Path]:
             files[f"{t.stem}.md"] = tables.to_markdown(t).encode()
             files[f"{t.stem}.tex"] = tables.to_latex(t).encode()
             files[f"{t.stem}.csv"] = tables.to_csv(t).encode()
+        if sec.beyond is not None:
+            files[f"{sec.beyond.stem}.md"] = beyond.to_markdown(sec.beyond).encode()
+            files[f"{sec.beyond.stem}.csv"] = beyond.to_csv(sec.beyond).encode()
         for f in sec.figures:
             if not f.missing:
                 files[f"{f.stem}.png"], files[f"{f.stem}.svg"] = f.png, f.svg

@@ -200,12 +200,15 @@ def read_jsonl(path: pathlib.Path) -> Lines:
 def run_precision(precision: str, cfg: dict) -> str:
     """A run's column: its precision, except where a key makes it another recipe -- fp8_<scaling>
     (fp8.ends=bf16, the FP8 paper's 16-bit first/last layers) or fp8_<scaling>_all (every layer FP8),
+    <format>_all for a block-scaled format (fp8_block, mxfp8, nvfp4) with fp8.ends=fp8,
     and <precision>_<rounding> for weights without a master copy rounded other than to nearest."""
     cfg = cfg if isinstance(cfg, dict) else {}
     row = precisions.BY_NAME.get(precision)
+    f8 = cfg.get("fp8") if isinstance(cfg.get("fp8"), dict) else {}
     if precision == "fp8":
-        f8 = cfg.get("fp8") if isinstance(cfg.get("fp8"), dict) else {}
         return f"fp8_{f8.get('scaling', 'delayed')}" + ("" if f8.get("ends", "bf16") == "bf16" else "_all")
+    if precision in precisions.BLOCK_SCALED:
+        return precision + ("" if f8.get("ends", "bf16") == "bf16" else "_all")
     if row is not None and not row.master and cfg.get("rounding", "nearest") != "nearest":
         return f"{precision}_{cfg['rounding']}"
     return precision

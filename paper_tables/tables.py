@@ -293,22 +293,26 @@ def build_table(spec: specs.TableSpec, runs: list[RunResult], profile: str,
                     cells[(model, c.id)].ref = cells[(model, ref_col)]
     col_of = {c.variant: c.id for c in columns if not c.placeholder}
     for r in mine:
-        cell = cells[(r.model, col_of[r.variant])]
-        cell.runs.append(r.where)
-        if r.status == "completed":
-            value = next((r.metrics[k] for k in spec.metric if k in r.metrics), None)
-            if _is_number(value) and math.isfinite(value):
-                cell.values.append(float(value) * spec.metric_scale)
-            else:
-                cell.others["no_metric"] += 1
-                problems.append(r.problem(f"completed, but metrics.{spec.metric[0]} is "
-                                          f"{'absent' if value is None else repr(value)}; not averaged"))
-        else:
-            cell.others[r.status] += 1
-            if r.status in ("running", "interrupted"):
-                cell.progress.append((r.status, r.step, r.total_steps))
+        add_run(cells[(r.model, col_of[r.variant])], r, spec, problems)
     mine_problems = [p for p in problems if p.experiment == spec.experiment and p.profile in (profile, None)]
     return Table(spec, profile, rows, columns, cells, env_lines(mine), mine_problems, len(mine))
+
+
+def add_run(cell: Cell, r: RunResult, spec: specs.TableSpec, problems: list[Problem]) -> None:
+    """Run r into its cell: its metric where it completed with one, else its status."""
+    cell.runs.append(r.where)
+    if r.status == "completed":
+        value = next((r.metrics[k] for k in spec.metric if k in r.metrics), None)
+        if _is_number(value) and math.isfinite(value):
+            cell.values.append(float(value) * spec.metric_scale)
+        else:
+            cell.others["no_metric"] += 1
+            problems.append(r.problem(f"completed, but metrics.{spec.metric[0]} is "
+                                      f"{'absent' if value is None else repr(value)}; not averaged"))
+    else:
+        cell.others[r.status] += 1
+        if r.status in ("running", "interrupted"):
+            cell.progress.append((r.status, r.step, r.total_steps))
 
 
 # ----------------------------------------------------------------------------- Markdown

@@ -118,6 +118,8 @@ def test_fp8_linear_forward_and_backward_by_hand():
     c.fp8.scaling = "current"
     r = precision.build(c, "cpu")
     r.prepare(lin, [torch.optim.SGD(lin.parameters(), lr=0.1)])
+    with r.autocast():
+        lin(torch.randn(2, 5))  # the first call finds the ends from the dataflow
     assert [r.state.sites[id(m.weight)][1] for m in lin] == [True, False, True]  # the ends in BF16
     mid = lin[1]
     h = torch.randn(6, 4, requires_grad=True)
@@ -149,6 +151,9 @@ def test_fp8_first_last_layer_option_and_skipped_layers():
     m = models.build("biglstm", vocab_size=60, width=1 / 128, num_sampled=12)
     r = precision.build(Config(precision="fp8"), "cpu")
     r.prepare(m, [torch.optim.SGD(m.parameters(), lr=0.1)])
+    m.train()
+    with r.autocast():
+        m(torch.randint(0, 60, (2, 5)), torch.randint(0, 60, (2, 5)), torch.ones(2, 5, dtype=torch.bool))
     # the embedding (a lookup) and the keep_fp32 softmax are the ends: both LSTMs are FP8
     assert sorted(set(r.state.sites.values())) == [("lstm.0", False), ("lstm.1", False)]
     c = Config(precision="fp8")
@@ -332,7 +337,10 @@ def _toy(out, **kw):
 @pytest.mark.heavy
 @pytest.mark.parametrize("kw", [dict(precision="bf16_pure", rounding="stochastic"),
                                 dict(precision="bf16_pure", rounding="kahan"),
-                                dict(precision="fp8", fp8=FP8Cfg(ends="fp8"))])
+                                dict(precision="fp8", fp8=FP8Cfg(ends="fp8")),
+                                # stochastic rounding of the gradients: its generator is in the checkpoint
+                                dict(precision="nvfp4", fp8=FP8Cfg(ends="fp8")),
+                                dict(precision="nvfp4")])  # the ends found again after the resume
 def test_resume_is_bit_identical(tmp_path, monkeypatch, kw):
     from conftest import run_interrupted
     from toy_mlp import ToyMLP
@@ -353,8 +361,11 @@ def test_resume_is_bit_identical(tmp_path, monkeypatch, kw):
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k], k
-    if "fp8" in kw:
+    if kw["precision"] == "fp8":
         assert ca["recipe"]["fp8"]["scale"]["0:g"].item() != 1.0  # the delayed scales were in use
+    if kw["precision"] == "nvfp4":  # the generator of stochastic rounding was in use where a layer was FP4
+        # (with BF16 ends both of the toy's two layers are ends: nothing is FP4)
+        assert ("rng" in ca["recipe"]["fp8"]) == ("fp8" in kw)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -247,3 +247,18 @@ def test_speech_workloads_measure_a_ctc_step(model, one_thread):
     d, d32 = rows["mixed"]["activation_only_bytes_by_dtype"], rows["fp32"]["activation_only_bytes_by_dtype"]
     assert set(d32) == {"float32", "int64"} and d["int64"] == d32["int64"]  # the CTC lengths
     assert 2 * d["float16"] + d["float32"] == d32["float32"] and d["float16"] > 0, (d, d32)
+
+
+def test_formats_cost_measures_every_format_against_fp32(tmp_path):
+    """The simulated formats' cost run: one row per format, each ratio to FP32 of the same run with its goal
+    (2x for the FP8 family, 3x for NVFP4), and the table written."""
+    from experiments.speed_memory import formats_cost
+
+    r = formats_cost.main(["models=resnet50_preact", "width=0.03125", "batch=2", "size=32", "steps=1",
+                           "warmup=0", "rounds=1", "device=cpu", f"out={tmp_path}", "tag=t"])
+    assert [row["precision"] for row in r["rows"]] == ["fp32", "fp8", "fp8_block", "mxfp8", "nvfp4"]
+    assert all(row["status"] == "ok" for row in r["rows"])
+    assert {q["precision"]: q["goal"] for q in r["ratios"]} == {"fp8": 2.0, "fp8_block": 2.0, "mxfp8": 2.0,
+                                                                "nvfp4": 3.0}
+    assert all(q["ratio"] > 0 for q in r["ratios"])
+    assert len(list(tmp_path.glob("*-formats-t.md"))) == 1

@@ -72,3 +72,16 @@ def test_reset_compiled_makes_torch_compile_compile_again():
     assert len(graphs) == 1  # compiled once, then reused
     TP.reset_compiled()
     assert torch.equal(f(x), x * 2 + 1) and len(graphs) == 2
+
+
+def test_forward_hooks_suspended_silences_earlier_hooks_only():
+    net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    calls = []
+    net[0].register_forward_hook(lambda m, a, out: calls.append("old"))
+    net.register_forward_pre_hook(lambda m, a: calls.append("old-pre"))
+    with TP.forward_hooks_suspended(net):
+        h = net[0].register_forward_hook(lambda m, a, out: calls.append("new"))
+        net(torch.randn(1, 2))
+    net(torch.randn(1, 2))
+    assert calls == ["new", "old-pre", "old"]  # the hook made inside went with the suspended set's swap
+    h.remove()

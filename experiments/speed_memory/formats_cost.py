@@ -1,0 +1,86 @@
+"""What the simulated low-precision formats cost: one training step of a model in each format beside FP32
+of the same run (bench.measure: the engine's step on a synthetic batch), and their ratios.
+
+The formats beyond the paper (mpt/formats.py) are simulated by quantise-dequantise in FP32 around FP32
+kernels, so this is the price of the simulation, not the speed of FP8 or FP4 hardware: the goal is that
+the simulation stays cheap enough to train with -- at most 2x FP32's step time for the FP8 family
+(fp8, fp8_block, mxfp8) and 3x for NVFP4 (stochastic rounding and the Hadamard transform on top).
+
+    python -m experiments.speed_memory.formats_cost [models=resnet50_preact] [width=0.25] [batch=16]
+        [size=96] [steps=10] [warmup=2] [rounds=2] [device=auto] [out=experiments/speed_memory/results] [tag=]
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import shlex
+import sys
+
+from mpt import precisions
+
+FORMATS = ("fp32", *precisions.FORMATS)
+GOALS = {"fp8": 2.0, "fp8_block": 2.0, "mxfp8": 2.0, "nvfp4": 3.0}  # x FP32's step time
+DEFAULTS = {"models": "resnet50_preact", "width": 0.25, "batch": 16, "size": 96, "steps": 10, "warmup": 2,
+            "rounds": 2, "device": "auto", "out": "experiments/speed_memory/results", "tag": ""}
+
+
+def main(overrides: list[str]) -> dict:
+    from experiments.speed_memory import DEFAULTS as BENCH, bench
+    from mpt.config import parse_options
+    from mpt.ranks import pick_device
+    from mpt.rundir import now
+
+    o = parse_options(list(overrides), DEFAULTS, "experiments.speed_memory.formats_cost")
+    names, _ = bench.resolve_models(o["models"])
+    device = pick_device(o["device"])
+    opts = {**BENCH, **o, "kernels": False, "channels_last": False, "compile": False, "half_math": "auto"}
+    env = bench.environment(device)
+    # Rounds, the order reversed every other one: on a shared machine the load drifts, and each format's
+    # fastest round (its least disturbed) is the one compared.
+    every, rows = [], []
+    for model in names:
+        for k in range(o["rounds"]):
+            for prec in (FORMATS if k % 2 == 0 else FORMATS[::-1]):
+                row = bench.measure(model, prec, None, opts, device)
+                every.append({**row, "round": k})
+                print(f"{model} {prec} round {k}: {row['status']} {_median(row)} ms/step", file=sys.stderr, flush=True)
+        for prec in FORMATS:
+            mine = [r for r in every if r["model"] == model and r["precision"] == prec]
+            rows.append(min(mine, key=lambda r: _median(r) or float("inf")))
+    ratios = []
+    for model in names:
+        base = _median(next(r for r in rows if r["model"] == model and r["precision"] == "fp32"))
+        for r in rows:
+            if r["model"] == model and r["precision"] in GOALS and base and _median(r):
+                x = _median(r) / base
+                ratios.append({"model": model, "precision": r["precision"], "ratio": x,
+                               "goal": GOALS[r["precision"]], "meets_goal": x <= GOALS[r["precision"]]})
+    result = {"command": "python -m experiments.speed_memory.formats_cost " + shlex.join(overrides),
+              "date": now(), "env": env, "options": {**o, "device": str(device)}, "data": bench.DATA_NOTE,
+              "rows": rows, "ratios": ratios, "every_round": every}
+    name = f"{bench.device_slug(env)}-{result['date'][:10]}-formats" + (f"-{o['tag']}" if o["tag"] else "")
+    out = pathlib.Path(o["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1, default=str))
+    lines = [f"# Simulated formats: step time vs FP32 ({env.get('device_name') or env.get('cpu') or device})", "",
+             f"`{result['command']}`; {bench.DATA_NOTE}.", "",
+             "| model | format | step ms (median, fastest round) | x FP32 | goal | meets |", "|---|---|---:|---:|---:|---|"]
+    for r in rows:
+        q = next((x for x in ratios if x["model"] == r["model"] and x["precision"] == r["precision"]), None)
+        lines.append(f"| {r['model']} | {r['precision']} | {_median(r)} | "
+                     + (f"{q['ratio']:.2f} | {q['goal']:.0f}x | {'yes' if q['meets_goal'] else 'NO'} |" if q
+                        else "1.00 | | |"))
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return result
+
+
+def _median(row: dict):
+    s = row.get("step_ms")
+    return round(s["median"], 2) if isinstance(s, dict) and s.get("median") is not None else None
+
+
+if __name__ == "__main__":
+    from mpt.errors import cli
+
+    cli(main)(sys.argv[1:])

@@ -1,0 +1,119 @@
+"""The "beyond the paper" table: every model of the paper's tables (one row each) in the low-precision
+formats of its successors, beside FP32 and the paper's own mixed precision. Each experiment's row reads
+its own metric (the spec of its table in specs.TABLES); Δ is against the row's FP32 cell, within seed noise
+or not (tables.Cell.vs_ref_text), since the paper has no numbers for these formats."""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import html
+import io
+
+from paper_tables import specs, tables
+
+# (column id, header): a run's column is its precision's column (results.run_precision), except the
+# paper's MP, which is whichever precision fills that table's MP column (tables.paper_column: mixed or
+# fp16 with S = 1, Table 3's fp16_storage).
+COLUMNS = (("fp32", "FP32"), ("mp", "the paper's MP"), ("fp8_delayed", "FP8 (per-tensor, delayed)"),
+           ("fp8_block", "block FP8 (DeepSeek-V3)"), ("mxfp8", "MXFP8"), ("nvfp4", "NVFP4"),
+           ("bf16_pure", "BF16, no master copy"))
+
+
+@dataclasses.dataclass
+class BeyondTable:
+    profile: str
+    rows: list  # (table spec, model, label)
+    cells: dict  # (spec id, model, column id) -> tables.Cell
+    n_runs: int
+
+    @property
+    def stem(self) -> str:
+        return "beyond_paper" + specs.profile_suffix(self.profile)
+
+    title = "Beyond the paper: the paper's models in today's low-precision formats"
+
+
+def column_of(run, spec: specs.TableSpec) -> str | None:
+    prec, _, _, tf32 = run.variant
+    if prec == "fp32":
+        return None if tf32 else "fp32"
+    if tables.paper_column(run.variant, spec.paper["columns"]) in ("mp", "mp_scale"):
+        return "mp"
+    return prec if prec in dict(COLUMNS) else None
+
+
+def build(runs: list, profile: str, problems: list) -> BeyondTable:
+    rows, cells, n = [], {}, 0
+    for spec in specs.TABLES:
+        mine = [r for r in runs if r.experiment == spec.experiment and r.profile == profile]
+        for row in spec.paper["rows"]:
+            rows.append((spec, row["model"], row["label"]))
+            for c, _ in COLUMNS:
+                cells[(spec.id, row["model"], c)] = tables.Cell(spec.decimals, comparable=False)
+            for c, _ in COLUMNS:
+                if c != "fp32":
+                    cells[(spec.id, row["model"], c)].ref = cells[(spec.id, row["model"], "fp32")]
+        for r in mine:
+            cell = cells.get((spec.id, r.model, column_of(r, spec)))
+            if cell is not None:
+                n += 1
+                tables.add_run(cell, r, spec, problems)
+    return BeyondTable(profile, rows, cells, n)
+
+
+def _metric(spec) -> str:
+    return f"{spec.metric[0]} ({'higher' if spec.higher_is_better else 'lower'} is better)"
+
+
+def to_markdown(t: BeyondTable) -> str:
+    out = [f"# {t.title}", ""]
+    if specs.profile_label(t.profile):
+        out += [f"> **{specs.profile_label(t.profile)}**", ""]
+    out += ["Rows: the models of the paper's tables, each with its own metric; mean ± sample std over seeds "
+            "(n). Δ: ours − the row's FP32, within seed noise when |Δ| <= 2 standard errors. The formats are "
+            "simulated (mpt/formats.py): numerics, not speed. FP8: per-tensor delayed scaling, BF16 first "
+            "and last layers (grid_fp8.yaml); block FP8, MXFP8, NVFP4: grid_formats.yaml with BF16 ends; "
+            "BF16 without a master copy: round to nearest (grid_bf16_pure.yaml).", ""]
+    head = ["Model", "metric"] + [x for c, label in COLUMNS for x in ((label,) if c == "fp32" else (label, "Δ"))]
+    out.append("| " + " | ".join(head) + " |")
+    out.append("|---|---|" + "---:|" * (len(head) - 2))
+    for spec, model, label in t.rows:
+        line = [label, _metric(spec)]
+        for c, _ in COLUMNS:
+            cell = t.cells[(spec.id, model, c)]
+            line += [cell.ours_text()] if c == "fp32" else [cell.ours_text(), cell.diff_text()]
+        out.append("| " + " | ".join(tables._md(x) for x in line) + " |")
+    out += ["", f"{t.n_runs} run(s) behind this table.", ""]
+    return "\n".join(out)
+
+
+def to_csv(t: BeyondTable) -> str:
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(["profile", "table", "model", "label"] + [f"{c}|{f}" for c, _ in COLUMNS
+                                                          for f in ("ours_mean", "ours_std", "n", "status", "diff_text")])
+    for spec, model, label in t.rows:
+        row = [t.profile, spec.id, model, label]
+        for c, _ in COLUMNS:
+            cell = t.cells[(spec.id, model, c)]
+            row += ["" if cell.mean is None else repr(cell.mean), "" if cell.std is None else repr(cell.std),
+                    cell.n, cell.status, cell.diff_text()]
+        w.writerow(row)
+    return buf.getvalue()
+
+
+def to_html(t: BeyondTable) -> str:
+    e = html.escape
+    out = [f'<section class="table" id="{e(t.stem)}"><h3>{e(t.title)}</h3>',
+           '<table class="results"><tr><th>Model</th><th>metric</th>']
+    out += [f"<th>{e(label)}</th>" + ("" if c == "fp32" else "<th>Δ</th>") for c, label in COLUMNS]
+    out.append("</tr>")
+    for spec, model, label in t.rows:
+        out.append(f"<tr><td>{e(label)}</td><td>{e(_metric(spec))}</td>")
+        for c, _ in COLUMNS:
+            cell = t.cells[(spec.id, model, c)]
+            out.append(f'<td class="ours {e(cell.status)}">{e(cell.ours_text())}</td>'
+                       + ("" if c == "fp32" else f"<td>{e(cell.diff_text())}</td>"))
+        out.append("</tr>")
+    out.append("</table></section>")
+    return "\n".join(out)
