@@ -36,6 +36,7 @@ from torch.overrides import TorchFunctionMode
 
 from mpt import formats
 from mpt import torch_private as TP
+from mpt.errors import UserError
 from mpt.half_math import float_tensors, map_tensors, ops_of
 
 # (torch dtype, largest finite magnitude): E4M3 has no infinities, so its top binade reaches 448;
@@ -299,6 +300,8 @@ class FP8State:
         self._gens: dict[str, torch.Generator] = {}  # stochastic rounding, one per device
         self._models: list = []  # (top-level model, its layers) awaiting find_ends
         self.probing = False  # find_ends is running the model: FP8Math quantises nothing meanwhile
+        self.ends: set[str] = set()  # the layers found kept in BF16 (fp8.ends=bf16), in the checkpoint
+        self._resumed_ends: list | None | bool = False  # a checkpoint's ends (None: written before they were kept)
 
     def register(self, model: nn.Module, ends: str = "bf16") -> None:
         """Find the weight-bearing layers: every module owning a parameter of 2 or more dimensions.
@@ -363,6 +366,22 @@ class FP8State:
             for w in ws or ():
                 if name in ends:
                     self.sites[id(w)] = (name, True)
+        self.ends |= set(ends)
+        self._check_resumed_ends(layers, ends)
+
+    def _check_resumed_ends(self, layers, ends) -> None:
+        """A resumed run must keep the layers its checkpoint's steps kept in BF16: ends found from the
+        dataflow replaced registration order (first and last registered layer), which picked others in
+        detectors and in models with auxiliary heads, under the same run id. A checkpoint written before
+        the ends were recorded is checked against what registration order picked."""
+        if self._resumed_ends is False:
+            return  # not a resume
+        was = ({layers[0][0], layers[-1][0]} if self._resumed_ends is None else set(self._resumed_ends)) & \
+            {name for name, _, _ in layers}
+        if was != set(ends):
+            raise UserError(f"this run's checkpoint kept {sorted(was)} in BF16 (fp8.ends=bf16) but this code keeps "
+                            f"{sorted(ends)}: resuming would mix two recipes in one run; finish it with the code "
+                            f"that began it, or start it again in another out_dir")
 
     @staticmethod
     def find_ends(top: nn.Module, layers, args=(), kwargs=None) -> set[str]:
@@ -472,7 +491,7 @@ class FP8State:
 
     def state_dict(self) -> dict:
         sd = {"history": {k: v.clone() for k, v in self.history.items()},
-              "scale": {k: v.clone() for k, v in self.scale.items()}}
+              "scale": {k: v.clone() for k, v in self.scale.items()}, "ends": sorted(self.ends)}
         if self._gens:
             sd["rng"] = {k: g.get_state() for k, g in self._gens.items()}
         return sd
@@ -482,6 +501,7 @@ class FP8State:
         a host-device copy at every quantisation (~160 a ResNet-50 step) after a resume on CUDA."""
         self.history = {k: v.to(device).clone() for k, v in sd["history"].items()}
         self.scale = {k: v.to(device).clone() for k, v in sd["scale"].items()}
+        self._resumed_ends = sd.get("ends")
         self._seen = {}
         for k, state in sd.get("rng", {}).items():
             self._generator(k).set_state(state)

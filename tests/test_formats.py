@@ -98,6 +98,51 @@ def test_the_probe_forward_leaves_no_trace():
     assert sorted(n for n, bf16 in st.sites.values() if bf16) == ["0", "3"]
 
 
+class _HeadFirst(nn.Module):
+    """A classifier registered before the layers that feed it: registration order's "first and last"
+    (head, mid) are not the dataflow's (body, head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(8, 2)
+        self.body = nn.Linear(4, 8)
+        self.mid = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.mid(torch.relu(self.body(x)))))
+
+
+def _resumed(net, sd):
+    st = FP8State("current")
+    st.register(net, "bf16")
+    st.load_state_dict(sd)
+    return st
+
+
+def test_a_resume_that_would_keep_other_layers_in_bf16_is_refused():
+    """The checkpoint records the layers its steps kept in BF16; a resume whose code keeps others (a
+    checkpoint written when registration order chose them) stops in one line instead of mixing two
+    recipes in one run. Where both rules agree (a plain stack) the old checkpoint resumes."""
+    from mpt.errors import UserError
+
+    torch.manual_seed(0)
+    net, x = _HeadFirst(), torch.randn(2, 4)
+    st = FP8State("current")
+    st.register(net, "bf16")
+    net(x)
+    sd = st.state_dict()
+    assert sd["ends"] == ["body", "head"]
+    _resumed(net, sd)  # the same ends: fine
+    net(x)
+    old = {k: v for k, v in sd.items() if k != "ends"}  # written before the ends were recorded
+    _resumed(net, old)
+    with pytest.raises(UserError, match=r"kept \['head', 'mid'\] in BF16 .* keeps \['body', 'head'\]"):
+        net(x)
+    stack = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    _resumed(stack, old)
+    stack(x)  # registration order's ends are the dataflow's: the old checkpoint resumes
+
+
 # ------------------------------------------------------------------------------------------------
 # element rounding and the block formats by hand: the OCP MX specification's and the papers'
 # definitions worked out here (an oracle independent of torchao)
