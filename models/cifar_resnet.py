@@ -72,6 +72,13 @@ class CifarResNet(nn.Module):
         return self.fc(torch.flatten(self.pool(x), 1))
 
 
+@register("resnet8_cifar")
+def resnet8_cifar(num_classes: int = 10, width: float = 1.0, aux_logits: bool = False) -> nn.Module:
+    """The same family at n = 1 (6n + 2 = 8 layers): section 4.2's design, shallower than its smallest (n = 3)."""
+    _check_args("resnet8_cifar", num_classes, width, aux_logits, has_aux=False)
+    return CifarResNet(num_classes, width, n=1)
+
+
 @register("resnet20_cifar")
 def resnet20_cifar(num_classes: int = 10, width: float = 1.0, aux_logits: bool = False) -> nn.Module:
     _check_args("resnet20_cifar", num_classes, width, aux_logits, has_aux=False)

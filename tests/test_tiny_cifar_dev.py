@@ -171,3 +171,24 @@ def test_real_profile_learns_cifar_dev(cifar, tmp_path):
         torch.set_num_threads(n)
     assert s["status"] == "completed", s
     assert s["metrics"]["top1"] >= FLOOR, s["metrics"]
+
+
+def test_cifar_resnets():
+    """He et al. 2016, section 4.2: ResNet-20 has 0.27M parameters (their Table 6); any input size gives
+    logits (global pooling); option-A shortcuts have no parameters; width scales the filters."""
+    import torch
+
+    from models import build
+
+    def count(m):
+        return sum(p.numel() for p in m.parameters())
+
+    net = build("resnet20_cifar", num_classes=10)
+    assert count(net) == 269_722
+    assert count(build("resnet8_cifar", num_classes=10)) == 75_290
+    assert not any("shortcut" in n for n, _ in net.named_parameters())
+    assert count(build("resnet20_cifar", num_classes=10, width=2.0)) > 3.5 * count(net)
+    for size in (32, 40, 96):
+        assert net(torch.randn(2, 3, size, size)).shape == (2, 10)
+    with pytest.raises(UserError, match="width"):
+        build("resnet8_cifar", width=0)
