@@ -192,3 +192,14 @@ def test_cifar_resnets():
         assert net(torch.randn(2, 3, size, size)).shape == (2, 10)
     with pytest.raises(UserError, match="width"):
         build("resnet8_cifar", width=0)
+
+
+def test_tiny_check_unknown_profile_is_one_line(tmp_path, capsys):
+    from experiments.ilsvrc_cnns.tiny_check import main
+    from mpt.errors import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli(main)(["--data", str(tmp_path / "nowhere"), "--out", str(tmp_path / "out"), "--seeds", "0",
+                   "--models", "resnet8_cifar", "--profile", "nope"])
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert e.value.code == 2 and len(err) == 1 and "unknown profile 'nope'" in err[0], err
