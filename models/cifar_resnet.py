@@ -4,6 +4,7 @@ photographs at 32 px on one CPU core; experiments/ilsvrc_cnns/config.yaml).
 
     from models import build
     net = build("resnet20_cifar", num_classes=10)      # 0.27M parameters ("0.27M" in He et al. Table 6)
+    net = build("resnet8_cifar", num_classes=10)       # n = 1: 75K parameters (the `real` profile's)
 
 As section 4.2 builds it: a 3x3 convolution of 16 filters, then three stages of n = 3 basic blocks
 (two 3x3 convolutions, each followed by batch norm; ReLU after the first and after the sum) on 32x32,

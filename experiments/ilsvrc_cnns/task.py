@@ -26,7 +26,7 @@ class TaskCfg:
     # pad: images at crop x crop, padded by (resize - crop) / 2 pixels of the mean colour on each side,
     # random crop + flip; evaluation sees the whole image (He et al. 2016's CIFAR-10 setup, section 4.2).
     augment: str = "caffe"
-    # the random horizontal flip of both augmentations; false for the tiny profile, whose few epochs on
+    # the random horizontal flip of every augmentation; false for the tiny profile, whose few epochs on
     # a small set (e.g. handwritten digits, which a mirror turns into other shapes) it only slows down
     flip: bool = True
     aux_weight: float = -1.0  # -1: the model's published default (models.imagenet_cnns.AUX_WEIGHTS)

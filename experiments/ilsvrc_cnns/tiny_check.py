@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--data", action="append", required=True, type=Path,
                    help="a prepared dataset (output of python -m data_prep.imagenet); repeatable")
-    p.add_argument("--profile", default="tiny", help="the CPU profile of config.yaml (real: resnet20_cifar on photographs)")
+    p.add_argument("--profile", default="tiny", help="the CPU profile of config.yaml (real: resnet8_cifar on photographs)")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--models", nargs="+", default=MODELS)
     p.add_argument("--precisions", nargs="+", default=PRECISIONS)
