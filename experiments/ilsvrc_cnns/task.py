@@ -13,6 +13,7 @@ from mpt.errors import UserError
 from mpt.task import Task as BaseTask
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+AUGMENTS = ("caffe", "torchvision", "pad")
 
 
 @dataclass
@@ -21,9 +22,11 @@ class TaskCfg:
     crop: int = 224
     resize: int = 256
     # caffe: images warped to resize x resize, random crop + flip (the paper's Caffe models);
-    # torchvision: RandomResizedCrop + flip (the torchvision reference, the paper's ResNet-50).
+    # torchvision: RandomResizedCrop + flip (the torchvision reference, the paper's ResNet-50);
+    # pad: images at crop x crop, padded by (resize - crop) / 2 pixels of the mean colour on each side,
+    # random crop + flip; evaluation sees the whole image (He et al. 2016's CIFAR-10 setup, section 4.2).
     augment: str = "caffe"
-    # the random horizontal flip of both augmentations; false for the tiny profile, whose few epochs on
+    # the random horizontal flip of every augmentation; false for the tiny profile, whose few epochs on
     # a small set (e.g. handwritten digits, which a mirror turns into other shapes) it only slows down
     flip: bool = True
     aux_weight: float = -1.0  # -1: the model's published default (models.imagenet_cnns.AUX_WEIGHTS)
@@ -53,7 +56,15 @@ def transforms(c: TaskCfg, train: bool):
             return tv_transforms.Compose([tv_transforms.RandomResizedCrop(c.crop, antialias=True), *flip, *norm])
         return tv_transforms.Compose([tv_transforms.Resize(c.resize, antialias=True), tv_transforms.CenterCrop(c.crop),
                                       *norm])
-    raise UserError(f"unknown task.augment={c.augment!r}; choose one of: caffe, torchvision")
+    if c.augment == "pad":
+        fit = tv_transforms.Resize((c.crop, c.crop), antialias=True)
+        if train:
+            # He et al. pad the mean-subtracted image with zeros: the mean colour before normalising
+            fill = tuple(round(255 * m) for m in MEAN)
+            pad = tv_transforms.RandomCrop(c.crop, padding=(c.resize - c.crop) // 2, fill=fill)
+            return tv_transforms.Compose([fit, pad, *flip, *norm])
+        return tv_transforms.Compose([fit, *norm])
+    raise UserError(f"unknown task.augment={c.augment!r}; choose one of: {', '.join(AUGMENTS)}")
 
 
 class Task(BaseTask):
@@ -66,8 +77,12 @@ class Task(BaseTask):
     @classmethod
     def check(cls, cfg):
         c = cfg.task
-        if c.augment not in ("caffe", "torchvision"):
-            raise UserError(f"unknown task.augment={c.augment!r}; choose one of: caffe, torchvision")
+        if c.augment not in AUGMENTS:
+            raise UserError(f"unknown task.augment={c.augment!r}; choose one of: {', '.join(AUGMENTS)}")
+        if c.augment == "pad" and (c.resize < c.crop or (c.resize - c.crop) % 2):
+            raise UserError(f"task.augment=pad pads (task.resize - task.crop) / 2 pixels per side: give a task.resize "
+                            f">= task.crop={c.crop} that differs from it by an even number (e.g. {c.crop + 8}), "
+                            f"not {c.resize}")
         if c.init not in ("reference", "kaiming"):
             raise UserError(f"unknown task.init={c.init!r}; choose one of: reference, kaiming")
 
