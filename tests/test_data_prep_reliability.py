@@ -172,9 +172,9 @@ def test_killed_prep_leaves_no_temp_file_after_the_rerun(name, sources, clean, t
 SLOW_WORKERS = """
 import os, pathlib, time
 import data_prep.lm1b.prepare as _prep
-def _count(*a):  # a pool worker that says it is working, then works for a minute
-    pathlib.Path({flags!r}, str(os.getpid())).touch()
-    time.sleep(60)
+def _count(*a):  # a pool worker that says it is working, then works for ten minutes: far longer than any
+    pathlib.Path({flags!r}, str(os.getpid())).touch()  # wait of the tests, so no task ends before their signal
+    time.sleep(600)
 _prep._count = _count
 """
 
@@ -190,7 +190,7 @@ def _alive(pid) -> bool:
 
 class SlowLm1bPrep:
     """`python -m data_prep.lm1b --workers 2` as a child process whose two pool workers each start a
-    task and work in it for a minute: `with` it, `workers` holds their pids once both are working.
+    task and work in it for ten minutes: `with` it, `workers` holds their pids once both are working.
     On leaving, the prep and any worker still running are killed (never left to the machine), then
     `err` holds the prep's stderr (read only then: a surviving worker holds the pipe open)."""
 
@@ -269,7 +269,7 @@ def _count(*a):  # a pool worker killed in the middle of sending its result: a h
     q = next(f.frame.f_locals["result_queue"] for f in inspect.stack() if "result_queue" in f.frame.f_locals)
     os.write(q._writer.fileno(), struct.pack("!i", 1 << 20) + b"x" * 1000)
     pathlib.Path({flags!r}, str(os.getpid())).touch()
-    time.sleep(60)
+    time.sleep(600)
 _prep._count = _count
 """
 
