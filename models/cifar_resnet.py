@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from models import register
-from models.imagenet_cnns import _check_args, _scaler
+from models.imagenet_cnns import _check_args, _scaler, he_init
 
 
 class BasicBlock(nn.Module):
@@ -61,12 +61,7 @@ class CifarResNet(nn.Module):
         self.blocks = nn.Sequential(*blocks)
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.fc = nn.Linear(cin, num_classes)
-        for m in self.modules():
-            if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-            elif isinstance(m, nn.BatchNorm2d):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
+        he_init(self)
 
     def forward(self, x):
         x = self.blocks(self.stem(x))

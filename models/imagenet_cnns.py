@@ -650,6 +650,17 @@ class PreActBottleneck(nn.Module):
         return out + shortcut
 
 
+def he_init(model: nn.Module) -> None:
+    """He et al. 2015 ("MSRA") init of a ResNet, as in fb.resnet.torch and torchvision: convolutions
+    normal with fan-out, batch norms gamma 1, beta 0."""
+    for m in model.modules():
+        if isinstance(m, nn.Conv2d):
+            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+        elif isinstance(m, nn.BatchNorm2d):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+
+
 class PreActResNet(nn.Module):
     def __init__(self, num_classes: int, width: float, depths=(3, 4, 6, 3)):
         super().__init__()
@@ -675,13 +686,7 @@ class PreActResNet(nn.Module):
         self.final = nn.Sequential(nn.BatchNorm2d(cin), nn.ReLU(inplace=True))
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.fc = nn.Linear(cin, num_classes)
-        # He et al. 2015 ("MSRA") init as in fb.resnet.torch and torchvision; BN gamma 1, beta 0.
-        for m in self.modules():
-            if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-            elif isinstance(m, nn.BatchNorm2d):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
+        he_init(self)
 
     def forward(self, x):
         x = self.final(self.units(self.stem(x)))
