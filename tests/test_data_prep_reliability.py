@@ -75,10 +75,19 @@ def cli_args(name, source, out, workers=None) -> list[str]:
     return args + (["--workers", str(workers)] if workers else [])
 
 
+# The prep as a terminal starts it: Ctrl-C at Python's default and no signal blocked, whatever this test
+# process inherited or was left with by the tests before (a child keeps an ignored or blocked SIGINT).
+CLEAN_SIGNALS = """
+import signal
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.pthread_sigmask(signal.SIG_SETMASK, set())
+"""
+
+
 def start_prep(name, args, before="", **popen):
     """`python -m data_prep.<name> ARGS` as a child process, with the Python code `before` run first
     (a patch that kills it mid-write or slows a worker down)."""
-    code = textwrap.dedent(before) + f"\nfrom data_prep.{name}.__main__ import main\nmain({args!r})\n"
+    code = CLEAN_SIGNALS + textwrap.dedent(before) + f"\nfrom data_prep.{name}.__main__ import main\nmain({args!r})\n"
     return subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, **popen)
 
