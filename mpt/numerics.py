@@ -402,16 +402,17 @@ class _Group:
         self.count += g.numel()
 
 
-def _tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
-    """Tensors in a module's output: a tensor, or nested tuples/lists/dicts (LSTM, detection heads)."""
+def tensors_in(obj: Any, max_depth: int = 4, depth: int = 0) -> Iterator[torch.Tensor]:
+    """Tensors in a module's output or an operation's arguments: a tensor, or nested tuples/lists/dicts
+    (LSTM, detection heads), down to max_depth levels."""
     if isinstance(obj, torch.Tensor):
         yield obj
-    elif depth < 4 and isinstance(obj, (tuple, list)):
+    elif depth < max_depth and isinstance(obj, (tuple, list)):
         for x in obj:
-            yield from _tensors(x, depth + 1)
-    elif depth < 4 and isinstance(obj, dict):
+            yield from tensors_in(x, max_depth, depth + 1)
+    elif depth < max_depth and isinstance(obj, dict):
         for x in obj.values():
-            yield from _tensors(x, depth + 1)
+            yield from tensors_in(x, max_depth, depth + 1)
 
 
 def hook_targets(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -465,8 +466,8 @@ class ValueRanges:
 
     def _hook(self, name: str, inplace: bool):
         def hook(mod, inputs, output):
-            ins = list(_tensors(inputs))
-            for t in _tensors(output):
+            ins = list(tensors_in(inputs))
+            for t in tensors_in(output):
                 if t.is_floating_point() and (inplace or not any(t is x for x in ins)):
                     self.add(name, t)
 
@@ -532,9 +533,9 @@ class FirstOverflow(TorchFunctionMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if self.first is None and self._stack:
-            outs = [t for t in _tensors(out) if t.dtype in self.LOW]
+            outs = [t for t in tensors_in(out) if t.dtype in self.LOW]
             if outs and not all(bool(torch.isfinite(t).all()) for t in outs):
-                ins = [t for t in _tensors((args, tuple(kwargs.values()))) if t.is_floating_point()]
+                ins = [t for t in tensors_in((args, tuple(kwargs.values()))) if t.is_floating_point()]
                 if all(bool(torch.isfinite(t).all()) for t in ins):
                     big = max((float(t.detach().abs().max()) for t in ins if t.numel()), default=0.0)
                     self.first = {"step": self._step, "module": self._stack[-1], "op": _op_name(func),
@@ -733,11 +734,11 @@ class Numerics:
                 return None
             try:
                 ins = None
-                for t in _tensors(output):
+                for t in tensors_in(output):
                     if not (t.requires_grad and t.is_floating_point()):
                         continue
                     if not inplace:
-                        ins = list(_tensors(inputs)) if ins is None else ins
+                        ins = list(tensors_in(inputs)) if ins is None else ins
                         if any(t is x for x in ins):
                             continue  # passed through unchanged: the producer already records it
                     t.register_hook(self._grad_hook(name, generation))

@@ -14,7 +14,7 @@ from mpt.doctor.targets import STEPS, Patient
 from mpt.errors import UserError
 from mpt.memory import ActivationMeter
 from mpt.precision import _cast_floats
-from mpt.numerics import FirstOverflow, Numerics, NumericsObserver, ValueRanges, _tensors
+from mpt.numerics import FirstOverflow, Numerics, NumericsObserver, ValueRanges, tensors_in
 from mpt.ranks import to_device
 from mpt.step import TrainStep, loss_body
 
@@ -138,7 +138,7 @@ def train(patient: Patient, precision: str, loss_scale: str = "auto", steps: int
     model = recipe.prepare(model, [opt])
     first_output: list = []
     out_hook = model.register_forward_hook(
-        lambda m, a, out: first_output.append(torch.cat([t.detach().double().reshape(-1).cpu() for t in _tensors(out)
+        lambda m, a, out: first_output.append(torch.cat([t.detach().double().reshape(-1).cpu() for t in tensors_in(out)
                                                          if t.is_floating_point()] or [torch.zeros(0)])))
     num = NumericsObserver(Numerics(model, every=1 if numerics else 0))
     forward = ValueRanges()

@@ -49,7 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from mpt.errors import UserError
-from mpt.numerics import hook_targets
+from mpt.numerics import hook_targets, tensors_in
 
 OUTSIDE = "(outside the model)"  # the loss and whatever else the step computes from the model's outputs
 RUN_UP = 8  # samples of each module's largest |value| kept
@@ -100,16 +100,9 @@ class _Ops(TorchDispatchMode):
         return out
 
 
-def _flat(obj, depth: int = 0):
+def _flat(obj):
     """The tensors in an operation's arguments or results (tensors, lists/tuples of them, kwargs)."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif depth < 3 and isinstance(obj, (list, tuple)):
-        for x in obj:
-            yield from _flat(x, depth + 1)
-    elif depth < 3 and isinstance(obj, dict):
-        for x in obj.values():
-            yield from _flat(x, depth + 1)
+    return tensors_in(obj, max_depth=3)
 
 
 class _Modules:

@@ -20,7 +20,7 @@ import torch
 
 from mpt.doctor.targets import Patient
 from mpt.doctor.verdict import pct
-from mpt.numerics import FORMATS, _tensors, hook_targets
+from mpt.numerics import FORMATS, tensors_in, hook_targets
 from mpt.ranks import to_device
 
 KINDS = ("activations", "weights", "activation grads", "weight grads")
@@ -108,8 +108,8 @@ def collect(patient: Patient, device="cpu", batches: int = 1) -> dict:
             got.setdefault((name, kind), []).append(t.detach().cpu())
 
     def hook(mod, args, out):
-        ins = list(_tensors(args))
-        for t in _tensors(out):
+        ins = list(tensors_in(args))
+        for t in tensors_in(out):
             if not any(t is x for x in ins):
                 keep(names[mod], "activations", t)
                 if t.requires_grad:
