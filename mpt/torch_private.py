@@ -7,6 +7,12 @@ import contextlib
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (re-exported)
+from torch.utils._pytree import tree_flatten  # noqa: F401  (re-exported)
+
+# TorchDispatchMode: a context whose __torch_dispatch__ sees every aten op run inside it, with its
+# arguments and results -- how the doctor's watch() records each op's range (mpt/doctor/watch.py).
+# tree_flatten(x)[0]: the leaves of nested lists, tuples and dicts, in order (an op's args and results).
 
 # The base of every layer that keeps running statistics (BatchNorm1d/2d/3d, SyncBatchNorm, the
 # InstanceNorms): the norm layers impl=paper keeps in FP32 (section 3.3). No public name covers them all.
@@ -70,3 +76,15 @@ def forward_hooks_suspended(model: nn.Module):
         for m, dicts in saved:
             for k, d in dicts.items():
                 setattr(m, k, d)
+
+
+def in_backward() -> bool:
+    """Whether the calling code runs inside autograd's backward pass (an op dispatched by the engine
+    while it evaluates a graph), not in a forward or outside autograd."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def scaler_scale_tensor(scaler: torch.amp.GradScaler) -> torch.Tensor | None:
+    """The scaler's current scale as the tensor it keeps on the device (None before its first
+    scale()): read without a host sync. get_scale() returns a float, which syncs."""
+    return scaler._scale

@@ -85,3 +85,44 @@ def test_forward_hooks_suspended_silences_earlier_hooks_only():
     net(torch.randn(1, 2))
     assert calls == ["new", "old-pre", "old"]  # the hook made inside went with the suspended set's swap
     h.remove()
+
+
+def test_in_backward_is_true_only_while_autograd_runs_a_graph():
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            seen.append(("forward", TP.in_backward()))
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(("backward", TP.in_backward()))
+            return g * 2
+
+    x = torch.ones(3, requires_grad=True)
+    Probe.apply(x).sum().backward()
+    assert seen == [("forward", False), ("backward", True)] and not TP.in_backward()
+
+
+def test_scaler_scale_tensor_is_get_scale_without_the_sync():
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    assert TP.scaler_scale_tensor(scaler) is None  # lazily made on the first scale()
+    scaler.scale(torch.ones(()))
+    t = TP.scaler_scale_tensor(scaler)
+    assert isinstance(t, torch.Tensor) and t.item() == scaler.get_scale() == 2.0**10
+
+
+def test_dispatch_mode_sees_each_op_and_tree_flatten_its_leaves():
+    ops = []
+
+    class Seen(TP.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    with Seen():
+        torch.ones(2).mul(3).add(1)
+    assert ops[-2:] == ["aten.mul", "aten.add"]
+    assert TP.tree_flatten({"a": (1, [2, 3])})[0] == [1, 2, 3]

@@ -45,11 +45,10 @@ from typing import Callable
 import torch
 import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from mpt.errors import UserError
 from mpt.numerics import hook_targets, tensors_in
+from mpt.torch_private import TorchDispatchMode, in_backward, scaler_scale_tensor, tree_flatten
 
 OUTSIDE = "(outside the model)"  # the loss and whatever else the step computes from the model's outputs
 RUN_UP = 8  # samples of each module's largest |value| kept
@@ -84,7 +83,7 @@ class _Ops(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        backward = torch._C._current_graph_task_id() != -1
+        backward = in_backward()
         if not (backward or torch.is_grad_enabled()) or not _makes_values(func):
             return out  # the optimizer, evaluation: not the step's forward or backward; views, allocations
         module = self.current()
@@ -334,7 +333,8 @@ class Watch:
         self.traced += traced
         extra = [self._bad if self._bad is not None else torch.zeros((), dtype=torch.bool)]
         if self.scaler is not None and self.scaler.is_enabled():
-            extra.append(self.scaler._scale if self.scaler._scale is not None else torch.ones(()))  # noqa: SLF001
+            scale = scaler_scale_tensor(self.scaler)
+            extra.append(scale if scale is not None else torch.ones(()))
         # max |x| of each record from its min and max, on the device (nan wins), then one host transfer.
         dev = (rec.values or [pair[0] for _, pair in self._weights] or [torch.zeros(())])[0].device
         f32 = torch.float32
