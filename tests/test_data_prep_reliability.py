@@ -3,9 +3,11 @@ releases: the same archives give the same bytes and data_fingerprint; a prep kil
 leaves a temp file that the next run removes, and then gives the same output as an uninterrupted run;
 the lm1b pool workers die with a killed prep; Ctrl-C and SIGTERM stop a prep in one line (130, 143);
 a full disk or a read-only --out is one line naming the path (exit 2)."""
+import io
 import json
 from pathlib import Path
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -145,6 +147,71 @@ def test_same_archives_give_the_same_bytes_and_fingerprint(name, sources, clean,
     assert sorted(a) == sorted(b)
     assert [k for k in a if a[k] != b[k]] == []
     assert fingerprint(clean(name)) == fingerprint(other) not in ("unprepared", "none")
+
+
+# ------------------------------------------------------------------ progress of a long step
+
+# One progress line of data_prep.common.Progress: "<what>: <done>[/<total> (<n>%)], <rate>/s, <t> elapsed[, ~<t> left]"
+PROGRESS_LINE = re.compile(r"^.+: [\d,.]+( [kMG]?B)?(/[\d,.]+( [kMG]?B)?)?( [a-z]+)?( \(\d+%\))?, "
+                           r"[\d,.]+( [kMG]?B| [a-z]+)?/s, [\dhms]+ elapsed(, ~[\dhms]+ left)?$")
+
+
+@pytest.mark.parametrize("name", PREPS)
+def test_a_prep_shows_its_progress_and_writes_the_same_bytes(name, sources, clean, tmp_path, capsys, monkeypatch):
+    """With the interval forced low, every prep prints progress lines on stderr -- whole lines, no carriage
+    return, since stderr is not a terminal here -- and its output is byte for byte the output of the prep
+    that printed none (the `clean` one, at the default interval)."""
+    monkeypatch.setenv("DATA_PREP_PROGRESS", "1e-9")
+    out = tmp_path / "out"
+    code, lines = _main(name, cli_args(name, sources(name), out, workers=1 if name in ("imagenet", "lm1b") else None),
+                        capsys)
+    assert code == 0, lines
+    assert lines and all(PROGRESS_LINE.match(ln) for ln in lines), lines
+    assert not [ln for ln in lines if "\r" in ln]
+    a, b = contents(clean(name)), contents(out)
+    assert sorted(a) == sorted(b) and [k for k in a if a[k] != b[k]] == []
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_redraws_one_line_on_a_terminal_prints_lines_in_a_log_and_nothing_when_quick(monkeypatch):
+    from data_prep.common import Progress
+
+    monkeypatch.setenv("DATA_PREP_PROGRESS", "1e-9")
+    tty, log = _Terminal(), io.StringIO()
+    for stream in (tty, log):
+        with Progress("step", 4, "files", stream=stream) as p:
+            for _ in range(4):
+                p.add()
+    assert tty.getvalue().count("\r") == 5 and tty.getvalue().count("\n") == 1 and tty.getvalue().endswith("\n")
+    lines = log.getvalue().splitlines()  # one a step; the last not repeated when the step ends
+    assert "\r" not in log.getvalue() and len(lines) == 4
+    assert lines[1].startswith("step: 2/4 files (50%), ") and lines[1].endswith(" left")
+    assert lines[-1].startswith("step: 4/4 files (100%), ") and "left" not in lines[-1]
+    # stopped by an error: a redrawn line is ended, so the one-line error starts on its own line
+    tty = _Terminal()
+    with pytest.raises(UserError), Progress("step", 4, stream=tty) as p:
+        p.add()
+        raise UserError("x")
+    assert tty.getvalue().endswith("\n") and tty.getvalue().count("\n") == 1
+    # the default interval (1 s on a terminal, 30 s in a log): a quick step prints nothing; off prints nothing
+    for env in ("", "off", "0"):
+        monkeypatch.setenv("DATA_PREP_PROGRESS", env)
+        quiet = _Terminal()
+        with Progress("step", 1000, stream=quiet) as p:
+            for _ in range(1000):
+                p.add()
+        assert quiet.getvalue() == "", env
+
+
+@pytest.mark.parametrize("bad", ["soon", "-1", "inf", "nan"])
+def test_a_bad_progress_interval_is_one_line(bad, sources, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("DATA_PREP_PROGRESS", bad)
+    code, lines = _main("celeba", cli_args("celeba", sources("celeba"), tmp_path / "out"), capsys)
+    assert code == 2 and len(lines) == 1 and lines[0].startswith(f"error: DATA_PREP_PROGRESS={bad!r} is not a "), lines
 
 
 # ------------------------------------------------------------------ item 8: a killed prep

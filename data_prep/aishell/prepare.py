@@ -27,7 +27,7 @@ import time
 import zlib
 from pathlib import Path
 
-from data_prep.common import MARKER, already_prepared, safe_name, safe_relpath, sweep_temp_files
+from data_prep.common import MARKER, Progress, already_prepared, safe_name, safe_relpath, sweep_temp_files
 from data_prep.speech import SAMPLE_RATE, decode, write_manifest
 from mpt.errors import UserError
 from mpt.rundir import atomic_write_bytes, atomic_write_json, atomic_write_text, sampled_digest
@@ -107,8 +107,11 @@ def prepare(archives: Path, out: Path, force: bool = False, log=print) -> dict:
     audio: dict[str, dict] = {}
     texts, kept, speakers = None, 0, 0
     try:
-        with tarfile.open(path, "r|gz") as outer:  # streamed: one pass over the 15 GB archive
+        # streamed: one pass over the 15 GB archive; its progress in compressed bytes read
+        with open(path, "rb") as raw, tarfile.open(fileobj=raw, mode="r|gz") as outer, \
+                Progress("aishell", path.stat().st_size, "bytes") as progress:
             for m in outer:
+                progress.set(raw.tell())  # the speaker archives read so far
                 name = safe_relpath(m.name, "member path", path)
                 if m.isdir():
                     continue
@@ -119,8 +122,6 @@ def prepare(archives: Path, out: Path, force: bool = False, log=print) -> dict:
                 elif re.fullmatch(rf"{ROOT}/wav/[^/]+\.tar\.gz", name):
                     kept += _speaker_tar(outer.extractfile(m), f"{path}:{name}", out, audio)
                     speakers += 1
-                    if speakers % 50 == 0:
-                        log(f"  {speakers} speakers, {len(audio)} utterances")
                 elif not name.startswith(f"{ROOT}/"):
                     raise UserError(f"{path} holds {name!r}, outside {ROOT}/; {_WHERE}")
     except (tarfile.TarError, EOFError, zlib.error, OSError) as e:

@@ -29,7 +29,7 @@ import zipfile
 import zlib
 from pathlib import Path
 
-from data_prep.common import MARKER, already_prepared, decode_image, safe_relpath, sweep_temp_files
+from data_prep.common import MARKER, Progress, already_prepared, decode_image, safe_relpath, sweep_temp_files
 from mpt.errors import UserError
 from mpt.rundir import atomic_write_bytes, atomic_write_json, sampled_digest
 
@@ -143,20 +143,21 @@ def prepare(archives: Path, out: Path, force: bool = False, log=print) -> dict:
     dest.mkdir(parents=True, exist_ok=True)
     sweep_temp_files(out, log)  # an image write killed half-way (kill -9) leaves its temp file
     kept = written = 0
-    for name in sorted(members):
-        info, target = members[name], dest / name
-        if target.is_file() and target.stat().st_size == info.file_size:
-            kept += 1  # extracted by an earlier, interrupted run (each file is written atomically)
-            continue
-        try:
-            data = zf.read(info)  # verifies the CRC: a corrupt archive fails here
-        except (zipfile.BadZipFile, zlib.error, EOFError, OSError) as e:
-            raise UserError(f"{zpath} is corrupt at {info.filename} ({e}); re-download it") from None
-        check_image(data, f"{zpath}: {info.filename}")
-        atomic_write_bytes(target, data)
-        written += 1
-        if written % 20000 == 0:
-            log(f"  {written + kept}/{len(members)} images")
+    with Progress("celeba", len(members), "images") as progress:
+        for name in sorted(members):
+            info, target = members[name], dest / name
+            if target.is_file() and target.stat().st_size == info.file_size:
+                kept += 1  # extracted by an earlier, interrupted run (each file is written atomically)
+                progress.total -= 1  # only listed: the rate and ~left are those of the images decoded
+                continue
+            try:
+                data = zf.read(info)  # verifies the CRC: a corrupt archive fails here
+            except (zipfile.BadZipFile, zlib.error, EOFError, OSError) as e:
+                raise UserError(f"{zpath} is corrupt at {info.filename} ({e}); re-download it") from None
+            check_image(data, f"{zpath}: {info.filename}")
+            atomic_write_bytes(target, data)
+            written += 1
+            progress.add()
     shutil.copyfile(ppath, out / "celeba" / PARTITION)
     if attr_names is not None:
         shutil.copyfile(apath, out / "celeba" / ATTR)

@@ -30,7 +30,8 @@ import time
 import zlib
 from pathlib import Path, PurePosixPath
 
-from data_prep.common import MARKER, already_prepared, decode_image, safe_name, safe_relpath, sweep_temp_files
+from data_prep.common import (MARKER, Progress, already_prepared, decode_image, safe_name, safe_relpath,
+                              sweep_temp_files)
 from mpt.errors import UserError
 from mpt.rundir import sampled_digest, atomic_write_json
 
@@ -290,33 +291,39 @@ def prepare_train(train_tar: Path, out: Path, wnids: set[str], workers: int, log
     skipped = 0
     start = time.time()
     lock = threading.Lock()
+    # Counted in bytes of the train tar (each class tar's size), not in classes: a class finished by an
+    # interrupted earlier run is only listed again, so the rate and ~left are those of the real work.
+    progress = Progress("imagenet train", sum(m.size for m in members), "bytes")
 
-    def done(result):
+    def done(result, member):
         nonlocal skipped
         wnid, count, was_skipped = result
         with lock:
             counts[wnid] = count
             skipped += was_skipped
-            n = len(counts)
-            if n % 50 == 0 or n == len(members):
-                log(f"train: {n}/{len(members)} classes, {sum(counts.values()):,} images "
-                    f"({skipped} already done), {time.time() - start:.0f} s")
+        if was_skipped:
+            progress.total -= member.size
+        else:
+            progress.add(member.size)
 
     # Threads, not processes: the work is file I/O (reads release the GIL), and each task opens
     # its own handle on the tar, so no state is shared between them.
-    if workers <= 1:
-        for m in members:
-            done(_prepare_class(train_tar, m, out))
-    else:
-        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            futures = [pool.submit(_prepare_class, train_tar, m, out) for m in members]
-            try:
-                for future in concurrent.futures.as_completed(futures):
-                    done(future.result())
-            except BaseException:
-                for f in futures:
-                    f.cancel()
-                raise
+    with progress:
+        if workers <= 1:
+            for m in members:
+                done(_prepare_class(train_tar, m, out), m)
+        else:
+            with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+                futures = {pool.submit(_prepare_class, train_tar, m, out): m for m in members}
+                try:
+                    for future in concurrent.futures.as_completed(futures):
+                        done(future.result(), futures[future])
+                except BaseException:
+                    for f in futures:
+                        f.cancel()
+                    raise
+    log(f"train: {len(counts)}/{len(members)} classes, {sum(counts.values()):,} images ({skipped} already done), "
+        f"{time.time() - start:.0f} s")
     return counts
 
 
@@ -344,7 +351,8 @@ def prepare_val(val_tar: Path, out: Path, gt: list[int], id_to_wnid: dict[int, s
     seen = set()
     start = time.time()
     # Stream mode ("r|"): one sequential pass over the 6.7 GB tar.
-    with _Reading(val_tar), tarfile.open(val_tar, mode="r|", bufsize=_BUF) as tar:
+    with _Reading(val_tar), tarfile.open(val_tar, mode="r|", bufsize=_BUF) as tar, \
+            Progress("imagenet val", len(gt), "images") as progress:
         for member in tar:
             safe_relpath(member.name, "member path", val_tar)
             if not member.isfile():
@@ -365,8 +373,7 @@ def prepare_val(val_tar: Path, out: Path, gt: list[int], id_to_wnid: dict[int, s
             wnid = id_to_wnid[gt[index - 1]]
             _copy_image(tar.extractfile(member), tmp / wnid / name, f"{val_tar}: {name}", val_tar)
             counts[wnid] += 1
-            if len(seen) % 10_000 == 0:
-                log(f"val: {len(seen):,} images, {time.time() - start:.0f} s")
+            progress.add()
     os.rename(tmp, final)
     log(f"val: {len(seen):,} images, {time.time() - start:.0f} s")
     return counts

@@ -30,7 +30,7 @@ import time
 import zlib
 from pathlib import Path
 
-from data_prep.common import MARKER, already_prepared, safe_name, safe_relpath, sweep_temp_files
+from data_prep.common import MARKER, Progress, already_prepared, safe_name, safe_relpath, sweep_temp_files
 from data_prep.speech import SAMPLE_RATE, decode, write_manifest
 from mpt.errors import UserError
 from mpt.rundir import atomic_write_bytes, atomic_write_json, sampled_digest
@@ -64,42 +64,43 @@ def prepare_subset(archive: Path, subset: str, out: Path, log=print) -> dict:
     """Extract one <subset>.tar.gz and write its manifest; returns the subset's counts."""
     audio, texts, kept = {}, {}, 0
     try:
-        tf = tarfile.open(archive, "r|gz")  # streamed: one pass over a 6-30 GB archive
-        for m in tf:
-            name = safe_relpath(m.name, "member path", archive)
-            if m.isdir():
-                continue
-            if not m.isfile():
-                raise UserError(f"{archive}: {name} is a link or device, not a file; {_WHERE}")
-            parts = name.split("/")
-            if len(parts) == 2 and parts[0] == ROOT and parts[1] in TOP_FILES:
-                atomic_write_bytes(out / name, tf.extractfile(m).read())
-                continue
-            if len(parts) != 5 or parts[0] != ROOT or parts[1] != subset:
-                raise UserError(f"{archive} holds {name!r}; the official archive holds only "
-                                f"{ROOT}/{subset}/<speaker>/<chapter>/<files> and {ROOT}/*.TXT")
-            spk = safe_name(parts[2], "speaker id", archive)
-            ch = safe_name(parts[3], "chapter id", archive)
-            data = tf.extractfile(m).read()
-            if parts[4] == f"{spk}-{ch}.trans.txt":
-                texts.update(_parse_transcript(data, f"{archive}:{name}", spk, ch))
-                target = out / name
-            elif re.fullmatch(rf"{re.escape(spk)}-{re.escape(ch)}-\d+\.flac", parts[4]):
-                x, sr = decode(data, f"{archive}:{name}")
-                if sr != SAMPLE_RATE:
-                    raise UserError(f"{archive}:{name} is {sr} Hz audio; LibriSpeech is {SAMPLE_RATE} Hz")
-                uid = parts[4][:-5]
-                audio[uid] = {"id": uid, "audio": name, "duration": round(len(x) / sr, 4)}
-                target = out / name
-            else:
-                raise UserError(f"{archive} holds {name!r}, neither <speaker>-<chapter>-<utt>.flac nor "
-                                f"<speaker>-<chapter>.trans.txt")
-            if target.is_file() and target.stat().st_size == len(data):
-                kept += 1  # written by an earlier, interrupted run (each file atomically)
-            else:
-                atomic_write_bytes(target, data)
-            if len(audio) and len(audio) % 20000 == 0 and parts[4].endswith(".flac"):
-                log(f"  {subset}: {len(audio)} utterances")
+        # streamed: one pass over a 6-30 GB archive; its progress in compressed bytes read
+        with open(archive, "rb") as raw, tarfile.open(fileobj=raw, mode="r|gz") as tf, \
+                Progress(f"librispeech {subset}", archive.stat().st_size, "bytes") as progress:
+            for m in tf:
+                progress.set(raw.tell())
+                name = safe_relpath(m.name, "member path", archive)
+                if m.isdir():
+                    continue
+                if not m.isfile():
+                    raise UserError(f"{archive}: {name} is a link or device, not a file; {_WHERE}")
+                parts = name.split("/")
+                if len(parts) == 2 and parts[0] == ROOT and parts[1] in TOP_FILES:
+                    atomic_write_bytes(out / name, tf.extractfile(m).read())
+                    continue
+                if len(parts) != 5 or parts[0] != ROOT or parts[1] != subset:
+                    raise UserError(f"{archive} holds {name!r}; the official archive holds only "
+                                    f"{ROOT}/{subset}/<speaker>/<chapter>/<files> and {ROOT}/*.TXT")
+                spk = safe_name(parts[2], "speaker id", archive)
+                ch = safe_name(parts[3], "chapter id", archive)
+                data = tf.extractfile(m).read()
+                if parts[4] == f"{spk}-{ch}.trans.txt":
+                    texts.update(_parse_transcript(data, f"{archive}:{name}", spk, ch))
+                    target = out / name
+                elif re.fullmatch(rf"{re.escape(spk)}-{re.escape(ch)}-\d+\.flac", parts[4]):
+                    x, sr = decode(data, f"{archive}:{name}")
+                    if sr != SAMPLE_RATE:
+                        raise UserError(f"{archive}:{name} is {sr} Hz audio; LibriSpeech is {SAMPLE_RATE} Hz")
+                    uid = parts[4][:-5]
+                    audio[uid] = {"id": uid, "audio": name, "duration": round(len(x) / sr, 4)}
+                    target = out / name
+                else:
+                    raise UserError(f"{archive} holds {name!r}, neither <speaker>-<chapter>-<utt>.flac nor "
+                                    f"<speaker>-<chapter>.trans.txt")
+                if target.is_file() and target.stat().st_size == len(data):
+                    kept += 1  # written by an earlier, interrupted run (each file atomically)
+                else:
+                    atomic_write_bytes(target, data)
     except (tarfile.TarError, EOFError, zlib.error, OSError) as e:
         raise UserError(f"{archive} is truncated or not a tar.gz ({type(e).__name__}: {e}); {_WHERE}") from None
     no_audio, no_text = sorted(set(texts) - set(audio)), sorted(set(audio) - set(texts))

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data_prep.common import MARKER, already_prepared, check_id_file, safe_relpath, sweep_temp_files, worker_pool
+from data_prep.common import MARKER, Progress, already_prepared, check_id_file, safe_relpath, sweep_temp_files, worker_pool
 from mpt.errors import UserError
 from mpt.rundir import atomic_write_bytes, atomic_write_json
 
@@ -327,10 +327,11 @@ def prepare(archive: Path, out: Path, vocab: Path | None = None, force: bool = F
                 nonlocal sentences
                 counts.update(result[0])
                 sentences += result[1]
-                log(f"counting words: {name} ({sentences:,} sentences so far, {time.time() - start:.0f} s)")
+                progress.add()
 
-            with worker_pool(workers) as pool:
+            with worker_pool(workers) as pool, Progress("lm1b counting words", len(TRAIN), "shards") as progress:
                 _map(pool, workers, _count, source.shards(("train",)), counted)
+            log(f"counting words: {sentences:,} sentences in {len(TRAIN)} shards, {time.time() - start:.0f} s")
             if not counts:
                 raise _redownload(f"the training shards of {source.path} hold no words (all empty)")
             words = build_vocab(counts, sentences, min_count)
@@ -351,15 +352,17 @@ def prepare(archive: Path, out: Path, vocab: Path | None = None, force: bool = F
         atomic_write_bytes(part / split / f"{name}.bin", arr.tobytes())
         atomic_write_json(part / split / f"{name}.bin.json", info)  # after the .bin: marks it complete
         stats[split][name] = info
-        done = sum(len(s) for s in stats.values())
-        log(f"encoding: {split}/{name} ({done}/{len(TRAIN) + len(HELDOUT)} shards, {time.time() - start:.0f} s)")
+        progress.add()
 
     todo = ((s, n, d) for s, n, d in source.shards() if n not in stats[s])
-    if any(len(stats[s]) < len(SPLITS[s][1]) for s in stats):
-        with worker_pool(workers, _init_worker, (str(vocab_path),)) as pool:
+    left = sum(1 for split, (_, names) in SPLITS.items() for n in names if n not in stats[split])
+    if left > 0:
+        with worker_pool(workers, _init_worker, (str(vocab_path),)) as pool, \
+                Progress("lm1b encoding", left, "shards") as progress:
             if pool is None:
                 _init_worker(str(vocab_path))
             _map(pool, workers, _encode_worker, todo, encoded)
+        log(f"encoding: {left} shards, {time.time() - start:.0f} s")
     else:
         log("encoding: every shard already done")
 

@@ -33,7 +33,7 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from data_prep.common import MARKER, already_prepared, decode_image, safe_name, safe_relpath, sweep_temp_files
+from data_prep.common import MARKER, Progress, already_prepared, decode_image, safe_name, safe_relpath, sweep_temp_files
 from mpt.errors import UserError
 from mpt.rundir import atomic_write_bytes, atomic_write_json, sampled_digest
 
@@ -115,8 +115,10 @@ def unpack(path: Path, year: str, out: Path, log=print) -> tuple[int, int]:
         raise UserError(f"no {path.name} in {path.parent}; {_WHERE}")
     written = kept = 0
     try:
-        with tarfile.open(path, "r:") as tf:
+        # Counted in bytes of the tar: where the member just read ends (offset_data + size).
+        with tarfile.open(path, "r:") as tf, Progress(f"voc {path.name}", path.stat().st_size, "bytes") as progress:
             for m in tf:
+                progress.set(m.offset_data + m.size)
                 rel = safe_relpath(m.name[2:] if m.name.startswith("./") else m.name, "member path", path)
                 if not m.isfile() or not _wanted(rel, year):
                     continue
@@ -130,8 +132,6 @@ def unpack(path: Path, year: str, out: Path, log=print) -> tuple[int, int]:
                     raise EOFError(f"{m.name} is short")
                 atomic_write_bytes(target, data)
                 written += 1
-                if written % 5000 == 0:
-                    log(f"  {path.name}: {written + kept} files")
     except (tarfile.TarError, EOFError, OSError) as e:
         raise UserError(f"{path} is truncated or not a tar ({type(e).__name__}: {e}); re-download it") from None
     return written, kept
@@ -151,18 +151,20 @@ def check_split(out: Path, year: str, split: str, archive: str, expected: int) -
         raise UserError(f"{lst} lists {len(ids)} images; the official {archive} has {expected}: re-download it")
     names: dict[str, int] = {}
     objects = difficult = 0
-    for i in ids:
-        safe_name(i, "image id", lst)
-        jpg, xml = root / "JPEGImages" / f"{i}.jpg", root / "Annotations" / f"{i}.xml"
-        if not jpg.is_file() or not xml.is_file():
-            raise UserError(f"{archive}: image {i} of {split}.txt has no {'JPEG' if not jpg.is_file() else 'annotation'}"
-                            f"; the archive is incomplete: re-download it")
-        size = image_size(jpg, archive)
-        for k, o in enumerate(parse_annotation(xml.read_bytes(), xml)):
-            check_box(o, k, size, xml, f"re-download {archive} or remove the object")
-            names[o["name"]] = names.get(o["name"], 0) + 1
-            objects += 1
-            difficult += o["difficult"]
+    with Progress(f"voc {year} {split}: checking", len(ids), "images") as progress:  # every JPEG is decoded
+        for i in ids:
+            safe_name(i, "image id", lst)
+            jpg, xml = root / "JPEGImages" / f"{i}.jpg", root / "Annotations" / f"{i}.xml"
+            if not jpg.is_file() or not xml.is_file():
+                raise UserError(f"{archive}: image {i} of {split}.txt has no {'JPEG' if not jpg.is_file() else 'annotation'}"
+                                f"; the archive is incomplete: re-download it")
+            size = image_size(jpg, archive)
+            for k, o in enumerate(parse_annotation(xml.read_bytes(), xml)):
+                check_box(o, k, size, xml, f"re-download {archive} or remove the object")
+                names[o["name"]] = names.get(o["name"], 0) + 1
+                objects += 1
+                difficult += o["difficult"]
+            progress.add()
     if objects == 0:
         raise UserError(f"{archive}: the {len(ids)} images of {split}.txt hold no object; "
                         f"there is nothing to detect: {_WHERE}")

@@ -55,7 +55,7 @@ from pathlib import Path, PurePosixPath
 
 import numpy as np
 
-from data_prep.common import MARKER, already_prepared, safe_relpath, sweep_temp_files
+from data_prep.common import MARKER, Progress, already_prepared, safe_relpath, sweep_temp_files
 from mpt.errors import UserError
 from mpt.rundir import atomic_write, atomic_write_json, sampled_digest
 
@@ -99,14 +99,23 @@ def extract(archive: Path, wanted: dict[str, Path]) -> None:
     if not archive.is_file():
         raise UserError(_fetch(f"no {archive.name} in {archive.parent}"))
     left = dict(wanted)
+
+    def copy(src, f):
+        while block := src.read(1 << 20):
+            f.write(block)
+            progress.set(raw.tell())
+
     try:
-        with tarfile.open(archive, mode="r|*") as tar:
+        # progress in bytes of the archive read (compressed, for a .tgz): giga-fren's tar is 2.6 GB
+        with open(archive, "rb") as raw, tarfile.open(fileobj=raw, mode="r|*") as tar, \
+                Progress(f"wmt15 {archive.name}", archive.stat().st_size, "bytes") as progress:
             for m in tar:
+                progress.set(raw.tell())
                 base = PurePosixPath(safe_relpath(m.name, "member path", archive)).name
                 if not m.isfile() or base not in left:
                     continue
                 src = tar.extractfile(m)
-                atomic_write(left.pop(base), lambda f: shutil.copyfileobj(src, f, 1 << 20))
+                atomic_write(left.pop(base), lambda f: copy(src, f))
                 if not left:
                     break
     except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile, OSError) as e:
@@ -115,13 +124,16 @@ def extract(archive: Path, wanted: dict[str, Path]) -> None:
         raise UserError(_fetch(f"{archive} lacks {', '.join(sorted(left))}"))
 
 
-def _open_lines(path: Path, gz: bool, source: str):
+def _open_lines(path: Path, gz: bool, source: str, progress: Progress | None = None):
     """The lines of a text file ('\\n' only: the corpora hold other Unicode separators inside
-    sentences), decoded as UTF-8 (undecodable bytes replaced), whitespace collapsed."""
+    sentences), decoded as UTF-8 (undecodable bytes replaced), whitespace collapsed; with `progress`,
+    the bytes of the file read so far (compressed, for a .gz) go there."""
     try:
-        with (gzip.open(path, "rb") if gz else open(path, "rb")) as f:
-            for raw in f:
-                yield " ".join(raw.decode("utf-8", errors="replace").split())
+        with open(path, "rb") as raw, (gzip.GzipFile(fileobj=raw, mode="rb") if gz else raw) as f:
+            for k, line in enumerate(f):
+                if progress is not None and k % 8192 == 0:
+                    progress.set(raw.tell())
+                yield " ".join(line.decode("utf-8", errors="replace").split())
     except (EOFError, zlib.error, gzip.BadGzipFile) as e:
         raise UserError(_fetch(f"{source} is truncated or corrupt ({type(e).__name__}: {e})")) from None
 
@@ -129,8 +141,11 @@ def _open_lines(path: Path, gz: bool, source: str):
 def pair_lines(src: Path, tgt: Path, gz: bool, name: str, out_src: Path, out_tgt: Path) -> dict:
     """Write the aligned, non-empty pairs of two parallel files; the files must have equal line counts."""
     n = kept = 0
-    a, b = _open_lines(src, gz, f"{name} ({src.name})"), _open_lines(tgt, gz, f"{name} ({tgt.name})")
-    with open(str(out_src) + ".tmp", "w", encoding="utf-8") as fs, open(str(out_tgt) + ".tmp", "w", encoding="utf-8") as ft:
+    progress = Progress(f"wmt15 {name}: pairing lines", src.stat().st_size, "bytes")
+    a = _open_lines(src, gz, f"{name} ({src.name})", progress)
+    b = _open_lines(tgt, gz, f"{name} ({tgt.name})")
+    with open(str(out_src) + ".tmp", "w", encoding="utf-8") as fs, open(str(out_tgt) + ".tmp", "w", encoding="utf-8") as ft, \
+            progress:
         while True:
             x, y = next(a, None), next(b, None)
             if x is None or y is None:
@@ -178,7 +193,7 @@ def spread_sample(lines, total: int, sentences: int):
                 return
 
 
-def train_spm(texts: list[Path], total: int, vocab: int, sentences: int) -> bytes:
+def train_spm(texts: list[Path], total: int, vocab: int, sentences: int, what: str = "sample") -> bytes:
     """A BPE model (its bytes) of a spread sample of the lines of `texts` (`total` lines in all).
     Deterministic, unlike sentencepiece's own sampling: its random generator is per thread and keeps
     running from one training to the next in a process (a resumed prep sampled differently), its
@@ -186,24 +201,30 @@ def train_spm(texts: list[Path], total: int, vocab: int, sentences: int) -> byte
     gave other bytes), so the sample is ours, one thread trains, and the model goes to memory."""
     import sentencepiece as spm
 
-    def lines():
+    def lines(progress):
         for t in texts:
             with open(t, encoding="utf-8", newline="\n") as f:
-                for line in f:
+                for k, line in enumerate(f, 1):
+                    if k % 8192 == 0:  # a call per line costs ~0.4 s of CPU per million lines
+                        progress.add(8192)
                     yield line.rstrip("\n")
 
     model = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=spread_sample(lines(), total, sentences), model_writer=model,
-        vocab_size=vocab, model_type="bpe", character_coverage=1.0, pad_id=PAD, bos_id=BOS, eos_id=EOS,
-        unk_id=UNK, input_sentence_size=0, shuffle_input_sentence=False,
-        hard_vocab_limit=False,  # a small corpus (the tiny set) may not have `vocab` pieces
-        num_threads=1, minloglevel=2)
+    # Only the reading of the sample shows progress: the merges that follow report nothing we can count.
+    with Progress(what, total, "lines") as progress:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=spread_sample(lines(progress), total, sentences), model_writer=model,
+            vocab_size=vocab, model_type="bpe", character_coverage=1.0, pad_id=PAD, bos_id=BOS, eos_id=EOS,
+            unk_id=UNK, input_sentence_size=0, shuffle_input_sentence=False,
+            hard_vocab_limit=False,  # a small corpus (the tiny set) may not have `vocab` pieces
+            num_threads=1, minloglevel=2)
     return model.getvalue()
 
 
-def encode_file(sp, text: Path, out_bin: Path, out_idx: Path, dtype, chunk: int = 100_000) -> int:
-    """Encode one sentence per line into concatenated ids + offsets (each file written atomically)."""
+def encode_file(sp, text: Path, out_bin: Path, out_idx: Path, dtype, chunk: int = 100_000,
+                progress: Progress | None = None) -> int:
+    """Encode one sentence per line into concatenated ids + offsets (each file written atomically);
+    the lines encoded are counted into `progress`."""
     offsets = [0]
 
     def write(f):
@@ -222,6 +243,8 @@ def encode_file(sp, text: Path, out_bin: Path, out_idx: Path, dtype, chunk: int 
         for ids in sp.encode(lines):
             offsets.append(offsets[-1] + len(ids))
             f.write(np.asarray(ids, dtype=dtype).tobytes())
+        if progress is not None:
+            progress.add(len(lines))
 
     atomic_write(out_bin, write)
     atomic_write(out_idx, lambda f: f.write(np.asarray(offsets, dtype=np.int64).tobytes()))
@@ -345,7 +368,7 @@ def prepare(archives: Path, out: Path, corpora: list[str] | None = None, vocab: 
         if state.get(f"spm/{lang}") is None:
             log(f"  training the {lang} subword model ({vocab:,} pieces)")
             model = train_spm([text / f"{c}.{lang}" for c in chosen], sum(counts[c]["pairs"] for c in chosen),
-                              vocab, spm_sentences)
+                              vocab, spm_sentences, f"wmt15 {lang} subword sample")
             atomic_write(part / f"spm.{lang}.model", lambda f, m=model: f.write(m))
             state.set(f"spm/{lang}", True)
     sps = {lang: spm.SentencePieceProcessor(model_file=str(part / f"spm.{lang}.model")) for lang in (SRC, TGT)}
@@ -355,12 +378,13 @@ def prepare(archives: Path, out: Path, corpora: list[str] | None = None, vocab: 
     # 4. ids: each corpus on its own (resumable), then the training set as their concatenation
     ids = part / "ids"
     ids.mkdir(exist_ok=True)
-    for name in chosen + ["dev", "test"]:
-        for lang in (SRC, TGT):
-            if state.get(f"ids/{name}.{lang}") is None:
-                n = encode_file(sps[lang], text / f"{name}.{lang}", ids / f"{name}.{lang}.bin",
-                                ids / f"{name}.{lang}.idx", dtype)
-                state.set(f"ids/{name}.{lang}", n)
+    todo = [(name, lang) for name in chosen + ["dev", "test"] for lang in (SRC, TGT)
+            if state.get(f"ids/{name}.{lang}") is None]
+    with Progress("wmt15 encoding", sum(counts[name]["pairs"] for name, _ in todo), "sentences") as progress:
+        for name, lang in todo:
+            n = encode_file(sps[lang], text / f"{name}.{lang}", ids / f"{name}.{lang}.bin",
+                            ids / f"{name}.{lang}.idx", dtype, progress=progress)
+            state.set(f"ids/{name}.{lang}", n)
     out.mkdir(parents=True, exist_ok=True)
     tokens = {}
     for lang in (SRC, TGT):
