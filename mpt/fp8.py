@@ -26,6 +26,7 @@ convolutions).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 
@@ -432,7 +433,9 @@ class FP8State:
             for name, m, _ in layers:
                 m.register_forward_pre_hook(pre(name), with_kwargs=True)
                 m.register_forward_hook(post(name), with_kwargs=True)
-            with torch.enable_grad():
+            # Saved-tensor hooks of the innermost pair only run: an identity pair keeps the probe's
+            # graph out of an activation-memory meter around the first step (mpt.memory).
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
                 top(*args, **(kwargs or {}))
         return firsts | (called - upstream_of_some)
 
@@ -474,6 +477,23 @@ class FP8State:
                     self._seen[key] = a if seen is None else torch.maximum(seen, a)
             return fp8_quantize(t, fmt, s, self._generator(t.device) if stochastic else None)
         return quant
+
+    @contextlib.contextmanager
+    def untouched(self):
+        """Passes run in this context leave the state as it was: the amaxes they record (delayed scaling's
+        next history entry) and the draws of the stochastic-rounding generators are undone on exit, so a
+        measurement beside training (mpt.numerics.fidelity) does not move its scales or its rounding."""
+        seen = dict(self._seen)  # entries are replaced, never written in place (quantizer)
+        gens = {k: g.get_state() for k, g in self._gens.items()}
+        try:
+            yield
+        finally:
+            self._seen = seen
+            for k in list(self._gens):
+                if k in gens:
+                    self._gens[k].set_state(gens[k])
+                else:  # made during the passes: the next use seeds it afresh, as it would have
+                    del self._gens[k]
 
     def update(self) -> None:
         """Delayed scaling, once per iteration: push this iteration's amax, recompute the scales."""
@@ -584,39 +604,3 @@ class FP8Math(TorchFunctionMode):
                 narrow = narrow + b
         return out + (narrow - out).detach()
 
-
-def sqnr_db(ref: torch.Tensor, test: torch.Tensor) -> float:
-    """Signal to quantisation-noise ratio of `test` against `ref` in dB (inf where they are identical)."""
-    noise = (ref.double() - test.double()).pow(2).sum()
-    return float("inf") if noise == 0 else float(10 * torch.log10(ref.double().pow(2).sum() / noise))
-
-
-def fidelity(model: nn.Module, run, context) -> dict[str, float]:
-    """How far a simulated format moves a model's output and its gradients: `run(model)` (a forward
-    returning the output tensor; its sum is back-propagated) once in FP32 and once inside `context` (a
-    recipe's autocast()), on the same weights, batch and random draws; returns the SQNR in dB of the
-    output ("output") and of each parameter's gradient ("grad/<name>"). Batch-norm statistics and the
-    random streams are put back after each pass, the gradients cleared."""
-    bufs = [b.detach().clone() for b in model.buffers()]
-    rng = torch.get_rng_state()
-    outs, grads = [], []
-    for ctx in (None, context):
-        torch.set_rng_state(rng)
-        for p in model.parameters():
-            p.grad = None
-        if ctx is None:
-            out = run(model)
-        else:
-            with ctx:
-                out = run(model)
-        out.float().sum().backward()
-        outs.append(out.detach().float())
-        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
-        with torch.no_grad():
-            for b, v in zip(model.buffers(), bufs):
-                b.copy_(v)
-    for p in model.parameters():
-        p.grad = None
-    res = {"output": sqnr_db(*outs)}
-    res.update({f"grad/{n}": sqnr_db(g, grads[1][n]) for n, g in grads[0].items() if n in grads[1]})
-    return res
