@@ -61,6 +61,8 @@ def fp8_quantize(x: torch.Tensor, fmt: str, scale=1.0, generator: torch.Generato
     tensor) and returned in FP32 at x's magnitude: fp8(x * scale) / scale, round to nearest even (or
     stochastically, with a generator), saturating at the format's largest value, subnormals kept."""
     y = x.float() * scale
+    if fmt in _BY_SPACING and generator is None:  # y is ours: rounded and unscaled in place
+        return _round_in_place(y, fmt, sign=x).div_(scale)
     q = round_to(y, fmt, generator)
     if fmt == "e5m2":
         q = torch.where(torch.isinf(y), y, q)
@@ -86,11 +88,10 @@ def round_by_spacing(x: torch.Tensor, fmt: str, generator: torch.Generator | Non
     subtracting C = 1.5 * 2^23 * u makes FP32's own round-to-nearest-even round x to a multiple of u (the
     sum lies in the binade whose spacing is u); for BF16, whose C would overflow, the same on x / u."""
     m, emin, top = ELEMENTS[fmt]
+    if generator is None and fmt != "bf16":  # 1.5 * 2^23 * u is finite: add and subtract it
+        return _round_in_place(x.float().clamp(-top, top), fmt, sign=x)
     xc = x.float().clamp(-top, top)
     binade = (xc.view(torch.int32) & 0x7F800000).view(torch.float32).clamp_min_(2.0 ** emin)
-    if generator is None and fmt != "bf16":  # 1.5 * 2^23 * u is finite: add and subtract it
-        c = binade.mul_(1.5 * 2.0 ** (23 - m))
-        return (xc + c).sub_(c).copysign_(x.float())
     u = binade.mul_(2.0 ** -m)
     if generator is None:  # x / u is exact (u is a power of 2) and below 2^22 in magnitude
         q = (xc / u).add_(1.5 * 2.0 ** 23).sub_(1.5 * 2.0 ** 23).mul_(u)
@@ -98,6 +99,24 @@ def round_by_spacing(x: torch.Tensor, fmt: str, generator: torch.Generator | Non
         r = xc.abs().div_(u)
         q = r.add_(torch.rand(r.shape, generator=generator, device=r.device)).floor_().mul_(u)
     return q.copysign_(x.float())
+
+
+# The formats round_to rounds by their spacing, nearest even (the others: torch's own casts).
+_BY_SPACING = ("e4m3", "e2m1")
+
+
+def _round_in_place(y: torch.Tensor, fmt: str, sign: torch.Tensor, buf: torch.Tensor | None = None) -> torch.Tensor:
+    """round_by_spacing's nearest-even arithmetic on an FP32 temporary `y` that the caller gives away: y is
+    saturated, rounded and returned, in place; `sign`: a tensor with y's signs (y's before it was scaled:
+    the sign of a value rounded to zero); `buf`: a spare FP32 tensor of y's shape for the spacings. The
+    same bits as computing on copies: the same FP32 operations in the same order. On a CPU every
+    temporary of an activation's size costs about as much as an operation on it (its pages are touched
+    afresh), so the block quantiser makes two (y and the spacings, in the amax's buffer), not six."""
+    m, emin, top = ELEMENTS[fmt]
+    y.clamp_(-top, top)
+    c = torch.bitwise_and(y.view(torch.int32), 0x7F800000, out=None if buf is None else buf.view(torch.int32))
+    c = c.view(torch.float32).clamp_min_(2.0 ** emin).mul_(1.5 * 2.0 ** (23 - m))
+    return y.add_(c).sub_(c).copysign_(sign)
 
 
 def bf16_quantize(x: torch.Tensor) -> torch.Tensor:
@@ -188,14 +207,19 @@ def block_quantize(t: torch.Tensor, f: formats.TensorFormat, axis: int = -1,
         blocks, dims = v.reshape(v.shape[0] // rb, rb, kk // b, b, post), (1, 3)
     else:
         blocks, dims = v.reshape(v.shape[0], kk // b, b, post), (2,)
-    amax = blocks.abs().nan_to_num(nan=0.0, posinf=0.0).amax(dim=dims, keepdim=True)
+    absval = blocks.abs().nan_to_num_(nan=0.0, posinf=0.0)
+    amax = absval.amax(dim=dims, keepdim=True)
     if f.granularity == "nvfp4_16":
         q = _nvfp4(blocks, amax, f.element, generator)
     else:
         s = block_scale(amax, f.element, f.scale_rounding)
+        y = blocks * s
+        if generator is None and f.element in _BY_SPACING:
+            q = _round_in_place(y, f.element, sign=blocks, buf=absval)  # |blocks| is no longer needed
+        else:
+            q = round_to(y, f.element, generator)
         # A power-of-2 scale's reciprocal is exact (2^-127 .. 2^127): a multiplication, cheaper than x / s.
-        q = round_to(blocks * s, f.element, generator)
-        q = q / s if f.scale_rounding == "exact" else q.mul_(s.reciprocal_())
+        q = q.div_(s) if f.scale_rounding == "exact" else q.mul_(s.reciprocal_())
     q = q.reshape(v.shape)
     if f.hadamard:
         q = torch.einsum("pjiq,ci->pjcq", q.reshape(q.shape[0], kk // 16, 16, post),
