@@ -125,7 +125,14 @@ def test_sqnr_logging_leaves_the_run_bit_identical(tmp_path, task_cls, prec, kw)
     on.numerics.sqnr_every = 1
     _, d_off = _run(task_cls, off)
     _, d_on = _run(task_cls, on)
-    _same(_trajectory(d_off), _trajectory(d_on))
+    a, b = _trajectory(d_off), _trajectory(d_on)
+    if task_cls is MeasuredGan:
+        # The first step's activation bytes (mpt.memory) count each saved storage once by its address: the
+        # discriminator phase's graph is freed before the generator phase saves its own, and whether an
+        # address comes back depends on the allocator's state (two unmeasured runs in one process differ
+        # too). A memory statistic, not training state: left out here, compared for one-phase tasks.
+        a[1].pop("act_bytes"), b[1].pop("act_bytes")
+    _same(a, b)
     sq = [ln for ln in _lines(d_on) if ln["kind"] == "numerics"]
     assert len(sq) == 8 and not any("numerics/sqnr/error" in ln for ln in sq)
     assert not any(ln["kind"] == "numerics" for ln in _lines(d_off))
