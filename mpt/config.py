@@ -110,6 +110,10 @@ class NumericsCfg:
     # down to 2^-64, below Figure 3's axis (about 2^-60 by our reading; mpt.numerics.HIST_LO / HIST_HI).
     hist_lo: int = -64
     hist_hi: int = 16
+    # Every N steps, the SQNR of the model's output and of each parameter's gradient against FP32 on the
+    # same weights and batch (two extra forward/backward passes on the step's first micro-batch; the
+    # training itself is not moved, bit for bit: mpt.numerics.FidelityObserver); 0 = off.
+    sqnr_every: int = added(0)
 
 
 @dataclass
@@ -626,6 +630,7 @@ RANGES = (  # (key, test, what it must be) for the core config (scaler.*: precis
     ("sched.gamma", lambda v: v > 0, "> 0"),
     ("sched.power", lambda v: v > 0, "> 0"),
     ("numerics.every", lambda v: v >= 0, ">= 0 (0: off)"),
+    ("numerics.sqnr_every", lambda v: v >= 0, ">= 0 (0: off)"),
 )
 
 
@@ -644,6 +649,12 @@ def validate(cfg: Config) -> None:
     if n.hist_lo > n.hist_hi:
         raise UserError(f"numerics.hist_lo={n.hist_lo} must be <= numerics.hist_hi={n.hist_hi} "
                         f"(exponents of the first and last histogram bins)")
+    row = precisions.BY_NAME[cfg.precision]
+    if n.sqnr_every > 0 and not (row.storage == "float32" or (cfg.impl == "autocast" and "autocast" in row.impls)):
+        fp32_weights = [p.name for p in precisions.TABLE if not p.tf32 and (p.storage == "float32" or "autocast" in p.impls)]
+        raise UserError(f"numerics.sqnr_every compares against FP32 on the model's own weights, which precision="
+                        f"{cfg.precision} impl={cfg.impl} stores in {row.storage}: use impl=autocast or a precision "
+                        f"with FP32 weights ({', '.join(fp32_weights)})")
     t = cfg.train
     if t.batch_size % t.accum_steps:  # the world size divides it too: checked when the ranks are known
         raise UserError(f"train.batch_size={t.batch_size} must divide by train.accum_steps={t.accum_steps} "

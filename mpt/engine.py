@@ -111,7 +111,9 @@ class Run:
         self.total_steps: int | None = None
         self.eval_every = 0
         self.train: TrainStep | None = None
-        self.numerics = None  # mpt.numerics.NumericsObserver when numerics.every > 0
+        # mpt.numerics.FidelityObserver when numerics.sqnr_every > 0, then NumericsObserver when
+        # numerics.every > 0 (in that order: the SQNR passes run before numerics' hooks are on)
+        self.observers: list = []
         self.window: LogWindow | None = None
         self.wall = 0.0  # training seconds of earlier invocations (from the checkpoint)
         # Intervals (training time, timed checkpoints, throughput) on the monotonic clock: a wall clock
@@ -155,16 +157,18 @@ class Run:
         # (SeededDataset), not here.
         if self.rank > 0:
             torch.manual_seed(rank_seed(cfg.seed, self.rank))
-        observers = ()
+        if cfg.numerics.sqnr_every > 0:
+            from mpt.numerics import FidelityObserver
+
+            self.observers.append(FidelityObserver(self.task, cfg.numerics.sqnr_every))
         if cfg.numerics.every > 0:
             from mpt.numerics import Numerics, NumericsObserver
 
-            self.numerics = NumericsObserver(Numerics(model, every=cfg.numerics.every, lo=cfg.numerics.hist_lo,
-                                                      hi=cfg.numerics.hist_hi))
-            observers = (self.numerics,)
+            self.observers.append(NumericsObserver(Numerics(model, every=cfg.numerics.every, lo=cfg.numerics.hist_lo,
+                                                            hi=cfg.numerics.hist_hi)))
         self.train = TrainStep(self.task.train_step, model, optimizers, recipe, ddp=ddp, scheds=scheds,
                                clip_grad_norm=cfg.train.clip_grad_norm, device=self.device,
-                               channels_last=self.channels_last, world=self.world, observers=observers)
+                               channels_last=self.channels_last, world=self.world, observers=tuple(self.observers))
         self.window = LogWindow(self.device, cfg.train.diverge_after)
         self.resume()
         self.record.open_wandb()
@@ -356,9 +360,9 @@ class Run:
         """One iteration (TrainStep) -> (logs: device tensors, items, the numerics sample or {}). The
         logs stay on the device (the loop reads them once per log step); the host reads in an iteration
         are the loss scaler's overflow flag, one per optimizer update (mpt.precision), and, on sampled
-        steps only, the numerics statistics."""
+        steps only, the numerics statistics and SQNRs."""
         logs, n = self.train(micro_batches)
-        return logs, n, (self.numerics.stats if self.numerics is not None else {})
+        return logs, n, {k: v for o in self.observers for k, v in o.stats.items()}
 
     def iterate(self, micro_batches) -> dict:
         """One iteration of the loop: the train step, then the divergence rule and the log window, on

@@ -26,6 +26,7 @@ convolutions).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 
@@ -60,6 +61,8 @@ def fp8_quantize(x: torch.Tensor, fmt: str, scale=1.0, generator: torch.Generato
     tensor) and returned in FP32 at x's magnitude: fp8(x * scale) / scale, round to nearest even (or
     stochastically, with a generator), saturating at the format's largest value, subnormals kept."""
     y = x.float() * scale
+    if fmt in _BY_SPACING and generator is None:  # y is ours: rounded and unscaled in place
+        return _round_in_place(y, fmt, sign=x).div_(scale)
     q = round_to(y, fmt, generator)
     if fmt == "e5m2":
         q = torch.where(torch.isinf(y), y, q)
@@ -85,11 +88,10 @@ def round_by_spacing(x: torch.Tensor, fmt: str, generator: torch.Generator | Non
     subtracting C = 1.5 * 2^23 * u makes FP32's own round-to-nearest-even round x to a multiple of u (the
     sum lies in the binade whose spacing is u); for BF16, whose C would overflow, the same on x / u."""
     m, emin, top = ELEMENTS[fmt]
+    if generator is None and fmt != "bf16":  # 1.5 * 2^23 * u is finite: add and subtract it
+        return _round_in_place(x.float().clamp(-top, top), fmt, sign=x)
     xc = x.float().clamp(-top, top)
     binade = (xc.view(torch.int32) & 0x7F800000).view(torch.float32).clamp_min_(2.0 ** emin)
-    if generator is None and fmt != "bf16":  # 1.5 * 2^23 * u is finite: add and subtract it
-        c = binade.mul_(1.5 * 2.0 ** (23 - m))
-        return (xc + c).sub_(c).copysign_(x.float())
     u = binade.mul_(2.0 ** -m)
     if generator is None:  # x / u is exact (u is a power of 2) and below 2^22 in magnitude
         q = (xc / u).add_(1.5 * 2.0 ** 23).sub_(1.5 * 2.0 ** 23).mul_(u)
@@ -97,6 +99,24 @@ def round_by_spacing(x: torch.Tensor, fmt: str, generator: torch.Generator | Non
         r = xc.abs().div_(u)
         q = r.add_(torch.rand(r.shape, generator=generator, device=r.device)).floor_().mul_(u)
     return q.copysign_(x.float())
+
+
+# The formats round_to rounds by their spacing, nearest even (the others: torch's own casts).
+_BY_SPACING = ("e4m3", "e2m1")
+
+
+def _round_in_place(y: torch.Tensor, fmt: str, sign: torch.Tensor, buf: torch.Tensor | None = None) -> torch.Tensor:
+    """round_by_spacing's nearest-even arithmetic on an FP32 temporary `y` that the caller gives away: y is
+    saturated, rounded and returned, in place; `sign`: a tensor with y's signs (y's before it was scaled:
+    the sign of a value rounded to zero); `buf`: a spare FP32 tensor of y's shape for the spacings. The
+    same bits as computing on copies: the same FP32 operations in the same order. On a CPU every
+    temporary of an activation's size costs about as much as an operation on it (its pages are touched
+    afresh), so the block quantiser makes two (y and the spacings, in the amax's buffer), not six."""
+    m, emin, top = ELEMENTS[fmt]
+    y.clamp_(-top, top)
+    c = torch.bitwise_and(y.view(torch.int32), 0x7F800000, out=None if buf is None else buf.view(torch.int32))
+    c = c.view(torch.float32).clamp_min_(2.0 ** emin).mul_(1.5 * 2.0 ** (23 - m))
+    return y.add_(c).sub_(c).copysign_(sign)
 
 
 def bf16_quantize(x: torch.Tensor) -> torch.Tensor:
@@ -187,14 +207,19 @@ def block_quantize(t: torch.Tensor, f: formats.TensorFormat, axis: int = -1,
         blocks, dims = v.reshape(v.shape[0] // rb, rb, kk // b, b, post), (1, 3)
     else:
         blocks, dims = v.reshape(v.shape[0], kk // b, b, post), (2,)
-    amax = blocks.abs().nan_to_num(nan=0.0, posinf=0.0).amax(dim=dims, keepdim=True)
+    absval = blocks.abs().nan_to_num_(nan=0.0, posinf=0.0)
+    amax = absval.amax(dim=dims, keepdim=True)
     if f.granularity == "nvfp4_16":
         q = _nvfp4(blocks, amax, f.element, generator)
     else:
         s = block_scale(amax, f.element, f.scale_rounding)
+        y = blocks * s
+        if generator is None and f.element in _BY_SPACING:
+            q = _round_in_place(y, f.element, sign=blocks, buf=absval)  # |blocks| is no longer needed
+        else:
+            q = round_to(y, f.element, generator)
         # A power-of-2 scale's reciprocal is exact (2^-127 .. 2^127): a multiplication, cheaper than x / s.
-        q = round_to(blocks * s, f.element, generator)
-        q = q / s if f.scale_rounding == "exact" else q.mul_(s.reciprocal_())
+        q = q.div_(s) if f.scale_rounding == "exact" else q.mul_(s.reciprocal_())
     q = q.reshape(v.shape)
     if f.hadamard:
         q = torch.einsum("pjiq,ci->pjcq", q.reshape(q.shape[0], kk // 16, 16, post),
@@ -432,7 +457,9 @@ class FP8State:
             for name, m, _ in layers:
                 m.register_forward_pre_hook(pre(name), with_kwargs=True)
                 m.register_forward_hook(post(name), with_kwargs=True)
-            with torch.enable_grad():
+            # Saved-tensor hooks of the innermost pair only run: an identity pair keeps the probe's
+            # graph out of an activation-memory meter around the first step (mpt.memory).
+            with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
                 top(*args, **(kwargs or {}))
         return firsts | (called - upstream_of_some)
 
@@ -474,6 +501,23 @@ class FP8State:
                     self._seen[key] = a if seen is None else torch.maximum(seen, a)
             return fp8_quantize(t, fmt, s, self._generator(t.device) if stochastic else None)
         return quant
+
+    @contextlib.contextmanager
+    def untouched(self):
+        """Passes run in this context leave the state as it was: the amaxes they record (delayed scaling's
+        next history entry) and the draws of the stochastic-rounding generators are undone on exit, so a
+        measurement beside training (mpt.numerics.fidelity) does not move its scales or its rounding."""
+        seen = dict(self._seen)  # entries are replaced, never written in place (quantizer)
+        gens = {k: g.get_state() for k, g in self._gens.items()}
+        try:
+            yield
+        finally:
+            self._seen = seen
+            for k in list(self._gens):
+                if k in gens:
+                    self._gens[k].set_state(gens[k])
+                else:  # made during the passes: the next use seeds it afresh, as it would have
+                    del self._gens[k]
 
     def update(self) -> None:
         """Delayed scaling, once per iteration: push this iteration's amax, recompute the scales."""
@@ -584,39 +628,3 @@ class FP8Math(TorchFunctionMode):
                 narrow = narrow + b
         return out + (narrow - out).detach()
 
-
-def sqnr_db(ref: torch.Tensor, test: torch.Tensor) -> float:
-    """Signal to quantisation-noise ratio of `test` against `ref` in dB (inf where they are identical)."""
-    noise = (ref.double() - test.double()).pow(2).sum()
-    return float("inf") if noise == 0 else float(10 * torch.log10(ref.double().pow(2).sum() / noise))
-
-
-def fidelity(model: nn.Module, run, context) -> dict[str, float]:
-    """How far a simulated format moves a model's output and its gradients: `run(model)` (a forward
-    returning the output tensor; its sum is back-propagated) once in FP32 and once inside `context` (a
-    recipe's autocast()), on the same weights, batch and random draws; returns the SQNR in dB of the
-    output ("output") and of each parameter's gradient ("grad/<name>"). Batch-norm statistics and the
-    random streams are put back after each pass, the gradients cleared."""
-    bufs = [b.detach().clone() for b in model.buffers()]
-    rng = torch.get_rng_state()
-    outs, grads = [], []
-    for ctx in (None, context):
-        torch.set_rng_state(rng)
-        for p in model.parameters():
-            p.grad = None
-        if ctx is None:
-            out = run(model)
-        else:
-            with ctx:
-                out = run(model)
-        out.float().sum().backward()
-        outs.append(out.detach().float())
-        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
-        with torch.no_grad():
-            for b, v in zip(model.buffers(), bufs):
-                b.copy_(v)
-    for p in model.parameters():
-        p.grad = None
-    res = {"output": sqnr_db(*outs)}
-    res.update({f"grad/{n}": sqnr_db(g, grads[1][n]) for n, g in grads[0].items() if n in grads[1]})
-    return res

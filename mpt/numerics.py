@@ -17,6 +17,9 @@ section 3.2). No framework reports these numbers, so this module measures them:
 - `Numerics`: samples all of the above during training every N steps and returns one flat dict
   (JSON-safe: ints, floats, lists, None, and a string under "numerics/error" only if something
   failed) for metrics.jsonl and wandb.
+- `fidelity` / `FidelityObserver` (beyond the paper, numerics.sqnr_every): the SQNR of a precision's
+  output and per-parameter gradients against FP32 on the same weights and batch, measured beside
+  training without moving it.
 
 Every measurement is taken on an FP64 copy of the values (in bounded chunks), so the measurement
 itself cannot underflow or overflow, and on the device where the tensor lives; one host sync per
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import random
 import threading
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
@@ -36,6 +40,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from mpt.errors import UserError
+from mpt.ranks import rng_state, set_rng_state
 
 FP16_MIN_SUBNORMAL = 2.0**-24  # smaller values flush to zero in FP16 (section 3.1)
 FP16_MIN_NORMAL = 2.0**-14
@@ -861,7 +866,7 @@ class NumericsObserver:
         self._pending: dict = {}
         self._before: list = []
 
-    def begin(self, step) -> None:
+    def begin(self, step, micro_batches) -> None:
         self.stats = {}
         self._sample = self.numerics.should_sample(step.iteration)
         if self._sample:
@@ -897,3 +902,172 @@ class NumericsObserver:
     def end(self, step) -> None:
         if self._sample and len(step.optimizers) > 1:
             self.numerics.end([], None)  # drop the hooks of a phase that never stepped
+
+
+# ---------------------------------------------------------------------------------------------
+# Fidelity against FP32: how far a precision moves a model's output and gradients
+# ---------------------------------------------------------------------------------------------
+
+# The line torchao draws: its MX linear-layer tests hold an E4M3 layer's output to >= 20 dB SQNR against
+# high precision (FP4 elements: >= 11 dB). The summary counts the parameter gradients below it.
+SQNR_LINE_DB = 20.0
+
+
+def sqnr_db(ref: torch.Tensor | None, test: torch.Tensor | None) -> float:
+    """Signal to quantisation-noise ratio of `test` against `ref` in dB, 10 log10(|ref|^2 / |ref - test|^2)
+    summed in FP64: inf where they are identical, -inf where `test` is missing, of another shape or not
+    finite (an overflow is infinite noise)."""
+    if ref is None or test is None or ref.shape != test.shape or not bool(torch.isfinite(test).all()):
+        return -math.inf
+    noise = (ref.double() - test.double()).pow(2).sum()
+    return math.inf if noise == 0 else float(10 * torch.log10(ref.double().pow(2).sum() / noise))
+
+
+@contextlib.contextmanager
+def _outputs_recorded(model: nn.Module, into: dict[str, list[torch.Tensor]]):
+    """Every floating tensor each top-level model returns (each entry of an nn.ModuleDict is a model),
+    flattened in call order into into[name] ("" for a single model)."""
+    tops = list(model.items()) if isinstance(model, nn.ModuleDict) else [("", model)]
+    handles = []
+
+    def hook(name):
+        def record(mod, args, out):
+            into.setdefault(name, []).extend(t.detach().float().reshape(-1) for t in tensors_in(out)
+                                             if t.is_floating_point())
+        return record
+
+    try:
+        for name, top in tops:
+            handles.append(top.register_forward_hook(hook(name)))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _under(ctx, run, model):
+    with ctx:
+        return run(model)
+
+
+def fidelity(model: nn.Module, run, context, loss_scale: float = 1.0, params: dict | None = None,
+             keep=contextlib.nullcontext) -> dict[str, float]:
+    """How far a precision moves a model: `run(model)` once in FP32 and once inside `context` (a recipe's
+    autocast()), on the same weights, batch and random draws; the SQNR in dB of what the model returns
+    ("output"; "output/<name>" for each model of an nn.ModuleDict) and of each parameter's gradient
+    ("grad/<parameter name>").
+
+    `run(model)` returns a tensor whose sum is back-propagated (a loss, or an output), or {group: such a
+    tensor}, each group's gradient taken for params[group] ((name, parameter) pairs: a GAN's
+    discriminator loss for the discriminator's parameters); a single tensor's for every parameter.
+    `loss_scale`: the low-precision pass back-propagates the loss x S and divides the gradients by S, as
+    training does (section 3.2); the FP32 pass runs at S = 1.
+
+    It leaves no trace on training: gradients are returned by torch.autograd.grad (no .grad is
+    written), buffers (batch-norm statistics) and the torch and Python random streams are put back after
+    each pass (each pass starts from the same streams: the same dropout masks); `keep()` is a context
+    around each pass that puts back whatever else a pass changes (a recipe's recorded amaxes and
+    stochastic-rounding generators, Recipe.untouched; a task's recurrent state), so that both passes
+    start from the state training is in."""
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    bufs = [b.detach().clone() for b in model.buffers()]
+    rng, py_rng = rng_state(device), random.getstate()
+    outs: list[dict] = []
+    grads: list[dict] = []
+    try:
+        for ctx, scale in ((None, 1.0), (context, float(loss_scale))):
+            set_rng_state(rng, device)
+            random.setstate(py_rng)
+            recorded: dict[str, list[torch.Tensor]] = {}
+            got: dict[str, torch.Tensor] = {}
+            with keep(), _outputs_recorded(model, recorded):
+                out = run(model) if ctx is None else _under(ctx, run, model)
+                losses = out if isinstance(out, dict) else {None: out}
+                groups = params if isinstance(out, dict) else {None: list(model.named_parameters())}
+                todo = [(k, loss) for k, loss in losses.items() if loss.requires_grad]
+                for i, (k, loss) in enumerate(todo):
+                    named = [(n, p) for n, p in groups[k] if p.requires_grad]
+                    gs = torch.autograd.grad(loss.float().sum() * scale, [p for _, p in named],
+                                             retain_graph=i < len(todo) - 1, allow_unused=True)
+                    got.update({n: g.float() / scale for (n, _), g in zip(named, gs) if g is not None})
+                del out, losses, todo
+            outs.append({k: torch.cat(v) if v else torch.zeros(0) for k, v in recorded.items()})
+            grads.append(got)
+            with torch.no_grad():
+                for b, v in zip(model.buffers(), bufs):
+                    b.copy_(v)
+    finally:
+        set_rng_state(rng, device)
+        random.setstate(py_rng)
+        with torch.no_grad():
+            for b, v in zip(model.buffers(), bufs):
+                b.copy_(v)
+    res = {}
+    for k, ref in outs[0].items():
+        res[f"output/{k}" if k else "output"] = sqnr_db(ref, outs[1].get(k))
+    res.update({f"grad/{n}": sqnr_db(g, grads[1][n]) for n, g in grads[0].items() if n in grads[1]})
+    return res
+
+
+def sqnr_summary(res: dict[str, float]) -> dict[str, float | int]:
+    """min and median of the parameter-gradient SQNRs of fidelity()'s result (NaNs left out), how many
+    there are and how many lie below torchao's 20 dB."""
+    vals = sorted(v for k, v in res.items() if k.startswith("grad/") and not math.isnan(v))
+    n = len(vals)
+    med = (vals[n // 2] if n % 2 else (vals[n // 2 - 1] + vals[n // 2]) / 2) if n else float("nan")
+    return {"grad_min": vals[0] if n else float("nan"), "grad_median": med, "grad_count": n,
+            "grad_below_20db": sum(v < SQNR_LINE_DB for v in vals)}
+
+
+class FidelityObserver:
+    """numerics.sqnr_every=N as an observer of the training step (mpt.step.Observer's hooks): every N
+    iterations, before the first forward, fidelity() on the iteration's first micro-batch -- the task's
+    measured_loss in FP32 and in the run's precision on the weights about to be trained -- logged as
+    numerics/sqnr/output (numerics/sqnr/output/<model> for each model of a GAN), numerics/sqnr/grad/<name>
+    per parameter, and the summary over parameters (sqnr_summary: numerics/sqnr/grad_min, grad_median,
+    grad_count, grad_below_20db). The measurement leaves the training as it was, bit for bit
+    (fidelity's guarantees, the recipe's untouched() and the task's own state put back). It runs before
+    numerics sampling's hooks are on, so numerics.every's histograms do not count its passes; any
+    failure becomes numerics/sqnr/error, never a stopped run. `stats` holds the current iteration's
+    sample ({} when it is not sampled)."""
+
+    def __init__(self, task, every: int):
+        self.task, self.every = task, int(every)
+        self.stats: dict = {}
+
+    def begin(self, step, micro_batches) -> None:
+        self.stats = {}
+        if not (self.every > 0 and step.iteration % self.every == 0 and micro_batches):
+            return
+        model, recipe, batch = step.model, step.recipe, micro_batches[0]
+        ids = {name: {id(p) for g in opt.param_groups for p in g["params"]} for name, opt in step.optimizers.items()}
+        params = {name: [(n, p) for n, p in model.named_parameters() if id(p) in own] for name, own in ids.items()}
+        try:
+            res = fidelity(model, lambda m: self.task.measured_loss(m, batch), recipe.autocast(),
+                           loss_scale=recipe.loss_scale, params=params, keep=lambda: self._kept(recipe))
+        except Exception as e:  # noqa: BLE001 -- instrumentation must never stop training
+            warnings.warn(f"numerics: SQNR measurement failed ({type(e).__name__}: {e})", stacklevel=2)
+            self.stats = {"numerics/sqnr/error": f"{type(e).__name__}: {e}"}
+            return
+        res.update(sqnr_summary(res))
+        self.stats = {f"numerics/sqnr/{k}": v for k, v in res.items()}
+
+    @contextlib.contextmanager
+    def _kept(self, recipe):
+        """The recipe's and the task's state as they were before the measurement (the task's is its
+        checkpoint state, which resumes a run bit-identically: the bigLSTM's recurrent state)."""
+        import copy
+
+        task_state = copy.deepcopy(self.task.state_dict())
+        try:
+            with recipe.untouched():
+                yield
+        finally:
+            if task_state is not None:
+                self.task.load_state_dict(task_state)
+
+    def before_update(self, step, name, opt) -> None: ...
+
+    def after_update(self, step, name, opt, applied) -> None: ...
+
+    def end(self, step) -> None: ...

@@ -132,6 +132,13 @@ class Recipe:
     def autocast(self):
         return contextlib.nullcontext()
 
+    def untouched(self):
+        """A context whose forward and backward passes leave this recipe's state as it was: what a
+        measurement beside training (mpt.numerics.fidelity) runs in. The loss scaler changes only in
+        step() and update(), so there is nothing to keep here; FP8 keeps its recorded amaxes and its
+        stochastic-rounding generators."""
+        return contextlib.nullcontext()
+
     def _math(self):
         """HalfMath where this recipe's FP16/BF16 dot products are emulated (it builds their backward
         too: nothing is needed around backward())."""
@@ -663,6 +670,9 @@ class FP8(Recipe):
 
     def autocast(self):
         return FP8Math(self.state)
+
+    def untouched(self):
+        return self.state.untouched()
 
     def update(self):
         import torch.distributed as dist

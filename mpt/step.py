@@ -31,7 +31,8 @@ from mpt.ranks import to_device
 
 class Observer:
     """Hooks around an iteration, each a no-op by default, called in this order:
-      begin(step)                          before the first forward
+      begin(step, micro_batches)           before the first forward; the iteration's micro-batches,
+                                           on the device
       before_update(step, name, opt)       gradients complete (still multiplied by S), not yet
                                            unscaled or clipped
       after_update(step, name, opt, ok)    after the optimizer's step (ok: applied, not skipped for
@@ -39,7 +40,7 @@ class Observer:
       end(step)                            after every update, before the loss-scale update
     `step` is the TrainStep; step.iteration counts the iterations before this one."""
 
-    def begin(self, step: "TrainStep") -> None: ...
+    def begin(self, step: "TrainStep", micro_batches: list) -> None: ...
 
     def before_update(self, step: "TrainStep", name: str, opt: torch.optim.Optimizer) -> None: ...
 
@@ -87,9 +88,9 @@ class TrainStep:
         if own_meter:
             meter = SavedTensorBytes(self.model)
         self.applied = {}
-        for o in self.observers:
-            o.begin(self)
         micro = [to_device(b, self.device, self.channels_last) for b in micro_batches]
+        for o in self.observers:
+            o.begin(self, micro)
         # The workload's body: by default forward/backward of each micro-batch, then the optimizer's
         # update (StepContext.loss_step, which calls forward_backward and update below).
         logs, items = self.body(StepContext(self, len(micro), meter), micro)

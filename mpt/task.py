@@ -19,7 +19,8 @@ Lifecycle, in the engine's order (Run.setup), on every rank:
   2. build_model() -> nn.Module              one module, or an nn.ModuleDict of named models (a GAN).
   3. optimizers(model) -> {name: opt}        default: one "main" from cfg.optim over param_groups();
      schedules(optimizers, ...)               default: cfg.sched per optimizer (mpt.optim.SCHEDULES).
-  4. per iteration: train_step(ctx, micro)   default: the loss step over self.loss (below).
+  4. per iteration: train_step(ctx, micro)   default: the loss step over self.loss (below);
+     measured_loss(model, batch)              numerics.sqnr_every's measurement (default: self.loss).
   5. per evaluation: evaluate(ev)            default: the additive sums of eval_sums over the
                                              validation share of every rank, then eval_metrics.
   6. at a checkpoint: state_dict(), and load_state_dict() at resume (every rank its own).
@@ -57,7 +58,8 @@ class Task:
     # module that writes it), e.g. ("celeba", "celeba"); None: not checked (a task without prepared data).
     prepared_data: tuple[str, str] | None = None
 
-    HOOKS = ("check", "read_facts", "datasets", "build_model", "optimizers", "param_groups", "schedules", "train_step", "loss", "evaluate",
+    HOOKS = ("check", "read_facts", "datasets", "build_model", "optimizers", "param_groups", "schedules", "train_step", "loss",
+             "measured_loss", "evaluate",
              "eval_sums", "eval_metrics", "collate", "train_order", "state_dict", "load_state_dict",
              "expected_data")
 
@@ -129,6 +131,13 @@ class Task:
     def loss(self, model, batch):
         """(mean loss, items in batch) for the default train_step."""
         raise NotImplementedError(f"{type(self).__qualname__} must define loss(model, batch) or its own train_step")
+
+    def measured_loss(self, model, batch):
+        """What numerics.sqnr_every measures on one micro-batch (mpt.numerics.FidelityObserver): the loss
+        whose gradients the iteration applies, or {optimizer name: its loss} where several optimizers
+        train their own parameters (a GAN). Called twice per measurement, in FP32 and in the run's
+        precision (each time under the random state and task state training is in). Default: loss()."""
+        return self.loss(model, batch)[0]
 
     # -- 5: evaluation ------------------------------------------------------------------------------
     def evaluate(self, ev) -> dict[str, float]:

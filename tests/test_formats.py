@@ -11,6 +11,7 @@ import models
 from mpt import formats, precision
 from mpt.config import Config
 from mpt.fp8 import FP8State, block_quantize, round_to
+from mpt.numerics import sqnr_db
 
 # ------------------------------------------------------------------------------------------------
 # per-tensor FP8: scales of tiny tensors
@@ -148,12 +149,6 @@ def test_a_resume_that_would_keep_other_layers_in_bf16_is_refused():
 # definitions worked out here (an oracle independent of torchao)
 
 E2M1_GRID = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]  # OCP MX spec v1.0, section 5.3.3
-
-
-def sqnr_db(ref: torch.Tensor, ours: torch.Tensor) -> float:
-    """Signal to quantisation-noise ratio of `ours` against `ref` (inf where they are bit-identical)."""
-    noise = (ref.double() - ours.double()).pow(2).sum()
-    return float("inf") if noise == 0 else float(10 * torch.log10(ref.double().pow(2).sum() / noise))
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "fp16", "bf16"])
@@ -465,7 +460,7 @@ def test_accumulating_in_16_bits_loses_what_fp32_keeps():
 def test_fidelity_ranks_the_formats():
     """Output and per-parameter gradient SQNR of each format against FP32 on the same weights and batch:
     finite, and the formats in their order of precision (MXFP8's 3 mantissa bits above NVFP4's 1)."""
-    from mpt.fp8 import fidelity
+    from mpt.numerics import fidelity
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),

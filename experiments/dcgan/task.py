@@ -48,6 +48,23 @@ def generate(generator, n: int, latent: int, seed: int, device, autocast, batch:
     return torch.cat(out)
 
 
+
+def _d_loss(D, real, fake):
+    """The discriminator's loss, real -> 1, generated -> 0 (Goodfellow et al. 2014), and its logits on
+    both. Logits are reduced in FP32 (3.3): the sigmoid and log of the loss in FP16 would lose small
+    probabilities."""
+    d_real, d_fake = D(real).float(), D(fake.detach()).float()
+    loss = F.binary_cross_entropy_with_logits(d_real, torch.ones_like(d_real)) + \
+        F.binary_cross_entropy_with_logits(d_fake, torch.zeros_like(d_fake))
+    return loss, d_real, d_fake
+
+
+def _g_loss(D, fake):
+    """The generator's non-saturating loss: generated -> 1 (Goodfellow et al. 2014, section 3)."""
+    d_gen = D(fake).float()
+    return F.binary_cross_entropy_with_logits(d_gen, torch.ones_like(d_gen))
+
+
 class Task(BaseTask):
     prepared_data = ("celeba", "celeba")  # prepared.json's "dataset", by data_prep.celeba
     primary_metric = "swd"  # multi-scale sliced Wasserstein distance x 1e3 (Karras et al. 2018)
@@ -90,27 +107,28 @@ class Task(BaseTask):
         (real,) = micro
         G, D = ctx.models["generator"], ctx.models["discriminator"]
         n = real.shape[0]
-        ones = torch.ones(n, device=real.device)
-        zeros = torch.zeros(n, device=real.device)
         z = torch.randn(n, self.cfg.task.latent, device=real.device)
-        # Discriminator: real -> 1, generated -> 0 (Goodfellow et al. 2014). Logits are reduced in
-        # FP32 (3.3): the sigmoid and log of the loss in FP16 would lose small probabilities.
         with ctx.autocast():
             fake = G(z)
-            d_real, d_fake = D(real).float(), D(fake.detach()).float()
-            loss_d = F.binary_cross_entropy_with_logits(d_real, ones) + F.binary_cross_entropy_with_logits(d_fake, zeros)
+            loss_d, d_real, d_fake = _d_loss(D, real, fake)
         ctx.backward(loss_d)
         ctx.step("discriminator")  # an overflow here skips the discriminator only (one scaler, 3.2)
         # Generator: the non-saturating loss, generated -> 1, through the just-updated discriminator.
         # The discriminator's gradients from this loss are never applied (zeroed after the iteration).
         with ctx.autocast():
-            d_gen = D(fake).float()
-            loss_g = F.binary_cross_entropy_with_logits(d_gen, ones)
+            loss_g = _g_loss(D, fake)
         ctx.backward(loss_g)
         ctx.step("generator")
         loss_d, loss_g = loss_d.detach(), loss_g.detach()
         return {"loss": loss_d + loss_g, "loss_D": loss_d, "loss_G": loss_g,
                 "D_real": torch.sigmoid(d_real.detach()).mean(), "D_fake": torch.sigmoid(d_fake.detach()).mean()}, n
+
+    def measured_loss(self, model, real):
+        """Each optimizer's loss as train_step computes it, both through the discriminator before its
+        update (one set of weights for the measurement), with the same latent draw."""
+        G, D = model["generator"], model["discriminator"]
+        fake = G(torch.randn(real.shape[0], self.cfg.task.latent, device=real.device))
+        return {"discriminator": _d_loss(D, real, fake)[0], "generator": _g_loss(D, fake)}
 
     def real_images(self, dataset, n: int, device) -> torch.Tensor:
         """The first n held-out (valid split) images: the fixed reference set of the SWD."""

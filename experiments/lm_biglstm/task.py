@@ -162,9 +162,9 @@ class Task(BaseTask):
         return {"train": None if tab is None else [[h.cpu(), c.cpu()] for h, c in tab]}
 
     def load_state_dict(self, sd: dict) -> None:
-        if sd.get("train") is not None:
-            self._loaded = [(h, c) for h, c in sd["train"]]
-            self._tables.pop("train", None)
+        # The state as state_dict() gave it: none yet (before the first batch) drops any table since made.
+        self._loaded = None if sd.get("train") is None else [(h, c) for h, c in sd["train"]]
+        self._tables.pop("train", None)
 
     # -- training and evaluation --------------------------------------------------------------------
     def loss(self, model, batch):

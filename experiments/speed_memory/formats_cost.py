@@ -28,7 +28,7 @@ def main(overrides: list[str]) -> dict:
     from experiments.speed_memory import DEFAULTS as BENCH, bench
     from mpt.config import parse_options
     from mpt.ranks import pick_device
-    from mpt.rundir import now
+    from mpt.rundir import atomic_write_text, now
 
     o = parse_options(list(overrides), DEFAULTS, "experiments.speed_memory.formats_cost")
     names, _ = bench.resolve_models(o["models"])
@@ -61,7 +61,7 @@ def main(overrides: list[str]) -> dict:
     name = f"{bench.device_slug(env)}-{result['date'][:10]}-formats" + (f"-{o['tag']}" if o["tag"] else "")
     out = pathlib.Path(o["out"])
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(result, indent=1, default=str))
+    atomic_write_text(out / f"{name}.json", json.dumps(result, indent=1, default=str))
     lines = [f"# Simulated formats: step time vs FP32 ({env.get('device_name') or env.get('cpu') or device})", "",
              f"`{result['command']}`; {bench.DATA_NOTE}.", "",
              "| model | format | step ms (median, fastest round) | x FP32 | goal | meets |", "|---|---|---:|---:|---:|---|"]
@@ -70,7 +70,7 @@ def main(overrides: list[str]) -> dict:
         lines.append(f"| {r['model']} | {r['precision']} | {_median(r)} | "
                      + (f"{q['ratio']:.2f} | {q['goal']:.0f}x | {'yes' if q['meets_goal'] else 'NO'} |" if q
                         else "1.00 | | |"))
-    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+    atomic_write_text(out / f"{name}.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
     return result
 

@@ -5,27 +5,14 @@ only there), then the what-if's ranking for the format (whatif.py) -- each set c
 replay's progress and its output's SQNR against FP32 are within tolerance. The last replay is the check."""
 from __future__ import annotations
 
-import math
-
-import torch
-
 from mpt.doctor.replay import progress, train
 from mpt.doctor.targets import Patient
 from mpt.doctor.verdict import CONFIRM
+from mpt.numerics import sqnr_db
 
 OUTPUT_SQNR = 20.0  # dB: the first step's output within 10% RMS of FP32's
 MAX_KEPT = 8  # modules tried at most
 FORMAT_OF = {"fp16": "fp16", "mixed": "fp16", "fp16_storage": "fp16", "bf16": "bf16", "fp8": "e4m3"}
-
-
-def sqnr_db(ref: torch.Tensor | None, got: torch.Tensor | None) -> float:
-    """10 log10(|ref|^2 / |ref - got|^2): inf when equal, -inf when `got` is not finite."""
-    if ref is None or got is None or ref.shape != got.shape:
-        return -math.inf
-    if not bool(torch.isfinite(got).all()):
-        return -math.inf
-    noise = float(((ref - got) ** 2).sum())
-    return math.inf if noise == 0 else 10 * math.log10(float((ref**2).sum()) / noise)
 
 
 def _module(label: str) -> str:
