@@ -36,6 +36,19 @@ def pytest_cmdline_main(config):
         config.option.dist = "loadgroup"  # `-n N` alone would be --dist load: groups split
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """A worker parses the command line, not the --dist set above: tell it to name the groups in its
+    test ids (what --dist loadgroup does), or the controller sees no groups."""
+    node.workerinput["loadgroup"] = node.config.option.dist == "loadgroup"
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker hook reads config.option.loadgroup
+def pytest_configure(config):
+    if getattr(config, "workerinput", {}).get("loadgroup"):
+        config.option.loadgroup = True
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
     """xdist groups: a test that uses a module- or class-scoped fixture, or a session-scoped one defined
