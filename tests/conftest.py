@@ -10,6 +10,70 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.pop("WANDB_API_KEY", None)  # tests never go online
 
+# At most this many xdist workers by default (one per usable core below that): every worker builds
+# its own session fixtures and imports torch, and the heavy tests start processes of their own.
+MAX_WORKERS = 4
+# One worker of several (pytest-xdist sets these before the worker imports this file).
+SHARED_CORES = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1
+if SHARED_CORES:
+    # One torch thread per process, here and in every process a test starts (training runs, the demo,
+    # SLURM jobs): OpenMP threads that spin-wait for a core another worker holds slow a step ~50-fold.
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """The default run uses every core (up to MAX_WORKERS): pytest-xdist workers, with the tests that
+    share an expensive or process-wide fixture kept on one worker (--dist loadgroup, groups set in
+    pytest_collection_modifyitems). `-n 0`, `-p no:xdist` or --pdb run in this one process."""
+    if (not config.pluginmanager.hasplugin("xdist") or config.getoption("usepdb")
+            or hasattr(config, "workerinput")):  # a worker: xdist clears its -n, it must not start more
+        return
+    if config.option.numprocesses is None and not config.option.tx:
+        n = min(len(os.sched_getaffinity(0)), MAX_WORKERS)
+        config.option.numprocesses = n if n > 1 else 0
+    if config.option.numprocesses and config.option.dist == "no":
+        config.option.dist = "loadgroup"  # `-n N` alone would be --dist load: groups split
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """A worker parses the command line, not the --dist set above: tell it to name the groups in its
+    test ids (what --dist loadgroup does), or the controller sees no groups."""
+    node.workerinput["loadgroup"] = node.config.option.dist == "loadgroup"
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker hook reads config.option.loadgroup
+def pytest_configure(config):
+    if getattr(config, "workerinput", {}).get("loadgroup"):
+        config.option.loadgroup = True
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the groups into the test ids
+def pytest_collection_modifyitems(config, items):
+    """xdist groups: a test that uses a module- or class-scoped fixture, or a session-scoped one defined
+    in a test module (the real SLURM cluster), runs on the worker of its module's other such tests, so
+    the fixture is built once (and one cluster runs); a module can also name a group itself
+    (`pytest.mark.xdist_group`). Other tests spread over the workers one by one."""
+    for item in items:
+        if item.get_closest_marker("xdist_group"):
+            continue
+        defs = getattr(item, "_fixtureinfo", None)
+        scopes = {d.scope for ds in (defs.name2fixturedefs.values() if defs else ()) for d in ds
+                  if d.scope in ("class", "module", "package") or
+                  (d.scope == "session" and Path(d.baseid or ".").name.startswith("test_"))}
+        if scopes:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__ if item.module else item.nodeid))
+
+
+def pytest_collection_finish(session):
+    """Test modules set torch's thread count when imported (the last one imported wins); a worker that
+    shares the cores with others runs on one thread (see SHARED_CORES)."""
+    if SHARED_CORES:
+        import torch
+
+        torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="session")
 def tiny_imagenet(tmp_path_factory) -> Path:

@@ -23,8 +23,11 @@ def demo(tmp_path_factory):
     runs, out = tmp / "runs", tmp / "out"
     cmd = [sys.executable, "-m", "experiments", "--models", "resnet50_preact", "--data-dir", str(tmp / "data"),
            "--runs", str(runs), "--tables-out", str(out),
-           # 3 steps at batch 8: what the tables and figures need is runs, not learning
-           "--set", "train.max_steps=3", "train.batch_size=8", "train.eval_max_batches=1", "numerics.every=2"]
+           # 3 steps at batch 8: what the tables and figures need is runs, not learning. No wandb: its
+           # offline service costs each of the 52 runs ~1.5 s of CPU, and the tables read runs/ alone
+           # (test_engine checks an offline wandb record of a tiny run).
+           "--set", "train.max_steps=3", "train.batch_size=8", "train.eval_max_batches=1", "numerics.every=2",
+           "wandb.mode=disabled"]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     return runs, out, r.stdout
