@@ -739,6 +739,14 @@ def test_wandb_server_that_never_answers_costs_the_init_timeout_and_no_more(tmp_
     env = {**os.environ, "WANDB_API_KEY": "0123456789abcdef0123456789abcdef01234567", "WANDB_INIT_TIMEOUT": "3",
            "WANDB_BASE_URL": f"http://127.0.0.1:{srv.getsockname()[1]}", "OMP_NUM_THREADS": "1"}
     env.pop("WANDB_ERROR_REPORTING", None)
+    # The same command with no server to try (no key: offline from the start), timed alike: what the silent
+    # server may add is measured against it, so a loaded machine (parallel test workers) slows both.
+    quiet = {k: v for k, v in env.items() if k not in ("WANDB_API_KEY", "WANDB_BASE_URL")}
+    t0 = time.time()
+    b = subprocess.run([sys.executable, "-c", WANDB_RUN, str(tmp_path / "baseline")], cwd=REPO, env=quiet,
+                       capture_output=True, text=True, timeout=120)
+    baseline = time.time() - t0
+    assert b.returncode == 0 and b.stdout.strip().endswith("completed"), b.stderr[-2000:]
     t0 = time.time()
     try:
         p = subprocess.run([sys.executable, "-c", WANDB_RUN, str(tmp_path)], cwd=REPO, env=env, capture_output=True,
@@ -750,7 +758,8 @@ def test_wandb_server_that_never_answers_costs_the_init_timeout_and_no_more(tmp_
     took = time.time() - t0
     assert p.returncode == 0 and p.stdout.strip().endswith("completed"), p.stderr[-2000:]
     assert "logging offline instead" in p.stderr and held
-    assert took < 20, took  # 3 s of init_timeout, a fresh offline start, imports; not 20 s more at exit
+    # 3 s of init_timeout and a fresh offline start over the baseline; not the 20 s more at exit it cost
+    assert took - baseline < 12, (took, baseline)
 
 
 def test_nan_at_the_end_is_never_completed(tmp_path):
