@@ -112,6 +112,45 @@ def test_bad_source_is_one_line_error(tmp_path, case, match):
     assert "\n" not in str(e.value)
 
 
+def test_pad_augmentation_decoded_once_is_torchvisions_on_pil(tmp_path):
+    """The images decoded once (DecodedImages) and augmented as uint8 tensors give, sample for sample, the
+    tensors of torchvision's PIL pipeline decoding each JPEG every time -- Resize to crop, RandomCrop with
+    the mean colour as padding, flip, ToTensor, Normalize -- under the engine's per-sample seeding
+    (mpt.data.SeededDataset): the same crops, flips and pixels. Images of another size are fitted once."""
+    import torch
+    from torchvision import transforms as T
+
+    from data_prep.imagenet.dataset import DecodedImages, ImageNetFolder
+    from experiments.ilsvrc_cnns.task import MEAN, STD, TaskCfg, transforms
+    from mpt.data import SeededDataset
+
+    out, _ = _prepared(tmp_path, _source(tmp_path / "src", train=6, test=2), train_per_class=6)
+    for crop, flip in ((8, True), (6, False)):  # 8: the images' size; 6: each is resized once
+        c = TaskCfg(crop=crop, resize=crop + 4, augment="pad", flip=flip)
+        for split in ("train", "val"):
+            train = split == "train"
+            fill = tuple(round(255 * m) for m in MEAN)
+            aug = [T.RandomCrop(crop, padding=2, fill=fill), *([T.RandomHorizontalFlip()] if flip else [])] if train else []
+            pil = T.Compose([T.Resize((crop, crop), antialias=True), *aug, T.ToTensor(), T.Normalize(MEAN, STD)])
+            a = SeededDataset(ImageNetFolder(out, split, transform=pil), seed=5)
+            b = SeededDataset(DecodedImages(ImageNetFolder(out, split), crop, transform=transforms(c, train)), seed=5)
+            assert b.base.images.dtype == torch.uint8 and b.base.images.shape == (len(a), 3, crop, crop)
+            for epoch in (0, 1):
+                for i in range(len(a)):
+                    (xa, ya), (xb, yb) = a[(epoch, i)], b[(epoch, i)]
+                    assert ya == yb and torch.equal(xa, xb), (crop, split, epoch, i)
+
+
+def test_decoded_images_refuse_a_set_too_large_for_memory(tmp_path, monkeypatch):
+    from data_prep.imagenet import dataset
+
+    out, _ = _prepared(tmp_path, _source(tmp_path / "src"), train_per_class=4)
+    monkeypatch.setattr(dataset, "DECODED_LIMIT_BYTES", 12 * 3 * 8 * 8 - 1)
+    with pytest.raises(UserError, match="task.augment=pad is for small images") as e:
+        dataset.DecodedImages(dataset.ImageNetFolder(out, "train"), 8)
+    assert "\n" not in str(e.value)
+
+
 def test_pad_augmentation():
     """augment=pad: the whole image at crop size for evaluation; in training a crop of it padded by
     (resize - crop) / 2 pixels of the mean colour (He et al.'s zero after mean subtraction); an odd
@@ -122,10 +161,11 @@ def test_pad_augmentation():
     from mpt.config import Config
 
     c = TaskCfg(crop=32, resize=40, augment="pad", flip=False)
-    img = Image.fromarray(np.full((32, 32, 3), 200, dtype=np.uint8))
+    img = torch.full((3, 32, 32), 200, dtype=torch.uint8)  # DecodedImages' items: uint8 CHW at crop size
     ev = transforms(c, False)(img)
     assert ev.shape == (3, 32, 32) and torch.allclose(ev, ev[:, :1, :1].expand_as(ev))
-    mean_px = transforms(c, False)(Image.new("RGB", (32, 32), tuple(round(255 * m) for m in MEAN)))
+    mean_px = transforms(c, False)(torch.tensor([round(255 * m) for m in MEAN], dtype=torch.uint8)[:, None, None]
+                                   .expand(3, 32, 32))
     torch.manual_seed(1)
     shifted = 0
     for _ in range(20):
