@@ -1,7 +1,8 @@
 """Real photographs from a train/<class>/*.jpg + test/<class>/*.jpg folder in the official ILSVRC2012 archive format.
 
     python -m data_prep.imagenet.cifar_dev --out DIR [--source ../shared/data/cifar10-dev.tar.gz
-                                                      --train-per-class 500 --test-per-class 0 --seed 0]
+                                                      --train-per-class 500 --test-per-class 0 --seed 0
+                                                      --val-from test]
 
 The default source is the CIFAR-10 development subset (shared/data/cifar10-dev.tar.gz beside the
 repository, shared/data/README.md: 32x32 colour JPEGs, train/<class>/0000..0999.jpg, the CIFAR-10 training
@@ -12,7 +13,9 @@ test/ must hold the same classes.
 
 Train: the first --train-per-class images of each class in file-name order (500: 0000..0499 of the
 development set, 5,000 images; 0: all). Validation: the first --test-per-class test images per class
-(0: all, 2,000 there), shuffled into one flat, numbered list with --seed as in the real val tar. The
+(0: all, 2,000 there), shuffled into one flat, numbered list with --seed as in the real val tar; with
+--val-from train, the train images after the first --train-per-class instead (0500..0999 there, 5,000
+at 0): a validation split for choosing a recipe without looking at the test images. The
 JPEG bytes go into the archives unchanged (no re-encoding) through the tiny generator's archive writer
 (data_prep.imagenet.tiny.write_archives), so
 
@@ -91,10 +94,16 @@ def first(images: dict[str, bytes], n: int, what: str) -> list[bytes]:
 
 
 def generate(out: Path, source: str = str(DEFAULT_SOURCE), train_per_class: int = 500,
-             test_per_class: int = 0, seed: int = 0) -> dict[str, Path]:
+             test_per_class: int = 0, val_from: str = "test", seed: int = 0) -> dict[str, Path]:
     """Write the three archives into out; return {archive name: path}."""
     if train_per_class < 0 or test_per_class < 0:
         raise UserError("cifar_dev needs --train-per-class >= 0 and --test-per-class >= 0 (0 takes all)")
+    if val_from not in SPLITS:
+        raise UserError(f"--val-from {val_from!r}: give test (the test images) or train (the train images "
+                        f"after the first --train-per-class)")
+    if val_from == "train" and train_per_class == 0:
+        raise UserError("--val-from train takes the train images after the first --train-per-class: give "
+                        "--train-per-class > 0 (0 leaves none)")
     data = read_source(Path(source))
     names = sorted(data["train"])
     classes = len(names)
@@ -105,7 +114,15 @@ def generate(out: Path, source: str = str(DEFAULT_SOURCE), train_per_class: int 
     ids = [int(i) + 1 for i in rng.permutation(classes)]  # ILSVRC2012_ID of class k, as in the real devkit
     words = [f"{n} ({Path(source).name})" for n in names]  # the class folder name and where it came from
     train = [first(data["train"][n], train_per_class, f"{source} train/{n}") for n in names]
-    val = [first(data["test"][n], test_per_class, f"{source} test/{n}") for n in names]
+    if val_from == "train":  # the train images left after the first train_per_class of each class
+        rest = {n: dict(sorted(data["train"][n].items())[train_per_class:]) for n in names}
+        for n in names:
+            if not rest[n]:
+                raise UserError(f"{source} train/{n} has no images after the first {train_per_class}; lower "
+                                f"--train-per-class to leave some for --val-from train")
+        val = [first(rest[n], test_per_class, f"{source} train/{n} after the first {train_per_class}") for n in names]
+    else:
+        val = [first(data["test"][n], test_per_class, f"{source} test/{n}") for n in names]
     labels = np.concatenate([np.full(len(v), k) for k, v in enumerate(val)])
     val_labels = labels[rng.permutation(len(labels))]
     taken = [iter(v) for v in val]
@@ -117,7 +134,9 @@ main = generator_command(
     "imagenet.cifar_dev", __doc__.split("\n\n")[0], generate, out_help="folder for the three archives",
     options=[("--source", str(DEFAULT_SOURCE), "a .tar.gz or folder of train/<class>/*.jpg and test/<class>/*.jpg"),
              ("--train-per-class", 500, "the first N train images of each class (0: all)"),
-             ("--test-per-class", 0, "the first N test images of each class (0: all)")],
+             ("--test-per-class", 0, "the first N validation images of each class (0: all)"),
+             ("--val-from", "test", "the validation images: test, or train (the train images after the first "
+                                    "--train-per-class: a split for choosing a recipe)")],
     seed_help="seed of the val order and the ILSVRC2012_ID permutation",
     done=lambda a, r, s: (f"wrote {a.source} as an ILSVRC2012 to {a.out} in {s:.1f} s; "
                           f"next: python -m data_prep.imagenet --archives {a.out} --out DIR"))

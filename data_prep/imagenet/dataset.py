@@ -1,4 +1,5 @@
-"""The prepared ILSVRC2012 as a torchvision ImageFolder, with errors a user can act on.
+"""The prepared ILSVRC2012 as a torchvision ImageFolder, with errors a user can act on; DecodedImages
+holds a small set's split decoded once, in memory.
 
 Class indices come from OUT/classes.json (sorted WNIDs, the order ImageFolder itself would use),
 so train and val always agree on them, and a missing class folder is reported instead of silently
@@ -10,7 +11,9 @@ import functools
 import json
 from pathlib import Path
 
+import torch
 from PIL import Image
+from torch.utils.data import Dataset
 from torchvision.datasets import ImageFolder
 
 from mpt.errors import UserError
@@ -79,6 +82,47 @@ class ImageNetFolder(ImageFolder):
         # Called by ImageFolder.__init__ with root/split; the class list is the prepared one.
         wnids = prepared_classes(Path(directory).parent)
         return wnids, {w: i for i, w in enumerate(wnids)}
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+
+# What DecodedImages may hold: a small set's split (the CIFAR-10 development subset's 5,000 train images at
+# 32 px are 15 MB); ImageNet's 1.28M at 224 px would be 193 GB.
+DECODED_LIMIT_BYTES = 4 << 30
+
+
+class DecodedImages(Dataset):
+    """A prepared split decoded once: every image fitted to size x size (torchvision's Resize((size, size)),
+    the identity for images of that size) and held in memory as one uint8 tensor (N, 3, size, size).
+    Item i is (transform(images[i]), class index) -- the transform works on uint8 CHW tensors. For sets of
+    small images read every epoch (CIFAR-scale photographs): decoding a JPEG and a PIL round trip per
+    sample and epoch cost more than the augmentation itself."""
+
+    def __init__(self, folder: ImageNetFolder, size: int, transform=None):
+        from torchvision.transforms import Resize
+        from torchvision.transforms.functional import pil_to_tensor
+
+        need = len(folder) * 3 * size * size
+        if need > DECODED_LIMIT_BYTES:
+            raise UserError(f"{folder.root}: {len(folder):,} images at {size}x{size} need {need / 2**30:.1f} GiB "
+                            f"decoded in memory (over {DECODED_LIMIT_BYTES / 2**30:.0f} GiB); task.augment=pad is "
+                            f"for small images: use a smaller task.crop or another task.augment")
+        fit = Resize((size, size), antialias=True)
+        self.images = torch.empty(len(folder), 3, size, size, dtype=torch.uint8)
+        for k, (path, _) in enumerate(folder.samples):
+            self.images[k] = pil_to_tensor(fit(folder.loader(path)))
+        self.targets = list(folder.targets)
+        self.classes, self.split, self.info = folder.classes, folder.split, folder.info
+        self.transform = transform
+
+    def __len__(self):
+        return len(self.targets)
+
+    def __getitem__(self, i):
+        x = self.images[i]
+        return (self.transform(x) if self.transform is not None else x), self.targets[i]
 
     @property
     def num_classes(self) -> int:
