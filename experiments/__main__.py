@@ -24,7 +24,7 @@ import argparse
 import pathlib
 import time
 
-from mpt.errors import cli
+from mpt.errors import UserError, cli
 
 # The Table 1 model of the default demo: the paper's PyTorch model. With AlexNet too the demo took
 # 13.6 min on 2 cores under a load of ~3 (815 s, 64 runs); --models or --full for the others.
@@ -81,6 +81,17 @@ def plan(models, full: bool) -> list[tuple[str, str, list[str]]]:
             ("dcgan/grid.yaml", "celeba", one(precision=["fp32", "fp16", "mixed"]))]
 
 
+def first_seeds(grid: str, n: int, only: list[str]) -> list[str]:
+    """--only filters keeping the first n seeds of the grid's tiny profile, where the plan does not pick
+    seeds itself."""
+    if any(o.startswith("--only=seed=") for o in only):
+        return []
+    from slurm.grid import load
+
+    seeds = load(pathlib.Path("experiments") / grid, "tiny").axes.get("seed", [])
+    return [f"--only=seed={s}" for s in seeds[:n]]
+
+
 @cli
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m experiments", description=__doc__.split("\n\n")[0])
@@ -89,14 +100,20 @@ def main(argv=None) -> None:
     p.add_argument("--models", nargs="+", default=list(DEMO_MODELS), choices=ALL_MODELS,
                    help=f"Table 1 models (default: {' '.join(DEMO_MODELS)})")
     p.add_argument("--full", action="store_true", help="every model, precision and seed of every tiny grid")
+    p.add_argument("--seeds", type=int, metavar="N", help="only the first N seeds of every cell (default: all, "
+                   "3 for the tables' cells): 1 is a quicker look whose tables have no ± std")
     p.add_argument("--jobs", type=int, help="runs at once (default: one per core)")
     p.add_argument("--runs", default="runs", help="where the runs go (every cell's out_dir; default: runs)")
     p.add_argument("--tables-out", default="paper_tables/out", help="where tables, figures, report.html go")
     p.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE", dest="extra",
                    help="extra config overrides for every run (e.g. train.max_steps=4 for a smoke test)")
     args = p.parse_args(argv)
+    if args.seeds is not None and args.seeds < 1:
+        raise UserError(f"--seeds {args.seeds}: give 1 or more (the first N seeds of every cell)")
     t0 = time.time()
     grids = plan(args.models, args.full)
+    if args.seeds is not None:
+        grids = [(g, d, only + first_seeds(g, args.seeds, only)) for g, d, only in grids]
     data = {name: _prepare(name, pathlib.Path(args.data_dir) / f"tiny_{name}") for name in dict.fromkeys(d for _, d, _ in grids)}
     print(f"[demo] data ready in {time.time() - t0:.0f} s")
     from slurm import submit

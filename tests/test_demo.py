@@ -1,6 +1,7 @@
 """The demo (`python -m experiments`), cut down to one Table 1 model and a few small steps per run: every part
 of it runs through the real data generators, data_prep and the local launcher, and the report it ends with
-holds every table (three seeds per cell where the paper's table has a column) and every figure of the paper."""
+holds every table and every figure of the paper. The run here takes one seed of each cell (`--seeds 1`); that
+the demo itself runs three seeds of every table cell is checked on its plan."""
 import pathlib
 import re
 import subprocess
@@ -22,7 +23,7 @@ def demo(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("demo")
     runs, out = tmp / "runs", tmp / "out"
     cmd = [sys.executable, "-m", "experiments", "--models", "resnet50_preact", "--data-dir", str(tmp / "data"),
-           "--runs", str(runs), "--tables-out", str(out),
+           "--runs", str(runs), "--tables-out", str(out), "--seeds", "1",
            # 3 steps at batch 8: what the tables and figures need is runs, not learning. No wandb: its
            # offline service costs each of the 52 runs ~1.5 s of CPU, and the tables read runs/ alone
            # (test_engine checks an offline wandb record of a tiny run).
@@ -37,19 +38,51 @@ def _row(table: str, label: str) -> str:
     return next(ln for ln in table.splitlines() if ln.startswith(f"| {label}"))
 
 
-def test_demo_fills_every_table_with_three_seeds(demo):
+def test_demo_plans_three_seeds_for_every_table_cell():
+    """What `python -m experiments` runs without --seeds: three seeds of every cell of Tables 1-3 and of
+    Figure 4's grids (mean ± std); the figures' single-seed cells (Figure 2a's fp16_pure, Figure 5, Figure 6)."""
+    import collections
+
+    import experiments.__main__ as demo_main
+    from slurm.grid import load
+
+    seeds = {}
+    for grid, _, only in demo_main.plan(demo_main.DEMO_MODELS, False):
+        g = load(REPO / "experiments" / grid, "tiny", only=[o.removeprefix("--only=") for o in only])
+        per_cell = collections.defaultdict(set)
+        for c in g.cells:
+            per_cell[tuple(sorted((k, str(v)) for k, v in c.axes.items() if k != "seed"))].add(c.axes["seed"])
+        seeds[grid + " " + " ".join(only)] = {len(v) for v in per_cell.values()}
+    one = ("precision=fp16_pure", "lm_biglstm/", "dcgan/")
+    for key, counts in seeds.items():
+        assert counts == ({1} if any(o in key for o in one) else {3}), (key, counts)
+    assert sum(1 for k in seeds if "ilsvrc_cnns/" in k or "voc_detection/" in k) == 3
+
+
+def test_demo_seeds_keeps_the_first_seeds_of_each_cell():
+    import experiments.__main__ as demo_main
+
+    assert demo_main.first_seeds("ilsvrc_cnns/grid.yaml", 2, []) == ["--only=seed=0", "--only=seed=1"]
+    assert demo_main.first_seeds("lm_biglstm/grid.yaml", 1, ["--only=seed=0"]) == []  # the plan's own choice
+    r = subprocess.run([sys.executable, "-m", "experiments", "--seeds", "0"], cwd=REPO, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--seeds 0" in r.stderr, r.stderr
+
+
+def test_demo_fills_every_table(demo):
     runs, out, stdout = demo
     assert "[demo] done" in stdout
     t1 = (out / "table1_tiny.md").read_text()
-    # fp32, fp16 (S = 1), mixed (dynamic), fp16_pure: four cells of three seeds each
-    assert len(re.findall(r"\(n=3\)", _row(t1, "ResNet-50"))) == 4
+    # fp32, fp16 (S = 1), mixed (dynamic), fp16_pure: four cells, one seed each here
+    assert len(re.findall(r"\(n=1\)", _row(t1, "ResNet-50"))) == 4
     t2 = (out / "table2_tiny.md").read_text()
     for label in ("Faster R-CNN", "Multibox SSD"):  # FP32, MP without and with loss scaling (S = 8)
         row = _row(t2, label)
-        assert len(re.findall(r"\(n=3\)", row)) == 3, row
+        assert len(re.findall(r"\(n=1\)", row)) == 3, row
         assert "S=8" in t2
     t3 = (out / "table3_tiny.md").read_text()
-    assert len(re.findall(r"\(n=3\)", _row(t3, "English"))) == 2  # FP32 and MP; Figure 2a's cells n=1
+    # FP32, MP (fp16_storage) and Figure 2a's fp16_pure (no master copy)
+    assert len(re.findall(r"\(n=1\)", _row(t3, "English"))) == 3
     for t in (t1, t2, t3):
         assert "TINY PROFILE" in t
     lm = sorted(p.name.split("-")[1] for p in (runs / "lm_biglstm").glob("biglstm-*"))
@@ -80,7 +113,7 @@ def test_demo_report_opens_with_the_tiny_results(demo, tmp_path):
     dom = subprocess.run(cmd + ["--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120,
                          check=True).stdout
     assert 'data-images-ok="true"' in dom
-    for t in ("Table 1:", "Table 2:", "Table 3:", *(f"Figure {n}:" for n in ("2a", "2b", 3, 4, 5, 6)), "(n=3)"):
+    for t in ("Table 1:", "Table 2:", "Table 3:", *(f"Figure {n}:" for n in ("2a", "2b", 3, 4, 5, 6)), "(n=1)"):
         assert t in dom, t
     shot = tmp_path / "demo.png"
     subprocess.run(cmd + [f"--screenshot={shot}", "--window-size=1200,1600", page.as_uri()],
