@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import math
 import random
+import statistics
 import threading
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
@@ -945,11 +946,6 @@ def _outputs_recorded(model: nn.Module, into: dict[str, list[torch.Tensor]]):
             h.remove()
 
 
-def _under(ctx, run, model):
-    with ctx:
-        return run(model)
-
-
 def fidelity(model: nn.Module, run, context, loss_scale: float = 1.0, params: dict | None = None,
              keep=contextlib.nullcontext) -> dict[str, float]:
     """How far a precision moves a model: `run(model)` once in FP32 and once inside `context` (a recipe's
@@ -972,16 +968,24 @@ def fidelity(model: nn.Module, run, context, loss_scale: float = 1.0, params: di
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     bufs = [b.detach().clone() for b in model.buffers()]
     rng, py_rng = rng_state(device), random.getstate()
+
+    def put_back():  # the random streams and buffers training left: before each pass, and at the end
+        set_rng_state(rng, device)
+        random.setstate(py_rng)
+        with torch.no_grad():
+            for b, v in zip(model.buffers(), bufs):
+                b.copy_(v)
+
     outs: list[dict] = []
     grads: list[dict] = []
     try:
-        for ctx, scale in ((None, 1.0), (context, float(loss_scale))):
-            set_rng_state(rng, device)
-            random.setstate(py_rng)
+        for ctx, scale in ((contextlib.nullcontext(), 1.0), (context, float(loss_scale))):
+            put_back()
             recorded: dict[str, list[torch.Tensor]] = {}
             got: dict[str, torch.Tensor] = {}
             with keep(), _outputs_recorded(model, recorded):
-                out = run(model) if ctx is None else _under(ctx, run, model)
+                with ctx:
+                    out = run(model)
                 losses = out if isinstance(out, dict) else {None: out}
                 groups = params if isinstance(out, dict) else {None: list(model.named_parameters())}
                 todo = [(k, loss) for k, loss in losses.items() if loss.requires_grad]
@@ -993,15 +997,8 @@ def fidelity(model: nn.Module, run, context, loss_scale: float = 1.0, params: di
                 del out, losses, todo
             outs.append({k: torch.cat(v) if v else torch.zeros(0) for k, v in recorded.items()})
             grads.append(got)
-            with torch.no_grad():
-                for b, v in zip(model.buffers(), bufs):
-                    b.copy_(v)
     finally:
-        set_rng_state(rng, device)
-        random.setstate(py_rng)
-        with torch.no_grad():
-            for b, v in zip(model.buffers(), bufs):
-                b.copy_(v)
+        put_back()
     res = {}
     for k, ref in outs[0].items():
         res[f"output/{k}" if k else "output"] = sqnr_db(ref, outs[1].get(k))
@@ -1012,11 +1009,9 @@ def fidelity(model: nn.Module, run, context, loss_scale: float = 1.0, params: di
 def sqnr_summary(res: dict[str, float]) -> dict[str, float | int]:
     """min and median of the parameter-gradient SQNRs of fidelity()'s result (NaNs left out), how many
     there are and how many lie below torchao's 20 dB."""
-    vals = sorted(v for k, v in res.items() if k.startswith("grad/") and not math.isnan(v))
-    n = len(vals)
-    med = (vals[n // 2] if n % 2 else (vals[n // 2 - 1] + vals[n // 2]) / 2) if n else float("nan")
-    return {"grad_min": vals[0] if n else float("nan"), "grad_median": med, "grad_count": n,
-            "grad_below_20db": sum(v < SQNR_LINE_DB for v in vals)}
+    vals = [v for k, v in res.items() if k.startswith("grad/") and not math.isnan(v)]
+    return {"grad_min": min(vals, default=math.nan), "grad_median": statistics.median(vals) if vals else math.nan,
+            "grad_count": len(vals), "grad_below_20db": sum(v < SQNR_LINE_DB for v in vals)}
 
 
 class FidelityObserver:

@@ -48,7 +48,6 @@ def generate(generator, n: int, latent: int, seed: int, device, autocast, batch:
     return torch.cat(out)
 
 
-
 def _d_loss(D, real, fake):
     """The discriminator's loss, real -> 1, generated -> 0 (Goodfellow et al. 2014), and its logits on
     both. Logits are reduced in FP32 (3.3): the sigmoid and log of the loss in FP16 would lose small
