@@ -3,6 +3,7 @@ its concurrency cap, and slurm.status read from run directories. The real-cluste
 tests/test_slurm_cluster.py."""
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -511,3 +512,53 @@ def test_profile_is_chosen_by_its_flag_not_an_override(capsys):
         submit.cli(submit.main)(args + ["--set", "profile=paper"])
     assert e.value.code == 2
     assert "choose the profile with --profile" in capsys.readouterr().err
+
+
+# Threads for the probe cells: not this process's (which the forkserver inherits and torch caps at the cores).
+PROBE_THREADS = 2 if os.environ.get("OMP_NUM_THREADS") == "1" else 1
+
+
+def _probe(tmp_path, name, code, *extra, preload=()):
+    return submit.LocalTask(name, [sys.executable, "-m", "local_cell_probe", str(tmp_path / f"{name}.json"), code, *extra],
+                            env={"PROBE_VAR": name, "OMP_NUM_THREADS": str(PROBE_THREADS), "PYTHONPATH": str(REPO / "tests")},
+                            log=tmp_path / f"{name}.log", preload=preload)
+
+
+def test_a_cell_forked_from_the_preloaded_server_runs_as_a_fresh_process_would(tmp_path):
+    """run_locally's cells start as forks of a process that imported torch once (preload): each is still
+    `python -m MODULE ARGS` in its own session, with its environment, thread count, log and exit code."""
+    tasks = [_probe(tmp_path, f"{kind}{code}", code, preload=pre)
+             for kind, pre in (("fresh", ()), ("forked", ("torch",))) for code in ("0", "2", "raise")]
+    pids = {}
+    results = submit.run_local(tasks, cap=2, started=lambda t, pid: pids.setdefault(t.name, pid), say=lambda *a: None)
+    assert results == {"fresh0": 0, "fresh2": 2, "freshraise": 1, "forked0": 0, "forked2": 2, "forkedraise": 1}
+    for kind in ("fresh", "forked"):
+        for code in ("0", "2", "raise"):
+            name = f"{kind}{code}"
+            info = json.loads((tmp_path / f"{name}.json").read_text())
+            assert info["preloaded"] == (kind == "forked"), info
+            assert info["pid"] == pids[name] and info["own_session"] and info["name"] == "__main__"
+            assert info["argv"] == [str(tmp_path / f"{name}.json"), code] and info["probe_var"] == name
+            assert info["cwd"] == str(REPO) and info["threads"] == PROBE_THREADS
+            log = (tmp_path / f"{name}.log").read_text()
+            assert f"probe says hello from {info['pid']}" in log
+            assert ("RuntimeError: probe failed" in log) == (code == "raise"), log
+
+
+def test_a_stop_signal_reaches_a_forked_cell(tmp_path):
+    """SIGTERM to the launcher: it forwards SIGTERM to the running forked cell and starts no more."""
+    import threading
+
+    tasks = [_probe(tmp_path, "waits", "0", "wait", preload=("torch",)), _probe(tmp_path, "never", "0", preload=("torch",))]
+    report = tmp_path / "waits.json"
+
+    def stop_when_started():
+        deadline = time.time() + 120
+        while not report.exists() and time.time() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop_when_started, daemon=True).start()
+    with pytest.raises(UserError, match="stopped by signal: 1 cell"):
+        submit.run_local(tasks, cap=1, say=lambda *a: None)
+    assert (tmp_path / "waits.json.sigterm").exists() and not (tmp_path / "never.json").exists()
