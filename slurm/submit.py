@@ -112,6 +112,9 @@ class LocalTask:
     preload: tuple[str, ...] = ()
 
 
+FORKSERVER = "forkserver" in multiprocessing.get_all_start_methods()  # not on Windows: fresh processes there
+
+
 class _Forked:
     """One rank of a CPU cell, forked from multiprocessing's forkserver once that has imported the
     cells' modules: importing torch, torchvision and an experiment costs ~3 s of a 2-core machine's
@@ -210,7 +213,7 @@ def run_local(tasks: list[LocalTask], cap: int, started=None, say=print) -> dict
         if max(t.gpus for t in tasks) > len(free_gpus):
             raise UserError(f"a run needs {max(t.gpus for t in tasks)} GPU(s); this machine has {len(free_gpus)}")
     preload = list(dict.fromkeys(m for t in tasks for m in t.preload))
-    if preload:  # what the forkserver imports when it starts (the first fork); a running one keeps its own
+    if preload and FORKSERVER:  # what the forkserver imports when it starts (the first fork); a running one keeps its own
         multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
     signals: list[int] = []
     old = {}
@@ -228,7 +231,7 @@ def run_local(tasks: list[LocalTask], cap: int, started=None, say=print) -> dict
                 gpus = [free_gpus.pop(0) for _ in range(t.gpus)]
                 port = str(_free_port())
                 procs = []
-                forked = bool(t.preload) and not t.gpus and t.argv[1:2] == ["-m"]
+                forked = bool(t.preload) and not t.gpus and t.argv[1:2] == ["-m"] and FORKSERVER
                 logf = (os.fdopen(open_no_follow(t.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab")
                         if t.log and not forked else subprocess.DEVNULL)
                 for r in range(t.world):
