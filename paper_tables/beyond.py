@@ -1,13 +1,16 @@
 """The "beyond the paper" table: every model of the paper's tables (one row each) in the low-precision
 formats of its successors, beside FP32 and the paper's own mixed precision. Each experiment's row reads
 its own metric (the spec of its table in specs.TABLES); Δ is against the row's FP32 cell, within seed noise
-or not (tables.Cell.vs_ref_text), since the paper has no numbers for these formats."""
+or not (tables.Cell.vs_ref_text), since the paper has no numbers for these formats. A cell whose runs measured how far their gradients are
+from FP32's (numerics.sqnr_every) also shows that SQNR, the formats' numerics apart from the metric."""
 from __future__ import annotations
 
 import csv
 import dataclasses
 import html
 import io
+import math
+import statistics
 
 from paper_tables import specs, tables
 
@@ -19,12 +22,33 @@ COLUMNS = (("fp32", "FP32"), ("mp", "the paper's MP"), ("fp8_delayed", "FP8 (per
            ("bf16_pure", "BF16, no master copy"))
 
 
+SQNR_KEY = "numerics/sqnr/grad_median"  # per sampled step: the median over parameters (mpt.numerics.sqnr_summary)
+
+
+def run_sqnr(run, problems: list) -> float | None:
+    """A run's gradient SQNR against FP32 in dB: the median over its sampled steps (numerics.sqnr_every)
+    of each step's median over parameters; None when it measured none. FP32's own is infinite."""
+    vals = [v for line in run.lines(problems).numerics
+            if isinstance(v := line.get(SQNR_KEY), (int, float)) and not isinstance(v, bool) and not math.isnan(v)]
+    return statistics.median(vals) if vals else None
+
+
 @dataclasses.dataclass
 class BeyondTable:
     profile: str
     rows: list  # (table spec, model, label)
     cells: dict  # (spec id, model, column id) -> tables.Cell
     n_runs: int
+    sqnr: dict = dataclasses.field(default_factory=dict)  # (spec id, model, column id) -> [each run's SQNR]
+
+    def sqnr_db(self, key) -> float | None:
+        """The cell's gradient SQNR: the median over its runs that measured one (run_sqnr)."""
+        vals = self.sqnr.get(key)
+        return statistics.median(vals) if vals else None
+
+    def sqnr_text(self, key) -> str:
+        v = self.sqnr_db(key)
+        return "" if v is None or math.isinf(v) else f"{v:.1f} dB"
 
     @property
     def stem(self) -> str:
@@ -43,7 +67,7 @@ def column_of(run, spec: specs.TableSpec) -> str | None:
 
 
 def build(runs: list, profile: str, problems: list) -> BeyondTable:
-    rows, cells, n = [], {}, 0
+    rows, cells, n, sqnr = [], {}, 0, {}
     for spec in specs.TABLES:
         mine = [r for r in runs if r.experiment == spec.experiment and r.profile == profile]
         for row in spec.paper["rows"]:
@@ -54,15 +78,25 @@ def build(runs: list, profile: str, problems: list) -> BeyondTable:
                 if c != "fp32":
                     cells[(spec.id, row["model"], c)].ref = cells[(spec.id, row["model"], "fp32")]
         for r in mine:
-            cell = cells.get((spec.id, r.model, column_of(r, spec)))
+            key = (spec.id, r.model, column_of(r, spec))
+            cell = cells.get(key)
             if cell is not None:
                 n += 1
                 tables.add_run(cell, r, spec, problems)
-    return BeyondTable(profile, rows, cells, n)
+                db = run_sqnr(r, problems)
+                if db is not None:
+                    sqnr.setdefault(key, []).append(db)
+    return BeyondTable(profile, rows, cells, n, sqnr)
 
 
 def _metric(spec) -> str:
     return f"{spec.metric[0]} ({'higher' if spec.higher_is_better else 'lower'} is better)"
+
+
+def _ours(t: BeyondTable, key) -> str:
+    """The cell's mean ± std (n), and its gradient SQNR where its runs measured one."""
+    db = t.sqnr_text(key)
+    return t.cells[key].ours_text() + (f"; {db}" if db else "")
 
 
 def to_markdown(t: BeyondTable) -> str:
@@ -73,15 +107,17 @@ def to_markdown(t: BeyondTable) -> str:
             "(n). Δ: ours − the row's FP32, within seed noise when |Δ| <= 2 standard errors. The formats are "
             "simulated (mpt/formats.py): numerics, not speed. FP8: per-tensor delayed scaling, BF16 first "
             "and last layers (grid_fp8.yaml); block FP8, MXFP8, NVFP4: grid_formats.yaml with BF16 ends; "
-            "BF16 without a master copy: round to nearest (grid_bf16_pure.yaml).", ""]
+            "BF16 without a master copy: round to nearest (grid_bf16_pure.yaml). dB: the gradients' SQNR against "
+            "FP32 on the same weights and batch, where the runs measured it (numerics.sqnr_every): the median "
+            "over sampled steps of the median over parameters, its median over seeds; under 20 dB is far.", ""]
     head = ["Model", "metric"] + [x for c, label in COLUMNS for x in ((label,) if c == "fp32" else (label, "Δ"))]
     out.append("| " + " | ".join(head) + " |")
     out.append("|---|---|" + "---:|" * (len(head) - 2))
     for spec, model, label in t.rows:
         line = [label, _metric(spec)]
         for c, _ in COLUMNS:
-            cell = t.cells[(spec.id, model, c)]
-            line += [cell.ours_text()] if c == "fp32" else [cell.ours_text(), cell.diff_text()]
+            key = (spec.id, model, c)
+            line += [_ours(t, key)] if c == "fp32" else [_ours(t, key), t.cells[key].diff_text()]
         out.append("| " + " | ".join(tables._md(x) for x in line) + " |")
     out += ["", f"{t.n_runs} run(s) behind this table.", ""]
     return "\n".join(out)
@@ -91,13 +127,14 @@ def to_csv(t: BeyondTable) -> str:
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(["profile", "table", "model", "label"] + [f"{c}|{f}" for c, _ in COLUMNS
-                                                          for f in ("ours_mean", "ours_std", "n", "status", "diff_text")])
+                                                          for f in ("ours_mean", "ours_std", "n", "status", "diff_text",
+                                                                    "sqnr_db")])
     for spec, model, label in t.rows:
         row = [t.profile, spec.id, model, label]
         for c, _ in COLUMNS:
-            cell = t.cells[(spec.id, model, c)]
+            cell, db = t.cells[(spec.id, model, c)], t.sqnr_db((spec.id, model, c))
             row += ["" if cell.mean is None else repr(cell.mean), "" if cell.std is None else repr(cell.std),
-                    cell.n, cell.status, cell.diff_text()]
+                    cell.n, cell.status, cell.diff_text(), "" if db is None else repr(db)]
         w.writerow(row)
     return buf.getvalue()
 
@@ -112,7 +149,7 @@ def to_html(t: BeyondTable) -> str:
         out.append(f"<tr><td>{e(label)}</td><td>{e(_metric(spec))}</td>")
         for c, _ in COLUMNS:
             cell = t.cells[(spec.id, model, c)]
-            out.append(f'<td class="ours {e(cell.status)}">{e(cell.ours_text())}</td>'
+            out.append(f'<td class="ours {e(cell.status)}">{e(_ours(t, (spec.id, model, c)))}</td>'
                        + ("" if c == "fp32" else f"<td>{e(cell.diff_text())}</td>"))
         out.append("</tr>")
     out.append("</table></section>")

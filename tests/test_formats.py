@@ -3,6 +3,8 @@ kept in BF16, the block-scaled formats against hand-worked values from their pap
 and the recipes end to end."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn as nn
@@ -414,9 +416,11 @@ def test_beyond_the_paper_table(tmp_path):
 
     from paper_tables import beyond, report, results
 
+    # numerics.sqnr_every's lines: each step's median over parameters (FP32 against itself: infinite)
+    sqnr = lambda *db: [{"numerics/sqnr/grad_median": v} for v in db]  # noqa: E731
     for seed in range(3):
-        _tiny_run(tmp_path, "fp32", seed, 97.0 + seed)
-        _tiny_run(tmp_path, "mxfp8", seed, 96.0 + seed)
+        _tiny_run(tmp_path, "fp32", seed, 97.0 + seed, numerics=sqnr(math.inf, math.inf))
+        _tiny_run(tmp_path, "mxfp8", seed, 96.0 + seed, numerics=sqnr(20.0 + seed, 30.0 + seed, math.nan, 40.0))
         _tiny_run(tmp_path, "nvfp4", seed, 60.0 + seed)
         _tiny_run(tmp_path, "nvfp4", seed, 10.0, {"fp8": {"ends": "fp8"}})  # another column: not this table's
     runs, problems = results.collect_dir(tmp_path)
@@ -428,8 +432,16 @@ def test_beyond_the_paper_table(tmp_path):
     assert cell("fp8_block").status == "missing"
     md = beyond.to_markdown(t)
     assert "| ResNet-50 (pre-activation) | top1" in md and "| Multibox SSD (VGG-16, 300) |" in md
+    # SQNR: per run the median over its steps (NaN left out: 30, 31, 32 dB), over the seeds their median
+    key = lambda c: ("table1", "resnet50_preact", c)  # noqa: E731
+    assert t.sqnr_db(key("mxfp8")) == 31.0 and t.sqnr_db(key("nvfp4")) is None and t.sqnr_db(key("fp32")) == math.inf
+    row = next(ln for ln in md.splitlines() if ln.startswith("| ResNet-50"))
+    assert "97.00 ± 1.00 (n=3); 31.0 dB |" in row and "98.00 ± 1.00 (n=3) |" in row and row.count("dB") == 1
     written = report.write(rep, tmp_path / "out")
     assert (tmp_path / "out" / f"{t.stem}.csv") in written
+    rows = list(__import__("csv").DictReader((tmp_path / "out" / f"{t.stem}.csv").open()))
+    r50 = next(r for r in rows if r["model"] == "resnet50_preact")
+    assert float(r50["mxfp8|sqnr_db"]) == 31.0 and r50["nvfp4|sqnr_db"] == "" and r50["fp32|sqnr_db"] == "inf"
 
 
 def test_accumulating_in_16_bits_loses_what_fp32_keeps():
