@@ -188,7 +188,7 @@ def _result(t: LocalTask, code: int) -> str:
         s = json.loads((t.run_dir / "summary.json").read_text()) if t.run_dir else {}
         metric = s.get("primary_metric")
         value = (s.get("metrics") or {}).get(metric)
-        what = f"{s.get('status')}" + (f", {metric} {value:.4g}" if isinstance(value, (int, float)) else "")
+        what = f"{s.get('status') or ''}" + (f", {metric} {value:.4g}" if isinstance(value, (int, float)) else "")
     except (OSError, ValueError, TypeError):
         what = ""
     return (what or "done") if code == 0 else f"exit {code}" + (f" ({what})" if what else "")
@@ -213,7 +213,8 @@ def run_local(tasks: list[LocalTask], cap: int, started=None, say=print) -> dict
         if max(t.gpus for t in tasks) > len(free_gpus):
             raise UserError(f"a run needs {max(t.gpus for t in tasks)} GPU(s); this machine has {len(free_gpus)}")
     preload = list(dict.fromkeys(m for t in tasks for m in t.preload))
-    if preload and FORKSERVER:  # what the forkserver imports when it starts (the first fork); a running one keeps its own
+    fork = bool(preload) and FORKSERVER
+    if fork:  # what the forkserver imports when it starts (the first fork); a running one keeps its own
         multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
     signals: list[int] = []
     old = {}
@@ -230,10 +231,7 @@ def run_local(tasks: list[LocalTask], cap: int, started=None, say=print) -> dict
                 t = pending.pop(0)
                 gpus = [free_gpus.pop(0) for _ in range(t.gpus)]
                 port = str(_free_port())
-                procs = []
-                forked = bool(t.preload) and not t.gpus and t.argv[1:2] == ["-m"] and FORKSERVER
-                logf = (os.fdopen(open_no_follow(t.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab")
-                        if t.log and not forked else subprocess.DEVNULL)
+                envs = []
                 for r in range(t.world):
                     env = {**os.environ, **t.env, "RANK": str(r), "WORLD_SIZE": str(t.world),
                            "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
@@ -241,14 +239,24 @@ def run_local(tasks: list[LocalTask], cap: int, started=None, say=print) -> dict
                         env["MPT_JOB_LOG"] = str(t.log)
                     if t.gpus:
                         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
-                    if forked:
-                        procs.append(_Forked(t, env))
-                        continue
+                    envs.append(env)
+                procs = []
+                if fork and t.preload and not t.gpus and t.argv[1:2] == ["-m"]:
+                    try:
+                        procs = [_Forked(t, env) for env in envs]
+                    except (EOFError, OSError) as e:  # the server died, e.g. a preloaded module failed at import
+                        for p in procs:
+                            p.send_signal(signal.SIGKILL)
+                        procs, fork = [], False
+                        say(f"the preloaded start failed ({type(e).__name__}: {e}); the cells start as fresh processes")
+                if not procs:
+                    logf = (os.fdopen(open_no_follow(t.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab") if t.log
+                            else subprocess.DEVNULL)
                     # Own session: a Ctrl-C reaches the cells only as the SIGTERM forwarded below.
-                    procs.append(subprocess.Popen(t.argv, env=env, cwd=REPO, stdout=logf, stderr=subprocess.STDOUT,
-                                                  start_new_session=True))
-                if t.log and not forked:
-                    logf.close()
+                    procs = [subprocess.Popen(t.argv, env=env, cwd=REPO, stdout=logf, stderr=subprocess.STDOUT,
+                                              start_new_session=True) for env in envs]
+                    if t.log:
+                        logf.close()
                 running[t.name] = (procs, gpus)
                 began[t.name] = (time.monotonic(), t)
                 if started is not None:

@@ -562,3 +562,19 @@ def test_a_stop_signal_reaches_a_forked_cell(tmp_path):
     with pytest.raises(UserError, match="stopped by signal: 1 cell"):
         submit.run_local(tasks, cap=1, say=lambda *a: None)
     assert (tmp_path / "waits.json.sigterm").exists() and not (tmp_path / "never.json").exists()
+
+
+def test_a_failed_preloaded_start_falls_back_to_fresh_processes(tmp_path, monkeypatch):
+    """A forkserver that dies (a preloaded module failing at import kills it) must not stop the grid: the
+    cells start as fresh processes, with one line saying so."""
+    def dead_server(*a, **k):
+        raise EOFError("unexpected EOF")
+
+    monkeypatch.setattr(submit, "_Forked", dead_server)
+    lines = []
+    results = submit.run_local([_probe(tmp_path, f"p{i}", "0", preload=("torch",)) for i in range(2)], cap=1,
+                               say=lines.append)
+    assert results == {"p0": 0, "p1": 0}
+    assert lines[0].startswith("the preloaded start failed (EOFError: unexpected EOF)") and len(lines) == 3, lines
+    assert not json.loads((tmp_path / "p1.json").read_text())["preloaded"]
+    assert "[1/2] p0: done (" in lines[1]
