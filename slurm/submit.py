@@ -118,7 +118,7 @@ FORKSERVER = "forkserver" in multiprocessing.get_all_start_methods()  # not on W
 class _Forked:
     """One rank of a CPU cell, forked from multiprocessing's forkserver once that has imported the
     cells' modules: importing torch, torchvision and an experiment costs ~3 s of a 2-core machine's
-    time per process, a fifth of a tiny run. The fork is a process of its own as a fresh interpreter is
+    time per process, a third of a short tiny run. The fork is a process of its own as a fresh interpreter is
     (own session, environment, log; exit code and stop signals as before): the same run, bit for bit.
     What run_local uses of a subprocess.Popen: pid, poll(), returncode, send_signal()."""
 
@@ -242,8 +242,11 @@ def run_local(tasks: list[LocalTask], cap: int, started=None, say=print) -> dict
                     envs.append(env)
                 procs = []
                 if fork and t.preload and not t.gpus and t.argv[1:2] == ["-m"]:
+                    if t.log:  # a log that cannot be appended to is the launcher's one-line error, as below
+                        os.close(open_no_follow(t.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT))
                     try:
-                        procs = [_Forked(t, env) for env in envs]
+                        for env in envs:
+                            procs.append(_Forked(t, env))
                     except (EOFError, OSError) as e:  # the server died, e.g. a preloaded module failed at import
                         for p in procs:
                             p.send_signal(signal.SIGKILL)

@@ -340,9 +340,10 @@ def test_grid_manifest_and_local_logs_are_not_appended_through_a_symlink(tmp_pat
     with pytest.raises(UserError, match="submissions.jsonl is a symbolic link"):
         state.append_manifest(tmp_path / "exp", {"cells": []})
     (tmp_path / "cell.log").symlink_to(target)
-    task = submit.LocalTask("t", [sys.executable, "-c", "print('hello')"], log=tmp_path / "cell.log")
-    with pytest.raises(UserError, match="cell.log is a symbolic link"):
-        submit.run_local([task], cap=1, say=lambda *a: None)
+    for task in (submit.LocalTask("t", [sys.executable, "-c", "print('hello')"], log=tmp_path / "cell.log"),
+                 _probe(tmp_path, "cell", "0", preload=("torch",))):  # fresh and forked
+        with pytest.raises(UserError, match="cell.log is a symbolic link"):
+            submit.run_local([task], cap=1, say=lambda *a: None)
     assert target.read_text() == "keep me\n"
 
 
