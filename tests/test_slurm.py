@@ -525,6 +525,7 @@ def _probe(tmp_path, name, code, *extra, preload=()):
                             log=tmp_path / f"{name}.log", preload=preload)
 
 
+@pytest.mark.heavy
 def test_a_cell_forked_from_the_preloaded_server_runs_as_a_fresh_process_would(tmp_path):
     """run_locally's cells start as forks of a process that imported torch once (preload): each is still
     `python -m MODULE ARGS` in its own session, with its environment, thread count, log and exit code."""
@@ -546,6 +547,7 @@ def test_a_cell_forked_from_the_preloaded_server_runs_as_a_fresh_process_would(t
             assert ("RuntimeError: probe failed" in log) == (code == "raise"), log
 
 
+@pytest.mark.heavy
 def test_a_stop_signal_reaches_a_forked_cell(tmp_path):
     """SIGTERM to the launcher: it forwards SIGTERM to the running forked cell and starts no more."""
     import threading
@@ -565,6 +567,7 @@ def test_a_stop_signal_reaches_a_forked_cell(tmp_path):
     assert (tmp_path / "waits.json.sigterm").exists() and not (tmp_path / "never.json").exists()
 
 
+@pytest.mark.heavy
 def test_a_failed_preloaded_start_falls_back_to_fresh_processes(tmp_path, monkeypatch):
     """A forkserver that dies (a preloaded module failing at import kills it) must not stop the grid: the
     cells start as fresh processes, with one line saying so."""
