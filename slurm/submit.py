@@ -11,6 +11,7 @@ submission appends its cells, job ids and the git commit to <out_dir>/<experimen
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import functools
 import io
@@ -158,8 +159,6 @@ def _forked_main(module: str, args: list[str], env: dict[str, str], log: str | N
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
     finally:
-        import atexit
-
         atexit._run_exitfuncs()  # multiprocessing ends a fork with os._exit: run what an exit would run
 
 
