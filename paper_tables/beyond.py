@@ -1,8 +1,9 @@
 """The "beyond the paper" table: every model of the paper's tables (one row each) in the low-precision
 formats of its successors, beside FP32 and the paper's own mixed precision. Each experiment's row reads
 its own metric (the spec of its table in specs.TABLES); Δ is against the row's FP32 cell, within seed noise
-or not (tables.Cell.vs_ref_text), since the paper has no numbers for these formats. A cell whose runs measured how far their gradients are
-from FP32's (numerics.sqnr_every) also shows that SQNR, the formats' numerics apart from the metric."""
+or not (tables.Cell.vs_ref_text), since the paper has no numbers for these formats. A cell whose runs
+measured how far their gradients are from FP32's (numerics.sqnr_every) also shows that SQNR, the formats'
+numerics apart from the metric."""
 from __future__ import annotations
 
 import csv
@@ -12,7 +13,7 @@ import io
 import math
 import statistics
 
-from paper_tables import specs, tables
+from paper_tables import results, specs, tables
 
 # (column id, header): a run's column is its precision's column (results.run_precision), except the
 # paper's MP, which is whichever precision fills that table's MP column (tables.paper_column: mixed or
@@ -29,7 +30,7 @@ def run_sqnr(run, problems: list) -> float | None:
     """A run's gradient SQNR against FP32 in dB: the median over its sampled steps (numerics.sqnr_every)
     of each step's median over parameters; None when it measured none. FP32's own is infinite."""
     vals = [v for line in run.lines(problems).numerics
-            if isinstance(v := line.get(SQNR_KEY), (int, float)) and not isinstance(v, bool) and not math.isnan(v)]
+            if (v := results._num(line.get(SQNR_KEY))) is not None and not math.isnan(v)]
     return statistics.median(vals) if vals else None
 
 

@@ -239,10 +239,12 @@ def run_local(tasks: list[LocalTask], cap: int, started=None, say=print) -> dict
                     if t.gpus:
                         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
                     envs.append(env)
+                # Opened here for either start (a log that cannot be appended to is a one-line error); a
+                # forked cell opens it again itself.
+                logf = (os.fdopen(open_no_follow(t.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab") if t.log
+                        else subprocess.DEVNULL)
                 procs = []
                 if fork and t.preload and not t.gpus and t.argv[1:2] == ["-m"]:
-                    if t.log:  # a log that cannot be appended to is the launcher's one-line error, as below
-                        os.close(open_no_follow(t.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT))
                     try:
                         for env in envs:
                             procs.append(_Forked(t, env))
@@ -252,13 +254,11 @@ def run_local(tasks: list[LocalTask], cap: int, started=None, say=print) -> dict
                         procs, fork = [], False
                         say(f"the preloaded start failed ({type(e).__name__}: {e}); the cells start as fresh processes")
                 if not procs:
-                    logf = (os.fdopen(open_no_follow(t.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab") if t.log
-                            else subprocess.DEVNULL)
                     # Own session: a Ctrl-C reaches the cells only as the SIGTERM forwarded below.
                     procs = [subprocess.Popen(t.argv, env=env, cwd=REPO, stdout=logf, stderr=subprocess.STDOUT,
                                               start_new_session=True) for env in envs]
-                    if t.log:
-                        logf.close()
+                if t.log:
+                    logf.close()
                 running[t.name] = (procs, gpus)
                 began[t.name] = (time.monotonic(), t)
                 if started is not None:
