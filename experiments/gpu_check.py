@@ -13,9 +13,15 @@ and the others run):
   headline   ResNet-50 (pre-activation) at batch 256: strict FP32, TF32, mixed (autocast), mixed
              (impl=paper), channels_last then NCHW: images/s, step time, peak memory, GPU-busy
              fraction, the speed_memory goals
+  e2e        ResNet-50 mixed (autocast, NHWC) trained by the engine from JPEG files it writes first
+             (mate-backgrounds photographs at ImageNet's sizes), the machine's cores as loader workers,
+             JPEGs decoded on the CPU and on the GPU: images/s and ratio_to_synthetic (the headline's)
+  ssd_e2e    SSD300 mixed trained end to end from VOC-format JPEG files (images/s at batch 32)
   resume     a tiny run on the GPU stopped after a few steps (checkpoint), restarted: the engine's
              resume must load its checkpoint there and finish
   ds2_worst  DeepSpeech 2 at its worst paper batch: the longest utterances, paper batch per GPU: does it fit?
+  cifar      the CIFAR-10 real recipe (ResNet-8, ../shared/data's development subset, 32 epochs) on the
+             tensor cores in fp32, fp16, mixed and bf16 over 3 seeds: top-1 beside the CPU emulation's
   models     every Table 1 and Table 3 model (6 ILSVRC CNNs, DeepSpeech 2 English and Mandarin) for a
              few steps in fp32, mixed and fp16_storage at the paper grid's batch per GPU, as time allows
   ddp        a 2-rank DDP run (torchrun) when two GPUs are visible; skipped at no cost otherwise (the
@@ -49,7 +55,7 @@ from pathlib import Path
 from mpt.errors import UserError, cli, one_line
 
 SCHEMA = "gpu_check/1"
-PARTS = ("headline", "resume", "ds2_worst", "models", "ddp")
+PARTS = ("headline", "e2e", "ssd_e2e", "resume", "ds2_worst", "cifar", "models", "ddp")
 RESULTS_DIR = "experiments/speed_memory/results"
 # The whole call's default limit, the environment probe included: 6 minutes. A lease of 15 minutes
 # spends 1-2 on the machine's start; 6 here leaves room for a second call that reruns what failed.
@@ -60,9 +66,15 @@ PROBE_S = 60  # importing torch and reading the device: ~10-20 s with CUDA's fir
 # rows; the first 65 s, cuDNN's search for FP32 NHWC algorithms), resume 24 s, ds2_worst 101 s (English
 # 68 s, Mandarin 22 s; 80 s cut it), 13 of the 24 models cells in 96 s. An H100 has the same SMs at lower
 # memory bandwidth: ~10-20% more. models gets what is left of the call (its first cells); ddp needs 2 GPUs.
-GPU_BUDGET_S = {"headline": 150, "resume": 45, "ds2_worst": 120, "models": 120, "ddp": 60}
+# 2026-11-28 (results/nvidia-h200-2026-11-28-gpu_check-call*.json): the headline's first 5 rows took 127 s
+# and 150 s cut its last 3; e2e 59 s (its photographs written in ~10 s), ssd_e2e 63 s, cifar 147 s (12 runs,
+# four at a time). A first call of the default parts gets through headline, e2e and ssd_e2e in ~330 s; a
+# second call runs --parts resume,ds2_worst,cifar,models.
+GPU_BUDGET_S = {"headline": 200, "e2e": 120, "ssd_e2e": 100, "resume": 45, "ds2_worst": 120, "cifar": 180,
+                "models": 120, "ddp": 60}
 # The CPU smoke's limits: generous (a loaded 2-core machine), they only catch a hang.
-SMOKE_BUDGET_S = {"headline": 120, "models": 180, "ds2_worst": 120, "resume": 120, "ddp": 180}
+SMOKE_BUDGET_S = {"headline": 120, "e2e": 150, "ssd_e2e": 150, "cifar": 150, "models": 180, "ds2_worst": 120,
+                  "resume": 120, "ddp": 180}
 SMOKE_CALL_S = PROBE_S + sum(SMOKE_BUDGET_S.values())
 RN = "resnet50_preact"
 TABLE1 = ("alexnet", "vgg16", "googlenet", "inception_v2", "inception_v3", RN)
@@ -95,6 +107,20 @@ class Sizes:
     tiny_batch: int = 16  # resume and ddp: the ILSVRC tiny profile on generated tiny data
     tiny_steps: int = 6
     stop_after: int = 3
+    e2e_train_per_class: int = 700  # x 12 photographs: 8,400 training images, 32 batches of 256 an epoch
+    e2e_val_per_class: int = 10
+    e2e_crop: int = 224
+    e2e_resize: int = 256
+    e2e_steps: int = 80
+    e2e_log_every: int = 5
+    e2e_skip_windows: int = 4  # the first 20 steps: cuDNN's search, the workers' first batches
+    ssd_image: int = 500  # VOC's images are ~500x375
+    ssd_images: int = 960  # <= 1,000: data_prep.voc holds a larger VOC2007 list to the official count
+    ssd_batch: int = 32  # the paper grid's per GPU (SSD's Caffe solver)
+    ssd_steps: int = 60
+    cifar_seeds: tuple = (0, 1, 2)
+    cifar_epochs: int = 32  # the real profile's
+    cifar_sizes: dict = dataclasses.field(default_factory=lambda: {"train_per_class": 500, "test_per_class": 200})
 
 
 GPU = Sizes()
@@ -103,7 +129,10 @@ GPU = Sizes()
 # run on a CPU core. FP16 recurrent layers are slow on a CPU (the DS2 cells dominate the smoke's time).
 SMOKE = Sizes(headline_width=0.03125, headline_batch=4, headline_size="64", headline_steps=2, headline_warmup=1,
               kernels=False, width=0.03125, batch=2, image_size="80", speech_frames=64, steps=1, warmup=1,
-              worst_frames_scale=0.04, worst_steps=1, worst_warmup=1, tiny_batch=8, tiny_steps=4, stop_after=2)
+              worst_frames_scale=0.04, worst_steps=1, worst_warmup=1, tiny_batch=8, tiny_steps=4, stop_after=2,
+              e2e_train_per_class=2, e2e_val_per_class=1, e2e_crop=64, e2e_resize=72, e2e_steps=4, e2e_log_every=1,
+              e2e_skip_windows=1, ssd_image=96, ssd_images=8, ssd_batch=2, ssd_steps=2, cifar_seeds=(0,), cifar_epochs=1,
+              cifar_sizes={"train_per_class": 8, "test_per_class": 4})
 
 
 # ------------------------------------------------------------------------------------------------
@@ -363,6 +392,226 @@ def part_ddp(ctx: Ctx) -> dict:
     return out
 
 
+# ------------------------------------------------------------------------------------------------
+# end to end: training from JPEG files through the repository's own loaders
+
+
+PHOTO_DIRS = ("data/mate-backgrounds", "/usr/share/backgrounds/mate/nature")  # repo copy first (a GPU image lacks the package)
+
+
+def _photo_source() -> Path:
+    from data_prep.imagenet.real_photos import missing
+
+    root = Path(__file__).resolve().parents[1]
+    for d in PHOTO_DIRS:
+        p = root / d
+        if not missing(p):
+            return p
+    raise UserError(f"the end-to-end parts cut real photographs from Debian's mate-backgrounds: none of "
+                    f"{', '.join(PHOTO_DIRS)} holds its 12 nature photographs (apt-get install mate-backgrounds, "
+                    f"or copy /usr/share/backgrounds/mate/nature to {PHOTO_DIRS[0]} before the call)")
+
+
+def _photo_jpegs(job) -> list[bytes]:
+    """One worker's share of ImageNet-sized photographs: (photo path, count, seed) -> JPEG bytes (quality
+    90), a quarter at 1000x750 and the rest at 500x375 (ILSVRC's typical sizes), each a random 4:3 cut of
+    the photograph (40-100% of its height), portrait for one in five."""
+    import io as _io
+
+    import numpy as np
+    from PIL import Image
+
+    path, n, seed = job
+    rng = np.random.default_rng(seed)
+    out = []
+    with Image.open(path) as src:
+        src = src.convert("RGB")
+        W, H = src.size
+        for _ in range(n):
+            w, h = (1000, 750) if rng.random() < 0.25 else (500, 375)
+            if rng.random() < 0.2:
+                w, h = h, w
+            ch = int(rng.uniform(0.4, 1.0) * min(H, W * h / w))
+            cw = int(ch * w / h)
+            x, y = int(rng.integers(0, W - cw + 1)), int(rng.integers(0, H - ch + 1))
+            buf = _io.BytesIO()
+            src.crop((x, y, x + cw, y + ch)).resize((w, h), Image.BILINEAR).save(buf, "JPEG", quality=90)
+            out.append(buf.getvalue())
+    return out
+
+
+def photo_imagenet(work: Path, train_per_class: int, val_per_class: int, workers: int) -> tuple[Path, float]:
+    """An ILSVRC2012 of real photographs at ImageNet's sizes (class k: mate-backgrounds photograph k),
+    written as the official archives and prepared by data_prep.imagenet, with `workers` processes; made
+    once per call. -> (prepared folder, seconds)."""
+    import multiprocessing as mp
+
+    import numpy as np
+
+    from data_prep.imagenet import prepare
+    from data_prep.imagenet.real_photos import NAMES
+    from data_prep.imagenet.tiny import wnid, write_archives
+
+    out = work / "photo_imagenet"
+    if (out / "prepared.json").exists():
+        return out, 0.0
+    t0 = time.time()
+    src = _photo_source()
+    k = len(NAMES)
+    per = train_per_class + val_per_class
+    chunks = max(1, min(per, -(-per * k // (4 * workers))))  # ~4 jobs a worker
+    jobs = [(str(src / f"{NAMES[c]}.jpg"), len(part), 1000 * c + j)
+            for c in range(k) for j, part in enumerate(np.array_split(np.arange(per), chunks)) if len(part)]
+    with mp.get_context("spawn").Pool(workers) as pool:
+        done = pool.map(_photo_jpegs, jobs)
+    per_class = [[] for _ in range(k)]
+    for (path, _, seed), imgs in zip(jobs, done):
+        per_class[seed // 1000].extend(imgs)
+    rng = np.random.default_rng(0)
+    labels = np.repeat(np.arange(k), val_per_class)[rng.permutation(k * val_per_class)]
+    val = {c: iter(per_class[c][train_per_class:]) for c in range(k)}
+    arch = work / "photo_archives"
+    write_archives(arch, [wnid(c) for c in range(k)], list(range(1, k + 1)), [f"photograph {n}" for n in NAMES],
+                   [per_class[c][:train_per_class] for c in range(k)], [train_per_class] * k, labels,
+                   (next(val[int(c)]) for c in labels), source="experiments.gpu_check")
+    prepare.prepare(arch, out, workers=workers, log=lambda *a: None)
+    shutil.rmtree(arch, ignore_errors=True)
+    return out, round(time.time() - t0, 1)
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _engine_run(experiment: str, overrides: list[str], skip_windows: int) -> dict:
+    """One ordinary run (mpt.cli.main) -> its brief summary plus the throughput of each log window
+    (metrics.jsonl) and their median after the first `skip_windows` (cuDNN's search, the workers' start)."""
+    from mpt import config
+    from mpt.cli import main
+
+    s = main(experiment, overrides)
+    cfg = config.resolve(experiment, overrides)
+    lines = [json.loads(x) for x in (config.run_dir(cfg) / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    windows = [ln["throughput"] for ln in lines if ln.get("kind") == "train" and ln.get("throughput")]
+    steady = windows[skip_windows:] or windows
+    out = _brief(s)
+    out.update(windows=[round(w, 1) for w in windows],
+               throughput_steady=round(sorted(steady)[len(steady) // 2], 1) if steady else None)
+    return out
+
+
+def part_e2e(ctx: Ctx) -> dict:
+    """ResNet-50 in mixed precision (autocast, channels_last: the headline's best row) trained from JPEG
+    files through the repository's own loader and the engine: ImageNet-sized real photographs written on
+    this machine, the machine's cores as loader workers, with the JPEGs decoded on the CPU (workers) and
+    on the GPU (nvJPEG). Its images/s against the headline's synthetic ones: ratio_to_synthetic (the parent
+    fills it in from the same call's headline)."""
+    s = ctx.sizes
+    cores = _cores()
+    workers = max(1, cores - 1)
+    data, wrote_s = photo_imagenet(ctx.work, s.e2e_train_per_class, s.e2e_val_per_class, cores)
+    out = {"cores": cores, "num_workers": workers, "data": {"train_images": 12 * s.e2e_train_per_class,
+           "sizes": "3/4 at 500x375, 1/4 at 1000x750 (1 in 5 portrait), JPEG quality 90", "write_s": wrote_s,
+           "source": "Debian mate-backgrounds nature photographs"}, "rows": []}
+    ctx.emit(out)
+    for decode in ("cpu", "gpu"):
+        t0 = time.time()
+        ov = [f"model={RN}", "precision=mixed", "impl=autocast", "channels_last=true", f"width={s.headline_width}",
+              f"task.data_root={data}", "task.augment=torchvision", f"task.decode={decode}",
+              f"task.crop={s.e2e_crop}", f"task.resize={s.e2e_resize}",
+              f"train.batch_size={s.headline_batch}", f"train.max_steps={s.e2e_steps}", f"train.num_workers={workers}",
+              f"train.log_every={s.e2e_log_every}", "train.eval_every_epochs=1000", "train.eval_max_batches=1",
+              "train.ckpt_every_minutes=0", "train.progress=false", "wandb.mode=disabled",
+              f"out_dir={ctx.work / 'e2e_runs'}", f"device={ctx.device}"]
+        row = {"model": RN, "precision": "mixed", "impl": "autocast", "channels_last": True, "decode": decode,
+               "batch": s.headline_batch, **_engine_run("ilsvrc_cnns", ov, s.e2e_skip_windows)}
+        row["seconds"] = round(time.time() - t0, 1)
+        print(f"e2e decode={decode}: {row['throughput_steady']} img/s steady, windows {row['windows']} "
+              f"({row['seconds']:.0f} s)", file=sys.stderr, flush=True)
+        out["rows"].append(row)
+        ctx.emit(out)
+    bad = [r for r in out["rows"] if r["status"] != "completed"]
+    if bad:
+        out["status"], out["error"] = "failed", "; ".join(f"decode={r['decode']}: {r['status']} {r['error']}" for r in bad)
+    return out
+
+
+def part_ssd_e2e(ctx: Ctx) -> dict:
+    """SSD300 in mixed precision trained end to end from VOC-format JPEG files (the tiny generator's
+    scenes at VOC's image size, data_prep.voc.tiny) with SSD's augmentation in the machine's cores."""
+    from data_prep.voc import prepare as voc_prepare
+    from data_prep.voc.tiny import generate
+
+    s = ctx.sizes
+    cores = _cores()
+    t0 = time.time()
+    arch, data = ctx.work / "voc_archives", ctx.work / "voc"
+    generate(arch, size=s.ssd_image, trainval=s.ssd_images, test=8, trainval12=0)
+    voc_prepare.prepare(arch, data, log=lambda *a: None)
+    out = {"cores": cores, "num_workers": max(1, cores - 1), "data": {"images": s.ssd_images, "size": s.ssd_image,
+           "write_s": round(time.time() - t0, 1), "source": "data_prep.voc.tiny scenes (synthetic shapes)"}}
+    ctx.emit(out)
+    ov = ["model=ssd300_vgg16", "precision=mixed", "impl=autocast", "channels_last=true", f"width={s.width}",
+          f"task.data_root={data}", "task.train_sets=[2007_trainval]", "task.backbone=scratch",
+          f"train.batch_size={s.ssd_batch}", f"train.max_steps={s.ssd_steps}", f"train.num_workers={max(1, cores - 1)}",
+          f"train.log_every={s.e2e_log_every}", "train.eval_every_epochs=1000", "train.eval_max_batches=1",
+          "train.ckpt_every_minutes=0", "train.progress=false", "wandb.mode=disabled",
+          f"out_dir={ctx.work / 'ssd_runs'}", f"device={ctx.device}"]
+    t0 = time.time()
+    out["row"] = {"model": "ssd300_vgg16", "precision": "mixed", "batch": s.ssd_batch,
+                  **_engine_run("voc_detection", ov, s.e2e_skip_windows), "seconds": 0.0}
+    out["row"]["seconds"] = round(time.time() - t0, 1)
+    if out["row"]["status"] != "completed":
+        out["status"], out["error"] = "failed", f"{out['row']['status']} {out['row']['error']}"
+    return out
+
+
+CIFAR_PRECISIONS = ("fp32", "fp16", "mixed", "bf16")
+
+
+def part_cifar(ctx: Ctx) -> dict:
+    """The CIFAR-10 `real` recipe (ResNet-8 on the development subset, 32 epochs) on the GPU's tensor
+    cores in fp32, fp16 (S = 1), mixed and bf16, one process per run, the four precisions of a seed
+    side by side: top-1 to set beside the CPU emulation's (experiments/ilsvrc_cnns/config.yaml)."""
+    from data_prep.imagenet import cifar_dev, prepare
+
+    s = ctx.sizes
+    root = Path(__file__).resolve().parents[1]
+    src = next((p for p in (root / "data/cifar10-dev.tar.gz", root.parent / "shared/data/cifar10-dev.tar.gz")
+                if p.is_file()), None)
+    if src is None:
+        return {"status": "skipped", "note": "no cifar10-dev.tar.gz in data/ or ../shared/data/"}
+    data = ctx.work / "cifar_dev"
+    cifar_dev.generate(ctx.work / "cifar_archives", source=str(src), **s.cifar_sizes)
+    prepare.prepare(ctx.work / "cifar_archives", data, workers=4, log=lambda *a: None)
+    out = {"rows": [], "epochs": s.cifar_epochs}
+    for seed in s.cifar_seeds:
+        procs = []
+        for prec in CIFAR_PRECISIONS:
+            ov = ["profile=real", "model=resnet8_cifar", f"precision={prec}", f"seed={seed}", f"task.data_root={data}",
+                  f"out_dir={ctx.work / 'cifar_runs'}", f"device={ctx.device}", "wandb.mode=disabled",
+                  "train.progress=false", f"train.epochs={s.cifar_epochs}", f"train.eval_every_epochs={s.cifar_epochs}"]
+            log = open(ctx.work / f"cifar_{prec}_{seed}.log", "w")
+            procs.append((prec, ov, time.time(), subprocess.Popen(
+                [sys.executable, "-m", "experiments.ilsvrc_cnns", *ov], stdout=log, stderr=subprocess.STDOUT,
+                cwd=root, env={**os.environ, "OMP_NUM_THREADS": "2"})))
+        for prec, ov, t0, p in procs:
+            rc = p.wait()
+            from mpt import config
+
+            summ = config.run_dir(config.resolve("ilsvrc_cnns", ov)) / "summary.json"
+            s_ = json.loads(summ.read_text()) if summ.is_file() else {"status": f"exit {rc}"}
+            row = {"precision": prec, "seed": seed, **_brief(s_), "seconds": round(time.time() - t0, 1)}
+            out["rows"].append(row)
+            print(f"cifar {prec} seed {seed}: {row['status']} top1 {(row.get('metrics') or {}).get('top1')} "
+                  f"({row['seconds']:.0f} s)", file=sys.stderr, flush=True)
+            ctx.emit(out)
+    bad = [r for r in out["rows"] if r["status"] != "completed"]
+    if bad:
+        out["status"], out["error"] = "failed", "; ".join(f"{r['precision']} seed {r['seed']}: {r['status']}" for r in bad)
+    return out
+
+
 def part_env(ctx: Ctx) -> dict:
     """The device and library versions (the parent process never touches CUDA: every part gets the
     whole GPU)."""
@@ -373,7 +622,7 @@ def part_env(ctx: Ctx) -> dict:
     return {"env": env, "slug": bench.device_slug(env)}
 
 
-PART_FNS = {"env": part_env, "headline": part_headline, "models": part_models, "ds2_worst": part_ds2_worst,
+PART_FNS = {"env": part_env, "headline": part_headline, "e2e": part_e2e, "ssd_e2e": part_ssd_e2e, "cifar": part_cifar, "models": part_models, "ds2_worst": part_ds2_worst,
             "resume": part_resume, "ddp": part_ddp}
 
 
@@ -564,6 +813,17 @@ def remove_work_folder(work: Path, fd: int) -> None:
             signal.signal(s, h)
 
 
+def add_e2e_ratios(res: dict) -> None:
+    """ratio_to_synthetic of each end-to-end row: its images/s over the same call's headline row of the
+    same model, precision and layout (synthetic tensors already on the GPU)."""
+    rows = res["parts"].get("headline", {}).get("result", {}).get("rows", [])
+    for r in res["parts"].get("e2e", {}).get("result", {}).get("rows", []):
+        h = next((x for x in rows if x["precision"] == r["precision"] and x.get("impl") == r["impl"]
+                  and x.get("channels_last") == r["channels_last"] and x.get("throughput")), None)
+        if h and r.get("throughput_steady"):
+            r["ratio_to_synthetic"] = round(r["throughput_steady"] / h["throughput"], 3)
+
+
 def summary_text(res: dict) -> str:
     """The human table: every part's status and time, then its figures."""
     P = res["parts"]
@@ -608,6 +868,24 @@ def summary_text(res: dict) -> str:
                              f"{_num((r.get('peak_gpu_mem_bytes') or 0) / 2**20 or None, '{:9,.0f}')}"
                              + (f"  {r.get('fits')}" + (f" ({r['reserved_of_device']:.0%})" if r.get("reserved_of_device")
                                                          else "") if name == "ds2_worst" else ""))
+    e = P.get("e2e", {}).get("result", {})
+    if e.get("rows"):
+        lines += ["", f"end to end: {RN} mixed (autocast, NHWC) from JPEG files, {e['num_workers']} loader workers "
+                      f"of {e['cores']} cores; {e['data']['train_images']:,} photographs ({e['data']['sizes']})",
+                  f"  {'decode':6s} {'status':10s} {'img/s':>9s} {'x synthetic':>11s}  per-window img/s"]
+        for r in e["rows"]:
+            lines.append(f"  {r['decode']:6s} {r['status'] or '-':10s} {_num(r.get('throughput_steady'), '{:9.0f}')} "
+                         f"{_num(r.get('ratio_to_synthetic'), '{:10.2f}x')}  {r.get('windows')}")
+    r = P.get("ssd_e2e", {}).get("result", {}).get("row")
+    if r:
+        lines += ["", f"end to end: SSD300 mixed, batch {r['batch']}: {r['status']}, "
+                      f"{_num(r.get('throughput_steady'), '{:.0f}')} img/s (windows {r.get('windows')})"]
+    c = P.get("cifar", {}).get("result", {})
+    if c.get("rows"):
+        lines += ["", f"CIFAR-10 real recipe on the GPU ({c['epochs']} epochs), top-1 % per seed:"]
+        for prec in CIFAR_PRECISIONS:
+            got = [f"{(r.get('metrics') or {}).get('top1', float('nan')):.1f}" for r in c["rows"] if r["precision"] == prec]
+            lines.append(f"  {prec:6s} {', '.join(got)}")
     for name in ("resume", "ddp"):
         r = P.get(name, {}).get("result", {})
         if name == "resume" and r.get("second"):
@@ -806,6 +1084,7 @@ def main(argv=None) -> int:
         def save(p=None, rec=None):
             if p is not None:
                 res["parts"][p] = rec
+            add_e2e_ratios(res)
             res["wall_s"] = round(time.time() - t0, 1)
             atomic_write_json(path, res)
 

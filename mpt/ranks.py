@@ -82,9 +82,12 @@ def to_cpu(obj):
 
 
 def to_device(batch, device, channels_last: bool):
+    """Tensors anywhere in a batch's lists, tuples and dicts, on `device`; 4-D images (float, or uint8 that
+    the task normalises on the device) in NHWC when channels_last. Other objects pass unchanged (e.g.
+    encoded JPEGs that the task decodes on the GPU from host memory)."""
     if isinstance(batch, torch.Tensor):
         batch = batch.to(device, non_blocking=True)
-        if channels_last and batch.dim() == 4 and batch.is_floating_point():
+        if channels_last and batch.dim() == 4 and (batch.is_floating_point() or batch.dtype == torch.uint8):
             batch = batch.contiguous(memory_format=torch.channels_last)
         return batch
     if isinstance(batch, (list, tuple)):

@@ -240,7 +240,8 @@ def test_out_defaults_to_the_out_variable(tmp_path, monkeypatch):
 
 def test_limit_and_budget_defaults():
     assert gpu_check.DEFAULT_CALL_S <= 360  # a 15-minute lease: start + this + a rerun
-    assert gpu_check.PARTS[:3] == ("headline", "resume", "ds2_worst")  # most valuable first
+    # most valuable first: the synthetic headline, then training from JPEG files beside it
+    assert gpu_check.PARTS[:3] == ("headline", "e2e", "ssd_e2e")
     with pytest.raises(SystemExit) as e:
         gpu_check.main(["--limit", "headline=abc"])
     assert e.value.code == 2

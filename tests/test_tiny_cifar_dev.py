@@ -143,6 +143,7 @@ def test_pad_augmentation_decoded_once_is_torchvisions_on_pil(tmp_path):
     from torchvision import transforms as T
 
     from data_prep.imagenet.dataset import DecodedImages, ImageNetFolder
+    from data_prep.imagenet.pipeline import normalise
     from experiments.ilsvrc_cnns.task import MEAN, STD, TaskCfg, transforms
     from mpt.data import SeededDataset
 
@@ -160,7 +161,8 @@ def test_pad_augmentation_decoded_once_is_torchvisions_on_pil(tmp_path):
             for epoch in (0, 1):
                 for i in range(len(a)):
                     (xa, ya), (xb, yb) = a[(epoch, i)], b[(epoch, i)]
-                    assert ya == yb and torch.equal(xa, xb), (crop, split, epoch, i)
+                    assert xb.dtype == torch.uint8  # normalised on the device, after the copy
+                    assert ya == yb and torch.equal(xa, normalise(xb[None])[0]), (crop, split, epoch, i)
 
 
 def test_decoded_images_refuse_a_set_too_large_for_memory(tmp_path, monkeypatch):
@@ -179,19 +181,20 @@ def test_pad_augmentation():
     padding or resize < crop is a one-line error naming the keys."""
     import torch
 
+    from data_prep.imagenet.pipeline import normalise
     from experiments.ilsvrc_cnns.task import MEAN, TaskCfg, Task, transforms
     from mpt.config import Config
 
     c = TaskCfg(crop=32, resize=40, augment="pad", flip=False)
     img = torch.full((3, 32, 32), 200, dtype=torch.uint8)  # DecodedImages' items: uint8 CHW at crop size
-    ev = transforms(c, False)(img)
-    assert ev.shape == (3, 32, 32) and torch.allclose(ev, ev[:, :1, :1].expand_as(ev))
-    mean_px = transforms(c, False)(torch.tensor([round(255 * m) for m in MEAN], dtype=torch.uint8)[:, None, None]
-                                   .expand(3, 32, 32))
+    assert transforms(c, False) is None  # evaluation sees the whole image
+    ev = normalise(img[None])[0]
+    mean_px = normalise(torch.tensor([round(255 * m) for m in MEAN], dtype=torch.uint8)[None, :, None, None]
+                        .expand(1, 3, 32, 32))[0]
     torch.manual_seed(1)
     shifted = 0
     for _ in range(20):
-        x = transforms(c, True)(img)
+        x = normalise(transforms(c, True)(img)[None])[0]
         assert x.shape == (3, 32, 32)
         border = ~torch.isclose(x, ev[:, :1, :1].expand_as(x)).all(0)
         if border.any():

@@ -27,6 +27,11 @@ def _redo_hint(root: Path) -> str:
     return f"re-run: python -m data_prep.imagenet --archives <dir> --out {root} --force"
 
 
+def damaged(path: str, root: Path, e: Exception) -> UserError:
+    return UserError(f"cannot read image {path} ({type(e).__name__}: {e}); the prepared "
+                     f"ImageNet is damaged, {_redo_hint(root)}")
+
+
 def load_rgb(path: str, root: Path) -> Image.Image:
     """torchvision's PIL loader, but a damaged file is a UserError naming it (a module-level
     function plus functools.partial, so DataLoader workers can pickle it)."""
@@ -35,8 +40,7 @@ def load_rgb(path: str, root: Path) -> Image.Image:
             img = Image.open(f)
             return img.convert("RGB")  # forces the full decode, so truncation shows up here
     except (OSError, ValueError, SyntaxError) as e:  # PIL's decode errors; UnidentifiedImageError is an OSError
-        raise UserError(f"cannot read image {path} ({type(e).__name__}: {e}); the prepared "
-                        f"ImageNet is damaged, {_redo_hint(root)}") from None
+        raise damaged(path, root, e) from None
 
 
 def _no_marker(root: Path) -> UserError:
@@ -57,9 +61,11 @@ def prepared_classes(root) -> list[str]:
 
 
 class ImageNetFolder(ImageFolder):
-    """ImageNetFolder(root, "train" | "val", transform) over the output of python -m data_prep.imagenet."""
+    """ImageNetFolder(root, "train" | "val", transform) over the output of python -m data_prep.imagenet.
+    Items are PIL images by default; `loader` (path -> sample) replaces that, e.g. the uint8 pipeline
+    (data_prep.imagenet.pipeline.ImagePipeline), which decodes and crops in one step."""
 
-    def __init__(self, root, split: str, transform=None, target_transform=None):
+    def __init__(self, root, split: str, transform=None, target_transform=None, loader=None):
         root = Path(root)
         if split not in SPLITS:
             raise UserError(f"unknown ImageNet split {split!r}; use one of {', '.join(SPLITS)}")
@@ -69,7 +75,7 @@ class ImageNetFolder(ImageFolder):
         self.info = json.loads((root / MARKER).read_text())
         try:
             super().__init__(root / split, transform=transform, target_transform=target_transform,
-                             loader=functools.partial(load_rgb, root=root))
+                             loader=loader or functools.partial(load_rgb, root=root))
         except FileNotFoundError as e:  # a class folder missing or emptied after preparation
             raise UserError(f"the prepared ImageNet at {root} is damaged ({str(e).splitlines()[0]}); "
                             f"{_redo_hint(root)}") from None

@@ -12,7 +12,8 @@ from mpt.config import infra
 from mpt.errors import UserError
 from mpt.task import Task as BaseTask
 
-MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+from data_prep.imagenet.pipeline import DECODES, MEAN, STD, EncodedBatch, collate, decode_on_device, normalise
+
 AUGMENTS = ("caffe", "torchvision", "pad")
 
 
@@ -42,33 +43,21 @@ class TaskCfg:
     # (BN-Inception: 32 images on one device, our paper grid 32 over 8 GPUs = 4 each). Needs GPUs
     # with more than one rank; a no-op in a one-process run.
     sync_bn: bool = False
-
-
-def to_unit(x: torch.Tensor) -> torch.Tensor:
-    """uint8 -> float32 in [0, 1], computed as ToTensor computes it (a plain function: workers pickle it)."""
-    return x.to(torch.float32).div(255)
+    # Where the JPEGs are decoded (augment caffe / torchvision; data_prep.imagenet.pipeline). cpu: in the
+    # loader's workers, libjpeg-turbo with DCT-domain downscaling. gpu: the workers read the files and
+    # draw the crops, nvJPEG decodes each batch on the GPU -- for nodes with few cores per GPU.
+    decode: str = "cpu"
 
 
 def transforms(c: TaskCfg, train: bool):
-    norm = [tv_transforms.ToTensor(), tv_transforms.Normalize(MEAN, STD)]
+    """augment=pad's per-sample work on DecodedImages' uint8 (3, crop, crop) tensors: uint8 out, as every
+    augmentation's (the device normalises: data_prep.imagenet.pipeline.normalise)."""
+    if c.augment != "pad":
+        raise UserError(f"transforms() is augment=pad's; task.augment={c.augment!r} runs ImagePipeline")
     flip = [tv_transforms.RandomHorizontalFlip()] if c.flip else []
-    if c.augment == "caffe":
-        warp = tv_transforms.Resize((c.resize, c.resize), antialias=True)
-        if train:
-            return tv_transforms.Compose([warp, tv_transforms.RandomCrop(c.crop), *flip, *norm])
-        return tv_transforms.Compose([warp, tv_transforms.CenterCrop(c.crop), *norm])
-    if c.augment == "torchvision":
-        if train:
-            return tv_transforms.Compose([tv_transforms.RandomResizedCrop(c.crop, antialias=True), *flip, *norm])
-        return tv_transforms.Compose([tv_transforms.Resize(c.resize, antialias=True), tv_transforms.CenterCrop(c.crop),
-                                      *norm])
-    if c.augment == "pad":
-        # On the uint8 (3, crop, crop) tensors of DecodedImages (each image fitted to crop x crop once).
-        to_float = [to_unit, tv_transforms.Normalize(MEAN, STD)]  # = ToTensor + Normalize
-        if train:
-            return tv_transforms.Compose([PadCrop(c.crop, (c.resize - c.crop) // 2), *flip, *to_float])
-        return tv_transforms.Compose(to_float)
-    raise UserError(f"unknown task.augment={c.augment!r}; choose one of: {', '.join(AUGMENTS)}")
+    if train:
+        return tv_transforms.Compose([PadCrop(c.crop, (c.resize - c.crop) // 2), *flip])
+    return None
 
 
 class PadCrop:
@@ -109,6 +98,11 @@ class Task(BaseTask):
             raise UserError(f"task.augment=pad pads (task.resize - task.crop) / 2 pixels per side: give a task.resize "
                             f">= task.crop={c.crop} that differs from it by an even number (e.g. {c.crop + 8}), "
                             f"not {c.resize}")
+        if c.decode not in DECODES:
+            raise UserError(f"unknown task.decode={c.decode!r}; choose one of: {', '.join(DECODES)}")
+        if c.decode == "gpu" and c.augment == "pad":
+            raise UserError("task.decode=gpu decodes JPEGs on the GPU; task.augment=pad holds its images decoded "
+                            "in memory: set task.decode=cpu")
         if c.init not in ("reference", "kaiming"):
             raise UserError(f"unknown task.init={c.init!r}; choose one of: reference, kaiming")
 
@@ -130,16 +124,31 @@ class Task(BaseTask):
         c = self.cfg.task
         return c.aux_weight if c.aux_weight >= 0 else AUX_WEIGHTS.get(self.cfg.model, 0.0)
 
+    # Samples leave the workers as uint8 (or, task.decode=gpu, as encoded files): see images().
+    collate = staticmethod(collate)
+
     def datasets(self):
         from data_prep.imagenet.dataset import DecodedImages, ImageNetFolder
+        from data_prep.imagenet.pipeline import ImagePipeline
 
         c = self.cfg.task
         if c.augment == "pad":  # small images, every one seen each epoch: decoded once, held as uint8 tensors
             return tuple(DecodedImages(ImageNetFolder(c.data_root, split), c.crop, transform=transforms(c, split == "train"))
                          for split in ("train", "val"))
-        train = ImageNetFolder(c.data_root, "train", transform=transforms(c, True))
-        val = ImageNetFolder(c.data_root, "val", transform=transforms(c, False))
-        return train, val
+        return tuple(ImageNetFolder(c.data_root, split, loader=ImagePipeline(c.data_root, c.augment, split == "train",
+                                                                             c.crop, c.resize, c.flip, c.decode))
+                     for split in ("train", "val"))
+
+    def images(self, x, device: torch.device) -> torch.Tensor:
+        """The model's input from a batch's images on the device: the GPU decode's JPEGs decoded and
+        cropped there, uint8 normalised there (after the copy, a quarter of float32's bytes)."""
+        if isinstance(x, EncodedBatch):
+            from mpt.precision import channels_last_pays
+
+            x = decode_on_device(x, device)
+            if channels_last_pays(self.cfg, device, self.channels_last):
+                x = x.contiguous(memory_format=torch.channels_last)
+        return normalise(x)
 
     def build_model(self):
         import models
@@ -167,7 +176,7 @@ class Task(BaseTask):
 
     def loss(self, model, batch):
         x, y = batch
-        out = model(x)
+        out = model(self.images(x, y.device))
         aux = []
         if isinstance(out, tuple):  # GoogLeNet / Inception v3 in training: (logits, [aux logits])
             out, aux = out
@@ -178,7 +187,7 @@ class Task(BaseTask):
 
     def eval_sums(self, model, batch):
         x, y = batch
-        logits = model(x).float()
+        logits = model(self.images(x, y.device)).float()
         k = min(5, logits.shape[1])
         top = logits.topk(k, dim=1).indices
         hit = top.eq(y[:, None])

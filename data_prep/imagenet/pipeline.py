@@ -1,0 +1,235 @@
+"""ILSVRC12's input pipelines at uint8: the workers decode and crop, the device normalises.
+
+A sample leaves a worker as a uint8 (3, crop, crop) tensor -- 151 KB at 224 px where the float32
+ToTensor/Normalize pipeline sent 602 KB -- and `normalise` turns the batch into the model's float input
+on the device, after the copy (Task.loss and eval_sums call it). The float work per image (~0.6 ms a
+core) and three quarters of the host-to-device bytes are gone from the input pipeline.
+
+Every augmentation is a Plan drawn from the image's size alone (its JPEG header is read, not the
+pixels), with the random numbers torchvision's transforms draw, in their order, so a run's crops and
+flips follow the laws they followed on PIL images (RandomResizedCrop + flip; Caffe's warp to
+resize x resize, RandomCrop + flip; the evaluation's resize and centre crop):
+
+    resize the whole image to (rh, rw)  ->  crop (top, left, h, w)  ->  resize to (oh, ow)  ->  flip
+
+A Plan runs in one of two places (task.decode):
+  cpu  the worker decodes with libjpeg-turbo (torchvision.io.decode_image) and applies the plan with
+       antialiased bilinear resizes on uint8 tensors. Where the plan's next resize shrinks the image at
+       least twofold, the JPEG is decoded at 1/2, 1/4 or 1/8 scale in the DCT domain instead (PIL's
+       draft mode): a 1000x750 photograph whose crop ends at 224 px decodes a quarter of its pixels.
+       A crop box is then rounded to the smaller image's pixel grid (within k/2 source pixels at 1/k).
+  gpu  the worker reads the file and draws the plan; the batch's JPEGs are decoded together on the GPU
+       (nvJPEG through torchvision.io.decode_jpeg(device="cuda")) and the plans applied there: for
+       nodes with few cores per GPU (decode_on_device).
+"""
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+DECODES = ("cpu", "gpu")
+
+
+def normalise(x: torch.Tensor) -> torch.Tensor:
+    """A uint8 image batch -> the float32 input torchvision's ToTensor + Normalize gave, with the same
+    operations in the same order (bit-identical on the CPU), on x's device and in x's memory format.
+    A float batch is taken as already normalised (the benchmarks' synthetic tensors)."""
+    if x.dtype != torch.uint8:
+        return x
+    mean = torch.tensor(MEAN, dtype=torch.float32, device=x.device).view(-1, 1, 1)
+    std = torch.tensor(STD, dtype=torch.float32, device=x.device).view(-1, 1, 1)
+    return x.to(torch.float32).div(255).sub(mean).div(std)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One image's geometry, in source pixels: resize the whole (H, W) image to (rh, rw), crop
+    (top, left, h, w) of that, resize the crop to (oh, ow), flip left-right if `flip`."""
+    rh: int
+    rw: int
+    top: int
+    left: int
+    h: int
+    w: int
+    oh: int
+    ow: int
+    flip: bool
+
+    def as_row(self) -> list[int]:
+        return [self.rh, self.rw, self.top, self.left, self.h, self.w, self.oh, self.ow, int(self.flip)]
+
+
+def _flip(p: float) -> bool:
+    """RandomHorizontalFlip's draw (torch.rand(1) < p), taken whether or not flipping is on: no --
+    the flip-free profiles draw nothing, as their Compose had no flip."""
+    return bool(torch.rand(1) < p)
+
+
+def _resized_shorter(h: int, w: int, size: int) -> tuple[int, int]:
+    """torchvision's Resize(size) for an int size: the shorter side to `size`, the other in proportion
+    (truncated, as torchvision.transforms.functional._compute_resized_output_size does)."""
+    if h <= w:
+        return size, int(size * w / h)
+    return int(size * h / w), size
+
+
+def draw_plan(augment: str, train: bool, h: int, w: int, crop: int, resize: int, flip: bool) -> Plan:
+    """The plan of one (h, w) image, drawn from torch's global generator (seeded per sample by
+    mpt.data.SeededDataset) exactly as the PIL transforms drew: same calls, same order."""
+    from torchvision import transforms as T
+
+    shape = torch.empty(1, 1, 1, dtype=torch.uint8).expand(3, h, w)  # get_params reads the size only
+    if augment == "torchvision":
+        if train:
+            top, left, ch, cw = T.RandomResizedCrop.get_params(shape, (0.08, 1.0), (3 / 4, 4 / 3))
+            return Plan(h, w, top, left, ch, cw, crop, crop, flip and _flip(0.5))
+        rh, rw = _resized_shorter(h, w, resize)
+        return Plan(rh, rw, *_centre(rh, rw, crop), crop, crop, crop, crop, False)
+    if augment == "caffe":
+        if train:
+            warped = torch.empty(1, 1, 1, dtype=torch.uint8).expand(3, resize, resize)
+            top, left, _, _ = T.RandomCrop.get_params(warped, (crop, crop))
+            return Plan(resize, resize, top, left, crop, crop, crop, crop, flip and _flip(0.5))
+        return Plan(resize, resize, *_centre(resize, resize, crop), crop, crop, crop, crop, False)
+    raise ValueError(f"no plan for augment={augment!r}")
+
+
+def _centre(h: int, w: int, crop: int) -> tuple[int, int]:
+    """CenterCrop's corner (torchvision rounds (size - crop) / 2 to the nearest int)."""
+    return int(round((h - crop) / 2.0)), int(round((w - crop) / 2.0))
+
+
+def _resize(x: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """Bilinear, antialiased (torchvision's Resize on tensors). On the CPU torch's uint8 kernel; on a GPU,
+    whose antialiased kernel takes floats only, through float32 and rounded back to uint8."""
+    if tuple(x.shape[-2:]) == tuple(size):
+        return x
+    if x.device.type == "cpu" or x.is_floating_point():
+        return F.interpolate(x[None], size=size, mode="bilinear", antialias=True, align_corners=False)[0]
+    y = F.interpolate(x[None].float(), size=size, mode="bilinear", antialias=True, align_corners=False)[0]
+    return y.round_().clamp_(0, 255).to(torch.uint8)
+
+
+def apply_plan(x: torch.Tensor, p: Plan, scale: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+    """Run plan p on the decoded uint8 (3, H', W') image x, decoded at `scale` (H'/H, W'/W) of the
+    size the plan was drawn for (1/k when the JPEG was decoded at 1/k in the DCT domain)."""
+    H, W = x.shape[-2:]
+    if (p.rh, p.rw) != (round(H / scale[0]), round(W / scale[1])):  # a whole-image resize: from any scale
+        x, sy, sx = _resize(x, (p.rh, p.rw)), 1.0, 1.0
+    else:
+        sy, sx = scale
+    top, left = round(p.top * sy), round(p.left * sx)
+    bottom, right = round((p.top + p.h) * sy), round((p.left + p.w) * sx)
+    x = _resize(x[:, top:bottom, left:right], (p.oh, p.ow))
+    return x.flip(-1) if p.flip else x.contiguous()
+
+
+def dct_factor(p: Plan, h: int, w: int) -> float:
+    """How much the plan shrinks the image before its first pixel-exact step: the most a DCT-domain
+    decode may shrink it (the whole-image resize, else the crop's resize)."""
+    if (p.rh, p.rw) != (h, w):
+        return min(h / p.rh, w / p.rw)
+    return min(p.h / p.oh, p.w / p.ow)
+
+
+def header_size(data: bytes) -> tuple[int, int]:
+    """(height, width) from an encoded image's header (PIL reads no pixels to answer)."""
+    with Image.open(io.BytesIO(data)) as im:
+        w, h = im.size
+    return h, w
+
+
+def decode_for(data: bytes, p: Plan, h: int, w: int) -> tuple[torch.Tensor, tuple[float, float]]:
+    """The uint8 (3, H', W') image and its scale: at 1/2, 1/4 or 1/8 of (h, w) through libjpeg's
+    DCT-domain scaling (PIL draft) where the plan shrinks it at least that much, else whole through
+    torchvision's libjpeg-turbo decode (faster than PIL's at full size). Non-JPEG files, CMYK and
+    greyscale JPEGs come out as RGB either way."""
+    from torchvision.io import ImageReadMode, decode_image
+
+    f = dct_factor(p, h, w)
+    if f >= 2:
+        im = Image.open(io.BytesIO(data))
+        if im.format == "JPEG":
+            im.draft("RGB", (math.ceil(w / f), math.ceil(h / f)))  # the largest 1/k with size >= that
+            if im.size != (w, h):
+                sw, sh = im.size
+                x = torch.from_numpy(_rgb_array(im)).permute(2, 0, 1)
+                return x, (sh / h, sw / w)
+    return decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB), (1.0, 1.0)
+
+
+def _rgb_array(im: Image.Image):
+    import numpy as np
+
+    return np.array(im.convert("RGB"))  # a writable copy (torch.from_numpy wants one)
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A sample for the GPU decode: the file's bytes and its drawn plan (to the device as they are)."""
+    data: torch.Tensor  # uint8, 1-D: the encoded file
+    plan: Plan
+
+
+class EncodedBatch:
+    """A batch of Encoded samples as the collate gives it: the bytes stay on the host (nvJPEG reads
+    host memory), so mpt.ranks.to_device passes this object through unchanged."""
+
+    def __init__(self, samples: list[Encoded]):
+        self.data = [s.data for s in samples]
+        self.plans = [s.plan for s in samples]
+
+    def __len__(self):
+        return len(self.data)
+
+
+def decode_on_device(batch: EncodedBatch, device: torch.device) -> torch.Tensor:
+    """The batch's JPEGs decoded together on the GPU (nvJPEG, batched), each plan applied there, as one
+    uint8 (N, 3, oh, ow) tensor on `device`. Only the decode call needs CUDA: on a CPU device the same
+    steps run with libjpeg-turbo (what the tests exercise)."""
+    from torchvision.io import ImageReadMode, decode_image, decode_jpeg
+
+    try:
+        imgs = decode_jpeg(batch.data, mode=ImageReadMode.RGB, device=device)
+    except RuntimeError:  # a file nvJPEG refuses (a PNG named .JPEG, as ILSVRC's train set holds): each on the CPU
+        imgs = [decode_image(d, mode=ImageReadMode.RGB).to(device) for d in batch.data]
+    return torch.stack([apply_plan(x, p) for x, p in zip(imgs, batch.plans)])
+
+
+class ImagePipeline:
+    """A prepared ILSVRC split's per-sample work in a worker: read the file, draw the plan from its
+    header, then decode and apply it (decode=cpu) or hand bytes and plan on (decode=gpu)."""
+
+    def __init__(self, root, augment: str, train: bool, crop: int, resize: int, flip: bool, decode: str = "cpu"):
+        self.root, self.augment, self.train, self.crop, self.resize, self.flip, self.decode = \
+            Path(root), augment, train, crop, resize, flip, decode
+
+    def __call__(self, path: str):
+        from .dataset import damaged
+
+        try:
+            data = Path(path).read_bytes()
+            h, w = header_size(data)
+            p = draw_plan(self.augment, self.train, h, w, self.crop, self.resize, self.flip)
+            if self.decode == "gpu":
+                return Encoded(torch.frombuffer(bytearray(data), dtype=torch.uint8), p)
+            x, scale = decode_for(data, p, h, w)
+        except (OSError, ValueError, SyntaxError, RuntimeError) as e:  # PIL's and libjpeg's decode errors
+            raise damaged(path, self.root, e) from None
+        return apply_plan(x, p, scale)
+
+
+def collate(samples):
+    """torch's default_collate, or (EncodedBatch, labels) for the GPU decode's samples."""
+    from torch.utils.data import default_collate
+
+    if samples and isinstance(samples[0][0], Encoded):
+        return EncodedBatch([s[0] for s in samples]), default_collate([s[1] for s in samples])
+    return default_collate(samples)
