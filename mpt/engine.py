@@ -61,21 +61,20 @@ def loader_options(task: Task, num_workers: int, pin_memory: bool) -> dict:
                 worker_init_fn=_worker_init if num_workers > 0 else None, persistent_workers=num_workers > 0)
 
 
-def train_loader_of(task: Task, train_ds, micro: int, num_workers: int, *, rank: int = 0, world: int = 1,
-                    per_rank: int | None = None, pin_memory: bool = False
-                    ) -> tuple[SeededDataset, EpochSampler, DataLoader]:
+def train_loader_of(task: Task, train_ds, micro: int, options: dict, *, rank: int = 0, world: int = 1,
+                    per_rank: int | None = None) -> tuple[SeededDataset, EpochSampler, DataLoader]:
     """The training set as a rank reads it: each sample's augmentation seeded from (seed, epoch,
     index) (SeededDataset), the rank's share of the epoch's order (EpochSampler, the tail dropped to
-    whole batches of per_rank, default micro), micro-batches collated by the task. The engine's and
-    the loader benchmark's (experiments/speed_memory/loader.py) one pipeline."""
+    whole batches of per_rank, default micro), micro-batches collated by the task, with the
+    loader_options `options`. The engine's and the loader benchmark's
+    (experiments/speed_memory/loader.py) one pipeline."""
     seed = task.cfg.seed
     # A task whose samples must stay in order (a language model carrying recurrent state across
     # batches) sets shuffle_train = False.
     sampler = EpochSampler(len(train_ds), seed, task.shuffle_train, rank, world, per_rank or micro,
                            order=functools.partial(task.train_order, train_ds), with_epoch=True)
     seeded = SeededDataset(train_ds, seed)
-    loader = DataLoader(seeded, batch_size=micro, sampler=sampler, drop_last=True,
-                        **loader_options(task, num_workers, pin_memory))
+    loader = DataLoader(seeded, batch_size=micro, sampler=sampler, drop_last=True, **options)
     return seeded, sampler, loader
 
 
@@ -259,9 +258,10 @@ class Run:
         if self.main and self.world > 1:
             print(f"global batch {t.batch_size} = {self.world} ranks x {per_rank} "
                   f"({t.accum_steps} micro-batches of {micro})", file=sys.stderr)
-        pin = self.device.type == "cuda"
-        seeded, sampler, train_loader = train_loader_of(self.task, train_ds, micro, self.num_workers, rank=self.rank,
-                                                        world=self.world, per_rank=per_rank, pin_memory=pin)
+        # One set of options, one worker-seed generator, for both loaders.
+        lkw = loader_options(self.task, self.num_workers, pin_memory=self.device.type == "cuda")
+        seeded, sampler, train_loader = train_loader_of(self.task, train_ds, micro, lkw, rank=self.rank,
+                                                        world=self.world, per_rank=per_rank)
         steps_per_epoch = len(sampler) // per_rank
         if steps_per_epoch == 0:
             raise UserError(f"train.batch_size={t.batch_size} is larger than the training set ({len(train_ds)})")
@@ -269,7 +269,7 @@ class Run:
         self.eval_every = max(1, round(t.eval_every_epochs * steps_per_epoch))
         val_loader = DataLoader(val_ds, batch_size=max(micro, 1), shuffle=False,
                                 sampler=EpochSampler(len(val_ds), 0, False, self.rank, self.world, drop_last=False),
-                                **loader_options(self.task, self.num_workers, pin))
+                                **lkw)
         self.data = Data(seeded, sampler, train_loader, val_loader, per_rank, steps_per_epoch)
 
     def _build_training(self):

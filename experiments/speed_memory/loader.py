@@ -6,7 +6,7 @@ builds it, in one process on one thread and then with N DataLoader workers.
 
 The config is resolved as the training entry point resolves it (same key=value overrides, profiles and
 checks: mpt.config.resolve); the pipeline is the Task's datasets() training set wrapped by the engine's
-own loader (mpt.engine.train_loader_of: SeededDataset, EpochSampler, the task's collate) at the run's
+own loader (mpt.engine.train_loader_of and loader_options: SeededDataset, EpochSampler, the task's collate) at the run's
 micro-batch on one rank -- nothing here knows how a task decodes or augments its samples. Timed after
 one warm-up batch per process (worker start-up and first-batch latency are one-time costs of a run with
 persistent workers), over at least K samples, epochs following each other as in a run.
@@ -87,7 +87,7 @@ def time_loader(sampler, loader, micro: int, samples: int, warmup: int) -> dict:
 def measure(experiment: str, overrides: list[str], workers: int | None = None, samples: int = 1024) -> dict:
     """The result of one benchmark (what the JSON holds)."""
     from mpt import config
-    from mpt.engine import train_loader_of
+    from mpt.engine import loader_options, train_loader_of
     from mpt.errors import UserError
     from mpt.ranks import loader_workers, usable_cpus
     from mpt.rundir import env_info, now
@@ -113,7 +113,7 @@ def measure(experiment: str, overrides: list[str], workers: int | None = None, s
     try:
         rows = []
         for n in (0, n_workers):
-            sampler_loader = train_loader_of(task, train_ds, micro, n)[1:]
+            sampler_loader = train_loader_of(task, train_ds, micro, loader_options(task, n, pin_memory=False))[1:]
             # one warm-up batch per process: with n workers, n batches are in flight from the start
             row = time_loader(*sampler_loader, micro, samples, warmup=max(n, 1))
             rows.append({"workers": n, "mode": "1 process, 1 thread" if n == 0 else f"{n} worker(s)", **row})
