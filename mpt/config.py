@@ -21,6 +21,7 @@ import math
 import os
 import pathlib
 import re
+import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,7 +83,11 @@ class TrainCfg:
     log_every: int = infra(10)
     ckpt_every_steps: int = infra(0)
     ckpt_every_minutes: float = infra(30.0)
-    num_workers: int = infra(4)
+    # DataLoader worker processes per rank. auto: the cores this process may use (its affinity mask,
+    # and SLURM_CPUS_PER_TASK under SLURM) less one for the main process, at least 0
+    # (mpt.ranks.loader_workers). A speed setting: kept as written here -- the count depends on the
+    # node a run lands on, not on what it computes -- and the count a run used is in its env.json.
+    num_workers: int | typing.Literal["auto"] = infra(4)
     progress: bool = infra(True)
     # cuDNN autotuning: a win for fixed input shapes; a task whose shapes change every batch (Faster
     # R-CNN's rescaled images) re-tunes at each new shape, so its config turns it off.
@@ -182,6 +187,14 @@ def _coerce(value, tp, key: str, what: str = "config key"):
     origin = typing.get_origin(tp)
     if tp is Any:
         return value
+    if origin in (typing.Union, types.UnionType):  # e.g. num_workers: an integer or auto
+        for alt in typing.get_args(tp):
+            try:
+                return _coerce(value, alt, key, what)
+            except UserError:
+                pass
+        show = " or ".join(_describe(a) for a in typing.get_args(tp))
+        raise UserError(f"{what} {key!r} expects {show}, got {value!r}")
     if origin is typing.Literal:  # a closed set of values, e.g. channels_last: auto | true | false
         args = typing.get_args(tp)
         for a in args:
@@ -218,6 +231,13 @@ def _coerce(value, tp, key: str, what: str = "config key"):
             return str(value)
         raise UserError(f"{what} {key!r} expects a string, got {value!r}")
     raise TypeError(f"unsupported config type {tp} for {key}")
+
+
+def _describe(tp) -> str:
+    """A type as an error message names it: an integer, auto, ..."""
+    if typing.get_origin(tp) is typing.Literal:
+        return " or ".join(str(a).lower() if isinstance(a, bool) else str(a) for a in typing.get_args(tp))
+    return {int: "an integer", float: "a number", str: "a string", bool: "true/false"}.get(tp, str(tp))
 
 
 def _field_types(dc) -> dict[str, Any]:
@@ -615,7 +635,7 @@ RANGES = (  # (key, test, what it must be) for the core config (scaler.*: precis
     ("train.log_every", lambda v: v >= 1, ">= 1"),
     ("train.ckpt_every_steps", lambda v: v >= 0, ">= 0 (0: off)"),
     ("train.ckpt_every_minutes", lambda v: v >= 0, ">= 0 (0: off)"),
-    ("train.num_workers", lambda v: v >= 0, ">= 0"),
+    ("train.num_workers", lambda v: v >= 0, ">= 0, or auto (the cores this process may use, less one)"),
     ("train.dist_timeout_min", lambda v: v > 0, "> 0"),
     ("optim.lr", lambda v: v >= 0, ">= 0 (0: no update, e.g. an untrained baseline)"),
     ("optim.momentum", lambda v: 0 <= v < 1, "in [0, 1)"),
@@ -643,6 +663,7 @@ def validate(cfg: Config) -> None:
         for part in key.split("."):
             value = getattr(value, part)
         values = value if isinstance(value, list) else [value]
+        values = [v for v in values if v != "auto"]  # a key that takes auto (train.num_workers) has no range then
         if not all(isinstance(v, (int, float)) and math.isfinite(v) and ok(v) for v in values):
             raise UserError(f"{key}={value} is out of range: it must be {want}")
     n = cfg.numerics

@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader
 from mpt import precision
 from mpt.data import EpochSampler, SeededDataset, _mix
 from mpt.errors import UserError
-from mpt.ranks import distributed_env, pick_device, rank_seed, rng_state, set_rng_state
+from mpt.ranks import distributed_env, loader_workers, pick_device, rank_seed, rng_state, set_rng_state
 from mpt.record import RankZeroRefused, RunRecord
 from mpt.rundir import env_info
 from mpt.signals import STOP, _worker_init
@@ -47,6 +47,35 @@ class Data:
     val_loader: DataLoader
     per_rank: int
     steps_per_epoch: int
+
+
+def loader_options(task: Task, num_workers: int, pin_memory: bool) -> dict:
+    """The DataLoader options of every loader of a run (training and evaluation)."""
+    # Each DataLoader iterator draws a worker seed when created (every epoch, every evaluation, at
+    # resume); from its own generator, not the global RNG that dropout uses, so resume stays exact.
+    # Persistent workers: a paper run would otherwise start num_workers processes (imports, dataset
+    # copies) at every epoch and every evaluation. The epoch reaches them with each index
+    # (EpochSampler(with_epoch=True)), never through state set after they started.
+    return dict(num_workers=num_workers, pin_memory=pin_memory,
+                generator=torch.Generator().manual_seed(task.cfg.seed), collate_fn=task.collate,
+                worker_init_fn=_worker_init if num_workers > 0 else None, persistent_workers=num_workers > 0)
+
+
+def train_loader_of(task: Task, train_ds, micro: int, options: dict, *, rank: int = 0, world: int = 1,
+                    per_rank: int | None = None) -> tuple[SeededDataset, EpochSampler, DataLoader]:
+    """The training set as a rank reads it: each sample's augmentation seeded from (seed, epoch,
+    index) (SeededDataset), the rank's share of the epoch's order (EpochSampler, the tail dropped to
+    whole batches of per_rank, default micro), micro-batches collated by the task, with the
+    loader_options `options`. The engine's and the loader benchmark's
+    (experiments/speed_memory/loader.py) one pipeline."""
+    seed = task.cfg.seed
+    # A task whose samples must stay in order (a language model carrying recurrent state across
+    # batches) sets shuffle_train = False.
+    sampler = EpochSampler(len(train_ds), seed, task.shuffle_train, rank, world, per_rank or micro,
+                           order=functools.partial(task.train_order, train_ds), with_epoch=True)
+    seeded = SeededDataset(train_ds, seed)
+    loader = DataLoader(seeded, batch_size=micro, sampler=sampler, drop_last=True, **options)
+    return seeded, sampler, loader
 
 
 class LogWindow:
@@ -104,6 +133,7 @@ class Run:
         self.main = self.rank == 0
         self.device = pick_device(cfg.device, self.local_rank)
         self.channels_last = precision.channels_last_pays(cfg, self.device, task.channels_last)
+        self.num_workers = loader_workers(cfg.train.num_workers)  # train.num_workers=auto: this node's count
         self.record = RunRecord(cfg, task, self.rank, self.world)
         self.final: dict | None = None  # an earlier invocation's final result, kept as it is (setup)
         # Built by setup(), in this order:
@@ -213,7 +243,8 @@ class Run:
             raise claim_error
         self.final = final
         if final is None:
-            rec.write_start({**env_info(self.device, self.world, cfg), "channels_last": self.channels_last})
+            rec.write_start({**env_info(self.device, self.world, cfg), "channels_last": self.channels_last,
+                             "num_workers": self.num_workers})
 
     def _build_loaders(self, train_ds, val_ds) -> None:
         """The batch split (global -> per rank -> micro-batches), the epoch's length, and the loaders."""
@@ -227,29 +258,18 @@ class Run:
         if self.main and self.world > 1:
             print(f"global batch {t.batch_size} = {self.world} ranks x {per_rank} "
                   f"({t.accum_steps} micro-batches of {micro})", file=sys.stderr)
-        seeded = SeededDataset(train_ds, cfg.seed)
-        # A task whose samples must stay in order (a language model carrying recurrent state across
-        # batches) sets shuffle_train = False.
-        sampler = EpochSampler(len(train_ds), cfg.seed, self.task.shuffle_train, self.rank, self.world,
-                               per_rank, order=functools.partial(self.task.train_order, train_ds),
-                               with_epoch=True)
+        # One set of options, one worker-seed generator, for both loaders.
+        lkw = loader_options(self.task, self.num_workers, pin_memory=self.device.type == "cuda")
+        seeded, sampler, train_loader = train_loader_of(self.task, train_ds, micro, lkw, rank=self.rank,
+                                                        world=self.world, per_rank=per_rank)
         steps_per_epoch = len(sampler) // per_rank
         if steps_per_epoch == 0:
             raise UserError(f"train.batch_size={t.batch_size} is larger than the training set ({len(train_ds)})")
         self.total_steps = t.max_steps or max(1, round(t.epochs * steps_per_epoch))
         self.eval_every = max(1, round(t.eval_every_epochs * steps_per_epoch))
-        # Each DataLoader iterator draws a worker seed when created (every epoch, every evaluation, at
-        # resume); from its own generator, not the global RNG that dropout uses, so resume stays exact.
-        # Persistent workers: a paper run would otherwise start t.num_workers processes (imports, dataset
-        # copies) at every epoch and every evaluation. The epoch reaches them with each index
-        # (EpochSampler(with_epoch=True)), never through state set after they started.
-        lkw = dict(num_workers=t.num_workers, pin_memory=self.device.type == "cuda",
-                   generator=torch.Generator().manual_seed(cfg.seed), collate_fn=self.task.collate,
-                   worker_init_fn=_worker_init if t.num_workers > 0 else None,
-                   persistent_workers=t.num_workers > 0)
-        train_loader = DataLoader(seeded, batch_size=micro, sampler=sampler, drop_last=True, **lkw)
         val_loader = DataLoader(val_ds, batch_size=max(micro, 1), shuffle=False,
-                                sampler=EpochSampler(len(val_ds), 0, False, self.rank, self.world, drop_last=False), **lkw)
+                                sampler=EpochSampler(len(val_ds), 0, False, self.rank, self.world, drop_last=False),
+                                **lkw)
         self.data = Data(seeded, sampler, train_loader, val_loader, per_rank, steps_per_epoch)
 
     def _build_training(self):

@@ -39,6 +39,32 @@ def distributed_env() -> tuple[int, int, int]:
     return 0, 1, 0
 
 
+def usable_cpus() -> int:
+    """The CPU cores this process may run on: its affinity mask (taskset, a cgroup's cpuset, SLURM's
+    task binding), and at most SLURM_CPUS_PER_TASK under SLURM, whose allocation a node without task
+    binding does not show in the mask. Without SLURM, the ranks torchrun starts on one node
+    (LOCAL_WORLD_SIZE) share one mask: each gets its share, not all of it."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity call (macOS): every core
+        n = os.cpu_count() or 1
+    env = os.environ
+    slurm, local = env.get("SLURM_CPUS_PER_TASK", ""), env.get("LOCAL_WORLD_SIZE", "")
+    if slurm.isdigit() and int(slurm) > 0:
+        n = min(n, int(slurm))
+    elif local.isdigit() and int(local) > 1:
+        n //= int(local)
+    return max(n, 1)
+
+
+def loader_workers(setting) -> int:
+    """train.num_workers as a count: an integer as it is; auto = the cores this process may use
+    (usable_cpus) less one for the main process, which runs the training step, at least 0."""
+    if setting == "auto":
+        return max(usable_cpus() - 1, 0)
+    return int(setting)
+
+
 def pick_device(name: str, local_rank: int = 0) -> torch.device:
     """device=auto|cpu|cuda|cuda:N -> a torch device with an index.
 

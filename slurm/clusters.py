@@ -20,6 +20,9 @@ slurm/clusters/<name>.yaml (pass --cluster <name> or --cluster path/to/file.yaml
     setup               shell lines run in the job before srun (module load ..., source venv/bin/activate)
     python              the interpreter on the nodes (default: the one running slurm.submit)
     sbatch              extra sbatch options as a mapping, e.g. {exclusive: true, mail-type: END}
+    gpu                 the GPU's name as torch reports it (torch.cuda.get_device_name), e.g. NVIDIA H200
+                        (optional): --dry-run compares each cell's data loader with that GPU's step rate
+                        from a committed gpu_check result (slurm/feed.py)
     kill_on_bad_exit    true (default): when one task of a run exits with an error, srun ends the
                         others (--kill-on-bad-exit=1) instead of leaving them waiting in a collective
                         until NCCL's timeout; false passes --kill-on-bad-exit=0
@@ -64,6 +67,7 @@ class Cluster:
     sbatch: dict = field(default_factory=dict)
     gpu_flag: str = "gpus-per-node"
     kill_on_bad_exit: bool = True
+    gpu: str | None = None
 
 
 GPU_FLAGS = ("gpus-per-node", "gres")
@@ -114,6 +118,9 @@ def load(name: str) -> Cluster:
     if c.gpu_flag not in GPU_FLAGS:
         raise UserError(f"cluster profile {path}: gpu_flag must be gpus-per-node (--gpus-per-node=N) or gres "
                         f"(--gres=gpu:N), got {c.gpu_flag!r}")
+    if c.gpu is not None and (not isinstance(c.gpu, str) or not c.gpu.strip()):
+        raise UserError(f"cluster profile {path}: gpu must be the GPU's name as torch reports it (e.g. NVIDIA H200) "
+                        f"or null, got {c.gpu!r}")
     if not isinstance(c.kill_on_bad_exit, bool):
         raise UserError(f"cluster profile {path}: kill_on_bad_exit must be true or false, got {c.kill_on_bad_exit!r}")
     return c

@@ -33,7 +33,7 @@ from mpt.config import REPO
 from mpt.errors import UserError, cli
 from mpt.rundir import open_no_follow
 from mpt.signals import HANGUP, detach_from_closed_terminal
-from slurm import clusters
+from slurm import clusters, feed
 from slurm.grid import Cell, Grid, load as load_grid, nodes_and_tasks
 from slurm.state import FINAL, append_manifest, cell_state, latest_jobs, slurm_queue
 
@@ -308,9 +308,12 @@ def _fmt_hours(h: float) -> str:
     return f"{h:,.0f}" if h >= 100 else f"{h:.3g}"
 
 
-def plan(g: Grid, force: bool, queue_needed: bool) -> tuple[list[Cell], dict[str, int], list[str]]:
+def plan(g: Grid, force: bool, queue_needed: bool, feed_on: clusters.Cluster | None = None
+         ) -> tuple[list[Cell], dict[str, int], list[str]]:
     """Which cells to submit: not those completed or diverged, nor (unless force) those whose job is
-    still queued or running. Returns (todo, skipped counts by state, one printable line per cell)."""
+    still queued or running. Returns (todo, skipped counts by state, one printable line per cell);
+    with `feed_on` (a GPU cluster), each line ends with whether the cell's loader feeds its GPUs
+    (slurm/feed.py)."""
     exp_dirs = sorted({c.run_dir.parent for c in g.cells})
     latest = latest_jobs(exp_dirs)
     queue = slurm_queue() if queue_needed or any(
@@ -330,7 +333,8 @@ def plan(g: Grid, force: bool, queue_needed: bool) -> tuple[list[Cell], dict[str
         b, accum = c.cfg.train.batch_size, c.cfg.train.accum_steps
         split = f" ({accum} micro-batches of {b // world // accum})" if accum > 1 else ""
         lines.append(f"  {c.run_name:<{width}}  {c.label:<{lwidth}}  batch {b} = {world} x {b // world}{split}"
-                     f"{bn_batch_note(c.cfg, world, 'GPU' if g.resources.gpus else 'rank')}  {note}")
+                     f"{bn_batch_note(c.cfg, world, 'GPU' if g.resources.gpus else 'rank')}  {note}"
+                     + (f"  data: {feed.feed_note(c.cfg, feed_on, world)}" if feed_on else ""))
     return todo, skipped, lines
 
 
@@ -446,8 +450,11 @@ def prepare(argv) -> Submission:
         if c.cfg.train.batch_size % g.resources.world:
             raise UserError(f"{c.run_name}: global batch train.batch_size={c.cfg.train.batch_size} does not divide "
                             f"over {g.resources.world} ranks")
-    todo, skipped, lines = plan(g, a.force, a.backend == "slurm")
+    feed_on = cluster if a.dry_run and cluster and g.resources.gpus else None
+    todo, skipped, lines = plan(g, a.force, a.backend == "slurm", feed_on)
     print_plan(g, todo, skipped, lines, a.backend, cluster, a.dry_run)
+    if feed_on:
+        print(feed.sources(g.cells, cluster, g.resources.world))
     if not todo:
         print("nothing to submit")
     commit, dirty = _git()

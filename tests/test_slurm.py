@@ -582,3 +582,51 @@ def test_a_failed_preloaded_start_falls_back_to_fresh_processes(tmp_path, monkey
     assert lines[0].startswith("the preloaded start failed (EOFError: unexpected EOF)") and len(lines) == 3, lines
     assert not json.loads((tmp_path / "p1.json").read_text())["preloaded"]
     assert "[1/2] p0: done (" in lines[1]
+
+
+def test_dry_run_says_whether_each_cell_is_fed(tmp_path, capsys, monkeypatch):
+    """The loader's rate (cores per GPU less one x the committed per-core figure of the experiment and
+    augmentation) against the GPU's step rate from a gpu_check result for the cluster's GPU."""
+    from slurm import feed
+
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "cpu-test-loader-ilsvrc_cnns.json").write_text(json.dumps({
+        "schema": "speed_memory_loader/1", "date": "2026-01-01", "experiment": "ilsvrc_cnns",
+        "augment": "torchvision", "per_core_samples_per_s": 100.0}))
+    row = lambda prec, impl, ms, cl: {"model": "resnet50_preact", "precision": prec, "impl": impl,  # noqa: E731
+                                      "status": "ok", "batch": 256, "channels_last": cl, "step_ms": {"median": ms}}
+    (results / "test-gpu-gpu_check.json").write_text(json.dumps({
+        "schema": "gpu_check/1", "date": "2026-01-01", "env": {"gpu": {"name": "Test GPU X"}},
+        "parts": {"headline": {"result": {"rows": [
+            row("fp32", None, 1000.0, False),         # 256 images/s: 4 cores x 100 feed it
+            row("mixed", "autocast", 100.0, True),    # 2,560 images/s: 400 is ~16% of it
+            row("mixed", "autocast", 50.0, False)]}}}}))  # NCHW: not the layout a mixed CNN gets on CUDA
+    monkeypatch.setattr(feed, "RESULTS", results)
+    cluster = write(tmp_path / "c.yaml", """\
+        partition: gpu
+        gpus_per_node: 8
+        cpus_per_task: 5
+        gpu: Test GPU X
+        """)
+    argv = [str(GRID), "--profile", "paper", "--backend", "slurm", "--cluster", str(cluster), "--dry-run",
+            "--set", f"out_dir={tmp_path}", "--only", "model=resnet50_preact", "model=alexnet"]
+    submit.main(argv)
+    lines = {ln.split()[0].rsplit("-", 2)[0]: ln for ln in capsys.readouterr().out.splitlines() if "-s0-" in ln}
+    assert lines["resnet50_preact-fp32"].endswith("data: fed")
+    assert lines["resnet50_preact-mixed"].endswith("data: data-bound, ~16%")
+    assert lines["resnet50_preact-fp16"].endswith("data: unknown")  # no GPU figure for fp16
+    assert lines["alexnet-fp32"].endswith("data: unknown")  # no loader figure for augment=caffe
+    submit.main([*argv, "--set", "train.num_workers=1"])  # the cell's own worker count caps the cores
+    out = capsys.readouterr().out
+    assert "resnet50_preact-fp32" in out and "data: data-bound, ~39%" in out  # 100 / 256
+    write(cluster, "partition: gpu\ngpus_per_node: 8\ncpus_per_task: 5\n")  # no gpu named: unknown
+    submit.main(argv)
+    out = capsys.readouterr().out
+    assert "data: fed" not in out and "the cluster profile names no gpu" in out
+
+
+def test_cluster_gpu_must_be_a_name(tmp_path):
+    bad = write(tmp_path / "c.yaml", "partition: gpu\ngpus_per_node: 8\ngpu: 100\n")
+    with pytest.raises(UserError, match="gpu must be the GPU's name as torch reports it"):
+        clusters.load(str(bad))
