@@ -506,9 +506,11 @@ def part_e2e(ctx: Ctx) -> dict:
     this machine, the machine's cores as loader workers, with the JPEGs decoded on the CPU (workers) and
     on the GPU (nvJPEG). Its images/s against the headline's synthetic ones: ratio_to_synthetic (the parent
     fills it in from the same call's headline)."""
+    from mpt.ranks import loader_workers
+
     s = ctx.sizes
     cores = _cores()
-    workers = max(1, cores - 1)
+    workers = max(1, loader_workers("auto"))  # the paper profiles' train.num_workers=auto: the cores less one
     data, wrote_s = photo_imagenet(ctx.work, s.e2e_train_per_class, s.e2e_val_per_class, cores)
     out = {"cores": cores, "num_workers": workers, "data": {"train_images": 12 * s.e2e_train_per_class,
            "sizes": "3/4 at 500x375, 1/4 at 1000x750 (1 in 5 portrait), JPEG quality 90", "write_s": wrote_s,

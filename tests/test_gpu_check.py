@@ -98,6 +98,17 @@ def test_cpu_smoke_runs_every_part(tmp_path):
     assert resume["steps_first"] + resume["steps_second"] == resume["second"]["total_steps"]
     assert resume["first"]["skipped_steps"] < resume["first"]["step"]  # the checkpoint holds applied updates
 
+    # End to end from JPEG files through the engine, both decode paths; each beside the headline's row
+    e2e = parts["e2e"]["result"]
+    assert [(x["decode"], x["status"]) for x in e2e["rows"]] == [("cpu", "completed"), ("gpu", "completed")]
+    assert all(x["throughput_steady"] > 0 and x["ratio_to_synthetic"] > 0 for x in e2e["rows"])
+    assert e2e["num_workers"] >= 1 and e2e["data"]["train_images"] == 24
+    assert parts["ssd_e2e"]["result"]["row"]["status"] == "completed"
+    cifar = parts["cifar"]["result"]
+    if "note" not in parts["cifar"] or not parts["cifar"]["note"]:
+        assert sorted(x["precision"] for x in cifar["rows"]) == sorted(gpu_check.CIFAR_PRECISIONS)
+        assert all(x["status"] == "completed" for x in cifar["rows"])
+
     ddp = parts["ddp"]["result"]
     assert ddp["world_size"] == 2 and ddp["summary"]["status"] == "completed"
     assert ddp["summary"]["skipped_steps"] < ddp["summary"]["step"]

@@ -1,0 +1,139 @@
+"""ILSVRC's uint8 pipelines (data_prep.imagenet.pipeline) keep the laws of torchvision's PIL pipelines they
+replaced: under the engine's per-sample seeding the same random numbers are drawn in the same order (the
+same crops and flips), and the pixels, normalised on the device, are those of ToTensor + Normalize to within
+decoder and resampler rounding. The GPU decode's steps run on the CPU here (only nvJPEG's call needs CUDA)."""
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torchvision import transforms as T
+
+from data_prep.imagenet import pipeline
+from data_prep.imagenet.pipeline import MEAN, STD, EncodedBatch, ImagePipeline, collate, decode_on_device, normalise
+from mpt.errors import UserError
+
+# (width, height): ILSVRC's typical 500x375, a portrait one, and 1000x750 (where crops that end at
+# 224 px shrink >= 2x: decoded at 1/2 or 1/4 scale in the DCT domain).
+SIZES = ((500, 375), (375, 500), (1000, 750), (640, 427))
+
+
+def _photo(w: int, h: int, seed: int) -> bytes:
+    """A smooth scene with texture (JPEG-like content: gradients, edges, noise), quality 90."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
+    img = np.stack([128 + 100 * np.sin(x / (20 + 10 * c) + y / (35 + 5 * c) + rng.uniform(0, 6)) for c in range(3)], -1)
+    img[(x - w / 2) ** 2 + (y - h / 3) ** 2 < (h / 5) ** 2] *= 0.4  # a dark disc: sharp edges
+    img += rng.normal(0, 8, img.shape)
+    buf = io.BytesIO()
+    Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(buf, "JPEG", quality=90)
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory):
+    d = tmp_path_factory.mktemp("photos")
+    paths = []
+    for k, (w, h) in enumerate(SIZES * 3):
+        p = d / f"{k:02d}.JPEG"
+        p.write_bytes(_photo(w, h, k))
+        paths.append(str(p))
+    return paths
+
+
+def _pil_pipeline(augment: str, train: bool, flip: bool = True):
+    """The float32 pipelines the uint8 ones replaced, from torchvision itself."""
+    norm = [T.ToTensor(), T.Normalize(MEAN, STD)]
+    flips = [T.RandomHorizontalFlip()] if flip else []
+    if augment == "torchvision":
+        if train:
+            return T.Compose([T.RandomResizedCrop(224, antialias=True), *flips, *norm])
+        return T.Compose([T.Resize(256, antialias=True), T.CenterCrop(224), *norm])
+    warp = T.Resize((256, 256), antialias=True)
+    return T.Compose([warp, T.RandomCrop(224), *flips, *norm] if train else [warp, T.CenterCrop(224), *norm])
+
+
+@pytest.mark.parametrize("augment", ["torchvision", "caffe"])
+@pytest.mark.parametrize("train", [True, False])
+def test_same_draws_and_pixels_as_the_pil_pipeline(photos, augment, train):
+    new = ImagePipeline("root", augment, train, 224, 256, flip=True)
+    old = _pil_pipeline(augment, train)
+    std, mean = torch.tensor(STD)[:, None, None], torch.tensor(MEAN)[:, None, None]
+    for seed, path in enumerate(photos):
+        torch.manual_seed(seed)
+        a = old(Image.open(path).convert("RGB"))
+        after_a = torch.rand(4)
+        torch.manual_seed(seed)
+        b = new(path)
+        after_b = torch.rand(4)
+        assert torch.equal(after_a, after_b), "a different number of draws: the crops' law changed"
+        assert b.dtype == torch.uint8 and b.shape == (3, 224, 224)
+        # The flip and the crop are the same draws: the images agree pixel for pixel to within rounding
+        # (a mirrored or shifted crop would differ by tens of levels on these textures).
+        diff = ((a * std + mean) * 255 - b.float()).abs()
+        assert diff.mean() < 2.0 and diff.quantile(0.99) < 16, (path, diff.mean())
+
+
+def test_dct_downscaled_decode_is_used_and_close(photos):
+    """A 1000x750 JPEG whose plan shrinks it >= 2x decodes at a smaller scale, and its crop matches the
+    full decode's to within resampling differences."""
+    big = next(p for p in photos if Image.open(p).size == (1000, 750))
+    data = open(big, "rb").read()
+    plan = pipeline.draw_plan("caffe", False, 750, 1000, 224, 256, False)  # warp to 256x256: ~3x smaller
+    small, scale = pipeline.decode_for(data, plan, 750, 1000)
+    assert small.shape[-2:] == (375, 500) and scale == (0.5, 0.5)
+    full = pipeline.decode_for(data, pipeline.Plan(750, 1000, 0, 0, 750, 1000, 750, 1000, False), 750, 1000)[0]
+    assert full.shape[-2:] == (750, 1000)
+    a, b = pipeline.apply_plan(small, plan, scale), pipeline.apply_plan(full, plan)
+    assert (a.float() - b.float()).abs().mean() < 2.0
+
+
+def test_the_gpu_decode_path_gives_the_cpu_pipelines_images(photos):
+    """decode=gpu: workers hand over the bytes and the drawn plan; decode_on_device (here on the CPU) gives
+    the CPU decode's images (no DCT scaling there: equal where the CPU path decoded whole too)."""
+    cpu = ImagePipeline("root", "torchvision", True, 224, 256, flip=True)
+    gpu = ImagePipeline("root", "torchvision", True, 224, 256, flip=True, decode="gpu")
+    samples, expected = [], []
+    for seed, path in enumerate(photos[:6]):
+        torch.manual_seed(seed)
+        expected.append(cpu(path))
+        torch.manual_seed(seed)
+        samples.append((gpu(path), seed))
+    x, y = collate(samples)
+    assert isinstance(x, EncodedBatch) and y.tolist() == list(range(6))
+    out = decode_on_device(x, torch.device("cpu"))
+    assert out.dtype == torch.uint8 and out.shape == (6, 3, 224, 224)
+    for k, e in enumerate(expected):
+        assert (out[k].float() - e.float()).abs().mean() < 2.0
+
+
+def test_normalise_is_totensor_then_normalize_bit_for_bit():
+    x = torch.randint(0, 256, (2, 3, 8, 8), dtype=torch.uint8)
+    ref = torch.stack([T.Normalize(MEAN, STD)(xi.float().div(255)) for xi in x])
+    assert torch.equal(normalise(x), ref)
+    cl = normalise(x.contiguous(memory_format=torch.channels_last))
+    assert cl.is_contiguous(memory_format=torch.channels_last) and torch.equal(cl, ref)
+    f = torch.randn(2, 3, 8, 8)
+    assert normalise(f) is f  # float batches (the benchmarks' synthetic ones) are taken as normalised
+
+
+def test_a_damaged_file_is_one_line_naming_it(tmp_path):
+    bad = tmp_path / "n01440764_1.JPEG"
+    bad.write_bytes(b"\xff\xd8\xff\xe0 not a jpeg at all")
+    with pytest.raises(UserError, match="cannot read image .*n01440764_1.JPEG") as e:
+        ImagePipeline(tmp_path, "torchvision", True, 224, 256, True)(str(bad))
+    assert "\n" not in str(e.value)
+
+
+def test_task_checks_decode():
+    from experiments.ilsvrc_cnns.task import Task, TaskCfg
+    from mpt.config import Config
+
+    for cfg, match in ((TaskCfg(decode="nvjpeg"), "task.decode"), (TaskCfg(augment="pad", decode="gpu", crop=32, resize=40),
+                                                                   "task.decode=cpu")):
+        with pytest.raises(UserError, match=match) as e:
+            Task.check(Config(task=cfg))
+        assert "\n" not in str(e.value)
