@@ -41,21 +41,28 @@ def _iou(a, b) -> float:
     return inter / ((a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter + 1e-9)
 
 
-def place(rng: np.random.Generator, size: int, w: int, h: int, taken: list, border: float = 0.15):
-    """A position (x0, y0) for a w x h object overlapping no taken box by IoU > 0.2; it may stick out of
-    the image by up to `border` of its size (a truncated object). None if no place was found."""
+def _wh(size: int | tuple[int, int]) -> tuple[int, int]:
+    return (size, size) if isinstance(size, int) else size
+
+
+def place(rng: np.random.Generator, size: int | tuple[int, int], w: int, h: int, taken: list, border: float = 0.15):
+    """A box (x0, y0, x1, y1) for a w x h object in an image of side `size` (or width x height) overlapping
+    no taken box by IoU > 0.2; it may stick out of the image by up to `border` of its size (a truncated
+    object). None if no place was found."""
+    width, height = _wh(size)
     for _ in range(30):
-        x0 = int(rng.integers(-int(border * w), size - w + int(border * w) + 1))
-        y0 = int(rng.integers(-int(border * h), size - h + int(border * h) + 1))
+        x0 = int(rng.integers(-int(border * w), width - w + int(border * w) + 1))
+        y0 = int(rng.integers(-int(border * h), height - h + int(border * h) + 1))
         box = (x0, y0, x0 + w, y0 + h)
         if all(_iou(box, t) < 0.2 for t in taken):
             return box
     return None
 
 
-def finish_object(name: str, box, size: int, difficult: bool) -> dict:
+def finish_object(name: str, box, size: int | tuple[int, int], difficult: bool) -> dict:
     x0, y0, x1, y1 = box
-    clipped = (max(0, x0), max(0, y0), min(size, x1), min(size, y1))
+    width, height = _wh(size)
+    clipped = (max(0, x0), max(0, y0), min(width, x1), min(height, y1))
     return {"name": name, "bbox": clipped, "truncated": int(clipped != tuple(box)), "difficult": int(difficult)}
 
 
@@ -120,9 +127,9 @@ def _tar_bytes(files: list[tuple[str, bytes]]) -> bytes:
 
 
 def write_release(out: Path, render: Render, classes: tuple[str, ...], counts: dict[str, int], size: int,
-                  seed: int) -> dict[str, Path]:
-    """The three archives, `counts[archive]` images each, scenes drawn by `render`. Trainval lists are
-    split in half into train and val, as VOC's are."""
+                  seed: int, quality: int = 92) -> dict[str, Path]:
+    """The three archives, `counts[archive]` images each, scenes drawn by `render` (JPEG `quality`).
+    Trainval lists are split in half into train and val, as VOC's are."""
     out.mkdir(parents=True, exist_ok=True)
     paths = {}
     for k, (name, (year, split, _)) in enumerate(ARCHIVES.items()):
@@ -136,7 +143,7 @@ def write_release(out: Path, render: Render, classes: tuple[str, ...], counts: d
             image_id = f"{i + 1 + 100000 * (split == 'test'):06d}" if year == "2007" else f"2008_{i + 1:06d}"
             im, objs = render(rng, size, split)
             buf = io.BytesIO()
-            im.save(buf, format="JPEG", quality=92)
+            im.save(buf, format="JPEG", quality=quality)
             files += [(f"{base}/JPEGImages/{image_id}.jpg", buf.getvalue()),
                       (f"{base}/Annotations/{image_id}.xml", annotation_xml(year, image_id, im.size, objs))]
             ids.append(image_id)
