@@ -228,6 +228,30 @@ def safe_name(name: str, what: str, source) -> str:
     return name
 
 
+def rgb_tensor(data: bytes):
+    """Encoded image bytes as a uint8 (3, H, W) RGB tensor (HWC in memory): libjpeg-turbo through
+    torchvision's decoder, ~2/3 of PIL's time on photographs; PIL for what it refuses (a PNG named .JPEG,
+    as ILSVRC's train set holds one) or once torchvision drops it. torchvision deprecates its decoders from
+    0.29 (pinned here; their successor, torchcodec, is not a dependency): that warning is silenced. A
+    damaged file raises PIL's OSError."""
+    import warnings
+
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    try:
+        from torchvision.io import ImageReadMode, decode_image as tv_decode
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return tv_decode(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+    except (ImportError, RuntimeError):
+        pass
+    with Image.open(io.BytesIO(data)) as im:
+        return torch.from_numpy(np.asarray(im.convert("RGB")).copy()).permute(2, 0, 1)
+
+
 def decode_image(data, what: str, fix: str, kind: str = "an image") -> tuple[str, tuple[int, int]]:
     """(format, (width, height)) of an image -- its bytes or a path -- decoded in full, as a loader will
     decode it; a one-line UserError naming `what` and `fix` for one that does not decode: a damaged body

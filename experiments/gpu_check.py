@@ -539,23 +539,25 @@ def part_e2e(ctx: Ctx) -> dict:
 
 
 def part_ssd_e2e(ctx: Ctx) -> dict:
-    """SSD300 in mixed precision trained end to end from VOC-format JPEG files (the tiny generator's
-    scenes at VOC's image size, data_prep.voc.tiny) with SSD's augmentation in the machine's cores."""
+    """SSD300 in mixed precision trained end to end from VOC-format JPEG files of real photographs at
+    VOC's sizes (data_prep.voc.real_photos) with SSD's augmentation in the machine's cores."""
     from data_prep.voc import prepare as voc_prepare
-    from data_prep.voc.tiny import generate
+    from data_prep.voc.real_photos import generate
+    from mpt.ranks import loader_workers
 
     s = ctx.sizes
     cores = _cores()
+    workers = max(1, loader_workers("auto"))
     t0 = time.time()
     arch, data = ctx.work / "voc_archives", ctx.work / "voc"
-    generate(arch, size=s.ssd_image, trainval=s.ssd_images, test=8, trainval12=0)
+    generate(arch, photos=str(_photo_source()), size=s.ssd_image, trainval=s.ssd_images, test=8)
     voc_prepare.prepare(arch, data, log=lambda *a: None)
-    out = {"cores": cores, "num_workers": max(1, cores - 1), "data": {"images": s.ssd_images, "size": s.ssd_image,
-           "write_s": round(time.time() - t0, 1), "source": "data_prep.voc.tiny scenes (synthetic shapes)"}}
+    out = {"cores": cores, "num_workers": workers, "data": {"images": s.ssd_images, "size": s.ssd_image,
+           "write_s": round(time.time() - t0, 1), "source": "data_prep.voc.real_photos (mate-backgrounds)"}}
     ctx.emit(out)
     ov = ["model=ssd300_vgg16", "precision=mixed", "impl=autocast", "channels_last=true", f"width={s.width}",
           f"task.data_root={data}", "task.train_sets=[2007_trainval]", "task.backbone=scratch",
-          f"train.batch_size={s.ssd_batch}", f"train.max_steps={s.ssd_steps}", f"train.num_workers={max(1, cores - 1)}",
+          f"train.batch_size={s.ssd_batch}", f"train.max_steps={s.ssd_steps}", f"train.num_workers={workers}",
           f"train.log_every={s.e2e_log_every}", "train.eval_every_epochs=1000", "train.eval_max_batches=1",
           "train.ckpt_every_minutes=0", "train.progress=false", "wandb.mode=disabled",
           f"out_dir={ctx.work / 'ssd_runs'}", f"device={ctx.device}"]

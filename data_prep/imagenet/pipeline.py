@@ -151,7 +151,7 @@ def decode_for(data: bytes, p: Plan, h: int, w: int) -> tuple[torch.Tensor, tupl
     DCT-domain scaling (PIL draft) where the plan shrinks it at least that much, else whole through
     torchvision's libjpeg-turbo decode (faster than PIL's at full size). Non-JPEG files, CMYK and
     greyscale JPEGs come out as RGB either way."""
-    from torchvision.io import ImageReadMode, decode_image
+    from data_prep.common import rgb_tensor
 
     f = dct_factor(p, h, w)
     if f >= 2:
@@ -162,7 +162,7 @@ def decode_for(data: bytes, p: Plan, h: int, w: int) -> tuple[torch.Tensor, tupl
                 sw, sh = im.size
                 x = torch.from_numpy(_rgb_array(im)).permute(2, 0, 1)
                 return x, (sh / h, sw / w)
-    return decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB), (1.0, 1.0)
+    return rgb_tensor(data), (1.0, 1.0)
 
 
 def _rgb_array(im: Image.Image):
@@ -194,12 +194,18 @@ def decode_on_device(batch: EncodedBatch, device: torch.device) -> torch.Tensor:
     """The batch's JPEGs decoded together on the GPU (nvJPEG, batched), each plan applied there, as one
     uint8 (N, 3, oh, ow) tensor on `device`. Only the decode call needs CUDA: on a CPU device the same
     steps run with libjpeg-turbo (what the tests exercise)."""
-    from torchvision.io import ImageReadMode, decode_image, decode_jpeg
+    import warnings
+
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    from data_prep.common import rgb_tensor
 
     try:
-        imgs = decode_jpeg(batch.data, mode=ImageReadMode.RGB, device=device)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # as rgb_tensor: the decoders' deprecation
+            imgs = decode_jpeg(batch.data, mode=ImageReadMode.RGB, device=device)
     except RuntimeError:  # a file nvJPEG refuses (a PNG named .JPEG, as ILSVRC's train set holds): each on the CPU
-        imgs = [decode_image(d, mode=ImageReadMode.RGB).to(device) for d in batch.data]
+        imgs = [rgb_tensor(d.numpy().tobytes()).to(device) for d in batch.data]
     return torch.stack([apply_plan(x, p) for x, p in zip(imgs, batch.plans)])
 
 
