@@ -10,6 +10,15 @@ runs it as its engine-overhead row; alone:
 clock=cpu (CPU device, one thread) times each block by this thread's CPU time instead of the wall
 clock: on a machine shared with other processes, the time the process waits for a core is then left
 out of both loops alike (cache contention is not).
+
+launches=alexnet,googlenet prints, instead, what a step launches: per (precision, impl) cell of
+`cells`, the aten ops one training step (bench.py's step: TrainStep through the recipe) dispatches,
+counted with torch.profiler, and its median time. A small-batch GPU step is bound by these launches
+and the Python between them, not by arithmetic; the counts do not depend on width or input size:
+
+    python -m experiments.speed_memory.engine_overhead launches=alexnet,googlenet
+        [cells=fp32,mixed:autocast,fp16_storage:paper] [batch=32] [width=0.0625] [size=80] [steps=10]
+        [device=auto]
 """
 from __future__ import annotations
 
@@ -20,13 +29,14 @@ import time
 
 import torch
 
-from experiments.speed_memory.bench import WORKLOADS, sync, time_steps
-from mpt import config
+from experiments.speed_memory.bench import WORKLOADS, build_cell, sync, time_steps
+from mpt import config, precisions
 from mpt import engine
 from mpt.config import parse_options
 from mpt.optim import build_optimizer
 from mpt.ranks import pick_device
 from mpt.errors import UserError, cli
+from mpt.step import TrainStep, loss_body
 from mpt.task import Task
 
 # Precisions the hand-written loop covers: torch.amp's documented recipe, autocast + GradScaler.
@@ -153,14 +163,144 @@ def _hand_loop(task, cfg, precision, device, xb, channels_last):
     return hand_step
 
 
+# ------------------------------------------------------------------------------------------------
+# launches per step
+
+# aten ops that launch no kernel on a GPU: views, metadata, allocations. A leaf aten op outside this
+# list (one that calls no other aten op) is a kernel on a GPU, or a copy or fill.
+_NO_KERNEL = frozenset("aten::" + n for n in (
+    "empty", "empty_strided", "empty_like", "view", "_reshape_alias", "reshape", "as_strided", "detach", "t",
+    "transpose", "permute", "expand", "narrow", "slice", "select", "squeeze", "unsqueeze", "flatten", "alias",
+    "lift_fresh", "resolve_conj", "resolve_neg", "_unsafe_view", "split", "split_with_sizes", "chunk",
+    "unbind", "result_type", "contiguous", "view_as", "expand_as", "_has_compatible_shallow_copy_type"))
+
+
+def _phase(e) -> str:
+    """Where a profiler event ran: inside optimizer.step, in autograd's backward, or elsewhere
+    (forward, the loss, the recipe's unscale/check/copies)."""
+    while e is not None:
+        if e.name.startswith("Optimizer.step"):
+            return "optimizer"
+        if e.name.startswith("autograd::engine::evaluate_function"):
+            return "backward"
+        e = e.cpu_parent
+    return "forward_recipe"
+
+
+def _foreach(name: str) -> bool:
+    return name.startswith(("aten::_foreach_", "aten::_amp_foreach_", "aten::_fused_"))
+
+
+def count_launches(events, device: torch.device) -> dict:
+    """Per-profile counts: `aten_top` aten ops called from Python (no aten op above them); `kernels`
+    the ops that launch work: leaf aten ops that are not views or allocations, a foreach op counted
+    once (a GPU runs it as one multi-tensor kernel per ~chunk of tensors; a CPU loops over the tensors
+    op by op), split by phase. A GPU run also counts its CUDA kernels, copies and fills."""
+    from torch.autograd import DeviceType
+
+    aten = [e for e in events if e.name.startswith("aten::")]
+
+    def above(e, test):
+        q = e.cpu_parent
+        while q is not None:
+            if test(q.name):
+                return True
+            q = q.cpu_parent
+        return False
+
+    out = {"aten_top": sum(1 for e in aten if not above(e, lambda n: n.startswith("aten::")))}
+    leaves = [e for e in aten if not above(e, _foreach) and (_foreach(e.name) or (
+        e.name not in _NO_KERNEL and not any(c.name.startswith("aten::") for c in e.cpu_children)))]
+    out["kernels"] = len(leaves)
+    for ph in ("forward_recipe", "backward", "optimizer"):
+        out[f"kernels_{ph}"] = sum(1 for e in leaves if _phase(e) == ph)
+    if device.type == "cuda":
+        out["cuda_kernels"] = sum(1 for e in events if e.device_type == DeviceType.CUDA)
+    return out
+
+
+def launches(model: str, precision: str, impl: str | None, *, width: float, batch: int, size: int, steps: int,
+             device: str = "auto") -> dict:
+    """Aten ops (and, on a GPU, CUDA kernels) per training step of one cell, from a profile of `steps`
+    steps after 3 warm-up steps, and the median step time of `steps` unprofiled steps (on a CPU, this
+    thread's CPU time: run with OMP_NUM_THREADS=1)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dev = pick_device(device)
+    wl = WORKLOADS[model]
+    o = {"width": width, "batch": batch, "channels_last": False, "cudnn_benchmark": True, "fused": False,
+         "half_math": "auto"}
+    task, net, opt, recipe, xb = build_cell(wl, model, precision, impl, size, o, dev)
+    step = TrainStep(loss_body(task.loss), net, {"main": opt}, recipe, device=dev, measure_first=False)
+    for _ in range(3):  # cudnn.benchmark's search, lazy state (momentum buffers, master gradients)
+        step([xb])
+    if dev.type == "cpu":  # this thread's CPU time: waiting for a core shared with other jobs is left out
+        times = []
+        for _ in range(steps):
+            t = time.thread_time()
+            step([xb])
+            times.append(1e3 * (time.thread_time() - t))
+    else:
+        times, _ = time_steps(lambda: step([xb]), steps, dev)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    sync(dev)
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            step([xb])
+        sync(dev)
+    counts = count_launches(prof.events(), dev)
+    return {"model": model, "precision": precision, "impl": impl, "batch": batch, "width": width, "size": size,
+            "device": str(dev), "half_math": recipe.half_math, "step_ms": statistics.median(times),
+            **{k: v / steps for k, v in counts.items()}}
+
+
+def _cells(spec: str) -> list[tuple[str, str | None]]:
+    out = []
+    for c in [c.strip() for c in spec.split(",") if c.strip()]:
+        prec, _, impl = c.partition(":")
+        if prec not in precisions.BY_NAME:
+            raise UserError(f"cells: unknown precision {prec!r} in {c!r}; choose from: {', '.join(precisions.BY_NAME)}")
+        if impl not in ("", "autocast", "paper"):
+            raise UserError(f"cells: impl {impl!r} in {c!r}: write precision or precision:autocast|paper")
+        out.append((prec, impl or None))
+    if not out:
+        raise UserError("cells= is empty: name at least one precision[:impl], e.g. cells=fp32,mixed:autocast")
+    return out
+
+
+def print_launches(o: dict) -> None:
+    names = [m.strip() for m in o["launches"].split(",") if m.strip()]
+    for m in names:
+        if m not in WORKLOADS:
+            raise UserError(f"launches: model {m!r} has no workload; choose from: {', '.join(WORKLOADS)}")
+    cells = _cells(o["cells"])
+    print(f"launches per training step: batch {o['batch']}, width {o['width']}, {o['size']}px, profile and "
+          f"median of {o['steps']} steps, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print("| model | precision | impl | aten ops (top) | kernel-like ops | fwd+recipe / bwd / optimizer |"
+          " CUDA kernels | ms/step |")
+    print("|---|---|---|---|---|---|---|---|")
+    for m in names:
+        for prec, impl in cells:
+            r = launches(m, prec, impl, width=o["width"], batch=o["batch"], size=o["size"], steps=o["steps"],
+                         device=o["device"])
+            cuda = f"{r['cuda_kernels']:.0f}" if "cuda_kernels" in r else "-"
+            print(f"| {m} | {prec} | {impl or '-'} | {r['aten_top']:.0f} | {r['kernels']:.0f} | "
+                  f"{r['kernels_forward_recipe']:.0f} / {r['kernels_backward']:.0f} / {r['kernels_optimizer']:.0f} | "
+                  f"{cuda} | {r['step_ms']:.2f} |", flush=True)
+
+
 DEFAULTS = {"model": "resnet50_preact", "width": 0.0625, "batch": 32, "size": 80, "precisions": "fp32,mixed",
-            "rounds": 7, "steps": 10, "device": "auto", "channels_last": False, "clock": "wall"}
+            "rounds": 7, "steps": 10, "device": "auto", "channels_last": False, "clock": "wall",
+            "launches": "", "cells": "fp32,mixed:autocast,fp16_storage:paper"}
 
 
 @cli
 def main(argv=None):
     o = parse_options(sys.argv[1:] if argv is None else argv, DEFAULTS, "experiments.speed_memory.engine_overhead")
     torch.manual_seed(0)
+    if o["launches"]:
+        print_launches(o)
+        return
     print(f"engine vs hand-written torch.amp loop: {o['model']} width {o['width']}, batch {o['batch']}, "
           f"{o['size']}px, {o['rounds']} rotating rounds of {o['steps']} steps, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, {o['clock']} clock")
