@@ -88,37 +88,38 @@ class FP32Copies:
     with one foreach copy (refresh()). A copy is used only while its weight's version counter is the
     one it was made from, so a weight written any other way (a checkpoint load) is cast afresh. The
     values are those of w.float(): casting up is exact, so results are bit-identical. Costs 4 bytes a
-    parameter, as the FP32 casts it replaces did at their peak."""
+    parameter. keep=False casts at every use instead (the reference the benchmark and tests compare to)."""
 
-    def __init__(self):
-        self._copies: dict[int, tuple] = {}  # id(weight) -> (weakref to it, its version, FP32 copy)
+    def __init__(self, keep: bool = True):
+        self.keep = keep
+        self.copies: dict[int, tuple] = {}  # id(weight) -> (weakref to it, its version, FP32 copy)
 
     def get(self, w: torch.Tensor) -> torch.Tensor:
         """w.float() for a parameter (a leaf that requires grad); for any other tensor, a fresh cast."""
-        if not (w.is_leaf and w.requires_grad):
+        if not (self.keep and w.is_leaf and w.requires_grad):
             return w.float()
-        entry = self._copies.get(id(w))
+        entry = self.copies.get(id(w))
         if entry is not None and entry[0]() is w and entry[1] == TP.version(w):
             return entry[2]
         up = w.detach().float()
-        self._copies[id(w)] = (weakref.ref(w), TP.version(w), up)
+        self.copies[id(w)] = (weakref.ref(w), TP.version(w), up)
         return up
 
     def refresh(self) -> None:
         """Bring every stale copy up to its weight, in one foreach copy: call after the recipe writes
         the weights. Copies of weights that no longer exist are dropped."""
         stale = []
-        for key, (ref, ver, up) in list(self._copies.items()):
+        for key, (ref, ver, up) in list(self.copies.items()):
             w = ref()
             if w is None:
-                del self._copies[key]
+                del self.copies[key]
             elif ver != TP.version(w):
                 stale.append((key, w, up))
         if stale:
             with torch.no_grad():
                 TP.foreach_copy_([up for _, _, up in stale], [w for _, w, _ in stale])
             for key, w, up in stale:
-                self._copies[key] = (weakref.ref(w), TP.version(w), up)
+                self.copies[key] = (weakref.ref(w), TP.version(w), up)
 
 
 def _up(t, copies):

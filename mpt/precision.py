@@ -384,7 +384,7 @@ class HalfModel(Recipe):
         self._pairs: list[tuple[list[torch.Tensor], list[torch.Tensor], list[int]]] = []
         # FP32 copies of the FP16 weights for emulated FP32-accumulating dot products: one cast per
         # weight per update instead of two or three per layer (mpt.half_math.FP32Copies)
-        self._copies = FP32Copies()
+        self.fp32_copies = FP32Copies()
 
     @classmethod
     def from_config(cls, cfg, device):
@@ -393,7 +393,7 @@ class HalfModel(Recipe):
     def autocast(self):
         """HalfMath where this recipe's FP16/BF16 dot products are emulated (it builds their backward
         too: nothing is needed around backward())."""
-        return HalfMath(self.compute_dtype, self._copies) if self.half_math == "emulated" else contextlib.nullcontext()
+        return HalfMath(self.compute_dtype, self.fp32_copies) if self.half_math == "emulated" else contextlib.nullcontext()
 
     @property
     def _what(self) -> str:
@@ -478,7 +478,7 @@ class HalfModel(Recipe):
         if copied:  # the updated FP32 weights back into the FP16 model (3.1)
             with torch.no_grad():
                 self._write_back(optimizer, model_p, fp32, copied)
-            self._copies.refresh()
+            self.fp32_copies.refresh()
         return True
 
     def _start_step(self, model_p, fp32, own) -> None:
@@ -566,7 +566,7 @@ class FP16Storage(MasterCopy):
         return "emulated"  # FP32 math on FP16 values is the precision's definition, whatever the setting
 
     def autocast(self):
-        return FP32Math(self._copies)
+        return FP32Math(self.fp32_copies)
 
 
 class NoMasterCopy(HalfModel):

@@ -640,13 +640,6 @@ def test_optimizers_step_foreach_with_the_per_parameter_loops_bits(name, kw):
         assert torch.equal(a, b)
 
 
-class _CastEachUse(precision.FP32Copies):
-    """The reference: every FP16 weight cast to FP32 at each use, as before the copies were kept."""
-
-    def get(self, w):
-        return w.float()
-
-
 @pytest.mark.parametrize("prec,impl", [("mixed", "paper"), ("fp16_storage", "paper"), ("fp16_pure", "paper"),
                                        ("fp16", "paper")])
 def test_kept_fp32_weight_copies_change_no_bit(prec, impl):
@@ -661,11 +654,11 @@ def test_kept_fp32_weight_copies_change_no_bit(prec, impl):
         opt = torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9, weight_decay=1e-3)
         r = recipe_for(m, opt, prec, impl, half_math="emulated")
         if not keep:
-            r._copies = _CastEachUse()
+            r.fp32_copies.keep = False  # the reference: every weight cast at each use
         losses = [step(r, m, opt, x, y)[0] for _ in range(4)]
         if keep:  # the copies were used and follow the updated weights
-            assert len(r._copies._copies) == 6  # conv and both linears, weight and bias
-            for ref, _, up in r._copies._copies.values():
+            assert len(r.fp32_copies.copies) == 6  # conv and both linears, weight and bias
+            for ref, _, up in r.fp32_copies.copies.values():
                 assert torch.equal(up, ref().float())
         sd = {k: v.clone() for k, v in m.state_dict().items()}
         losses += [step(r, m, opt, x, y)[0] for _ in range(2)]
