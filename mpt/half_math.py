@@ -102,24 +102,26 @@ class FP32Copies:
         if entry is not None and entry[0]() is w and entry[1] == TP.version(w):
             return entry[2]
         up = w.detach().float()
-        self.copies[id(w)] = (weakref.ref(w), TP.version(w), up)
+        self.copies[id(w)] = (self._ref(w), TP.version(w), up)
         return up
+
+    def _ref(self, w):
+        """A weak reference to w whose death drops w's copy (a model deep-copied for a replay, then freed)."""
+        return weakref.ref(w, lambda _, key=id(w), copies=self.copies: copies.pop(key, None))
 
     def refresh(self) -> None:
         """Bring every stale copy up to its weight, in one foreach copy: call after the recipe writes
-        the weights. Copies of weights that no longer exist are dropped."""
+        the weights."""
         stale = []
         for key, (ref, ver, up) in list(self.copies.items()):
             w = ref()
-            if w is None:
-                del self.copies[key]
-            elif ver != TP.version(w):
+            if w is not None and ver != TP.version(w):
                 stale.append((key, w, up))
         if stale:
             with torch.no_grad():
                 TP.foreach_copy_([up for _, _, up in stale], [w for _, w, _ in stale])
             for key, w, up in stale:
-                self.copies[key] = (weakref.ref(w), TP.version(w), up)
+                self.copies[key] = (self._ref(w), TP.version(w), up)
 
 
 def _up(t, copies):

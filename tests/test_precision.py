@@ -673,3 +673,23 @@ def test_kept_fp32_weight_copies_change_no_bit(prec, impl):
     assert la == lb
     for a, b in zip(ta, tb, strict=True):
         assert torch.equal(a, b)
+
+
+def test_fp32_copies_follow_their_weights_and_go_with_them():
+    """A copy is w.float() at the weight's current version and is dropped with its weight; anything
+    but a parameter is cast afresh each time."""
+    copies = precision.FP32Copies()
+    w = nn.Parameter(torch.randn(4, 3).half())
+    up = copies.get(w)
+    assert up.dtype == torch.float32 and torch.equal(up, w.float()) and copies.get(w) is up
+    with torch.no_grad():
+        w.add_(1)
+    assert torch.equal(copies.get(w), w.float())  # written in place: cast afresh
+    with torch.no_grad():
+        w.mul_(2)
+    copies.refresh()
+    assert torch.equal(copies.copies[id(w)][2], w.float()) and copies.get(w) is copies.copies[id(w)][2]
+    x = torch.randn(3).half()
+    assert copies.get(x) is not copies.get(x) and len(copies.copies) == 1
+    del w
+    assert copies.copies == {}
