@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -79,6 +80,55 @@ def _round(t, low):
     return None if t is None else t.to(low)
 
 
+class FP32Copies:
+    """Exact FP32 copies of low-precision parameters, kept from one weight update to the next. Each
+    convolution and linear layer reads its FP16 weight in FP32 twice a step (forward, and the input's
+    gradient in backward) and its bias once; the paper's recipes (impl=paper, fp16_storage) hold one
+    FP32 copy per weight instead, made at the first use and refreshed by the recipe after each update
+    with one foreach copy (refresh()). A copy is used only while its weight's version counter is the
+    one it was made from, so a weight written any other way (a checkpoint load) is cast afresh. The
+    values are those of w.float(): casting up is exact, so results are bit-identical. Costs 4 bytes a
+    parameter. keep=False casts at every use instead (the reference the benchmark and tests compare to)."""
+
+    def __init__(self, keep: bool = True):
+        self.keep = keep
+        self.copies: dict[int, tuple] = {}  # id(weight) -> (weakref to it, its version, FP32 copy)
+
+    def get(self, w: torch.Tensor) -> torch.Tensor:
+        """w.float() for a parameter (a leaf that requires grad); for any other tensor, a fresh cast."""
+        if not (self.keep and w.is_leaf and w.requires_grad):
+            return w.float()
+        entry = self.copies.get(id(w))
+        if entry is not None and entry[0]() is w and entry[1] == TP.version(w):
+            return entry[2]
+        up = w.detach().float()
+        self.copies[id(w)] = (self._ref(w), TP.version(w), up)
+        return up
+
+    def _ref(self, w):
+        """A weak reference to w whose death drops w's copy (a model deep-copied for a replay, then freed)."""
+        return weakref.ref(w, lambda _, key=id(w), copies=self.copies: copies.pop(key, None))
+
+    def refresh(self) -> None:
+        """Bring every stale copy up to its weight, in one foreach copy: call after the recipe writes
+        the weights."""
+        stale = []
+        for key, (ref, ver, up) in list(self.copies.items()):
+            w = ref()
+            if w is not None and ver != TP.version(w):
+                stale.append((key, w, up))
+        if stale:
+            with torch.no_grad():
+                TP.foreach_copy_([up for _, _, up in stale], [w for _, w, _ in stale])
+            for key, w, up in stale:
+                self.copies[key] = (self._ref(w), TP.version(w), up)
+
+
+def _up(t, copies):
+    """t.float(), from `copies` (FP32Copies) where there is one."""
+    return t.float() if copies is None else copies.get(t)
+
+
 def _no_autocast(device_type: str):
     return torch.autocast(device_type, enabled=False) if torch.is_autocast_enabled(device_type) \
         else contextlib.nullcontext()
@@ -92,14 +142,15 @@ class _Conv(torch.autograd.Function):
     weight; backward = aten.convolution_backward in FP32, each gradient rounded once."""
 
     @staticmethod
-    def forward(ctx, x, w, b, stride, padding, dilation, transposed, output_padding, groups):
+    def forward(ctx, x, w, b, stride, padding, dilation, transposed, output_padding, groups, copies):
         # What the backward needs, as PyTorch's own convolution saves it: the input only for the
         # weight's gradient, the weight only for the input's.
         ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, w if ctx.needs_input_grad[0] else None)
-        ctx.shapes, ctx.low = (x.shape, w.shape), x.dtype
+        ctx.shapes, ctx.low, ctx.copies = (x.shape, w.shape), x.dtype, copies
         ctx.conf = (stride, padding, dilation, transposed, output_padding, groups)
         ctx.bias = None if b is None else list(b.shape)
-        return torch.convolution(x.float(), w.float(), None if b is None else b.float(), *ctx.conf).to(x.dtype)
+        b = None if b is None else _up(b, copies)
+        return torch.convolution(x.float(), _up(w, copies), b, *ctx.conf).to(x.dtype)
 
     @staticmethod
     def backward(ctx, gy):
@@ -107,22 +158,22 @@ class _Conv(torch.autograd.Function):
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.bias is not None and ctx.needs_input_grad[2]]
         # convolution_backward takes both tensors; the one whose gradient is not asked for is not read
         x = torch.empty(ctx.shapes[0], device=gy.device) if x is None else x.float()
-        w = torch.empty(ctx.shapes[1], device=gy.device) if w is None else w.float()
+        w = torch.empty(ctx.shapes[1], device=gy.device) if w is None else _up(w, ctx.copies)
         with _no_autocast(gy.device.type):
             gx, gw, gb = _CONV_BACKWARD(gy.float(), x, w, ctx.bias, *ctx.conf, mask)
         low = ctx.low
         return (_round(gx, low) if mask[0] else None, _round(gw, low) if mask[1] else None,
-                _round(gb, low) if mask[2] else None, None, None, None, None, None, None)
+                _round(gb, low) if mask[2] else None, None, None, None, None, None, None, None)
 
 
 class _Linear(torch.autograd.Function):
     """F.linear in FP32 on FP16 operands, output rounded; saves the FP16 input and weight."""
 
     @staticmethod
-    def forward(ctx, x, w, b):
+    def forward(ctx, x, w, b, copies):
         ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, w if ctx.needs_input_grad[0] else None)
-        ctx.has_bias, ctx.low = b is not None, x.dtype
-        return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
+        ctx.has_bias, ctx.low, ctx.copies = b is not None, x.dtype, copies
+        return F.linear(x.float(), _up(w, copies), None if b is None else _up(b, copies)).to(x.dtype)
 
     @staticmethod
     def backward(ctx, gy):
@@ -130,13 +181,13 @@ class _Linear(torch.autograd.Function):
         low, g = ctx.low, gy.float()
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
-            gx = (g @ w.float()).to(low)
+            gx = (g @ _up(w, ctx.copies)).to(low)
         g2 = g.reshape(-1, g.shape[-1])
         if ctx.needs_input_grad[1]:
             gw = (g2.t() @ x.float().reshape(-1, x.shape[-1])).to(low)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = g2.sum(0).to(low)
-        return gx, gw, gb
+        return gx, gw, gb, None
 
 
 class _Embedding(torch.autograd.Function):
@@ -164,7 +215,7 @@ def _arg(args, kwargs, i, name, default=None):
 def _conv(transposed: bool, nd: int):
     tup = TP.ntuple(nd)
 
-    def run(func, args, kwargs, low):
+    def run(func, args, kwargs, low, copies=None):
         x, w, b = args[0], _arg(args, kwargs, 1, "weight"), _arg(args, kwargs, 2, "bias")
         stride = tup(_arg(args, kwargs, 3, "stride", 1))
         padding = _arg(args, kwargs, 4, "padding", 0)
@@ -176,15 +227,16 @@ def _conv(transposed: bool, nd: int):
         else:
             out_pad = tup(0)
             dilation, groups = tup(_arg(args, kwargs, 5, "dilation", 1)), _arg(args, kwargs, 6, "groups", 1)
-        return _Conv.apply(x, w, b, list(stride), list(tup(padding)), list(dilation), transposed, list(out_pad), groups)
+        return _Conv.apply(x, w, b, list(stride), list(tup(padding)), list(dilation), transposed, list(out_pad), groups,
+                           copies)
     return run
 
 
-def _linear(func, args, kwargs, low):
-    return _Linear.apply(args[0], _arg(args, kwargs, 1, "weight"), _arg(args, kwargs, 2, "bias"))
+def _linear(func, args, kwargs, low, copies=None):
+    return _Linear.apply(args[0], _arg(args, kwargs, 1, "weight"), _arg(args, kwargs, 2, "bias"), copies)
 
 
-def _embedding(func, args, kwargs, low):
+def _embedding(func, args, kwargs, low, copies=None):
     idx, w = args[0], _arg(args, kwargs, 1, "weight")
     pad = _arg(args, kwargs, 2, "padding_idx")
     if _arg(args, kwargs, 3, "max_norm") is not None or _arg(args, kwargs, 6, "sparse", False):
@@ -203,7 +255,7 @@ _GENERIC = (ops_of(torch, ("matmul", "mm", "bmm", "addmm", "baddbmm", "addbmm", 
                           "rnn_relu_cell"))
             | ops_of(torch.Tensor, ("matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "addmm", "baddbmm", "addbmm"))
             | ops_of(F, ("bilinear",)))
-_HALF_MATH = {f: (lambda func, args, kwargs, low: _fp32_call(func, args, kwargs, low)) for f in _GENERIC}
+_HALF_MATH = {f: (lambda func, args, kwargs, low, copies=None: _fp32_call(func, args, kwargs, low)) for f in _GENERIC}
 _HALF_MATH.update({F.conv1d: _conv(False, 1), F.conv2d: _conv(False, 2), F.conv3d: _conv(False, 3),
                    F.conv_transpose1d: _conv(True, 1), F.conv_transpose2d: _conv(True, 2),
                    F.conv_transpose3d: _conv(True, 3), F.linear: _linear, F.embedding: _embedding})
@@ -228,9 +280,10 @@ class HalfMath(TorchFunctionMode):
 
     extra: frozenset = frozenset()
 
-    def __init__(self, dtype: torch.dtype = torch.float16):
+    def __init__(self, dtype: torch.dtype = torch.float16, copies: FP32Copies | None = None):
         super().__init__()
         self.dtype = dtype
+        self.copies = copies  # the FP32 copies of the parameters, kept by a recipe; None: cast each use
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -254,7 +307,7 @@ class HalfMath(TorchFunctionMode):
         if any(a.dtype != self.dtype for a in flat):
             return func(*args, **kwargs)
         with _no_autocast(dev):  # the FP32 kernels must not be cast back down
-            return run(func, args, kwargs, self.dtype)
+            return run(func, args, kwargs, self.dtype, self.copies)
 
 
 @functools.lru_cache(maxsize=None)
@@ -306,5 +359,5 @@ class FP32Math(HalfMath):
 
     extra = frozenset(_SOFTMAX)
 
-    def __init__(self):
-        super().__init__(torch.float16)
+    def __init__(self, copies: FP32Copies | None = None):
+        super().__init__(torch.float16, copies)

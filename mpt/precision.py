@@ -29,7 +29,7 @@ from mpt import formats, precisions
 from mpt import torch_private as TP
 from mpt.errors import UserError
 from mpt.fp8 import FP8_FORMATS, FP8Math, FP8State, fp8_quantize  # noqa: F401 -- also imported from here
-from mpt.half_math import (FP32Math, HalfMath, cpu_has_fast_bf16, half_math_info,  # noqa: F401
+from mpt.half_math import (FP32Copies, FP32Math, HalfMath, cpu_has_fast_bf16, half_math_info,  # noqa: F401
                            resolve_half_math)
 from mpt.loss_scaler import LossScaler
 from mpt.numerics import first_nonfinite
@@ -138,11 +138,6 @@ class Recipe:
         step() and update(), so there is nothing to keep here; FP8 keeps its recorded amaxes and its
         stochastic-rounding generators."""
         return contextlib.nullcontext()
-
-    def _math(self):
-        """HalfMath where this recipe's FP16/BF16 dot products are emulated (it builds their backward
-        too: nothing is needed around backward())."""
-        return HalfMath(self.compute_dtype) if self.half_math == "emulated" else contextlib.nullcontext()
 
     # -- per iteration --
     @property
@@ -387,13 +382,18 @@ class HalfModel(Recipe):
         else:
             self.scaler = LossScaler("static", scale)
         self._pairs: list[tuple[list[torch.Tensor], list[torch.Tensor], list[int]]] = []
+        # FP32 copies of the FP16 weights for emulated FP32-accumulating dot products: one cast per
+        # weight per update instead of two or three per layer (mpt.half_math.FP32Copies)
+        self.fp32_copies = FP32Copies()
 
     @classmethod
     def from_config(cls, cfg, device):
         return cls(device, *_half_args(cfg))
 
     def autocast(self):
-        return self._math()
+        """HalfMath where this recipe's FP16/BF16 dot products are emulated (it builds their backward
+        too: nothing is needed around backward())."""
+        return HalfMath(self.compute_dtype, self.fp32_copies) if self.half_math == "emulated" else contextlib.nullcontext()
 
     @property
     def _what(self) -> str:
@@ -478,6 +478,7 @@ class HalfModel(Recipe):
         if copied:  # the updated FP32 weights back into the FP16 model (3.1)
             with torch.no_grad():
                 self._write_back(optimizer, model_p, fp32, copied)
+            self.fp32_copies.refresh()
         return True
 
     def _start_step(self, model_p, fp32, own) -> None:
@@ -565,7 +566,7 @@ class FP16Storage(MasterCopy):
         return "emulated"  # FP32 math on FP16 values is the precision's definition, whatever the setting
 
     def autocast(self):
-        return FP32Math()
+        return FP32Math(self.fp32_copies)
 
 
 class NoMasterCopy(HalfModel):

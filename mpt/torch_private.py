@@ -40,6 +40,13 @@ def foreach_copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     torch._foreach_copy_(dst, src)
 
 
+def version(t: torch.Tensor) -> int:
+    """The version counter of t's storage view: autograd's count of the in-place writes into t (copy_,
+    add_, the foreach ops; not writes through t.data), which it compares to refuse a tensor saved for
+    backward and modified since. Tensor._version has no public name."""
+    return t._version
+
+
 def shutdown_loader_workers(loader: torch.utils.data.DataLoader) -> None:
     """Stop a DataLoader's persistent worker processes now. They otherwise live until the loader is
     garbage-collected -- and forked workers hold every file descriptor of their parent, the run

@@ -602,3 +602,94 @@ def test_config_and_paper_tables_import_no_torch():
     code = ("import sys, mpt.config, mpt.precisions, paper_tables.specs, paper_tables.results; "
             "sys.exit(any(m == 'torch' or m.startswith('torch.') for m in sys.modules))")
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0
+
+
+def _optim_cfg(name, **kw):
+    from mpt.config import OptimCfg
+
+    o = OptimCfg(name=name, lr=0.01, momentum=0.9, weight_decay=5e-4)
+    for k, v in kw.items():
+        setattr(o, k, v)
+    return o
+
+
+@pytest.mark.parametrize("name,kw", [("sgd", {}), ("sgd", {"nesterov": True}), ("sgd", {"momentum": 0.0}),
+                                     ("adam", {}), ("adamw", {}), ("adagrad", {}), ("rmsprop", {}),
+                                     ("rmsprop", {"momentum": 0.0})])
+def test_optimizers_step_foreach_with_the_per_parameter_loops_bits(name, kw):
+    """build_optimizer asks for torch's multi-tensor step everywhere (a CPU would otherwise loop over
+    the parameters op by op); its weights and state are those of the per-parameter loop, bit for bit,
+    with a parameter left without a gradient on some steps."""
+    from mpt.optim import build_optimizer
+
+    def train(foreach):
+        torch.manual_seed(0)
+        ps = [nn.Parameter(torch.randn(*s)) for s in [(70, 50), (5,), (30, 3, 3, 3), (1111,)]]
+        opt = build_optimizer(_optim_cfg(name, **kw), ps)
+        assert opt.defaults["foreach"] is True
+        for g in opt.param_groups:
+            g["foreach"] = foreach
+        gen = torch.Generator().manual_seed(1)
+        for s in range(8):
+            for i, p in enumerate(ps):
+                p.grad = None if (i == 1 and s % 3 == 0) else torch.randn(p.shape, generator=gen) * 10.0 ** (s - 4)
+            opt.step()
+        return ps + [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+
+    for a, b in zip(train(True), train(False), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("prec,impl", [("mixed", "paper"), ("fp16_storage", "paper"), ("fp16_pure", "paper"),
+                                       ("fp16", "paper")])
+def test_kept_fp32_weight_copies_change_no_bit(prec, impl):
+    """The paper recipes keep FP32 copies of their FP16 weights for the emulated dot products
+    (half_math.FP32Copies): losses, FP16 weights, FP32 masters and momentum equal those of casting at
+    every use, after several updates, after a checkpoint load and after a weight written in place."""
+    x, y = data()
+    runs = []
+    for keep in (True, False):
+        m = tiny_net()
+        m.add_module("head2", nn.Linear(3, 3))
+        opt = torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9, weight_decay=1e-3)
+        r = recipe_for(m, opt, prec, impl, half_math="emulated")
+        if not keep:
+            r.fp32_copies.keep = False  # the reference: every weight cast at each use
+        losses = [step(r, m, opt, x, y)[0] for _ in range(4)]
+        if keep:  # the copies were used and follow the updated weights
+            assert len(r.fp32_copies.copies) == 6  # conv and both linears, weight and bias
+            for ref, _, up in r.fp32_copies.copies.values():
+                assert torch.equal(up, ref().float())
+        sd = {k: v.clone() for k, v in m.state_dict().items()}
+        losses += [step(r, m, opt, x, y)[0] for _ in range(2)]
+        m.load_state_dict(sd)  # weights written by a checkpoint load, not by the recipe
+        losses.append(step(r, m, opt, x, y)[0])
+        with torch.no_grad():
+            m[0].weight.mul_(0.5)  # and in place
+        losses += [step(r, m, opt, x, y)[0] for _ in range(2)]
+        runs.append((losses, [t.clone() for t in list(m.parameters()) + r.master_params()
+                              + [s["momentum_buffer"] for s in opt.state.values()]]))
+    (la, ta), (lb, tb) = runs
+    assert la == lb
+    for a, b in zip(ta, tb, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_fp32_copies_follow_their_weights_and_go_with_them():
+    """A copy is w.float() at the weight's current version and is dropped with its weight; anything
+    but a parameter is cast afresh each time."""
+    copies = precision.FP32Copies()
+    w = nn.Parameter(torch.randn(4, 3).half())
+    up = copies.get(w)
+    assert up.dtype == torch.float32 and torch.equal(up, w.float()) and copies.get(w) is up
+    with torch.no_grad():
+        w.add_(1)
+    assert torch.equal(copies.get(w), w.float())  # written in place: cast afresh
+    with torch.no_grad():
+        w.mul_(2)
+    copies.refresh()
+    assert torch.equal(copies.copies[id(w)][2], w.float()) and copies.get(w) is copies.copies[id(w)][2]
+    x = torch.randn(3).half()
+    assert copies.get(x) is not copies.get(x) and len(copies.copies) == 1
+    del w
+    assert copies.copies == {}

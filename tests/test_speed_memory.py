@@ -231,6 +231,40 @@ def test_engine_overhead_on_one_threads_cpu_clock():
         torch.set_num_threads(threads)
 
 
+def test_launch_counts_of_a_step(capsys, one_thread):
+    """launches=: a step's aten ops per cell. The optimizer steps all of AlexNet's 16 parameters in a
+    few foreach ops; fp16_storage's FP32 math on FP16 weights adds casts to the forward and backward,
+    but no longer one per weight and use (half_math.FP32Copies)."""
+    from experiments.speed_memory import engine_overhead
+
+    kw = dict(width=0.03125, batch=2, size=64, steps=1, device="cpu")
+    fp32 = engine_overhead.launches("alexnet", "fp32", None, **kw)
+    half = engine_overhead.launches("alexnet", "fp16_storage", "paper", rounds=1, **kw)
+    for r, p in ((fp32, ""), (half, ""), (half, "ref_")):
+        assert r[p + "aten_all"] >= r[p + "aten_top"] >= r[p + "launches"] > 0 and r[p + "step_ms"] > 0
+        assert r[p + "launches"] == sum(r[f"{p}launches_{ph}"] for ph in ("forward_recipe", "backward", "optimizer"))
+    assert 1 <= fp32["launches_optimizer"] <= 6 and 1 <= half["launches_optimizer"] <= 6
+    # the reference: SGD's loop runs 4 ops per parameter, the weights are cast at each use
+    assert half["ref_launches_optimizer"] == 4 * 16 and "speedup" in half
+    assert half["ref_launches_forward_recipe"] - half["launches_forward_recipe"] >= 8
+    # Per weight-bearing layer (8): its input up and its output down in the forward; the incoming gradient
+    # up, the saved input up, its gradients down in the backward. Besides: the model's input and output
+    # and the two LRNs cast (6 forward, ~4 backward), the gradient copy, the write-back and the copies'
+    # refresh (3). Its weight and bias are no longer cast at each use: that made 40 and 51.
+    assert half["launches_forward_recipe"] - fp32["launches_forward_recipe"] <= 2 * 8 + 6 + 3
+    assert half["launches_backward"] - fp32["launches_backward"] <= 5 * 8 + 4
+    engine_overhead.main(["launches=alexnet", "cells=fp32", "batch=2", "width=0.03125", "size=64", "steps=1"])
+    out = capsys.readouterr().out
+    assert "| alexnet | fp32 | - |" in out
+    for argv, msg in ((["launches=alexnet", "cells=fp32:fast"], "error: cells: impl 'fast' in 'fp32:fast'"),
+                      (["launches=alexnet", "cells=fp64"], "error: cells: unknown precision 'fp64'"),
+                      (["launches=lenet"], "error: launches: model 'lenet' has no workload")):
+        with pytest.raises(SystemExit):
+            engine_overhead.main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(msg)
+
+
 @pytest.mark.parametrize("model", ["english", "mandarin"])
 def test_speech_workloads_measure_a_ctc_step(model, one_thread):
     """Table 3's models have rows: one DeepSpeech 2 training step on synthetic spectrograms,

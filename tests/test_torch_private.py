@@ -54,6 +54,24 @@ def test_foreach_copy_equals_copy_including_the_cast():
         assert torch.equal(d, torch.empty_like(d).copy_(s))
 
 
+def test_version_counts_in_place_writes_that_autograd_checks():
+    w = nn.Parameter(torch.ones(3, dtype=torch.float16))
+    v0 = TP.version(w)
+    with torch.no_grad():
+        TP.foreach_copy_([w], [torch.full((3,), 2.0)])
+    assert TP.version(w) == v0 + 1
+    x = torch.ones(3, requires_grad=True)
+    y = (x * w.float()).sum()  # saves w's cast, not w: no error below
+    out = x.exp()
+    ver = TP.version(out)
+    with torch.no_grad():
+        out.add_(1)
+    assert TP.version(out) == ver + 1  # what makes autograd refuse out as a saved tensor
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+    y.backward()
+
+
 def test_ntuple_repeats_a_number_and_keeps_a_sequence():
     assert TP.ntuple(2)(3) == (3, 3) and TP.ntuple(3)(1) == (1, 1, 1)
     assert tuple(TP.ntuple(2)((1, 2))) == (1, 2) and tuple(TP.ntuple(2)([4, 5])) == (4, 5)

@@ -393,7 +393,9 @@ class _StateProbe(Observer):
         self.state = state_bytes(self.net, self.recipe, opt) if self.on else None
 
 
-def _measure(wl: Workload, model_name, precision, impl, size, o, device) -> dict:
+def build_cell(wl: Workload, model_name, precision, impl, size, o, device):
+    """One cell's training pieces, as the engine builds them: (task, model prepared by the recipe,
+    optimizer, recipe, one synthetic batch on the device). Sets the engine's math flags."""
     cfg = config_for(wl, model_name, precision, impl, o, device)
     # The engine's settings (mpt/engine.py setup): TF32 only where asked; cudnn.benchmark picks the
     # fastest convolution algorithms for these shapes during the warm-up.
@@ -407,8 +409,13 @@ def _measure(wl: Workload, model_name, precision, impl, size, o, device) -> dict
     opt = make_optimizer(cfg.optim, list(net.parameters()), o["fused"])
     recipe = recipes.build(cfg, device)
     net = recipe.prepare(net, [opt])
-    half_math = recipe.half_math  # what computed the FP16/BF16 dot products (emulated | native | device | none)
     batch = wl.make_batch(o["batch"], size, device, o["channels_last"], torch.Generator().manual_seed(0))
+    return task, net, opt, recipe, batch
+
+
+def _measure(wl: Workload, model_name, precision, impl, size, o, device) -> dict:
+    task, net, opt, recipe, batch = build_cell(wl, model_name, precision, impl, size, o, device)
+    half_math = recipe.half_math  # what computed the FP16/BF16 dot products (emulated | native | device | none)
     run = torch.compile(net) if o["compile"] else net
     probe = _StateProbe(net, recipe)
     # The engine's iteration (mpt.step.TrainStep) on the timed model, and on the eager one for memory

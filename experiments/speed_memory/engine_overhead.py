@@ -10,6 +10,19 @@ runs it as its engine-overhead row; alone:
 clock=cpu (CPU device, one thread) times each block by this thread's CPU time instead of the wall
 clock: on a machine shared with other processes, the time the process waits for a core is then left
 out of both loops alike (cache contention is not).
+
+launches=alexnet,googlenet prints, instead, what a step launches: per (precision, impl) cell of
+`cells`, the aten ops one training step (bench.py's step: TrainStep through the recipe) dispatches,
+counted with torch.profiler, and its median time. A small-batch GPU step is bound by these launches
+and the Python between them, not by arithmetic; the counts do not depend on width or input size:
+
+    python -m experiments.speed_memory.engine_overhead launches=alexnet,googlenet
+        [cells=fp32,mixed:autocast,fp16_storage:paper] [batch=32] [width=0.0625] [size=80] [steps=10]
+        [device=auto] [reference_rounds=0]
+
+reference_rounds=N also builds each cell on the slow paths that give the same bits (the optimizers'
+per-parameter loop, FP16 weights cast to FP32 at each use) and times both in N alternating rounds:
+the launches saved and their time, measured in one process.
 """
 from __future__ import annotations
 
@@ -20,13 +33,14 @@ import time
 
 import torch
 
-from experiments.speed_memory.bench import WORKLOADS, sync, time_steps
-from mpt import config
+from experiments.speed_memory.bench import WORKLOADS, build_cell, sync, time_steps
+from mpt import config, precisions
 from mpt import engine
 from mpt.config import parse_options
 from mpt.optim import build_optimizer
 from mpt.ranks import pick_device
 from mpt.errors import UserError, cli
+from mpt.step import TrainStep, loss_body
 from mpt.task import Task
 
 # Precisions the hand-written loop covers: torch.amp's documented recipe, autocast + GradScaler.
@@ -153,14 +167,193 @@ def _hand_loop(task, cfg, precision, device, xb, channels_last):
     return hand_step
 
 
+# ------------------------------------------------------------------------------------------------
+# launches per step
+
+# aten ops that launch no kernel on a GPU: views, metadata, allocations.
+_NO_KERNEL = frozenset("aten::" + n for n in (
+    "empty", "empty_strided", "empty_like", "view", "_reshape_alias", "reshape", "as_strided", "detach", "t",
+    "transpose", "permute", "expand", "narrow", "slice", "select", "squeeze", "unsqueeze", "flatten", "alias",
+    "lift_fresh", "resolve_conj", "resolve_neg", "_unsafe_view", "split", "split_with_sizes", "chunk",
+    "unbind", "result_type", "contiguous", "view_as", "expand_as"))
+
+
+def _phase(e) -> str:
+    """Where a profiler event ran: inside optimizer.step, in autograd's backward, or elsewhere
+    (forward, the loss, the recipe's unscale/check/copies)."""
+    while e is not None:
+        if e.name.startswith("Optimizer.step"):
+            return "optimizer"
+        if e.name.startswith("autograd::engine::evaluate_function"):
+            return "backward"
+        e = e.cpu_parent
+    return "forward_recipe"
+
+
+def count_launches(events, device: torch.device) -> dict:
+    """Per-profile counts: `aten_all` every aten op; `aten_top` the aten ops called from Python or by
+    autograd's backward nodes (no aten op above them: one dispatch each); `launches` those of them that
+    are not views or allocations -- what a GPU runs as one kernel or a few (a foreach op: one
+    multi-tensor kernel per chunk of tensors), split by phase. A GPU run also counts its CUDA kernels,
+    copies and fills."""
+    from torch.autograd import DeviceType
+
+    def top(e):
+        q = e.cpu_parent
+        while q is not None:
+            if q.name.startswith("aten::"):
+                return False
+            q = q.cpu_parent
+        return True
+
+    aten = [e for e in events if e.name.startswith("aten::")]
+    tops = [e for e in aten if top(e)]
+    work = [e for e in tops if e.name not in _NO_KERNEL]
+    out = {"aten_all": len(aten), "aten_top": len(tops), "launches": len(work)}
+    for ph in ("forward_recipe", "backward", "optimizer"):
+        out[f"launches_{ph}"] = sum(1 for e in work if _phase(e) == ph)
+    if device.type == "cuda":
+        out["cuda_kernels"] = sum(1 for e in events if e.device_type == DeviceType.CUDA)
+    return out
+
+
+def _slow_paths(opt, recipe) -> None:
+    """The reference a step's launches are compared to: the optimizer's per-parameter loop (what torch
+    runs on a CPU unless foreach is asked for) and, in the paper recipes, every FP16 weight cast to
+    FP32 at each use (half_math.FP32Copies(keep=False)). The same bits, more launches."""
+    for g in opt.param_groups:
+        g["foreach"] = False
+    if hasattr(recipe, "fp32_copies"):
+        recipe.fp32_copies.keep = False
+
+
+def launches(model: str, precision: str, impl: str | None, *, width: float, batch: int, size: int, steps: int,
+             device: str = "auto", rounds: int = 0) -> dict:
+    """Aten ops (and, on a GPU, CUDA kernels) per training step of one cell, from a profile of `steps`
+    steps after 3 warm-up steps, and the median step time of `steps` unprofiled steps (on a CPU, this
+    thread's CPU time: run with OMP_NUM_THREADS=1). rounds > 0: the same for the reference (_slow_paths,
+    keys ref_*), both timed in `rounds` alternating blocks of `steps` steps; `speedup` is the median
+    over rounds of reference time / time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dev = pick_device(device)
+    wl = WORKLOADS[model]
+    o = {"width": width, "batch": batch, "channels_last": False, "cudnn_benchmark": True, "fused": False,
+         "half_math": "auto"}
+    variants = {"": build_cell(wl, model, precision, impl, size, o, dev)}
+    if rounds:
+        variants["ref_"] = build_cell(wl, model, precision, impl, size, o, dev)
+        _slow_paths(variants["ref_"][2], variants["ref_"][3])
+    out = {"model": model, "precision": precision, "impl": impl, "batch": batch, "width": width, "size": size,
+           "device": str(dev), "half_math": variants[""][3].half_math}
+    runs = {}
+    for key, (task, net, opt, recipe, xb) in variants.items():
+        step = TrainStep(loss_body(task.loss), net, {"main": opt}, recipe, device=dev, measure_first=False)
+        runs[key] = lambda step=step, xb=xb: step([xb])
+        for _ in range(3):  # cudnn.benchmark's search, lazy state (momentum buffers, master gradients)
+            runs[key]()
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+        sync(dev)
+        with profile(activities=acts) as prof:
+            for _ in range(steps):
+                runs[key]()
+            sync(dev)
+        out.update({key + k: v / steps for k, v in count_launches(prof.events(), dev).items()})
+
+    def block(fn) -> list[float]:
+        if dev.type == "cpu":  # this thread's CPU time: waiting for a core shared with other jobs is left out
+            times = []
+            for _ in range(steps):
+                t = time.thread_time()
+                fn()
+                times.append(1e3 * (time.thread_time() - t))
+            return times
+        return time_steps(fn, steps, dev)[0]
+
+    times = {key: [] for key in runs}
+    per_round = []
+    for r in range(max(rounds, 1)):
+        order = list(runs) if r % 2 == 0 else list(runs)[::-1]  # alternate which goes first
+        got = {key: statistics.median(block(runs[key])) for key in order}
+        for key, t in got.items():
+            times[key].append(t)
+        if rounds:
+            per_round.append(got["ref_"] / got[""])
+    for key, ts in times.items():
+        out[key + "step_ms"] = statistics.median(ts)
+    if rounds:
+        out["speedup"] = statistics.median(per_round)
+        out["speedup_min"], out["speedup_max"] = min(per_round), max(per_round)
+    return out
+
+
+def _cells(spec: str) -> list[tuple[str, str | None]]:
+    out = []
+    for c in [c.strip() for c in spec.split(",") if c.strip()]:
+        prec, _, impl = c.partition(":")
+        if prec not in precisions.BY_NAME:
+            raise UserError(f"cells: unknown precision {prec!r} in {c!r}; choose from: {', '.join(precisions.BY_NAME)}")
+        if impl not in ("", "autocast", "paper"):
+            raise UserError(f"cells: impl {impl!r} in {c!r}: write precision or precision:autocast|paper")
+        out.append((prec, impl or None))
+    if not out:
+        raise UserError("cells= is empty: name at least one precision[:impl], e.g. cells=fp32,mixed:autocast")
+    return out
+
+
+def print_launches(o: dict) -> None:
+    names = [m.strip() for m in o["launches"].split(",") if m.strip()]
+    for m in names:
+        if m not in WORKLOADS:
+            raise UserError(f"launches: model {m!r} has no workload; choose from: {', '.join(WORKLOADS)}")
+    cells = _cells(o["cells"])
+    ref = o["reference_rounds"]
+    print(f"launches per training step: batch {o['batch']}, width {o['width']}, {o['size']}px, profile of "
+          f"{o['steps']} steps, torch {torch.__version__}, {torch.get_num_threads()} threads"
+          + (f"; against the reference (per-parameter optimizer loop, weights cast at each use), "
+             f"{ref} alternating rounds of {o['steps']} steps" if ref else ""))
+    cols = ["model", "precision", "impl", "aten ops (all)", "aten ops (top level)", "launch-like",
+            "fwd+recipe / bwd / optimizer", "CUDA kernels", "ms/step"]
+    if ref:
+        cols[3:] = ["aten ops (top level), reference -> now", "launch-like, reference -> now",
+                    "fwd+recipe / bwd / optimizer, reference -> now", "CUDA kernels, reference -> now",
+                    "ms/step, reference -> now", "speedup (rounds' range)"]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for m in names:
+        for prec, impl in cells:
+            r = launches(m, prec, impl, width=o["width"], batch=o["batch"], size=o["size"], steps=o["steps"],
+                         device=o["device"], rounds=ref)
+
+            def f(k, p=""):
+                return f"{r[p + k]:.0f}" if p + k in r else "-"
+
+            def phases(p=""):
+                return " / ".join(f(f"launches_{ph}", p) for ph in ("forward_recipe", "backward", "optimizer"))
+
+            head = f"| {m} | {prec} | {impl or '-'} | "
+            if ref:
+                print(head + f"{f('aten_top', 'ref_')} -> {f('aten_top')} | {f('launches', 'ref_')} -> {f('launches')} | "
+                      f"{phases('ref_')} -> {phases()} | {f('cuda_kernels', 'ref_')} -> {f('cuda_kernels')} | "
+                      f"{r['ref_step_ms']:.2f} -> {r['step_ms']:.2f} | {r['speedup']:.2f}x "
+                      f"({r['speedup_min']:.2f}-{r['speedup_max']:.2f}) |", flush=True)
+            else:
+                print(head + f"{f('aten_all')} | {f('aten_top')} | {f('launches')} | {phases()} | {f('cuda_kernels')} | "
+                      f"{r['step_ms']:.2f} |", flush=True)
+
+
 DEFAULTS = {"model": "resnet50_preact", "width": 0.0625, "batch": 32, "size": 80, "precisions": "fp32,mixed",
-            "rounds": 7, "steps": 10, "device": "auto", "channels_last": False, "clock": "wall"}
+            "rounds": 7, "steps": 10, "device": "auto", "channels_last": False, "clock": "wall",
+            "launches": "", "cells": "fp32,mixed:autocast,fp16_storage:paper", "reference_rounds": 0}
 
 
 @cli
 def main(argv=None):
     o = parse_options(sys.argv[1:] if argv is None else argv, DEFAULTS, "experiments.speed_memory.engine_overhead")
     torch.manual_seed(0)
+    if o["launches"]:
+        print_launches(o)
+        return
     print(f"engine vs hand-written torch.amp loop: {o['model']} width {o['width']}, batch {o['batch']}, "
           f"{o['size']}px, {o['rounds']} rotating rounds of {o['steps']} steps, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, {o['clock']} clock")
