@@ -137,3 +137,21 @@ def test_task_checks_decode():
         with pytest.raises(UserError, match=match) as e:
             Task.check(Config(task=cfg))
         assert "\n" not in str(e.value)
+
+
+def test_header_size_reads_the_frame_header_of_every_kind_of_file():
+    """The frame header of baseline and progressive JPEGs (behind EXIF and comment segments), and PIL's
+    answer for a PNG: (height, width), as PIL reports it."""
+    img = Image.fromarray(np.zeros((37, 53, 3), dtype=np.uint8))
+    exif = Image.Exif()
+    exif[0x010E] = "a description long enough to make an APP1 segment"
+    cases = {}
+    for name, kw in (("baseline", {}), ("progressive", {"progressive": True}), ("exif", {"exif": exif.tobytes()})):
+        buf = io.BytesIO()
+        img.save(buf, "JPEG", quality=90, **kw)
+        cases[name] = buf.getvalue()
+    buf = io.BytesIO()
+    img.save(buf, "PNG")
+    cases["png"] = buf.getvalue()
+    for name, data in cases.items():
+        assert pipeline.header_size(data) == (37, 53), name

@@ -139,8 +139,25 @@ def dct_factor(p: Plan, h: int, w: int) -> float:
     return min(p.h / p.oh, p.w / p.ow)
 
 
+_SOF = frozenset((0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF))
+
+
 def header_size(data: bytes) -> tuple[int, int]:
-    """(height, width) from an encoded image's header (PIL reads no pixels to answer)."""
+    """(height, width) from an encoded image's header. A JPEG's start-of-frame segment is found by walking
+    its marker segments (~10 us, a twelfth of opening it with PIL, which reads no pixels either); PIL
+    answers for anything else (PNG, a JPEG this walk does not understand)."""
+    if data[:2] == b"\xff\xd8":
+        i, n = 2, len(data)
+        while i + 9 <= n and data[i] == 0xFF:
+            marker = data[i + 1]
+            if marker == 0xFF:  # fill byte before a marker
+                i += 1
+                continue
+            if marker in _SOF:
+                return int.from_bytes(data[i + 5:i + 7], "big"), int.from_bytes(data[i + 7:i + 9], "big")
+            if marker == 0xDA:  # start of scan before any frame header: not a JPEG we know
+                break
+            i += 2 + int.from_bytes(data[i + 2:i + 4], "big")
     with Image.open(io.BytesIO(data)) as im:
         w, h = im.size
     return h, w
