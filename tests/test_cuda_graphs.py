@@ -197,3 +197,29 @@ def test_config_refusals_and_identity():
     on = C.resolve("ilsvrc_cnns", over)
     off = C.resolve("ilsvrc_cnns", over[:2])
     assert on.train.cuda_graphs and C.cell_id(on) == C.cell_id(off)
+
+
+@pytest.mark.parametrize("model", ["alexnet", "googlenet"])
+def test_the_benchmarks_cells_through_the_runner(model):
+    """The GPU rows' cells (speed_memory bench.build_cell: the ILSVRC task's loss, GoogLeNet's auxiliary
+    heads, AlexNet's LRN and dropout, fp16_storage's FP32 math and weight copies), tiny, with the stand-in
+    graph: the same losses and weights as eager."""
+    from experiments.speed_memory import DEFAULTS, bench
+
+    o = {**DEFAULTS, "width": 0.03125, "batch": 2, "channels_last": False}
+    wl = bench.WORKLOADS[model]
+    for prec, impl in (("fp32", None), ("mixed", "autocast"), ("fp16_storage", "paper")):
+        runs = []
+        for backend in (None, graphs.EagerGraph):
+            with bench.restored_backend_flags():
+                task, net, opt, recipe, batch = bench.build_cell(wl, model, prec, impl, 80, o, torch.device("cpu"))
+            assert graphs.refusal(device="cuda", recipe=recipe, task=task) is None
+            step = TrainStep(loss_body(task.loss), net, {"main": opt}, recipe, cuda_graphs=backend is not None,
+                             graph_backend=backend)
+            torch.manual_seed(5)
+            losses = [step([batch])[0]["loss"].item() for _ in range(4)]
+            runs.append((losses, [p.detach().clone() for p in net.parameters()], step))
+        (le, pe, _), (lg, pg, sg) = runs
+        assert lg == le, (prec, impl)
+        assert all(torch.equal(a, b) for a, b in zip(pe, pg)), (prec, impl)
+        assert sg.graphs.replays == 3
