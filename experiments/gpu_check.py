@@ -257,12 +257,32 @@ def part_models(ctx: Ctx) -> dict:
             out["rows"].append(_measure(m, prec, impl, {**o, "channels_last": cl, "cuda_graphs": graphed}, ctx))
             report.add_ratios(out["rows"])
             ctx.emit(out)
+        if m in GRAPHED and ctx.device.type == "cuda":
+            out.setdefault("graphs_exact", []).extend(_graphs_exact(m, o, ctx))
+            ctx.emit(out)
     bad = [r for r in out["rows"] if r["status"] not in ("ok", "skipped")]
     if bad:
         out["status"] = "failed"
         out["error"] = f"{len(bad)} of {len(out['rows'])} cells not ok: " + "; ".join(
             f"{_cell(r)} {r['status']}" for r in bad)
     return out
+
+
+def _graphs_exact(m: str, o: dict, ctx: Ctx) -> list[dict]:
+    """CUDA graphs against eager, bit for bit (bench.graphs_exactness), in each graphed cell's layout."""
+    from experiments.speed_memory import bench
+    from mpt.precision import HALF_COMPUTE
+
+    rows = []
+    for prec, impl in (("fp32", None), ("mixed", "autocast"), ("fp16_storage", "paper")):
+        try:
+            with bench.restored_backend_flags():
+                rows.append(bench.graphs_exactness(m, prec, impl, {**o, "channels_last": prec in HALF_COMPUTE}, ctx.device))
+        except Exception as e:  # noqa: BLE001 -- recorded, the speed rows stand
+            rows.append({"model": m, "precision": prec, "impl": impl, "error": f"{type(e).__name__}: {str(e)[:300]}",
+                         "traceback": traceback.format_exc()})
+        print(f"graphs exact {m} {prec}: {rows[-1]}", file=sys.stderr, flush=True)
+    return rows
 
 
 def part_ds2_worst(ctx: Ctx) -> dict:

@@ -223,3 +223,14 @@ def test_the_benchmarks_cells_through_the_runner(model):
         assert lg == le, (prec, impl)
         assert all(torch.equal(a, b) for a, b in zip(pe, pg)), (prec, impl)
         assert sg.graphs.replays == 3
+
+
+def test_the_gpu_calls_exactness_check_on_the_cpu():
+    """bench.graphs_exactness (gpu_check's models part on a GPU), with the stand-in graph."""
+    from experiments.speed_memory import DEFAULTS, bench
+
+    o = {**DEFAULTS, "width": 0.03125, "batch": 2, "size": "80", "channels_last": False}
+    with bench.restored_backend_flags():
+        r = bench.graphs_exactness("alexnet", "mixed", "autocast", o, torch.device("cpu"), steps=3,
+                                   backend=graphs.EagerGraph)
+    assert r["losses_equal"] and r["weights_equal"] and r["replays"] == 2 and r["captures"] == 1
