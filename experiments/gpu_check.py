@@ -23,7 +23,9 @@ and the others run):
   cifar      the CIFAR-10 real recipe (ResNet-8, ../shared/data's development subset, 32 epochs) on the
              tensor cores in fp32, fp16, mixed and bf16 over 3 seeds: top-1 beside the CPU emulation's
   models     every Table 1 and Table 3 model (6 ILSVRC CNNs, DeepSpeech 2 English and Mandarin) for a
-             few steps in fp32, mixed and fp16_storage at the paper grid's batch per GPU, as time allows
+             few steps in fp32, mixed and fp16_storage at the paper grid's batch per GPU, as time allows;
+             AlexNet and GoogLeNet also with CUDA graphs (train.cuda_graphs: fp32, mixed autocast,
+             fp16_storage paper) beside their eager rows, 20 timed steps each
   ddp        a 2-rank DDP run (torchrun) when two GPUs are visible; skipped at no cost otherwise (the
              CPU smoke runs it with 2 gloo ranks, so the path is exercised)
 
@@ -79,6 +81,8 @@ SMOKE_CALL_S = PROBE_S + sum(SMOKE_BUDGET_S.values())
 RN = "resnet50_preact"
 TABLE1 = ("alexnet", "vgg16", "googlenet", "inception_v2", "inception_v3", RN)
 TABLE3 = ("english", "mandarin")
+# The models part's launch-bound models at the paper grid's 32 per GPU, measured again with CUDA graphs
+GRAPHED = ("alexnet", "googlenet")
 # DeepSpeech 2's worst batch: the longest training utterances. English: LibriSpeech cuts its training
 # audio into segments of at most 35 s (Panayotov et al. 2015, section 3); Mandarin: AISHELL-1's files
 # run from about 1 to 14 s (LDC2018S14 catalogue entry), 15 s taken to be safe. 100 spectrogram
@@ -100,7 +104,8 @@ class Sizes:
     image_size: str = "auto"  # each CNN's own (224; Inception v3 299; AlexNet 227)
     speech_frames: int = 1000  # 10 s, about LibriSpeech's mean training utterance (bench.py)
     steps: int = 3
-    warmup: int = 2
+    warmup: int = 2  # >= 2 for the CUDA-graph rows: the first warm-up step runs eagerly, the second captures
+    graphed_steps: int = 20  # the GRAPHED models' rows, eager and graphed: ~10-50 ms steps, a steadier median
     worst_frames_scale: float = 1.0  # x DS2_LONGEST_S x 100 frames/s
     worst_steps: int = 1  # the question is whether it fits: one timed step (a 35 s batch may take seconds)
     worst_warmup: int = 1
@@ -128,7 +133,7 @@ GPU = Sizes()
 # spectrogram frames (the worst case at 1/25 of its length), one timed step: every code path of the GPU
 # run on a CPU core. FP16 recurrent layers are slow on a CPU (the DS2 cells dominate the smoke's time).
 SMOKE = Sizes(headline_width=0.03125, headline_batch=4, headline_size="64", headline_steps=2, headline_warmup=1,
-              kernels=False, width=0.03125, batch=2, image_size="80", speech_frames=64, steps=1, warmup=1,
+              kernels=False, width=0.03125, batch=2, image_size="80", speech_frames=64, steps=1, warmup=1, graphed_steps=1,
               worst_frames_scale=0.04, worst_steps=1, worst_warmup=1, tiny_batch=8, tiny_steps=4, stop_after=2,
               e2e_train_per_class=2, e2e_val_per_class=1, e2e_crop=64, e2e_resize=72, e2e_steps=4, e2e_log_every=1,
               e2e_skip_windows=1, ssd_image=96, ssd_images=8, ssd_batch=2, ssd_steps=2, cifar_seeds=(0,), cifar_epochs=1,
@@ -229,7 +234,10 @@ def paper_batches() -> dict[str, dict]:
 
 def part_models(ctx: Ctx) -> dict:
     """Every Table 1 and Table 3 model, a few steps in fp32, mixed (the impl its paper grid runs) and
-    fp16_storage (the paper's speech recipe) at the paper grid's batch per GPU."""
+    fp16_storage (the paper's speech recipe) at the paper grid's batch per GPU. The launch-bound ones
+    (GRAPHED) again with their forward/backward replayed from CUDA graphs (cuda_graphs=true,
+    mpt.graphs), beside their eager rows; on a CPU those rows are skipped with a note."""
+    from experiments.speed_memory import report
     from mpt.precision import HALF_COMPUTE
 
     s = ctx.sizes
@@ -238,19 +246,43 @@ def part_models(ctx: Ctx) -> dict:
     for m in TABLE1 + TABLE3:
         b = s.batch or pb[m]["per_gpu"]
         size = str(s.speech_frames) if m in TABLE3 else s.image_size
-        o = _bench_options(ctx, models=m, batch=b, size=size, width=s.width, steps=s.steps, warmup=s.warmup,
-                           kernels=False)
-        for prec, impl in (("fp32", None), ("mixed", pb[m]["mixed_impl"]), ("fp16_storage", "paper")):
+        o = _bench_options(ctx, models=m, batch=b, size=size, width=s.width, warmup=s.warmup, kernels=False,
+                           steps=s.graphed_steps if m in GRAPHED else s.steps)
+        cells = [(p, i, False) for p, i in (("fp32", None), ("mixed", pb[m]["mixed_impl"]), ("fp16_storage", "paper"))]
+        if m in GRAPHED:
+            cells += [(p, i, True) for p, i in (("fp32", None), ("mixed", "autocast"), ("fp16_storage", "paper"))]
+        for prec, impl, graphed in cells:
             # The layout a run of this cell gets by default (channels_last=auto, precision.channels_last_pays)
             cl = m in TABLE1 and ctx.device.type == "cuda" and prec in HALF_COMPUTE
-            out["rows"].append(_measure(m, prec, impl, {**o, "channels_last": cl}, ctx))
+            out["rows"].append(_measure(m, prec, impl, {**o, "channels_last": cl, "cuda_graphs": graphed}, ctx))
+            report.add_ratios(out["rows"])
             ctx.emit(out)
-    bad = [r for r in out["rows"] if r["status"] != "ok"]
+        if m in GRAPHED and ctx.device.type == "cuda":
+            out.setdefault("graphs_exact", []).extend(_graphs_exact(m, o, ctx))
+            ctx.emit(out)
+    bad = [r for r in out["rows"] if r["status"] not in ("ok", "skipped")]
     if bad:
         out["status"] = "failed"
         out["error"] = f"{len(bad)} of {len(out['rows'])} cells not ok: " + "; ".join(
             f"{_cell(r)} {r['status']}" for r in bad)
     return out
+
+
+def _graphs_exact(m: str, o: dict, ctx: Ctx) -> list[dict]:
+    """CUDA graphs against eager, bit for bit (bench.graphs_exactness), in each graphed cell's layout."""
+    from experiments.speed_memory import bench
+    from mpt.precision import HALF_COMPUTE
+
+    rows = []
+    for prec, impl in (("fp32", None), ("mixed", "autocast"), ("fp16_storage", "paper")):
+        try:
+            with bench.restored_backend_flags():
+                rows.append(bench.graphs_exactness(m, prec, impl, {**o, "channels_last": prec in HALF_COMPUTE}, ctx.device))
+        except Exception as e:  # noqa: BLE001 -- recorded, the speed rows stand
+            rows.append({"model": m, "precision": prec, "impl": impl, "error": f"{type(e).__name__}: {str(e)[:300]}",
+                         "traceback": traceback.format_exc()})
+        print(f"graphs exact {m} {prec}: {rows[-1]}", file=sys.stderr, flush=True)
+    return rows
 
 
 def part_ds2_worst(ctx: Ctx) -> dict:
@@ -651,7 +683,8 @@ def _brief(s: dict) -> dict:
 
 
 def _cell(r: dict) -> str:
-    return f"{r['model']} {r['precision']}" + (f" ({r['impl']})" if r.get("impl") else "")
+    return f"{r['model']} {r['precision']}" + (f" ({r['impl']})" if r.get("impl") else "") \
+        + (" graphs" if r.get("cuda_graphs") else "")
 
 
 def _ms(r: dict) -> str:
@@ -866,7 +899,8 @@ def summary_text(res: dict) -> str:
                              f"{'ms/step':>9s} {'peak MiB':>9s}"
                              + ("  fits (reserved / device)" if name == "ds2_worst" else "")]
             for r in m["rows"]:
-                lines.append(f"  {r['model']:16s} {(r['precision'] + ' ' + (r.get('impl') or '')).strip():26s} "
+                label = f"{r['precision']} {r.get('impl') or ''}".strip() + (" graphs" if r.get("cuda_graphs") else "")
+                lines.append(f"  {r['model']:16s} {label:26s} "
                              f"{r['batch']:5d} {r['size']:5d} {r['status']:7s} "
                              f"{_num((r.get('step_ms') or {}).get('median'), '{:9.1f}')} "
                              f"{_num((r.get('peak_gpu_mem_bytes') or 0) / 2**20 or None, '{:9,.0f}')}"
@@ -953,7 +987,8 @@ def markdown(res: dict) -> str:
                   + (" reserved / device |" if name == "ds2_worst" else ""),
                   "|---|---|---|---|---|---|---|---|" + ("---|" if name == "ds2_worst" else "")]
         for r in m["rows"]:
-            lines.append(f"| {r['model']} | {r['precision']}{' (' + r['impl'] + ')' if r.get('impl') else ''} | "
+            lines.append(f"| {r['model']} | {r['precision']}{' (' + r['impl'] + ')' if r.get('impl') else ''}"
+                         f"{', CUDA graphs' if r.get('cuda_graphs') else ''} | "
                          f"{'NHWC' if r.get('channels_last') else 'NCHW'} | {r['batch']} | {r['size']} | {r['status']} | "
                          f"{_md((r.get('step_ms') or {}).get('median'), '{:.1f}')} | "
                          f"{_md((r.get('peak_gpu_mem_bytes') or 0) / 2**20 or None, '{:,.0f}')} |"

@@ -96,6 +96,11 @@ class TrainCfg:
     # fails: a rank that died or hangs must end the job, not keep the others waiting for hours. Longer
     # than the slowest thing one rank does alone (an evaluation, rank 0 writing a checkpoint).
     dist_timeout_min: float = infra(20.0)
+    # Each micro-batch's forward and backward captured once as a CUDA graph and replayed (mpt.graphs):
+    # the same kernels on the same inputs, one launch instead of hundreds -- for launch-bound steps
+    # (small batches per GPU). A speed setting, not part of a run's identity. Needs CUDA, one rank,
+    # accum_steps=1, no numerics sampling, a task with a static step (Task.graphable); refused otherwise.
+    cuda_graphs: bool = infra(False)
 
 
 @dataclass
@@ -677,9 +682,30 @@ def validate(cfg: Config) -> None:
                         f"{cfg.precision} impl={cfg.impl} stores in {row.storage}: use impl=autocast or a precision "
                         f"with FP32 weights ({', '.join(fp32_weights)})")
     t = cfg.train
+    if t.cuda_graphs:  # what the config alone decides; the device, ranks and task: mpt.graphs.refusal
+        why = None
+        if t.accum_steps > 1:
+            from mpt.graphs import refusal
+
+            why = refusal(device="cuda", accum=t.accum_steps)
+        elif n.every > 0 or n.sqnr_every > 0:
+            why = (f"train.cuda_graphs=true replays a forward/backward that numerics sampling hooks "
+                   f"(numerics.every={n.every}, numerics.sqnr_every={n.sqnr_every}): set both to 0 or "
+                   f"train.cuda_graphs=false")
+        elif not precision_graphable(cfg):
+            why = (f"train.cuda_graphs=true: precision={cfg.precision} keeps host-side state per forward that "
+                   f"a replay would not update; set train.cuda_graphs=false")
+        if why:
+            raise UserError(why)
     if t.batch_size % t.accum_steps:  # the world size divides it too: checked when the ranks are known
         raise UserError(f"train.batch_size={t.batch_size} must divide by train.accum_steps={t.accum_steps} "
                         f"(each micro-batch the same size)")
+
+
+def precision_graphable(cfg) -> bool:
+    from mpt.precision import recipe_class
+
+    return recipe_class(cfg.precision, cfg.impl).graphable
 
 
 # ----------------------------------------------------------------------------------------------

@@ -171,6 +171,10 @@ class Run:
         schedules; DDP; each rank's own random stream; numerics sampling; the training step; the
         checkpoint to resume from; the wandb run."""
         cfg = self.cfg
+        if cfg.train.cuda_graphs:  # before anything is written: the device, the ranks, the task
+            from mpt import graphs
+
+            graphs.check(device=self.device, world=self.world, accum=cfg.train.accum_steps, task=self.task)
         self._start_process()
         if self.final is not None:  # a kept result: nothing to build
             return
@@ -198,7 +202,8 @@ class Run:
                                                             hi=cfg.numerics.hist_hi)))
         self.train = TrainStep(self.task.train_step, model, optimizers, recipe, ddp=ddp, scheds=scheds,
                                clip_grad_norm=cfg.train.clip_grad_norm, device=self.device,
-                               channels_last=self.channels_last, world=self.world, observers=tuple(self.observers))
+                               channels_last=self.channels_last, world=self.world, observers=tuple(self.observers),
+                               cuda_graphs=cfg.train.cuda_graphs)
         self.window = LogWindow(self.device, cfg.train.diverge_after)
         self.resume()
         self.record.open_wandb()

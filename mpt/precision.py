@@ -103,6 +103,9 @@ class Recipe:
     impl = "autocast"
     compute_dtype = torch.float32
     half_math = "none"  # what computes the FP16/BF16 dot products: emulated | native | device | none
+    # train.cuda_graphs (mpt.graphs): whether a micro-batch's forward/backward can be captured and
+    # replayed exactly. Not where a forward updates host-side state (fp8's amax records and scales).
+    graphable = True
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
@@ -131,6 +134,12 @@ class Recipe:
 
     def autocast(self):
         return contextlib.nullcontext()
+
+    def graph_key(self):
+        """The host values this recipe's forward and backward read as constants: a CUDA graph captured
+        with one value is captured again when it changes (mpt.graphs). None: nothing (GradScaler's scale
+        is a device tensor the graph reads at each replay)."""
+        return None
 
     def untouched(self):
         """A context whose forward and backward passes leave this recipe's state as it was: what a
@@ -437,6 +446,10 @@ class HalfModel(Recipe):
     def loss_scale(self) -> float:
         return self.scaler.scale
 
+    def graph_key(self):
+        """S: a Python number in the backward's multiply (below)."""
+        return self.scaler.scale
+
     def backward(self, loss):
         # Scaling the loss scales every gradient by S through the chain rule (3.2).
         (loss.float() * self.scaler.scale if self.scaler.scale != 1.0 else loss).backward()
@@ -649,6 +662,7 @@ class FP8(Recipe):
     them too."""
 
     name = "fp8"
+    graphable = False  # each forward records amaxes on the host side (FP8State)
 
     def __init__(self, device, f8, impl: str = "autocast", name: str = "fp8", seed: int = 0):
         super().__init__(device)

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from mpt.graphs import autocast_cache_off as graphs_cache_off
 from mpt.memory import SavedTensorBytes
 from mpt.ranks import to_device
 
@@ -63,7 +64,7 @@ class TrainStep:
     def __init__(self, body: Callable, model: nn.Module, optimizers: dict, recipe, *, ddp: nn.Module | None = None,
                  scheds: dict | None = None, clip_grad_norm: float = 0.0, device=torch.device("cpu"),
                  channels_last: bool = False, world: int = 1, observers: tuple[Observer, ...] = (),
-                 measure_first: bool = True):
+                 measure_first: bool = True, cuda_graphs: bool = False, graph_backend=None):
         self.body = body
         self.model = model  # unwrapped: state_dicts, evaluation, numerics
         self.models = model if ddp is None else ddp  # what forward calls (DDP all-reduces in backward)
@@ -78,6 +79,15 @@ class TrainStep:
         self.applied: dict[str, bool] = {}  # this iteration's updates
         self.measure_first = measure_first  # the first iteration's activation bytes, for the summary
         self.act_bytes: int | None = None  # tensors saved for backward in the first iteration
+        # train.cuda_graphs: each micro-batch's forward/backward replayed from a CUDA graph (mpt.graphs);
+        # graph_backend: a stand-in for the CUDA graph (mpt.graphs.EagerGraph: the CPU tests)
+        self.graphs = None
+        if cuda_graphs:
+            from mpt import graphs
+
+            graphs.check(device=device, world=world, recipe=recipe, observers=observers,
+                         fake=graph_backend is not None)
+            self.graphs = graphs.GraphRunner(model, recipe, graph_backend or graphs.CudaGraph, device)
 
     def __call__(self, micro_batches: list, meter: SavedTensorBytes | None = None) -> tuple[dict, int]:
         """One iteration over k micro-batches (this rank's share of the global batch) -> (logs: name ->
@@ -111,16 +121,32 @@ class TrainStep:
         backward of loss / k: the gradients of the mean over the k micro-batches. DDP all-reduces only
         in the last backward. Returns (mean loss as a float64 device tensor, items)."""
         total, n, k = None, 0, len(micro_batches)
+        if self.graphs is not None and k > 1:  # (the device was checked when the step was built)
+            from mpt import graphs
+
+            graphs.check(device=self.device, accum=k, fake=True)
         for i, b in enumerate(micro_batches):
-            with self.no_sync() if i < k - 1 else contextlib.nullcontext(), \
-                    (meter.measure() if meter is not None and i == 0 else contextlib.nullcontext()):
-                with self.recipe.autocast():
-                    loss, items = loss_fn(self.models, b)
-                self.recipe.backward(loss / k)  # x S inside (3.2): small gradients stay representable
+            if self.graphs is not None and meter is None:  # a measured pass needs eager autograd's hooks
+                loss, items = self.graphs(lambda batch: self._micro(loss_fn, batch, k, graphed=True), b)
+            else:
+                with self.no_sync() if i < k - 1 else contextlib.nullcontext(), \
+                        (meter.measure() if meter is not None and i == 0 else contextlib.nullcontext()):
+                    loss, items = self._micro(loss_fn, b, k)
+                if self.graphs is not None:  # an eager first pass: the next one may capture
+                    self.graphs.eager_calls += 1
             part = loss.detach().to(torch.float64) / k  # float64: the Python float sum it replaces
             total = part if total is None else total + part
             n += items
         return total, n
+
+    def _micro(self, loss_fn: Callable, b, k: int, graphed: bool = False) -> tuple[torch.Tensor, int]:
+        """One micro-batch's forward under autocast and the backward of loss / k: the region a CUDA graph
+        captures (graphed: autocast's weight-cast cache off, mpt.graphs.autocast_cache_off)."""
+        with self.recipe.autocast():
+            with graphs_cache_off(self.device.type) if graphed else contextlib.nullcontext():
+                loss, items = loss_fn(self.models, b)
+        self.recipe.backward(loss / k)  # x S inside (3.2): small gradients stay representable
+        return loss, items
 
     def update(self, name: str, clip_grad_norm: float | None = None) -> bool:
         """Optimizer `name`'s update: unscale its gradients into the FP32 masters, skip on inf/nan
@@ -166,6 +192,8 @@ class TrainStep:
         self.recipe.load_state_dict(sd["recipe"])
         self.skipped.update(sd["skipped"])
         self.iteration, self.act_bytes = sd["step"], sd["act_bytes"]
+        if self.graphs is not None:  # the weights were written outside the recipe's step: capture afresh
+            self.graphs.reset()
 
 
 class StepContext:

@@ -53,6 +53,9 @@ class Task:
     higher_is_better: bool = True
     channels_last: bool = False  # an image CNN: NHWC pays on CUDA (config key channels_last=auto)
     shuffle_train: bool = True  # False: samples in dataset order (a language model's streams)
+    # The default train_step's forward/backward of one micro-batch has fixed shapes, no host syncs and no
+    # data-dependent control flow: train.cuda_graphs may capture it (mpt.graphs)
+    graphable: bool = False
     data_files: tuple[str, ...] = ()
     # The prepared data task.data_root must hold: (the "dataset" its prepared.json records, the data_prep
     # module that writes it), e.g. ("celeba", "celeba"); None: not checked (a task without prepared data).

@@ -83,7 +83,12 @@ def test_cpu_smoke_runs_every_part(tmp_path):
     models = parts["models"]["result"]["rows"]
     assert {(x["model"], x["precision"]) for x in models} == {
         (m, p) for m in gpu_check.TABLE1 + gpu_check.TABLE3 for p in ("fp32", "mixed", "fp16_storage")}
-    assert all(x["status"] == "ok" and x["step_ms"]["median"] > 0 for x in models)
+    assert all(x["status"] == "ok" and x["step_ms"]["median"] > 0 for x in models if not x["cuda_graphs"])
+    # CUDA-graph rows beside the eager ones: a GPU mode, skipped here with a note
+    graphed = [(x["model"], x["precision"], x["impl"]) for x in models if x["cuda_graphs"]]
+    assert graphed == [(m, p, i) for m in gpu_check.GRAPHED
+                       for p, i in (("fp32", None), ("mixed", "autocast"), ("fp16_storage", "paper"))]
+    assert all(x["status"] == "skipped" and "GPU mode" in x["note"] for x in models if x["cuda_graphs"])
     # The paper grids' batch per GPU (what the GPU run uses): global batch over 8 GPUs.
     pb = parts["models"]["result"]["paper_batch"]
     assert pb["resnet50_preact"]["per_gpu"] == 32 and pb["english"]["per_gpu"] == 64
@@ -169,7 +174,7 @@ def test_an_interrupted_call_keeps_the_finished_rows(tmp_path):
     res = json.loads(next(out.glob("*-gpu_check-smoke.json")).read_text())
     models = res["parts"]["models"]
     assert models["status"] == "interrupted" and len(models["result"]["rows"]) >= len(rows)
-    assert all(r["status"] == "ok" for r in models["result"]["rows"])
+    assert all(r["status"] == ("skipped" if r["cuda_graphs"] else "ok") for r in models["result"]["rows"])
     assert res["parts"]["resume"]["status"] == "failed" and "interrupted" in res["parts"]["resume"]["error"]
     assert res["exit_code"] == 130 and "interrupted" in stderr
 

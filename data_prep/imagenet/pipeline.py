@@ -24,6 +24,7 @@ A Plan runs in one of two places (task.decode):
 """
 from __future__ import annotations
 
+import functools
 import io
 import math
 from dataclasses import dataclass
@@ -43,9 +44,16 @@ def normalise(x: torch.Tensor) -> torch.Tensor:
     A float batch is taken as already normalised (the benchmarks' synthetic tensors)."""
     if x.dtype != torch.uint8:
         return x
-    mean = torch.tensor(MEAN, dtype=torch.float32, device=x.device).view(-1, 1, 1)
-    std = torch.tensor(STD, dtype=torch.float32, device=x.device).view(-1, 1, 1)
+    mean, std = _mean_std(x.device)
     return x.to(torch.float32).div(255).sub(mean).div(std)
+
+
+@functools.lru_cache(maxsize=None)
+def _mean_std(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """MEAN and STD as (3, 1, 1) tensors on `device`, made once: a host-to-device copy per batch would
+    wait on the host, and a CUDA graph (train.cuda_graphs) cannot capture one."""
+    return (torch.tensor(MEAN, dtype=torch.float32, device=device).view(-1, 1, 1),
+            torch.tensor(STD, dtype=torch.float32, device=device).view(-1, 1, 1))
 
 
 @dataclass(frozen=True)

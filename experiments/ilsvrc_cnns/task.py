@@ -86,6 +86,7 @@ class Task(BaseTask):
     prepared_data = ("ILSVRC2012", "imagenet")  # prepared.json's "dataset", by data_prep.imagenet
     primary_metric = "top1"
     channels_last = True  # a CNN on images: NHWC on CUDA (channels_last=auto)
+    graphable = True  # fixed crops, one loss: train.cuda_graphs can capture the step (not task.decode=gpu)
     higher_is_better = True
     data_files = ("classes.json",)  # the class list beside the marker: part of the run identity
 
@@ -100,6 +101,9 @@ class Task(BaseTask):
                             f"not {c.resize}")
         if c.decode not in DECODES:
             raise UserError(f"unknown task.decode={c.decode!r}; choose one of: {', '.join(DECODES)}")
+        if c.decode == "gpu" and cfg.train.cuda_graphs:
+            raise UserError("task.decode=gpu decodes each batch's JPEGs inside the step (nvJPEG, host-side "
+                            "sizes), which a CUDA graph cannot replay: use task.decode=cpu or train.cuda_graphs=false")
         if c.decode == "gpu" and c.augment == "pad":
             raise UserError("task.decode=gpu decodes JPEGs on the GPU; task.augment=pad holds its images decoded "
                             "in memory: set task.decode=cpu")

@@ -6,7 +6,7 @@ results files; never timed tests.
         [impls=autocast,paper] [batch=256] [size=auto] [width=1.0] [steps=20] [warmup=5] [device=auto]
         [channels_last=false] [compile=false] [fused=false] [cudnn_benchmark=true] [kernels=true]
         [overhead=resnet50_preact] [overhead_rounds=5] [out=experiments/speed_memory/results] [tag=]
-        [half_math=auto|emulated|native|both]
+        [half_math=auto|emulated|native|both] [cuda_graphs=false]
 
 Programmatic: `experiments.speed_memory.main(["models=alexnet", ...]) -> dict` (the JSON written).
 See README.md for what is measured and how, and the results schema.
@@ -26,6 +26,9 @@ DEFAULTS = {
     # FP16/BF16 dot products on a CPU (mpt.half_math.HalfMath): auto | emulated | native | both (every
     # half-precision cell twice, emulated and native, in one run: their ratios to the same FP32 row)
     "half_math": "auto",
+    # train.cuda_graphs: the timed steps replay each micro-batch's forward/backward from a CUDA graph
+    # (mpt.graphs); the memory step stays eager. A GPU mode: rows on a CPU are skipped with a note.
+    "cuda_graphs": False,
 }
 
 
@@ -48,6 +51,9 @@ def _check(o: dict) -> None:
                             f"for the speech models) or auto (each model's own)")
     if o["half_math"] not in ("auto", "emulated", "native", "both"):
         raise UserError(f"half_math={o['half_math']!r}: choose one of auto, emulated, native, both")
+    if o["cuda_graphs"] and o["compile"]:
+        raise UserError("cuda_graphs=true and compile=true: torch.compile has its own CUDA graphs "
+                        "(mode=reduce-overhead); choose one")
     if o["tag"] and not o["tag"].replace("-", "").replace("_", "").isalnum():
         raise UserError(f"tag={o['tag']!r}: use letters, digits, - and _ only (it becomes part of a file name)")
 

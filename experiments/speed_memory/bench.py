@@ -359,13 +359,17 @@ def measure(model_name: str, precision: str, impl: str | None, o: dict, device: 
     size = wl.default_size if o["size"] == "auto" else int(o["size"])
     row = {"model": model_name, "precision": precision, "impl": impl, "status": "ok", "note": None,
            "batch": o["batch"], "size": size, "width": o["width"], "unit": wl.unit,
-           "channels_last": bool(o["channels_last"])}
+           "channels_last": bool(o["channels_last"]), "cuda_graphs": bool(o.get("cuda_graphs"))}
     reason = skip_reason(precision, device)
+    if reason is None and row["cuda_graphs"] and device.type != "cuda":
+        reason = "CUDA graphs are a GPU mode (train.cuda_graphs); no GPU here"
     if reason:
         row.update(status="skipped", note=reason)
         return row
     try:
         row.update(_measure(wl, model_name, precision, impl, size, o, device))
+    except _Refused as e:
+        row.update(status="skipped", note=str(e))
     except torch.cuda.OutOfMemoryError as e:
         row.update(status="oom", note=str(e).splitlines()[0][:300])
     except UserError:
@@ -380,6 +384,10 @@ def measure(model_name: str, precision: str, impl: str | None, o: dict, device: 
     if o.get("compile"):
         TP.reset_compiled()
     return row
+
+
+class _Refused(Exception):
+    """A cell this option cannot run (cuda_graphs=true for a task without a static step): a skipped row."""
 
 
 class _StateProbe(Observer):
@@ -413,15 +421,46 @@ def build_cell(wl: Workload, model_name, precision, impl, size, o, device):
     return task, net, opt, recipe, batch
 
 
+def graphs_exactness(model_name: str, precision: str, impl: str | None, o: dict, device: torch.device,
+                     steps: int = 6, backend=None) -> dict:
+    """Whether `steps` iterations replayed from CUDA graphs (train.cuda_graphs) give eager's losses and
+    weights bit for bit: the same cell built twice from the same seed, trained on the same synthetic
+    batch under the same random state. backend: mpt.graphs.EagerGraph on a CPU (tests)."""
+    wl = WORKLOADS[model_name]
+    size = wl.default_size if o["size"] == "auto" else int(o["size"])
+    runs = []
+    for graphed in (False, True):
+        task, net, opt, recipe, batch = build_cell(wl, model_name, precision, impl, size, o, device)
+        step = TrainStep(loss_body(task.loss), net, {"main": opt}, recipe, device=device,
+                         channels_last=o["channels_last"], cuda_graphs=graphed, graph_backend=backend if graphed else None)
+        torch.manual_seed(1)  # dropout's stream, the same for both
+        losses = [step([batch])[0]["loss"] for _ in range(steps)]
+        runs.append((torch.stack(losses).cpu(), [p.detach().clone() for p in net.parameters()], step))
+    (le, pe, _), (lg, pg, sg) = runs
+    diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(pe, pg))
+    return {"model": model_name, "precision": precision, "impl": impl, "steps": steps, "batch": o["batch"],
+            "channels_last": bool(o["channels_last"]), "losses_equal": bool(torch.equal(le, lg)),
+            "weights_equal": diff == 0.0, "max_weight_diff": diff, "replays": sg.graphs.replays,
+            "captures": sg.graphs.captures}
+
+
 def _measure(wl: Workload, model_name, precision, impl, size, o, device) -> dict:
     task, net, opt, recipe, batch = build_cell(wl, model_name, precision, impl, size, o, device)
+    graphed = bool(o.get("cuda_graphs"))
+    if graphed:
+        from mpt import graphs
+
+        why = graphs.refusal(device=device, recipe=recipe, task=task)
+        if why:
+            raise _Refused(why)
     half_math = recipe.half_math  # what computed the FP16/BF16 dot products (emulated | native | device | none)
     run = torch.compile(net) if o["compile"] else net
     probe = _StateProbe(net, recipe)
     # The engine's iteration (mpt.step.TrainStep) on the timed model, and on the eager one for memory
     # (torch.compile saves other tensors): one optimizer, no schedule, no clipping.
     kw = dict(device=device, channels_last=o["channels_last"], measure_first=False)
-    timed = TrainStep(loss_body(task.loss), net, {"main": opt}, recipe, ddp=run, **kw)
+    # cuda_graphs: the timed step's first warm-up iteration runs eagerly, the second captures (mpt.graphs)
+    timed = TrainStep(loss_body(task.loss), net, {"main": opt}, recipe, ddp=run, cuda_graphs=graphed, **kw)
     eager = TrainStep(loss_body(task.loss), net, {"main": opt}, recipe, observers=(probe,), **kw)
     items = 0
 

@@ -69,12 +69,14 @@ def _impl(r: dict) -> str:
 
 def add_ratios(rows: list[dict]) -> None:
     """Ratios to FP32 (and TF32 where measured) of the same model, from this run's rows only."""
-    # Same memory format too: a channels_last mixed row is compared with a channels_last FP32 row.
-    base = {(r["model"], r["precision"], r.get("channels_last")): r for r in rows
-            if r["precision"] in ("fp32", "tf32") and r.get("status") == "ok"}
+    # Same memory format too: a channels_last mixed row is compared with a channels_last FP32 row; and
+    # a row replayed from CUDA graphs with FP32 replayed from them (cuda_graphs=true).
+    def key(r, precision):
+        return r["model"], precision, r.get("channels_last"), bool(r.get("cuda_graphs"))
+
+    base = {key(r, r["precision"]): r for r in rows if r["precision"] in ("fp32", "tf32") and r.get("status") == "ok"}
     for r in rows:
-        r["ratios"] = {"vs_fp32": ratios(r, base.get((r["model"], "fp32", r.get("channels_last")))),
-                       "vs_tf32": ratios(r, base.get((r["model"], "tf32", r.get("channels_last"))))}
+        r["ratios"] = {"vs_fp32": ratios(r, base.get(key(r, "fp32"))), "vs_tf32": ratios(r, base.get(key(r, "tf32")))}
 
 
 # ------------------------------------------------------------------------------------------------
