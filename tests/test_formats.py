@@ -12,6 +12,7 @@ import torch.nn as nn
 import models
 from mpt import formats, precision
 from mpt.config import Config
+from mpt.formats import ELEMENTS
 from mpt.fp8 import FP8State, block_quantize, round_to
 from mpt.numerics import sqnr_db
 
@@ -157,18 +158,19 @@ E2M1_GRID = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]  # OCP MX spec v1.0, sectio
 def test_rounding_by_spacing_is_torchs_cast(fmt):
     """The arithmetic that rounds E2M1 and every stochastic rounding, checked on the formats torch casts
     to: every code's neighbourhood, the ties between codes, subnormals and saturation."""
-    from mpt.fp8 import ELEMENTS, _TORCH_DTYPES, round_by_spacing
+    from mpt.fp8 import round_by_spacing
 
+    dtype = getattr(torch, ELEMENTS[fmt].torch_dtype)
     torch.manual_seed(0)
     x = torch.cat([torch.randn(20000) * 10.0 ** torch.randint(-8, 5, (20000,)).float(),
-                   torch.linspace(-1, 1, 5001) * min(ELEMENTS[fmt][2] * 1.5, 3e38)])
+                   torch.linspace(-1, 1, 5001) * min(ELEMENTS[fmt].max * 1.5, 3e38)])
     if fmt in ("e4m3", "e5m2"):  # exact ties: the midpoints of neighbouring codes
-        codes = torch.arange(256, dtype=torch.uint8).view(_TORCH_DTYPES[fmt]).float()
+        codes = torch.arange(256, dtype=torch.uint8).view(dtype).float()
         codes = codes[torch.isfinite(codes)].unique()
         x = torch.cat([x, codes, (codes[1:] + codes[:-1]) / 2])
     x = torch.cat([x, torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan")])])
-    top = ELEMENTS[fmt][2]
-    cast = x.clamp(-top, top).to(_TORCH_DTYPES[fmt]).float()
+    top = ELEMENTS[fmt].max
+    cast = x.clamp(-top, top).to(dtype).float()
     for ours in (round_by_spacing(x, fmt), round_to(x, fmt)):
         same = (ours == cast) & (torch.signbit(ours) == torch.signbit(cast))
         assert (same | (ours.isnan() & cast.isnan())).all()
