@@ -293,7 +293,8 @@ def check(cfg) -> None:
                 raise UserError(f"unknown fp8.{key} {value!r}; choose one of: {', '.join(allowed)}")
         if f8.amax_history_len < 1:
             raise UserError(f"fp8.amax_history_len={f8.amax_history_len} must be >= 1")
-        if cfg.precision in BLOCK_SCALED:
+        row = BY_NAME[cfg.precision]
+        if row.recipe == "formats" and formats.RECIPES[cfg.precision].block_scaled:
             # Block scales are computed from each block now: only the choice of the ends applies.
             if dataclasses.replace(f8, ends=type(f8)().ends) != type(f8)():
                 raise UserError(f"precision={cfg.precision} scales each block from the block itself: of the "
