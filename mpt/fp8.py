@@ -66,7 +66,7 @@ def round_to(x: torch.Tensor, fmt: str, generator: torch.Generator | None = None
     the distance from the value below, in units of the spacing there (unbiased). Torch's own casts where
     they are cheap; E4M3 and E2M1 by the spacing of each value's binade (round_by_spacing): on a CPU,
     torch's FP8-to-FP32 cast costs several times the arithmetic, and the result is the same bits."""
-    if generator is None and not _by_spacing(fmt):
+    if generator is None and _torch_casts(fmt):
         e = formats.ELEMENTS[fmt]
         return x.float().clamp(-e.max, e.max).to(getattr(torch, e.torch_dtype)).float()
     return round_by_spacing(x, fmt, generator)
@@ -99,10 +99,16 @@ def round_by_spacing(x: torch.Tensor, fmt: str, generator: torch.Generator | Non
 _SLOW_CASTS = ("e4m3",)
 
 
+def _torch_casts(fmt: str) -> bool:
+    """round_to rounds `fmt` to nearest by torch's own cast where torch has the dtype and the cast is
+    cheap; by its spacing otherwise (E4M3, E2M1, any new row of the table): the same bits."""
+    return formats.ELEMENTS[fmt].torch_dtype is not None and fmt not in _SLOW_CASTS
+
+
 def _by_spacing(fmt: str) -> bool:
-    """round_to rounds `fmt` by its spacing, nearest even: a format torch has no dtype for (E2M1, any
-    new row of the table) or whose cast is slow; the others by torch's own casts (the same bits)."""
-    return formats.ELEMENTS[fmt].torch_dtype is None or fmt in _SLOW_CASTS
+    """The quantisers round `fmt` in place on their own temporary (_round_in_place), nearest even: the
+    formats round_to does not cast whose add-and-subtract constant is finite."""
+    return not _torch_casts(fmt) and _add_sub_finite(formats.ELEMENTS[fmt])
 
 
 def _add_sub_finite(e) -> bool:
