@@ -525,8 +525,8 @@ def test_each_element_format_is_what_its_spec_and_torch_say(name):
 
 
 def test_no_module_keeps_its_own_format_constants():
-    """The formats' largest values appear as numbers in the table's module alone (docstrings may name them):
-    a second copy is how five tables came to be."""
+    """The formats' largest values appear as numbers nowhere but in the table, derived from the bits
+    (docstrings may name them): a second copy of a format's range can drift from the first."""
     import ast
 
     from conftest import REPO
