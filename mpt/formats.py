@@ -22,12 +22,132 @@ features, a convolution's input channels; mpt.fp8._AXES). The backward products 
 quantised gradient and weights (one quantisation per tensor, as the per-tensor simulation does); a
 hardware recipe quantises the weight-gradient product's operands again along the batch axis. This is
 a simulation's simplification, stated here and in the README.
+
+The element formats themselves -- bits, range, what overflow does -- are one table, ELEMENTS below:
+every module that rounds to a format or reasons about its range (mpt.fp8's quantisers, mpt.numerics'
+bands, the doctor's what-if, paper_tables' figures) reads its numbers from there.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 
-ELEMENTS = ("e4m3", "e5m2", "e2m1", "fp16", "bf16")
+
+def _one_of(what: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"unknown {what} {value!r}; choose one of: {', '.join(allowed)}")
+
+
+# ------------------------------------------------------------------------------------------------
+# element formats
+
+# How a format spends its top exponent (OCP 8-bit Floating Point spec v1.0; OCP MX spec v1.0):
+#   ieee    the top exponent is inf and NaN (FP16, BF16, E5M2)
+#   fn      finite and NaN: only the all-ones code is NaN, the rest of the top binade is finite (E4M3),
+#           so the largest value's mantissa ends in 0 (1.110 x 2^8 = 448)
+#   finite  every code a number, no inf nor NaN (the MX FP4/FP6 elements: E2M1, E3M2, E2M3)
+#   scale   unsigned, no mantissa, every code but all-ones a power of 2 (NaN): E8M0, MX's block scale
+ENCODINGS = ("ieee", "fn", "finite", "scale")
+# How training keeps a tensor of the format in range (what the doctor's what-if assumes): a loss scale
+# (FP16, section 3.2), nothing (BF16 has FP32's exponent range), or its own scale per tensor or block.
+RANGE_SCALINGS = ("loss_scale", "none", "per_tensor")
+
+
+@dataclasses.dataclass(frozen=True)
+class Element:
+    """One number format, by its bits; its range follows from them (exponent bias 2^(e-1) - 1 in every
+    format here, as the OCP specs and IEEE 754 have it)."""
+
+    name: str
+    exponent_bits: int
+    mantissa_bits: int
+    encoding: str
+    # torch's dtype, where torch has one (a string: this module imports no torch); None: rounded by
+    # arithmetic only (mpt.fp8.round_by_spacing). float4_e2m1fn_x2 packs two E2M1 codes to a byte and
+    # casts nothing, so E2M1 has none.
+    torch_dtype: str | None = None
+    # What rounding a finite value beyond `max` gives in this repository's casts: the largest value
+    # (saturation, mpt.fp8: Transformer Engine's choice for FP8, the only choice without an inf) or
+    # inf (FP16/BF16 as torch computes them in training).
+    saturates: bool = True
+    range_scaling: str = "per_tensor"
+
+    def __post_init__(self):
+        _one_of("encoding", self.encoding, ENCODINGS)
+        _one_of("range scaling", self.range_scaling, RANGE_SCALINGS)
+        if self.saturates is False and not self.has_inf:
+            raise ValueError(f"{self.name} has no inf: its overflow can only saturate")
+
+    @property
+    def bias(self) -> int:
+        return 2 ** (self.exponent_bits - 1) - 1
+
+    @property
+    def signed(self) -> bool:
+        return self.encoding != "scale"
+
+    @property
+    def has_inf(self) -> bool:
+        return self.encoding == "ieee"
+
+    @property
+    def bits(self) -> int:
+        return self.signed + self.exponent_bits + self.mantissa_bits
+
+    @property
+    def emin(self) -> int:
+        """Exponent of the smallest normal (E8M0: of its smallest code, 2^-127; it has no zero)."""
+        return -self.bias if self.encoding == "scale" else 1 - self.bias
+
+    @property
+    def emax(self) -> int:
+        """Exponent of the largest finite value: IEEE formats reserve the top exponent code."""
+        top = 2 ** self.exponent_bits - 1
+        return top - self.bias - (self.encoding in ("ieee", "scale"))
+
+    @property
+    def max(self) -> float:
+        """The largest finite value: every mantissa bit set, but for fn (E4M3), where all-ones is NaN."""
+        m = self.mantissa_bits
+        ones = 2 ** (m + 1) - 1 - (self.encoding == "fn")
+        return math.ldexp(ones, self.emax - m)
+
+    @property
+    def min_normal(self) -> float:
+        return math.ldexp(1.0, self.emin)
+
+    @property
+    def min_subnormal(self) -> float:
+        """The spacing of the lowest binade (E8M0 has no subnormals: its smallest code)."""
+        return math.ldexp(1.0, self.emin - self.mantissa_bits)
+
+    @property
+    def max_is_even(self) -> bool:
+        """The largest value's last mantissa bit is 0 (E4M3), so the tie just above it rounds down to it
+        under round to nearest even; in the other formats that tie goes up, to inf or out of range."""
+        return self.encoding == "fn" and self.mantissa_bits > 0
+
+
+# Every element and scale format by name, in the order choices are listed. A new format is a row here:
+# its range follows from the bits (tests/test_formats.py checks each against torch.finfo where torch
+# has the dtype, and against the specs' figures); mpt.fp8 rounds any signed row by its spacing, so a
+# TensorFormat (and a FormatRecipe) can use it at once.
+ELEMENTS: dict[str, Element] = {e.name: e for e in (
+    Element("e4m3", 4, 3, "fn", "float8_e4m3fn"),  # OCP FP8: max 448, no inf
+    Element("e5m2", 5, 2, "ieee", "float8_e5m2"),  # OCP FP8: max 57344; mpt.fp8's casts saturate finite values
+    Element("e2m1", 2, 1, "finite"),  # OCP MX FP4: 0, 0.5, 1, 1.5, 2, 3, 4, 6
+    Element("fp16", 5, 10, "ieee", "float16", saturates=False, range_scaling="loss_scale"),  # max 65504
+    Element("bf16", 8, 7, "ieee", "bfloat16", saturates=False, range_scaling="none"),
+    Element("e8m0", 8, 0, "scale", "float8_e8m0fnu"),  # OCP MX's shared block scale, 2^-127 .. 2^127
+)}
+
+
+def element_names() -> tuple[str, ...]:
+    """The formats a tensor's values can be rounded to (signed ones; E8M0 is a scale only). Read when
+    asked, not at import, so a row added to ELEMENTS (a test's fixture) is a choice at once."""
+    return tuple(n for n, e in ELEMENTS.items() if e.signed)
+
+
 # tensor: one scale per tensor; row: one per row along the reduction axis; tile128: 1x128 tiles
 # along it; block128x128: 128x128 blocks of the 2-D view (rows x reduction axis); mx32: OCP MX
 # 32-element blocks; nvfp4_16: 16-element blocks with E4M3 scales under an FP32 per-tensor scale.
@@ -38,14 +158,6 @@ GRANULARITIES = ("tensor", "row", "tile128", "block128x128", "mx32", "nvfp4_16")
 SCALE_ROUNDINGS = ("exact", "pow2", "floor", "rceil", "e4m3")
 ROUNDINGS = ("nearest", "stochastic")
 SCALINGS = ("delayed", "current")
-# fp32: every dot product accumulates in FP32 (section 3.3); another format: each addition of a linear
-# layer's dot products rounded to it, to show what section 3.3 guards against (mpt.fp8.accumulate_linear).
-ACCUMULATIONS = ("fp32", *ELEMENTS)
-
-
-def _one_of(what: str, value, allowed) -> None:
-    if value not in allowed:
-        raise ValueError(f"unknown {what} {value!r}; choose one of: {', '.join(allowed)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +171,7 @@ class TensorFormat:
     hadamard: bool = False  # a 16x16 random Hadamard transform along the blocks before quantising
 
     def __post_init__(self):
-        _one_of("element format", self.element, ELEMENTS)
+        _one_of("element format", self.element, element_names())
         _one_of("scale granularity", self.granularity, GRANULARITIES)
         _one_of("scale rounding", self.scale_rounding, SCALE_ROUNDINGS)
         _one_of("rounding", self.rounding, ROUNDINGS)
@@ -87,11 +199,14 @@ class FormatRecipe:
     w: TensorFormat
     g: TensorFormat
     scaling: str = "current"
+    # fp32: every dot product accumulates in FP32 (section 3.3); an element format: each addition of a
+    # linear layer's dot products rounded to it, to show what section 3.3 guards against
+    # (mpt.fp8.accumulate_linear).
     accumulate: str = "fp32"
 
     def __post_init__(self):
         _one_of("scaling", self.scaling, SCALINGS)
-        _one_of("accumulation", self.accumulate, ACCUMULATIONS)
+        _one_of("accumulation", self.accumulate, ("fp32", *element_names()))
         if self.scaling == "delayed" and any((f.granularity, f.scale_rounding) != ("tensor", "exact")
                                              for f in self.roles.values()):
             raise ValueError("delayed scaling keeps one amax history per tensor: per-tensor exact scales only")
@@ -99,6 +214,12 @@ class FormatRecipe:
     @property
     def roles(self) -> dict[str, TensorFormat]:
         return {"x": self.x, "w": self.w, "g": self.g}
+
+    @property
+    def block_scaled(self) -> bool:
+        """Some role is scaled block by block: its scales are the blocks' own, computed now, so of the
+        config's fp8.* keys only fp8.ends applies (mpt.precisions.check)."""
+        return any(f.granularity != "tensor" for f in self.roles.values())
 
     def with_scaling(self, scaling: str) -> FormatRecipe:
         return dataclasses.replace(self, scaling=scaling)

@@ -40,17 +40,8 @@ from mpt import torch_private as TP
 from mpt.errors import UserError
 from mpt.half_math import float_tensors, map_tensors, ops_of
 
-# (torch dtype, largest finite magnitude): E4M3 has no infinities, so its top binade reaches 448;
-# E5M2 is IEEE-like, 57344 (FP8 paper, Table 1).
-FP8_FORMATS = {"e4m3": (torch.float8_e4m3fn, 448.0), "e5m2": (torch.float8_e5m2, 57344.0)}
 # Table lookups: layers with a weight but no dot product to quantise.
 _LOOKUPS = (nn.Embedding, nn.EmbeddingBag)
-# Every element format by its bits: (mantissa bits, exponent of the smallest normal, largest finite
-# value). E2M1 (FP4): 0, 0.5, 1, 1.5, 2, 3, 4, 6 (OCP MX spec v1.0, section 5.3.3).
-ELEMENTS = {"e4m3": (3, -6, 448.0), "e5m2": (2, -14, 57344.0), "e2m1": (1, 0, 6.0),
-            "fp16": (10, -14, 65504.0), "bf16": (7, -126, float(torch.finfo(torch.bfloat16).max))}
-_TORCH_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2, "fp16": torch.float16,
-                 "bf16": torch.bfloat16}
 # A scale is capped at the largest finite FP32 (Transformer Engine does the same): FP8_MAX / amax of a
 # tensor whose amax is below ~1e-34 is inf otherwise, and 0 * inf makes its zeros NaN.
 FLT_MAX = torch.finfo(torch.float32).max
@@ -61,10 +52,10 @@ def fp8_quantize(x: torch.Tensor, fmt: str, scale=1.0, generator: torch.Generato
     tensor) and returned in FP32 at x's magnitude: fp8(x * scale) / scale, round to nearest even (or
     stochastically, with a generator), saturating at the format's largest value, subnormals kept."""
     y = x.float() * scale
-    if fmt in _BY_SPACING and generator is None:  # y is ours: rounded and unscaled in place
+    if _by_spacing(fmt) and generator is None:  # y is ours: rounded and unscaled in place
         return _round_in_place(y, fmt, sign=x).div_(scale)
     q = round_to(y, fmt, generator)
-    if fmt == "e5m2":
+    if fmt == "e5m2":  # the FP8 format with an inf keeps an input's inf (the module docstring)
         q = torch.where(torch.isinf(y), y, q)
     return q / scale
 
@@ -75,20 +66,22 @@ def round_to(x: torch.Tensor, fmt: str, generator: torch.Generator | None = None
     the distance from the value below, in units of the spacing there (unbiased). Torch's own casts where
     they are cheap; E4M3 and E2M1 by the spacing of each value's binade (round_by_spacing): on a CPU,
     torch's FP8-to-FP32 cast costs several times the arithmetic, and the result is the same bits."""
-    if generator is None and fmt in ("e5m2", "fp16", "bf16"):
-        top = ELEMENTS[fmt][2]
-        return x.float().clamp(-top, top).to(_TORCH_DTYPES[fmt]).float()
+    if generator is None and _torch_casts(fmt):
+        e = formats.ELEMENTS[fmt]
+        return x.float().clamp(-e.max, e.max).to(getattr(torch, e.torch_dtype)).float()
     return round_by_spacing(x, fmt, generator)
 
 
 def round_by_spacing(x: torch.Tensor, fmt: str, generator: torch.Generator | None = None) -> torch.Tensor:
-    """round_to's arithmetic for any format of ELEMENTS (the tests check it against torch's casts). The
-    spacing u of a value's binade is its FP32 exponent bits (the value with its mantissa cleared) times
-    2^-mantissa_bits, and at least the spacing of the format's subnormals. Nearest even: adding and
-    subtracting C = 1.5 * 2^23 * u makes FP32's own round-to-nearest-even round x to a multiple of u (the
-    sum lies in the binade whose spacing is u); for BF16, whose C would overflow, the same on x / u."""
-    m, emin, top = ELEMENTS[fmt]
-    if generator is None and fmt != "bf16":  # 1.5 * 2^23 * u is finite: add and subtract it
+    """round_to's arithmetic for any format of mpt.formats.ELEMENTS (the tests check it against torch's
+    casts). The spacing u of a value's binade is its FP32 exponent bits (the value with its mantissa
+    cleared) times 2^-mantissa_bits, and at least the spacing of the format's subnormals. Nearest even:
+    adding and subtracting C = 1.5 * 2^23 * u makes FP32's own round-to-nearest-even round x to a multiple
+    of u (the sum lies in the binade whose spacing is u); for BF16, whose C would overflow, the same on
+    x / u."""
+    e = formats.ELEMENTS[fmt]
+    m, emin, top = e.mantissa_bits, e.emin, e.max
+    if generator is None and _add_sub_finite(e):
         return _round_in_place(x.float().clamp(-top, top), fmt, sign=x)
     xc = x.float().clamp(-top, top)
     binade = (xc.view(torch.int32) & 0x7F800000).view(torch.float32).clamp_min_(2.0 ** emin)
@@ -101,8 +94,27 @@ def round_by_spacing(x: torch.Tensor, fmt: str, generator: torch.Generator | Non
     return q.copysign_(x.float())
 
 
-# The formats round_to rounds by their spacing, nearest even (the others: torch's own casts).
-_BY_SPACING = ("e4m3", "e2m1")
+# Torch's cast to E4M3 costs several times the arithmetic on a CPU (its FP8-to-FP32 cast above all);
+# E5M2, FP16 and BF16 casts are cheap.
+_SLOW_CASTS = ("e4m3",)
+
+
+def _torch_casts(fmt: str) -> bool:
+    """round_to rounds `fmt` to nearest by torch's own cast where torch has the dtype and the cast is
+    cheap; by its spacing otherwise (E4M3, E2M1, any new row of the table): the same bits."""
+    return formats.ELEMENTS[fmt].torch_dtype is not None and fmt not in _SLOW_CASTS
+
+
+def _by_spacing(fmt: str) -> bool:
+    """The quantisers round `fmt` in place on their own temporary (_round_in_place), nearest even: the
+    formats round_to does not cast whose add-and-subtract constant is finite."""
+    return not _torch_casts(fmt) and _add_sub_finite(formats.ELEMENTS[fmt])
+
+
+def _add_sub_finite(e) -> bool:
+    """The nearest-even trick's constant C = 1.5 * 2^23 * u stays finite in FP32 at the largest spacing u
+    = 2^(emax - mantissa bits) (FP16, the FP8 and FP4 formats; not BF16, whose spacing reaches 2^120)."""
+    return e.emax - e.mantissa_bits + 24 <= 127
 
 
 def _round_in_place(y: torch.Tensor, fmt: str, sign: torch.Tensor, buf: torch.Tensor | None = None) -> torch.Tensor:
@@ -112,7 +124,8 @@ def _round_in_place(y: torch.Tensor, fmt: str, sign: torch.Tensor, buf: torch.Te
     same bits as computing on copies: the same FP32 operations in the same order. On a CPU every
     temporary of an activation's size costs about as much as an operation on it (its pages are touched
     afresh), so the block quantiser makes two (y and the spacings, in the amax's buffer), not six."""
-    m, emin, top = ELEMENTS[fmt]
+    e = formats.ELEMENTS[fmt]
+    m, emin, top = e.mantissa_bits, e.emin, e.max
     y.clamp_(-top, top)
     c = torch.bitwise_and(y.view(torch.int32), 0x7F800000, out=None if buf is None else buf.view(torch.int32))
     c = c.view(torch.float32).clamp_min_(2.0 ** emin).mul_(1.5 * 2.0 ** (23 - m))
@@ -141,17 +154,19 @@ def block_scale(amax: torch.Tensor, fmt: str, rounding: str) -> torch.Tensor:
       floor  OCP MX (arXiv 2310.10537, section 6.3): shared exponent floor(log2 amax) - emax(fmt),
              E8M0 clamped to [-127, 127]; a block's largest value can then round past top (saturated)
       rceil  2^-ceil(log2(amax / top)), clamped the same: amax * scale <= top always (arXiv 2506.08027)"""
-    top = ELEMENTS[fmt][2]
+    top = formats.ELEMENTS[fmt].max
+    scale_e = formats.ELEMENTS["e8m0"]  # OCP MX's shared scale: powers of 2 from 2^emin to 2^emax
     if rounding == "exact":
         s = (top / amax).clamp(max=FLT_MAX)
     elif rounding == "pow2":
         s = _pow2(torch.frexp((top / amax).clamp(max=FLT_MAX))[1] - 1)
     elif rounding == "floor":
         emax = int(torch.frexp(torch.tensor(top))[1]) - 1
-        s = _pow2(-((torch.frexp(amax)[1] - 1) - emax).clamp(-127, 127))
+        s = _pow2(-((torch.frexp(amax)[1] - 1) - emax).clamp(scale_e.emin, scale_e.emax))
     elif rounding == "rceil":
         mant, e = torch.frexp(amax / top)
-        s = _pow2(-torch.where(mant == 0.5, e - 1, e).clamp(-127, 127))  # ceil(log2): exact at powers of 2
+        # ceil(log2): exact at powers of 2
+        s = _pow2(-torch.where(mant == 0.5, e - 1, e).clamp(scale_e.emin, scale_e.emax))
     else:
         raise ValueError(f"block_scale: {rounding!r} is not a scale of its own (nvfp4 scales: _nvfp4)")
     return torch.where(amax > 0, s, torch.ones_like(s))
@@ -214,7 +229,7 @@ def block_quantize(t: torch.Tensor, f: formats.TensorFormat, axis: int = -1,
     else:
         s = block_scale(amax, f.element, f.scale_rounding)
         y = blocks * s
-        if generator is None and f.element in _BY_SPACING:
+        if generator is None and _by_spacing(f.element):
             q = _round_in_place(y, f.element, sign=blocks, buf=absval)  # |blocks| is no longer needed
         else:
             q = round_to(y, f.element, generator)
@@ -230,12 +245,12 @@ def block_quantize(t: torch.Tensor, f: formats.TensorFormat, axis: int = -1,
 
 
 def _nvfp4(blocks, amax, fmt, generator):
-    """NVFP4 (arXiv 2509.25149, section 2): a per-tensor FP32 decode scale g = amax(tensor) / (6 * 448)
-    maps the blocks' scales into E4M3's range; each 16-element block's decode scale is
+    """NVFP4 (arXiv 2509.25149, section 2): a per-tensor FP32 decode scale g = amax(tensor) / (E2M1's
+    max x E4M3's max) maps the blocks' scales into E4M3's range; each 16-element block's decode scale is
     e4m3(amax(block) / 6 / g) * g, and its elements are E2M1 at that scale."""
-    top = ELEMENTS[fmt][2]
+    top = formats.ELEMENTS[fmt].max
     t_amax = amax.amax()
-    g = torch.where(t_amax > 0, t_amax / (top * ELEMENTS["e4m3"][2]), torch.ones_like(t_amax))
+    g = torch.where(t_amax > 0, t_amax / (top * formats.ELEMENTS["e4m3"].max), torch.ones_like(t_amax))
     d = round_to(amax / top / g, "e4m3") * g
     safe = torch.where(d > 0, d, torch.ones_like(d))
     return round_to(blocks / safe, fmt, generator) * safe
@@ -484,7 +499,7 @@ class FP8State:
     def quantizer(self, key: str, fmt: str, record: bool = True, stochastic: bool = False):
         """The function that rounds a tensor of slot `key` to `fmt` at the slot's per-tensor scale;
         `record`: its amax goes into this iteration's history entry (training, not evaluation)."""
-        top = ELEMENTS[fmt][2] / 2.0 ** self.margin
+        top = formats.ELEMENTS[fmt].max / 2.0 ** self.margin
 
         def quant(t: torch.Tensor) -> torch.Tensor:
             if self.scaling == "current":
@@ -528,7 +543,7 @@ class FP8State:
             h.copy_(torch.roll(h, 1))
             h[0] = a
             ref = h.max() if self.algo == "max" else h[0]
-            top = ELEMENTS[self.recipe.roles[key.rpartition(":")[2][0]].element][2]
+            top = formats.ELEMENTS[self.recipe.roles[key.rpartition(":")[2][0]].element].max
             new = (top / ref / 2.0 ** self.margin).clamp(max=FLT_MAX)
             self.scale[key] = torch.where((ref > 0) & torch.isfinite(new), new, self.scale[key])
         self._seen = {}

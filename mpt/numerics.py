@@ -40,45 +40,46 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from mpt import formats
 from mpt.errors import UserError
 from mpt.ranks import rng_state, set_rng_state
 
-FP16_MIN_SUBNORMAL = 2.0**-24  # smaller values flush to zero in FP16 (section 3.1)
-FP16_MIN_NORMAL = 2.0**-14
-FP16_MAX = 65504.0
-FP16_MANTISSA_BITS = 10
+# FP16's range, from the one table of formats (mpt.formats.ELEMENTS): smallest subnormal 2^-24 (smaller
+# values flush to zero, section 3.1), smallest normal 2^-14, largest finite value, 10 mantissa bits.
+_FP16 = formats.ELEMENTS["fp16"]
+FP16_MIN_SUBNORMAL = _FP16.min_subnormal
+FP16_MIN_NORMAL = _FP16.min_normal
+FP16_MAX = _FP16.max
+FP16_MANTISSA_BITS = _FP16.mantissa_bits
 # Section 3.1: with a 10-bit mantissa an addend 2^11 = 2048 times smaller than the weight is
 # potentially lost. The exact condition is |u| below half an ulp of w, 2^(floor(log2|w|) - 11),
 # with ties to even (and half that below a power of two moving down): swamping_fraction rounds.
 SWAMP_RATIO = 2.0 ** -(FP16_MANTISSA_BITS + 1)
-# Where round-to-nearest-even puts a magnitude v (exact thresholds, all representable in FP64):
-# v <= 2^-25 rounds to 0 (2^-25 is the tie between 0 and 2^-24, and 0 is even); v >= 2^-14 - 2^-25
-# rounds to a normal (the tie between the largest subnormal, odd, and 2^-14); v >= 65520 rounds
-# to inf (the tie between 65504 and 2^16, which does not exist, so inf).
-FP16_ROUNDS_TO_ZERO = 2.0**-25
-FP16_ROUNDS_TO_NORMAL = 2.0**-14 - 2.0**-25
-FP16_ROUNDS_TO_INF = 65520.0
-# The other narrow formats (beyond the paper): smallest subnormal, smallest normal, largest
-# finite value, explicit mantissa bits. E4M3 (no infinities: its top binade reaches 448) and E5M2 are the
-# FP8 formats of Micikevicius et al. 2022; BF16 has FP32's exponent range with 7 mantissa bits.
-FORMATS = {
-    "fp16": {"min_subnormal": 2.0**-24, "min_normal": 2.0**-14, "max": 65504.0, "mantissa": 10},
-    "bf16": {"min_subnormal": 2.0**-133, "min_normal": 2.0**-126, "max": (2 - 2.0**-7) * 2.0**127, "mantissa": 7},
-    "e4m3": {"min_subnormal": 2.0**-9, "min_normal": 2.0**-6, "max": 448.0, "mantissa": 3},
-    "e5m2": {"min_subnormal": 2.0**-16, "min_normal": 2.0**-14, "max": 57344.0, "mantissa": 2},
-}
+# The formats a whole tensor is banded in at one scale (format_bands) and that the doctor's what-if
+# examines, as rows of mpt.formats.ELEMENTS in the shape they read. E2M1 is not among them: four bits
+# hold a tensor only in small blocks, each at its own scale (NVFP4, mpt.fp8.block_quantize).
+FORMATS = {n: {"min_subnormal": e.min_subnormal, "min_normal": e.min_normal, "max": e.max,
+               "mantissa": e.mantissa_bits, "saturates": e.saturates, "scaling": e.range_scaling}
+           for n in ("fp16", "bf16", "e4m3", "e5m2") for e in [formats.ELEMENTS[n]]}
 
 
 def format_thresholds(fmt: str) -> tuple[float, float, float]:
     """(rounds to zero at or below, rounds to a normal from, overflows from) for round to nearest
     even: half the smallest subnormal ties to 0 (even); the largest subnormal (odd) and the smallest
-    normal tie to the normal; the largest finite value plus half its ulp ties away from it (its
-    mantissa is odd) -- to inf in FP16/BF16/E5M2, to a saturated maximum in the casts of
-    mpt.fp8 (E4M3 has no inf: its 448 + 16 would be a NaN code, and a saturating cast keeps 448,
-    so there overflow starts just above 464)."""
-    f = FORMATS[fmt]
-    half_ulp_top = 2.0 ** (math.floor(math.log2(f["max"])) - f["mantissa"] - 1)
-    return f["min_subnormal"] / 2, f["min_normal"] - f["min_subnormal"] / 2, f["max"] + half_ulp_top
+    normal tie to the normal; the largest finite value plus half its ulp ties away from it where its
+    mantissa is odd -- to inf in FP16/BF16/E5M2, to a saturated maximum in the casts of mpt.fp8; E4M3's
+    largest value (448) is even, the code above it a NaN, so that tie rounds down to it and a saturating
+    cast keeps 448: there overflow starts just above 464 (_band_counts)."""
+    e = formats.ELEMENTS[fmt]
+    half_ulp_top = 2.0 ** (e.emax - e.mantissa_bits - 1)
+    return e.min_subnormal / 2, e.min_normal - e.min_subnormal / 2, e.max + half_ulp_top
+
+
+# Where round-to-nearest-even puts an FP16 magnitude v (exact thresholds, all representable in FP64):
+# v <= 2^-25 rounds to 0 (2^-25 is the tie between 0 and 2^-24, and 0 is even); v >= 2^-14 - 2^-25
+# rounds to a normal (the tie between the largest subnormal, odd, and 2^-14); v >= 65520 rounds
+# to inf (the tie between 65504 and 2^16, which does not exist, so inf).
+FP16_ROUNDS_TO_ZERO, FP16_ROUNDS_TO_NORMAL, FP16_ROUNDS_TO_INF = format_thresholds("fp16")
 
 
 # Default exponent range of the histograms: the paper's Figures 2b and 3 draw exponents far below
@@ -129,11 +130,8 @@ def _band_counts(v: torch.Tensor, fmt: str = "fp16") -> torch.Tensor:
     """int64 [zero, underflow, subnormal, normal, nonfinite] counts of v (non-negative FP64), each
     value banded by what rounding it to `fmt` gives. Overflow (rounds to inf or saturates, or
     non-finite) is the remainder: numel minus the first four."""
-    if fmt == "fp16":
-        to_zero, to_normal, to_inf = FP16_ROUNDS_TO_ZERO, FP16_ROUNDS_TO_NORMAL, FP16_ROUNDS_TO_INF
-    else:
-        to_zero, to_normal, to_inf = format_thresholds(fmt)
-    normal = (v >= to_normal) & ((v <= to_inf) if fmt == "e4m3" else (v < to_inf))
+    to_zero, to_normal, to_inf = format_thresholds(fmt)
+    normal = (v >= to_normal) & ((v <= to_inf) if formats.ELEMENTS[fmt].max_is_even else (v < to_inf))
     return torch.stack(
         [
             (v == 0).sum(),
@@ -169,7 +167,8 @@ def exponent_histogram(t: torch.Tensor, lo: int = HIST_LO, hi: int = HIST_HI) ->
 def format_bands(t: torch.Tensor, fmt: str = "fp16", scale: float = 1.0) -> dict[str, int]:
     """fp16_bands for any format of FORMATS (E4M3, E5M2, BF16 too): the values |x| * scale banded by
     what rounding them to `fmt` gives. For FP8, `scale` is the per-tensor scale (mpt.fp8's
-    FP8_MAX / amax), so format_bands(t, "e4m3", 448 / amax) is what the simulated FP8 recipe keeps."""
+    format max / amax), so format_bands(t, "e4m3", FORMATS["e4m3"]["max"] / amax) is what the simulated
+    FP8 recipe keeps."""
     if fmt not in FORMATS:
         raise ValueError(f"format_bands fmt={fmt!r}: choose one of {', '.join(FORMATS)}")
     scale = float(scale)
@@ -211,15 +210,15 @@ def _fp16_keeps(w16: torch.Tensor, u: torch.Tensor, fmt: str = "fp16") -> torch.
     gap to w16's neighbour in u's direction, or exactly half and w16's mantissa even. Decided from
     the exact values (u FP64), not by converting the sum: torch converts FP64 to FP16 through FP32,
     which can round twice. fmt="bf16": the same for a BF16 weight w16 (BF16 tensor)."""
-    f = FORMATS[fmt]
-    min_sub_exp = round(math.log2(f["min_subnormal"]))
+    f = formats.ELEMENTS[fmt]
+    min_sub_exp = f.emin - f.mantissa_bits
     a = w16.abs().to(torch.float64)
     _, e = torch.frexp(a)  # a = m 2^e, m in [0.5, 1): floor(log2 a) = e - 1
-    ulp = torch.ldexp(torch.ones_like(a), (e.to(torch.int64) - 1 - f["mantissa"]).clamp_(min=min_sub_exp))
-    ulp = torch.where(a == 0, f["min_subnormal"], ulp)
+    ulp = torch.ldexp(torch.ones_like(a), (e.to(torch.int64) - 1 - f.mantissa_bits).clamp_(min=min_sub_exp))
+    ulp = torch.where(a == 0, f.min_subnormal, ulp)
     # Below a normal power of two (above the smallest normal) the neighbour is half an ulp away.
     toward_zero = (u * w16.to(torch.float64)) < 0
-    power_of_two = (a > f["min_normal"]) & (torch.ldexp(torch.ones_like(a), e.to(torch.int64) - 1) == a)
+    power_of_two = (a > f.min_normal) & (torch.ldexp(torch.ones_like(a), e.to(torch.int64) - 1) == a)
     half_gap = torch.where(toward_zero & power_of_two, ulp / 4, ulp / 2)
     even = (w16.view(torch.int16) & 1) == 0
     abs_u = u.abs()

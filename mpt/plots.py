@@ -12,13 +12,17 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from mpt import formats
+
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-# FP16's exponent range (section 3): smallest subnormal 2^-24, smallest normal 2^-14, largest
-# finite 65504 < 2^16, so normal exponents run -14..15 and subnormals -24..-15.
-FP16_SUBNORMAL = (-24, -15)
-FP16_NORMAL = (-14, 15)
+# FP16's exponent range (section 3; mpt.formats.ELEMENTS): smallest subnormal 2^-24, smallest normal
+# 2^-14, largest finite 65504 < 2^16, so normal exponents run -14..15 and subnormals -24..-15.
+_FP16 = formats.ELEMENTS["fp16"]
+FP16_SUBNORMAL = (_FP16.emin - _FP16.mantissa_bits, _FP16.emin - 1)
+FP16_NORMAL = (_FP16.emin, _FP16.emax)
+FP16_MAX = _FP16.max
 
 
 def draw_hist(ax, hist: collections.Counter, label: str, color: str, mark=()):
@@ -31,9 +35,9 @@ def draw_hist(ax, hist: collections.Counter, label: str, color: str, mark=()):
     ax.axvspan(FP16_SUBNORMAL[0] - 0.5, FP16_SUBNORMAL[1] + 0.5, color="tab:orange", alpha=0.15,
                label="FP16 subnormal [2^-24, 2^-14)")
     ax.axvspan(FP16_NORMAL[0] - 0.5, FP16_NORMAL[1] + 0.5, color="tab:green", alpha=0.12,
-               label="FP16 normal [2^-14, 65504]")
+               label=f"FP16 normal [2^{FP16_NORMAL[0]}, {FP16_MAX:g}]")
     ax.axvline(FP16_SUBNORMAL[0] - 0.5, color="tab:red", lw=1.2, label="below 2^-24: zero in FP16")
-    ax.axvline(FP16_NORMAL[1] + 0.5, color="tab:purple", lw=1.2, label="above 65504: overflow in FP16")
+    ax.axvline(FP16_NORMAL[1] + 0.5, color="tab:purple", lw=1.2, label=f"above {FP16_MAX:g}: overflow in FP16")
     for m in mark:
         ax.axvline(m - 0.5, color="gray", ls="--", lw=1.0, label=f"2^{m}")
     ax.bar(exps, pct, width=0.9, color=color, label=label)

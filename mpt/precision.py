@@ -28,7 +28,7 @@ import torch.nn as nn
 from mpt import formats, precisions
 from mpt import torch_private as TP
 from mpt.errors import UserError
-from mpt.fp8 import FP8_FORMATS, FP8Math, FP8State, fp8_quantize  # noqa: F401 -- also imported from here
+from mpt.fp8 import FP8Math, FP8State, fp8_quantize  # noqa: F401 -- also imported from here
 from mpt.half_math import (FP32Copies, FP32Math, HalfMath, cpu_has_fast_bf16, half_math_info,  # noqa: F401
                            resolve_half_math)
 from mpt.loss_scaler import LossScaler
@@ -709,15 +709,17 @@ class FP8(Recipe):
         self.state.load_state_dict(sd["fp8"], self.device)
 
 
-# The recipe of each precision that has one of its own; the others (fp16, mixed, bf16) run the scheme
-# cfg.impl names (precisions.Precision.impls).
-RECIPES: dict[str, type[Recipe]] = {"fp32": FP32, "fp16_pure": NoMasterCopy, "fp16_storage": FP16Storage,
-                                    "bf16_pure": NoMasterCopy, **dict.fromkeys(precisions.FORMATS, FP8)}
+# The recipe each row of mpt/precisions.py names (Precision.recipe, one of precisions.RECIPE_KINDS): a
+# class of its own, or "formats" -- FP8 on the row's FormatRecipe (mpt.formats.RECIPES) -- or "impl",
+# the scheme cfg.impl names (IMPL_RECIPES; fp16, mixed, bf16).
+RECIPES: dict[str, type[Recipe]] = {"FP32": FP32, "FP16Storage": FP16Storage, "NoMasterCopy": NoMasterCopy,
+                                    "formats": FP8}
 IMPL_RECIPES: dict[str, type[Recipe]] = {"autocast": Autocast, "paper": MasterCopy}
 
 
 def recipe_class(precision: str, impl: str) -> type[Recipe]:
-    return RECIPES.get(precision) or IMPL_RECIPES[impl]
+    kind = precisions.recipe_of(precision)  # a row without its recipe: a one-line error, not FP32
+    return IMPL_RECIPES[impl] if kind == "impl" else RECIPES[kind]
 
 
 def half_math_used(cfg, device) -> str:

@@ -2,14 +2,19 @@
 speed/memory benchmark and the generated tables and figures (paper_tables) know about it. Imports no
 torch, so the config and paper_tables read it on any machine.
 
-A new precision is a row here and, where its scheme is new, a recipe class in mpt/precision.py
-(registered in its RECIPES), with its tests and its line in the README.
+A new precision is a row here naming the recipe that runs it (Precision.recipe): an existing scheme, a
+new recipe class in mpt/precision.py (registered in its RECIPES and in RECIPE_KINDS here), or, for a
+simulated low-precision format, "formats" and a FormatRecipe of the same name in mpt.formats.RECIPES --
+then nothing else: the config's checks, the recipe and paper_tables' columns follow from the two rows.
+A row whose recipe is missing is a one-line error when a config names it (check), never a run in FP32
+under the new name.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 
+from mpt import formats
 from mpt.errors import UserError
 
 IMPLS = ("autocast", "paper")
@@ -18,6 +23,11 @@ ROUNDINGS = ("nearest", "stochastic", "kahan")
 FP8_SCALINGS = ("delayed", "current")
 FP8_AMAX_ALGOS = ("max", "most_recent")
 FP8_ENDS = ("bf16", "fp8")
+# What Precision.recipe may name: "impl", the scheme cfg.impl names (mpt.precision.IMPL_RECIPES:
+# Autocast or MasterCopy); "formats", the simulated-format recipe (mpt.precision.FP8) on the
+# FormatRecipe of the precision's name in mpt.formats.RECIPES; or a recipe class of mpt/precision.py
+# by name (its RECIPES, which tests/test_precision.py holds to this tuple).
+RECIPE_KINDS = ("impl", "formats", "FP32", "FP16Storage", "NoMasterCopy")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +68,7 @@ class Precision:
     # autocast's FP32 weights cannot express), or none where cfg.impl changes nothing.
     impls: tuple[str, ...]
     columns: tuple[Column, ...]
+    recipe: str  # what runs it: one of RECIPE_KINDS (check() refuses a row whose recipe is missing)
     beyond_paper: bool = False
     tf32: bool = False  # FP32 with TF32 tensor-core math: a setting of fp32 (cfg.tf32), not a recipe
     # The error for a loss scale other than 1 where the precision takes none ({value}, {name}).
@@ -78,17 +89,19 @@ TABLE: tuple[Precision, ...] = (
     Precision(
         "fp32", "Everything FP32: the paper's baseline (TF32 is a separate switch, off by default).",
         storage="float32", compute="float32", master=True, loss_scaling=False, auto_loss_scale=None,
-        impls=(), columns=(Column("fp32", "FP32", "black"),)),
+        impls=(), recipe="FP32",
+        columns=(Column("fp32", "FP32", "black"),)),
     Precision(
         "tf32", "FP32 storage, matmuls and convolutions on TF32 tensor cores (precision=fp32 tf32=true): "
         "a baseline the paper predates.",
         storage="float32", compute="tfloat32", master=True, loss_scaling=False, auto_loss_scale=None,
-        impls=(), columns=(Column("tf32", "TF32 baseline"),), tf32=True),
+        impls=(), recipe="FP32",
+        columns=(Column("tf32", "TF32 baseline"),), tf32=True),
     Precision(
         "fp16", "The paper's \"MP without loss scaling\": FP16 forward and backward, FP32 master weights, "
         "S = 1 and no overflow skipping, so a network that diverges (SSD, Table 2) diverges here.",
         storage="float16", compute="float16", master=True, loss_scaling=False, auto_loss_scale=None,
-        impls=IMPLS,
+        impls=IMPLS, recipe="impl",
         columns=(Column("fp16", "FP16 math, no loss scaling", "tab:orange", figure_label="MP, no loss scaling (S=1)"),),
         refuses_scale="precision=fp16 is the paper's 'without loss scaling' mode (S = 1); "
                       "for S = {value} use precision=mixed loss_scale={value}"),
@@ -96,17 +109,19 @@ TABLE: tuple[Precision, ...] = (
         "mixed", "FP16 math, FP32 master weights and loss scaling (section 3): a constant S (the paper's) "
         "or dynamic (a later framework feature, section 5); both skip the update on inf/nan.",
         storage="float16", compute="float16", master=True, loss_scaling=True, auto_loss_scale="dynamic",
-        impls=IMPLS, columns=(Column("mixed", "FP16 math, loss scaling", "tab:blue", figure_label="MP"),)),
+        impls=IMPLS, recipe="impl",
+        columns=(Column("mixed", "FP16 math, loss scaling", "tab:blue", figure_label="MP"),)),
     Precision(
         "bf16", "BF16 math, FP32 master weights, no loss scaling (BF16 has FP32's exponent range): later "
         "practice, not the paper's.",
         storage="bfloat16", compute="bfloat16", master=True, loss_scaling=False, auto_loss_scale=None,
-        impls=IMPLS, columns=(Column("bf16", "BF16", "tab:green"),)),
+        impls=IMPLS, recipe="impl",
+        columns=(Column("bf16", "BF16", "tab:green"),)),
     Precision(
         "fp16_pure", "Figure 2a's ablation: FP16 weights updated directly, no FP32 master copy (section 3.1); "
         "loss scaling only where asked.",
         storage="float16", compute="float16", master=False, loss_scaling=True, auto_loss_scale=None,
-        impls=("paper",),
+        impls=("paper",), recipe="NoMasterCopy",
         columns=(Column("fp16_pure", "FP16 weights, no master copy", "tab:red"),
                  _beyond("fp16_pure_stochastic", "FP16 weights, no master copy, stochastic rounding"),
                  _beyond("fp16_pure_kahan", "FP16 weights, no master copy, Kahan summation"))),
@@ -115,13 +130,14 @@ TABLE: tuple[Precision, ...] = (
         "weights, activations and gradients, FP32 master weights, every dot product and softmax computed in "
         "FP32; loss scaling only where asked.",
         storage="float16", compute="float32", master=True, loss_scaling=True, auto_loss_scale=None,
-        impls=("paper",), columns=(Column("fp16_storage", "FP16 storage, FP32 math", "tab:purple"),)),
+        impls=("paper",), recipe="FP16Storage",
+        columns=(Column("fp16_storage", "FP16 storage, FP32 math", "tab:purple"),)),
     Precision(
         "fp8", "FP8 operands for every dot product of a weight-bearing layer, E4M3 forward and E5M2 backward, "
         "each tensor at its own scale (Micikevicius et al. 2022, \"FP8 Formats for Deep Learning\"), FP32 "
         "master weights; simulated, so its numerics, not its speed.",
         storage="float32", compute="float8", master=True, loss_scaling=False, auto_loss_scale=None,
-        impls=(), beyond_paper=True,
+        impls=(), recipe="formats", beyond_paper=True,
         columns=(_beyond("fp8_delayed", "FP8, delayed scaling, BF16 first/last layers", "tab:brown"),
                  _beyond("fp8_current", "FP8, current scaling, BF16 first/last layers", "tab:pink"),
                  _beyond("fp8_delayed_all", "FP8, delayed scaling, every layer", "tab:olive"),
@@ -133,7 +149,7 @@ TABLE: tuple[Precision, ...] = (
         "weight-bearing dot product, activations and gradients scaled per 1x128 tile, weights per 128x128 "
         "block, power-of-2 scales; FP32 accumulation and master weights; simulated (mpt.formats).",
         storage="float32", compute="float8", master=True, loss_scaling=False, auto_loss_scale=None,
-        impls=(), beyond_paper=True,
+        impls=(), recipe="formats", beyond_paper=True,
         columns=(_beyond("fp8_block", "block-scaled FP8 (1x128 / 128x128), BF16 first/last layers", "peru"),
                  _beyond("fp8_block_all", "block-scaled FP8 (1x128 / 128x128), every layer")),
         refuses_scale="precision=fp8_block scales each block on its own; loss_scale={value} is not used: "
@@ -143,7 +159,7 @@ TABLE: tuple[Precision, ...] = (
         "power-of-2 (E8M0) scale rounded up so that no block overflows (RCEIL, arXiv 2506.08027); FP32 "
         "accumulation and master weights; simulated (mpt.formats).",
         storage="float32", compute="float8", master=True, loss_scaling=False, auto_loss_scale=None,
-        impls=(), beyond_paper=True,
+        impls=(), recipe="formats", beyond_paper=True,
         columns=(_beyond("mxfp8", "MXFP8 (32-element E8M0 blocks), BF16 first/last layers", "teal"),
                  _beyond("mxfp8_all", "MXFP8 (32-element E8M0 blocks), every layer")),
         refuses_scale="precision=mxfp8 scales each block on its own; loss_scale={value} is not used: "
@@ -153,7 +169,7 @@ TABLE: tuple[Precision, ...] = (
         "per-tensor scale; gradients rounded stochastically through a 16x16 random Hadamard transform; FP32 "
         "accumulation and master weights; simulated (mpt.formats).",
         storage="float32", compute="float4", master=True, loss_scaling=False, auto_loss_scale=None,
-        impls=(), beyond_paper=True,
+        impls=(), recipe="formats", beyond_paper=True,
         columns=(_beyond("nvfp4", "NVFP4 (16-element E4M3-scaled blocks), BF16 first/last layers", "crimson"),
                  _beyond("nvfp4_all", "NVFP4 (16-element E4M3-scaled blocks), every layer")),
         refuses_scale="precision=nvfp4 scales each block on its own; loss_scale={value} is not used: "
@@ -162,7 +178,7 @@ TABLE: tuple[Precision, ...] = (
         "bf16_pure", "BF16 weights updated directly, no FP32 master copy: fp16_pure's scheme in BF16 "
         "(Zamirai et al. 2020, \"Revisiting BFloat16 Training\"), the update rounded by `rounding`.",
         storage="bfloat16", compute="bfloat16", master=False, loss_scaling=False, auto_loss_scale=None,
-        impls=("paper",), beyond_paper=True,
+        impls=("paper",), recipe="NoMasterCopy", beyond_paper=True,
         columns=(_beyond("bf16_pure", "BF16 weights, no master copy, round to nearest", "tab:gray"),
                  _beyond("bf16_pure_stochastic", "BF16 weights, no master copy, stochastic rounding", "darkgreen"),
                  _beyond("bf16_pure_kahan", "BF16 weights, no master copy, Kahan summation", "navy"))),
@@ -179,9 +195,10 @@ _OWN = [p for p in TABLE if not p.tf32 and not p.beyond_paper]
 COLUMNS = (tuple(c for p in _OWN for c in p.columns if not c.beyond_paper)
            + tuple(c for p in TABLE if p.beyond_paper for c in p.columns)
            + tuple(c for p in _OWN for c in p.columns if c.beyond_paper))
-# The simulated formats beyond per-tensor FP8 (mpt.formats.RECIPES): their scales are the blocks' own.
-BLOCK_SCALED = ("fp8_block", "mxfp8", "nvfp4")
-FORMATS = ("fp8", *BLOCK_SCALED)  # the precisions the FP8 recipe runs, each by its format recipe
+# The precisions the simulated-format recipe runs, each on its FormatRecipe (mpt.formats.RECIPES), and of
+# those the block-scaled ones, whose scales are the blocks' own: read from the rows, so a new row is enough.
+FORMATS = tuple(p.name for p in TABLE if p.recipe == "formats")
+BLOCK_SCALED = tuple(n for n in FORMATS if n in formats.RECIPES and formats.RECIPES[n].block_scaled)
 _ROW_OF = {c.name: p for p in TABLE if not p.tf32 for c in p.columns}
 _TF32 = {p.run_as: p.columns[0] for p in TABLE if p.tf32}
 
@@ -197,6 +214,22 @@ def column(name: str, tf32: bool = False) -> Column | None:
 def of_column(name: str) -> Precision | None:
     """The precision a column belongs to (fp8_delayed: fp8); None for a name not in the table."""
     return _ROW_OF.get(name)
+
+
+def recipe_of(precision: str) -> str:
+    """The RECIPE_KINDS entry that runs `precision` (a row of TABLE), or a one-line UserError where the row
+    names none that exists: a precision without its recipe must not train as FP32 under its own name."""
+    row = BY_NAME[precision]
+    if row.recipe not in RECIPE_KINDS:
+        raise UserError(f"precision={precision} names recipe {row.recipe!r}, which does not exist; set its row's "
+                        f"recipe in mpt/precisions.py to one of: {', '.join(RECIPE_KINDS)}")
+    if row.recipe == "formats" and precision not in formats.RECIPES:
+        raise UserError(f"precision={precision} has no format recipe: add FormatRecipe({precision!r}, ...) to "
+                        f"mpt.formats.RECIPES (the formats of its x, w and g)")
+    if row.recipe == "impl" and not row.impls:
+        raise UserError(f"precision={precision} is run by the scheme cfg.impl names but its row lists no impl; "
+                        f"set its impls in mpt/precisions.py (autocast, paper) or a recipe of its own")
+    return row.recipe
 
 
 def _or(names) -> str:
@@ -238,6 +271,7 @@ def check(cfg) -> None:
     """The precision keys of a config (precision, impl, half_math, loss_scale, rounding, fp8.*, scaler.*)."""
     if cfg.precision not in PRECISIONS:
         raise UserError(f"unknown precision {cfg.precision!r}; choose one of: {', '.join(PRECISIONS)}")
+    recipe_of(cfg.precision)
     if cfg.impl not in IMPLS:
         raise UserError(f"unknown impl {cfg.impl!r}; choose one of: {', '.join(IMPLS)}")
     if getattr(cfg, "half_math", "auto") not in HALF_MATHS:
@@ -259,7 +293,8 @@ def check(cfg) -> None:
                 raise UserError(f"unknown fp8.{key} {value!r}; choose one of: {', '.join(allowed)}")
         if f8.amax_history_len < 1:
             raise UserError(f"fp8.amax_history_len={f8.amax_history_len} must be >= 1")
-        if cfg.precision in BLOCK_SCALED:
+        row = BY_NAME[cfg.precision]
+        if row.recipe == "formats" and formats.RECIPES[cfg.precision].block_scaled:
             # Block scales are computed from each block now: only the choice of the ends applies.
             if dataclasses.replace(f8, ends=type(f8)().ends) != type(f8)():
                 raise UserError(f"precision={cfg.precision} scales each block from the block itself: of the "

@@ -15,8 +15,8 @@ import numpy as np
 from matplotlib.figure import Figure
 import matplotlib.image
 
-from mpt import precisions
-from mpt.plots import draw_hist, render
+from mpt import formats, precisions
+from mpt.plots import FP16_MAX, draw_hist, render
 from paper_tables import specs
 from paper_tables.results import Problem, RunResult
 from paper_tables.tables import _variant_key
@@ -385,12 +385,12 @@ def _hist(spec, runs, profile, problems, notes):
     axes = fig.subplots(rows, 1, squeeze=False, sharex=True).ravel()
     mark = tuple(spec.param("mark", ()))
     below, over = draw_hist(axes[0], hist, f"{desc}" + (", no loss scaling" if second else ""), "tab:blue", mark)
-    summary = f"{below:.2f}% of non-zero values below 2^-24, {over:.2f}% above 65504" + _zero_text(zeros)
+    summary = f"{below:.2f}% of non-zero values below 2^-24, {over:.2f}% above {FP16_MAX:g}" + _zero_text(zeros)
     axes[0].set_title(summary, fontsize=9)
     notes.append(("Without loss scaling: " if second else "") + summary + ".")
     if second:
         b2, o2 = draw_hist(axes[1], second[0], second[1], "tab:cyan", mark)
-        under, over = "below 2^-24", "above 65504"
+        under, over = "below 2^-24", f"above {FP16_MAX:g}"
         if second[2] and second[2]["nonzero"]:  # exact band counts beat the shifted histogram
             b2 = 100 * second[2]["under"] / second[2]["nonzero"]
             o2 = 100 * second[2]["over"] / second[2]["nonzero"]
@@ -501,9 +501,12 @@ def _loss_scale(spec, runs, profile, problems, notes):
 
 
 # ----------------------------------------------------------------------------- FP8 ranges
-# (numerics group, format, what, smallest-subnormal exponent, smallest-normal exponent, top exponent, max)
-FP8_ROLES = (("fwd", "E4M3", "activations (forward values)", -9, -6, 8, 448.0),
-             ("act", "E5M2", "activation gradients", -16, -14, 15, 57344.0))
+# (numerics group, format, what, smallest-subnormal exponent, smallest-normal exponent, top exponent, max),
+# the numbers from the one table of formats (mpt.formats.ELEMENTS)
+FP8_ROLES = tuple((group, name.upper(), what, e.emin - e.mantissa_bits, e.emin, e.emax, e.max)
+                  for group, name, what in (("fwd", "e4m3", "activations (forward values)"),
+                                            ("act", "e5m2", "activation gradients"))
+                  for e in [formats.ELEMENTS[name]])
 
 
 def _layer_hists(line: dict, group: str):

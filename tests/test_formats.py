@@ -12,6 +12,8 @@ import torch.nn as nn
 import models
 from mpt import formats, precision
 from mpt.config import Config
+from mpt.errors import UserError
+from mpt.formats import ELEMENTS
 from mpt.fp8 import FP8State, block_quantize, round_to
 from mpt.numerics import sqnr_db
 
@@ -157,18 +159,19 @@ E2M1_GRID = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]  # OCP MX spec v1.0, sectio
 def test_rounding_by_spacing_is_torchs_cast(fmt):
     """The arithmetic that rounds E2M1 and every stochastic rounding, checked on the formats torch casts
     to: every code's neighbourhood, the ties between codes, subnormals and saturation."""
-    from mpt.fp8 import ELEMENTS, _TORCH_DTYPES, round_by_spacing
+    from mpt.fp8 import round_by_spacing
 
+    dtype = getattr(torch, ELEMENTS[fmt].torch_dtype)
     torch.manual_seed(0)
     x = torch.cat([torch.randn(20000) * 10.0 ** torch.randint(-8, 5, (20000,)).float(),
-                   torch.linspace(-1, 1, 5001) * min(ELEMENTS[fmt][2] * 1.5, 3e38)])
+                   torch.linspace(-1, 1, 5001) * min(ELEMENTS[fmt].max * 1.5, 3e38)])
     if fmt in ("e4m3", "e5m2"):  # exact ties: the midpoints of neighbouring codes
-        codes = torch.arange(256, dtype=torch.uint8).view(_TORCH_DTYPES[fmt]).float()
+        codes = torch.arange(256, dtype=torch.uint8).view(dtype).float()
         codes = codes[torch.isfinite(codes)].unique()
         x = torch.cat([x, codes, (codes[1:] + codes[:-1]) / 2])
     x = torch.cat([x, torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan")])])
-    top = ELEMENTS[fmt][2]
-    cast = x.clamp(-top, top).to(_TORCH_DTYPES[fmt]).float()
+    top = ELEMENTS[fmt].max
+    cast = x.clamp(-top, top).to(dtype).float()
     for ours in (round_by_spacing(x, fmt), round_to(x, fmt)):
         same = (ours == cast) & (torch.signbit(ours) == torch.signbit(cast))
         assert (same | (ours.isnan() & cast.isnan())).all()
@@ -490,3 +493,161 @@ def test_fidelity_ranks_the_formats():
     assert 20 < db["mxfp8"]["output"] < 60 and 5 < db["nvfp4"]["output"] < db["mxfp8"]["output"] - 6
     assert db["nvfp4"]["grad/0.weight"] < db["mxfp8"]["grad/0.weight"]
     assert torch.equal(net[1].running_mean, running) and all(p.grad is None for p in net.parameters())
+
+
+# ------------------------------------------------------------------------------------------------
+# the element-format table (mpt.formats.ELEMENTS): every module's numbers come from its bits
+
+# The specifications' own figures, written down (OCP 8-bit Floating Point spec v1.0, Table 1; OCP MX
+# spec v1.0, section 5.3; IEEE 754 binary16; bfloat16): (max, smallest normal, smallest subnormal).
+SPEC_FIGURES = {"e4m3": (448.0, 2.0**-6, 2.0**-9), "e5m2": (57344.0, 2.0**-14, 2.0**-16),
+                "e2m1": (6.0, 1.0, 0.5), "fp16": (65504.0, 2.0**-14, 2.0**-24),
+                "bf16": ((2 - 2.0**-7) * 2.0**127, 2.0**-126, 2.0**-133), "e8m0": (2.0**127, 2.0**-127, 2.0**-127)}
+
+
+@pytest.mark.parametrize("name", list(ELEMENTS))
+def test_each_element_format_is_what_its_spec_and_torch_say(name):
+    """The range derived from the bits is the specification's, and -- where torch has the dtype -- every
+    code of it: the largest finite and the smallest positive value, whether an inf exists, finfo."""
+    e = ELEMENTS[name]
+    assert (e.max, e.min_normal, e.min_subnormal) == SPEC_FIGURES[name]
+    if e.torch_dtype is None:
+        return
+    dtype = getattr(torch, e.torch_dtype)
+    fi = torch.finfo(dtype)
+    assert (fi.max, fi.smallest_normal, fi.eps, fi.bits) == (e.max, e.min_normal, 2.0**-e.mantissa_bits, e.bits)
+    codes = torch.arange(2**e.bits, dtype=torch.int32).to(torch.uint8 if e.bits == 8 else torch.int16)
+    v = codes.view(dtype).double()
+    finite = v[torch.isfinite(v)]
+    assert finite.max().item() == e.max and finite[finite > 0].min().item() == e.min_subnormal
+    assert torch.isinf(v).any().item() == e.has_inf
+    assert (finite.min().item() == -e.max) == e.signed
+
+
+def test_no_module_keeps_its_own_format_constants():
+    """The formats' largest values appear as numbers nowhere but in the table, derived from the bits
+    (docstrings may name them): a second copy of a format's range can drift from the first."""
+    import ast
+
+    from conftest import REPO
+
+    tops = {e.max for e in ELEMENTS.values() if 100 < e.max < 1e6}  # 448, 57344, 65504 (6 is any six)
+    found = []
+    for path in [*REPO.glob("mpt/**/*.py"), *REPO.glob("paper_tables/**/*.py"), *REPO.glob("experiments/**/*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and type(node.value) is float and node.value in tops:
+                found.append(f"{path.relative_to(REPO)}:{node.lineno} {node.value}")
+    assert not found, found
+
+
+@pytest.fixture
+def e3m2(monkeypatch):
+    """MX FP6 E3M2 (OCP MX spec v1.0, section 5.3.2: max 28, smallest normal 2^-2, subnormal 2^-4, no inf
+    nor NaN) added to the table as a new format would be: one row."""
+    monkeypatch.setitem(ELEMENTS, "e3m2", formats.Element("e3m2", 3, 2, "finite"))
+    # Its grid by hand: 0, the subnormals m x 2^-4 (m = 1..3), the normals (1 + m/4) x 2^(e - 3), e = 1..7.
+    grid = [0.0] + [m * 2.0**-4 for m in (1, 2, 3)] + [(1 + m / 4) * 2.0 ** (e - 3) for e in range(1, 8) for m in range(4)]
+    return torch.tensor(grid)
+
+
+def _nearest_even(x: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    """An oracle for round to nearest even on a non-negative grid whose codes count up (the code's last bit
+    is the mantissa's), saturating at its end: by distances, not by the quantiser's arithmetic."""
+    a = x.abs().clamp(max=grid[-1].item()).reshape(-1)
+    d = (a[:, None] - grid[None, :]).abs()
+    tie = d == d.min(1, keepdim=True).values
+    code = torch.where(tie.sum(1) > 1, (tie & (torch.arange(len(grid)) % 2 == 0)).int().argmax(1), tie.int().argmax(1))
+    return grid[code].reshape(x.shape).copysign(x)
+
+
+def test_a_new_element_format_is_one_row(e3m2):
+    """E3M2, a row added to ELEMENTS and nothing else: its range follows from the bits; mpt.fp8 rounds to
+    it (nearest even, saturating at 28), per tensor and in MX blocks with E8M0 scales."""
+    from mpt.fp8 import fp8_quantize
+
+    e = ELEMENTS["e3m2"]
+    assert (e.max, e.min_normal, e.min_subnormal, e.has_inf, e.bits) == (28.0, 0.25, 2.0**-4, False, 6)
+    assert "e3m2" in formats.element_names()
+    torch.manual_seed(0)
+    mids = (e3m2[1:] + e3m2[:-1]) / 2  # every tie between neighbours
+    x = torch.cat([torch.randn(4000) * 8, mids, -mids, e3m2, torch.tensor([29.0, 30.0, 1e6, -1e6, float("inf"), 0.01])])
+    q = round_to(x, "e3m2")
+    assert torch.equal(q, _nearest_even(x, e3m2)) and q.abs().max().item() == 28.0
+    assert torch.isin(q.abs(), e3m2).all()
+    # per tensor at current scaling: amax onto the top of the grid, every value on the scaled grid
+    t = torch.randn(64, 48)
+    s = 28.0 / t.abs().max()
+    assert torch.equal(fp8_quantize(t, "e3m2", s), _nearest_even(t * s, e3m2) / s)
+    # MX blocks (32 along the reduction axis, E8M0 power-of-2 scales): FLOOR's scale 2^(floor(log2 amax) - 4)
+    # puts a block with amax 100 at 25, which rounds to 24 -> 96; RCEIL's 2^ceil(log2(100 / 28)) = 4, the same.
+    blk = torch.cat([torch.tensor([100.0, 3.0, -1.0]), torch.zeros(29)])[None, :]
+    for mode in ("floor", "rceil"):
+        got = block_quantize(blk, formats.TensorFormat("e3m2", "mx32", mode))
+        assert got[0, :3].tolist() == [96.0, 3.0, -1.0], mode  # 3 / 4 = 0.75 and 1 / 4 = 0.25: on the grid
+    t = torch.randn(16, 96) * torch.exp2(torch.randint(-6, 6, (16, 96)).float())
+    got = block_quantize(t, formats.TensorFormat("e3m2", "mx32", "rceil")).reshape(16, 3, 32)
+    amax = t.reshape(16, 3, 32).abs().amax(-1, keepdim=True)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / 28.0)))
+    assert torch.equal(got / scale, _nearest_even((t.reshape(16, 3, 32) / scale).reshape(-1), e3m2).reshape(16, 3, 32))
+
+
+@pytest.fixture
+def extra_precision(monkeypatch):
+    """Adds a row to the precision table as far as the config reads it (TABLE, BY_NAME, PRECISIONS)."""
+    from mpt import precisions
+
+    def add(row):
+        monkeypatch.setattr(precisions, "TABLE", (*precisions.TABLE, row))
+        monkeypatch.setitem(precisions.BY_NAME, row.name, row)
+        monkeypatch.setattr(precisions, "PRECISIONS", (*precisions.PRECISIONS, row.name))
+    return add
+
+
+def _mxfp6_row():
+    import dataclasses
+
+    from mpt import precisions
+
+    return dataclasses.replace(precisions.BY_NAME["mxfp8"], name="mxfp6", compute="float6",
+                               columns=(precisions.Column("mxfp6", "MXFP6"),))
+
+
+def test_a_precision_without_its_recipe_is_a_one_line_error(extra_precision):
+    """A new precision row whose FormatRecipe is missing, or whose recipe names nothing: refused where the
+    config is resolved and where the recipe is built -- never an FP32 run under the new name."""
+    import dataclasses
+
+    from mpt import config as C
+    from mpt import precisions
+
+    extra_precision(_mxfp6_row())
+    with pytest.raises(UserError, match=r"precision=mxfp6 has no format recipe: add FormatRecipe\('mxfp6'") as err:
+        C.resolve("dcgan", ["profile=tiny", "precision=mxfp6", "task.data_root=/nonexistent"])
+    assert "\n" not in str(err.value)
+    with pytest.raises(UserError, match="has no format recipe"):
+        precision.build(Config(precision="mxfp6"), "cpu")
+    extra_precision(dataclasses.replace(_mxfp6_row(), name="fp6x", recipe="MXFP6"))
+    with pytest.raises(UserError, match=r"precision=fp6x names recipe 'MXFP6', which does not exist; set its"):
+        precisions.check(Config(precision="fp6x"))
+
+
+def test_a_new_format_precision_is_its_row_and_its_format_recipe(extra_precision, e3m2, monkeypatch):
+    """The same row with its FormatRecipe (E3M2 in MX blocks) runs on the simulated-format recipe: its
+    weights reach the dot products on E3M2's grid at power-of-2 block scales."""
+    mx6 = formats.TensorFormat("e3m2", "mx32", "rceil")
+    monkeypatch.setitem(formats.RECIPES, "mxfp6", formats.FormatRecipe("mxfp6", x=mx6, w=mx6, g=mx6))
+    extra_precision(_mxfp6_row())
+    c = Config(precision="mxfp6")
+    c.fp8.ends = "fp8"
+    r = precision.build(c, "cpu")
+    assert type(r) is precision.FP8 and r.state.recipe is formats.RECIPES["mxfp6"]
+    torch.manual_seed(0)
+    lin = nn.Linear(32, 4, bias=False)
+    r.prepare(lin, [torch.optim.SGD(lin.parameters(), lr=0.1)])
+    x = torch.randn(2, 32)
+    with r.autocast():
+        y = lin(x)
+    wq, xq = block_quantize(lin.weight.detach(), mx6), block_quantize(x, mx6)
+    assert torch.equal(y, nn.functional.linear(xq, wq)) and not torch.equal(wq, lin.weight.detach())
+    scale = torch.exp2(torch.ceil(torch.log2(lin.weight.detach().abs().amax(1, keepdim=True) / 28.0)))
+    assert torch.isin((wq / scale).abs(), e3m2).all()

@@ -592,6 +592,18 @@ def test_each_row_of_the_precision_table_says_what_its_recipe_does(row):
         assert r.loss_scale == (dynamic if row.auto_loss_scale == "dynamic" else 1.0)
 
 
+def test_every_row_names_a_recipe_that_exists():
+    """Precision.recipe names one of precisions.RECIPE_KINDS, each of which mpt/precision.py runs; the
+    simulated-format precisions and, of those, the block-scaled ones follow from the rows."""
+    assert set(precision.RECIPES) | {"impl"} == set(precisions.RECIPE_KINDS)
+    assert {p.name: precisions.recipe_of(p.name) for p in precisions.TABLE} == {
+        "fp32": "FP32", "tf32": "FP32", "fp16": "impl", "mixed": "impl", "bf16": "impl", "fp16_pure": "NoMasterCopy",
+        "fp16_storage": "FP16Storage", "fp8": "formats", "fp8_block": "formats", "mxfp8": "formats",
+        "nvfp4": "formats", "bf16_pure": "NoMasterCopy"}
+    assert precisions.FORMATS == ("fp8", "fp8_block", "mxfp8", "nvfp4")
+    assert precisions.BLOCK_SCALED == ("fp8_block", "mxfp8", "nvfp4")
+
+
 def test_config_and_paper_tables_import_no_torch():
     """The precision table is read where torch may be absent (a laptop making the tables)."""
     import subprocess

@@ -26,13 +26,13 @@ from mpt.ranks import to_device
 KINDS = ("activations", "weights", "activation grads", "weight grads")
 GRADS = KINDS[2:]
 SWEEP = tuple(2.0**k for k in range(0, 25, 2))  # the loss scales tried for fp16's gradients
-UNSCALED = {"fp16": "loss_scale", "bf16": "none"}  # every other format: per tensor (or block) scaling
-SATURATES = {"e4m3", "e5m2"}  # mpt.fp8's casts clip to the largest value; fp16/bf16 make inf
+# The formats whose casts clip to the largest value (mpt.fp8: E4M3, E5M2); the others make inf (FP16, BF16).
+SATURATES = {fmt for fmt, f in FORMATS.items() if f.get("saturates")}
 OK_SHARE = 1e-3  # flushed or overflowed share of non-zero values called negligible (verdict.TOLERANCE)
 
 
 def scaling_of(fmt: str) -> str:
-    return FORMATS[fmt].get("scaling") or UNSCALED.get(fmt, "per_tensor")
+    return FORMATS[fmt].get("scaling") or "per_tensor"  # the row's (mpt.formats.Element.range_scaling)
 
 
 def quantize(v: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
