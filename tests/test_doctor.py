@@ -77,7 +77,7 @@ def test_overflow_inside_a_module_is_traced_to_its_operation():
 def test_healthy_toy_needs_no_scaling():
     rep = _examine("healthy")
     assert rep["verdict"]["precision"] == "fp16" and rep["verdict"]["confirmed"]
-    assert rep["backward"]["s_low"] == 1 and rep["runs"]["fp16"]["progress"] > 0.95
+    assert rep["backward"]["s_low"] <= 1 <= rep["backward"]["s_high"] and rep["runs"]["fp16"]["progress"] > 0.95
     mem = rep["runs"]["fp16"]["memory"]["activation_only_bytes_by_dtype"]
     assert mem["float16"] > 0 and set(rep["runs"]["fp32"]["memory"]["activation_only_bytes_by_dtype"]) == {"float32"}
 
@@ -135,10 +135,11 @@ def test_progress_is_not_judged_when_fp32_barely_moves_the_loss(capsys, tmp_path
     said = " ".join(capsys.readouterr().out.split())
     assert "% of fp32's" not in said, said  # no ratio of two numbers near zero
     assert re.search(r"FP32 moved the loss by [-\d.e]+ in 20 steps \(from the untrained [\d.e-]+; judging needs "
-                     r">= 1% of it, [\d.e-]+\): not enough to judge; raise --steps or the learning rate", said), said
+                     r">= 1% of its losses' spread over the steps, [\d.e-]+\): not enough to judge; raise --steps or the learning "
+                     r"rate", said), said
     assert "neither confirmed nor refuted" in said and "NOT confirmed" not in said
     judge = rep["fp32_gain"]
-    assert not judge["enough"] and abs(judge["gain"]) < judge["needed"] == pytest.approx(0.01 * judge["untrained"])
+    assert not judge["enough"] and abs(judge["gain"]) < judge["needed"] == pytest.approx(0.01 * judge["spread"])
     assert all(r["progress"] is None for r in rep["runs"].values()), rep["runs"]
     assert rep["verdict"]["confirmed"] is None
 
@@ -149,8 +150,8 @@ def test_progress_is_judged_against_a_stated_tolerance():
     untrained = [1.0] * 5
     moved = [1.0] * 15 + [0.5] * 5  # FP32 halved the loss: judged
     assert progress([1.0] * 15 + [0.75] * 5, moved, untrained) == pytest.approx(0.5)
-    barely = [1.0] * 15 + [1.0 - 1e-3] * 5  # 0.1% of the untrained loss: below the 1% needed
-    assert fp32_gain(barely, untrained)["needed"] == pytest.approx(0.01)
+    barely = [1.0, 1.2] * 7 + [1.0] + [1.0 - 1e-3] * 5  # 0.001: below 1% of the losses' spread (0.2)
+    assert fp32_gain(barely, untrained)["needed"] == pytest.approx(0.01 * (1.2 - 0.999))
     assert progress([0.0] * 20, barely, untrained) is None
 
 
@@ -412,5 +413,5 @@ def test_layers_inside_sequential_are_named_with_their_class():
     rep = _examine("underflow", steps=4)
     said = " ".join(" ".join(text_report(rep)).split())
     assert re.search(r"worst: \d+ \([A-Z]\w+\) [\d.]+%", said) and "weight-gradient of 4 (Linear)" in said, said
-    assert not re.search(r"(worst: |, |gradient of |% of )\d+[ ,;']", said), said
+    assert not re.search(r"(worst: |%, |gradient of |% of )\d+(?:[,;']| (?!\())", said), said
     assert all(r["label"] == f"{r['layer']} ({r['type']})" for r in rep["forward"]["rows"])

@@ -31,6 +31,8 @@ From the samples:
   - setup mistakes (one line each, said once): FP16 compute without loss scaling (no GradScaler, a disabled
     one, or its scale at 1), the scheduler stepped on a step the scaler skipped, a checkpoint without the
     scaler's state (check_checkpoint).
+    A scale that fell from above 1 to 1 or below is no setup mistake but gradients overflowing at every scale
+    the GradScaler tried: "k of n steps skipped; S fell from 2^16 to 2^-4".
 Module attribution of traced operations in backward follows torch.utils.module_tracker: a module's backward
 begins when the gradients of its outputs are ready and ends when those of its inputs (and weights) are.
 """
