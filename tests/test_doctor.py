@@ -15,6 +15,9 @@ from toy_gan import run_task
 from mpt.doctor import examples as ex
 from mpt.doctor.__main__ import main
 from mpt.doctor.examination import examine
+from mpt.doctor.replay import fp32_gain, progress, train, unjudged
+from mpt.doctor.report import text_report
+from mpt.doctor.verdict import confirm
 from mpt.doctor.report import write
 from mpt.doctor.targets import load
 from mpt.errors import UserError, cli
@@ -74,7 +77,7 @@ def test_overflow_inside_a_module_is_traced_to_its_operation():
 def test_healthy_toy_needs_no_scaling():
     rep = _examine("healthy")
     assert rep["verdict"]["precision"] == "fp16" and rep["verdict"]["confirmed"]
-    assert rep["backward"]["s_low"] == 1 and rep["runs"]["fp16"]["progress"] > 0.95
+    assert rep["backward"]["s_low"] <= 1 <= rep["backward"]["s_high"] and rep["runs"]["fp16"]["progress"] > 0.95
     mem = rep["runs"]["fp16"]["memory"]["activation_only_bytes_by_dtype"]
     assert mem["float16"] > 0 and set(rep["runs"]["fp32"]["memory"]["activation_only_bytes_by_dtype"]) == {"float32"}
 
@@ -132,10 +135,11 @@ def test_progress_is_not_judged_when_fp32_barely_moves_the_loss(capsys, tmp_path
     said = " ".join(capsys.readouterr().out.split())
     assert "% of fp32's" not in said, said  # no ratio of two numbers near zero
     assert re.search(r"FP32 moved the loss by [-\d.e]+ in 20 steps \(from the untrained [\d.e-]+; judging needs "
-                     r">= 1% of it, [\d.e-]+\): not enough to judge; raise --steps or the learning rate", said), said
+                     r">= 1% of its losses' spread over the steps, [\d.e-]+\): not enough to judge; raise --steps or the learning "
+                     r"rate", said), said
     assert "neither confirmed nor refuted" in said and "NOT confirmed" not in said
     judge = rep["fp32_gain"]
-    assert not judge["enough"] and abs(judge["gain"]) < judge["needed"] == pytest.approx(0.01 * judge["untrained"])
+    assert not judge["enough"] and abs(judge["gain"]) < judge["needed"] == pytest.approx(0.01 * judge["spread"])
     assert all(r["progress"] is None for r in rep["runs"].values()), rep["runs"]
     assert rep["verdict"]["confirmed"] is None
 
@@ -146,8 +150,8 @@ def test_progress_is_judged_against_a_stated_tolerance():
     untrained = [1.0] * 5
     moved = [1.0] * 15 + [0.5] * 5  # FP32 halved the loss: judged
     assert progress([1.0] * 15 + [0.75] * 5, moved, untrained) == pytest.approx(0.5)
-    barely = [1.0] * 15 + [1.0 - 1e-3] * 5  # 0.1% of the untrained loss: below the 1% needed
-    assert fp32_gain(barely, untrained)["needed"] == pytest.approx(0.01)
+    barely = [1.0, 1.2] * 7 + [1.0] + [1.0 - 1e-3] * 5  # 0.001: below 1% of the losses' spread (0.2)
+    assert fp32_gain(barely, untrained)["needed"] == pytest.approx(0.01 * (1.2 - 0.999))
     assert progress([0.0] * 20, barely, untrained) is None
 
 
@@ -174,6 +178,12 @@ def _patient_module(tmp_path, monkeypatch, body):
                           "        return super().forward(x) * float('nan')\n"
                           "def build():\n    return M(2, 1), lambda m, b: m(b).mean(), [torch.ones(4, 2)]\n",
      r"the loss is nan in FP32 already \(step 0 of 1; 1 non-finite\): fix the model"),
+    # a bug in the user's own loss: where it is in their file, not a traceback through the doctor
+    ("patient_mod:build", "import torch\nimport torch.nn.functional as F\ndef build():\n"
+                          "    return torch.nn.Linear(2, 1), lambda m, b: F.mse_loss(m(b[0]), b[2]), "
+                          "[(torch.ones(4, 2), torch.ones(4, 1))]\n",
+     r"loss\(model, batch\) raised IndexError: tuple index out of range at \S*patient_mod\.py:4 \(in <lambda>\); "
+     r"fix it there"),
 ])
 def test_bad_input_is_one_line_naming_the_fix(tmp_path, monkeypatch, capsys, target, body, msg):
     _patient_module(tmp_path, monkeypatch, body)
@@ -285,3 +295,123 @@ def test_repository_models_at_tiny_scale(tmp_path):
     assert "classification_head" in ssd["layer"] and ssd["flushed_s1"] > 0.02, ssd
     assert all(r["verdict"]["confirmed"] for r in reps.values()), {n: r["verdict"] for n, r in reps.items()}
     assert reps["lm_biglstm"]["runs"]["fp16"]["memory"]["half_math"] == "native"
+
+
+# A plain recurrent model: oneDNN (PyTorch's CPU RNN kernels' default) has no FP16 LSTM without proj_size.
+RECURRENT = """
+import torch, torch.nn as nn, torch.nn.functional as F
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.{cell}(8, 16, batch_first=True)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0][:, -1])
+
+def patient():
+    torch.manual_seed(0)
+    batches = [(torch.randn(4, 5, 8), torch.randn(4, 1)) for _ in range(4)]
+    return Net(), lambda m, b: F.mse_loss(m(b[0]).float(), b[1]), batches, lambda m: torch.optim.SGD(m.parameters(), lr=0.05)
+"""
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("cell", ["LSTM", "GRU"])
+def test_plain_lstm_and_gru_get_their_memory_measured_on_the_cpu(tmp_path, monkeypatch, capsys, cell):
+    """A plain nn.LSTM crashed the examination's native-FP16 memory step after every replay had run (oneDNN:
+    "could not create a primitive descriptor for the LSTM forward propagation primitive")."""
+    _patient_module(tmp_path, monkeypatch, RECURRENT.format(cell=cell))
+    rep = main(["patient_mod:patient", "--steps", "4", "--out", str(tmp_path / "out")])
+    said = " ".join(capsys.readouterr().out.split())
+    for key, r in rep["runs"].items():
+        assert r["memory"] is not None, (key, rep["notes"])
+    fp16 = rep["runs"]["fp16"]["memory"]
+    assert fp16["half_math"] == "native" and fp16["activation_only_bytes_by_dtype"]["float16"] > 0, fp16
+    assert "Memory (activations saved for backward, step 1): fp32: " in said and "less than fp32" in said, said
+
+
+def test_memory_of_one_step_is_the_same_whatever_the_replay_watched():
+    """The RMS-norm toy's FP16 memory line read 13.3 KiB in the watched FP16 replay and 9.3 KiB in an unwatched
+    one (the first-overflow watch's dispatch changes what autograd saves): the figure comes from a step of
+    its own, with no observer attached, and is the same measured twice."""
+    patient = load("mpt.doctor.examples:overflow_inside")
+    one = train(patient, "fp16", steps=1, meter=True)["memory"]
+    watched = train(patient, "fp16", steps=1, watch=True, meter=True)["memory"]  # the watch is not attached
+    assert one == watched and one["activation_only_bytes_by_dtype"]["float16"] > 0, (one, watched)
+    rep = examine(patient, steps=2, verify=False)
+    assert {k: v for k, v in rep["runs"]["fp16"]["memory"].items() if k != "half_math"} == one
+
+
+@pytest.mark.heavy
+def test_gradients_overflowing_at_s1_get_a_scale_below_1(capsys, tmp_path):
+    """big_gradients: the largest weight gradient is ~8e5, inf in FP16 at S = 1. The search went 2^0..2^24 only,
+    printed "usable S: 2^0 .. 2^-4" and advised dynamic scaling, which skipped 18 of 20 steps. Now S < 1."""
+    rep = main(["mpt.doctor.examples:big_gradients", "--out", str(tmp_path)])
+    said = " ".join(capsys.readouterr().out.split())
+    bw, v = rep["backward"], rep["verdict"]
+    assert rep["runs"]["fp16"]["nonfinite_losses"] > 0  # S = 1 overflows
+    assert bw["s_low"] <= bw["s_high"] < 1, bw
+    assert re.search(r"usable S: 2\^-\d+ \.\. 2\^-4;", said), said
+    s = float(v["loss_scale"])
+    assert v["precision"] == "mixed" and bw["s_low"] <= s <= bw["s_high"] < 1, v
+    assert v["confirmed"] and rep["runs"][v["checked"]]["skipped"] == 0, rep["runs"][v["checked"]]
+
+
+def test_dynamic_scaling_check_can_fail():
+    """With S_high = 2^-4 the back-off from 2^16 takes 20 skips: an allowance of 20 in a 20-step replay could not
+    fail. It is capped at half the steps."""
+    v = {"precision": "mixed", "loss_scale": "dynamic", "alternatives": []}
+    checks = {"fp16": {"progress": None, "nonfinite_losses": 3},
+              "mixed loss_scale=dynamic": {"skipped": 18, "nonfinite_losses": 0, "progress": 0.9}}
+    confirm(v, checks, "mixed loss_scale=dynamic", 2.0**-4, 20, {"enough": True})
+    assert v["allowed_skips"] < 20 and v["confirmed"] is False and v["backoff_skips"] == 20, v
+    checks["mixed loss_scale=dynamic"]["skipped"] = 5
+    confirm(v, checks, "mixed loss_scale=dynamic", 2.0**10, 20, {"enough": True})
+    assert v["allowed_skips"] == 6 and v["confirmed"], v
+
+
+def test_progress_gate_ignores_a_constant_added_to_the_loss():
+    """A constant +50 on the loss disabled the gate (FP32's gain < 1% of the loss); the gate is relative to how
+    much FP32's own loss moves, so shifting every loss leaves the judgement and the progress as they were."""
+    untrained = [1.0, 1.1, 0.9, 1.0, 1.0]
+    fp32 = [1.0, 1.2, 0.9, 1.1] * 3 + [0.6, 0.5, 0.55, 0.5] * 2
+    run = [1.0] * 15 + [0.8] * 5
+    for shift in (0.0, 50.0):
+        shifted = [[x + shift for x in xs] for xs in (run, fp32, untrained)]
+        assert fp32_gain(*shifted[1:])["enough"], shift
+        assert progress(*shifted) == pytest.approx(progress(run, fp32, untrained)), shift
+
+
+def test_no_higher_learning_rate_when_fp32_loss_rose():
+    rose = fp32_gain([1.0] * 15 + [1.5] * 5, [1.0] * 5)
+    assert not rose["enough"] and rose["gain"] < 0
+    said = unjudged(rose, 20)
+    assert "learning rate too high" in said and "raise --steps or the learning rate" not in said, said
+    flat = fp32_gain([1.0, 1.2] + [1.099] * 18, [1.1] * 5)  # fell, by 0.001: under 1% of the losses' spread
+    assert not flat["enough"] and "raise --steps or the learning rate" in unjudged(flat, 20)
+
+
+@pytest.mark.heavy
+def test_offset_loss_is_judged_as_the_plain_one(tmp_path, monkeypatch):
+    """The healthy toy with +50 on its loss: FP32 lowers it as much as without (~0.5, 1% of 50), and the
+    doctor judges and confirms it as it does the plain toy."""
+    _patient_module(tmp_path, monkeypatch, "from mpt.doctor import examples as ex\n"
+                                           "def patient():\n"
+                                           "    model, loss, batches, opt = ex.healthy()\n"
+                                           "    return model, lambda m, b: loss(m, b) + 50.0, batches, opt\n")
+    plain, offset = _examine("healthy"), examine(load("patient_mod:patient"))
+    assert offset["fp32_gain"]["enough"] and offset["verdict"]["unjudged"] is None, offset["fp32_gain"]
+    assert offset["verdict"]["confirmed"] and offset["verdict"]["precision"] == plain["verdict"]["precision"]
+    assert offset["runs"]["fp16"]["progress"] == pytest.approx(plain["runs"]["fp16"]["progress"], abs=0.02)
+
+
+@pytest.mark.heavy
+def test_layers_inside_sequential_are_named_with_their_class():
+    """The toys are nn.Sequential: "worst: 3 100.0%" and "weight-gradient of 4" named a bare index."""
+    rep = _examine("underflow", steps=4)
+    said = " ".join(" ".join(text_report(rep)).split())
+    assert re.search(r"worst: \d+ \([A-Z]\w+\) [\d.]+%", said) and "weight-gradient of 4 (Linear)" in said, said
+    assert not re.search(r"(worst: |%, |gradient of |% of )\d+(?:[,;']| (?!\())", said), said
+    assert all(r["label"] == f"{r['layer']} ({r['type']})" for r in rep["forward"]["rows"])

@@ -172,6 +172,27 @@ def test_fp16_without_loss_scaling_is_found(scaler, what):
     assert sum("FP16 compute" in line for line in lines) == 1  # said once, not every sample
 
 
+def test_a_scale_that_collapsed_is_not_called_a_scale_1_setup_mistake():
+    """Gradients 2^30 too large: the GradScaler skips every step and halves S from 2^16 to 2^-4 in 20 steps. That
+    was reported as "the GradScaler's scale at 1" (a setup mistake); it is the gradients overflowing."""
+    model, _, batches, opt_fn = ex.healthy()
+    opt, scaler, lines = opt_fn(model), torch.amp.GradScaler("cpu"), []
+    with watch(model, every=5, optimizer=opt, scaler=scaler, log=lines.append) as w:
+        for i in range(20):
+            x, y = batches[i % len(batches)]
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.mse_loss(model(x).float(), y) * 2.0**30
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            w.step(loss)
+    report = w.report()
+    assert scaler.get_scale() == 2.0**-4 and "fp16_unscaled" not in w.findings, w.findings
+    assert any(line.startswith("NOTE: 20 of 20 steps skipped; S fell from 2^16 to 2^-4") for line in report), report
+    assert not any(line.startswith("SETUP") for line in report), report
+
+
 def test_scheduler_stepped_on_a_skipped_update_is_found():
     w, lines, _ = _amp_loop(sched_always=True, plant_inf_at=7)
     assert w.findings["schedule"].startswith("step 7: the scheduler stepped though the optimizer did not"), w.findings

@@ -65,8 +65,35 @@ def test_toys_known_answers():
     assert w["fp16"]["kinds"]["activation grads"]["flushed"] < 1e-3 and w["fp16"]["loss_scale"] >= 2.0**16
     o = whatif(load("mpt.doctor.examples:overflow"))
     f16 = o["formats"]["fp16"]
-    assert f16["ranked"][0] == "big" and f16["verdict"].startswith("not as is: big overflows (activations")
+    assert f16["ranked"][0] == "big" and f16["verdict"].startswith("not as is: big (Linear) overflows (activations")
     assert o["formats"]["bf16"]["verdict"] == "ok" and o["order"][0] == "bf16" and o["order"][-1].startswith("fp16")
+
+
+# A linear model over features in three units: 5% of them 2^-30 (their weights' gradients flush unless S is
+# large), one 2^12 (its gradients overflow at such an S): the S that flushes least overflows the one feature.
+SPIKY = """
+import torch, torch.nn as nn, torch.nn.functional as F
+
+def patient():
+    torch.manual_seed(0)
+    unit = torch.ones(1000)
+    unit[:50] = 2.0**-30
+    unit[-1] = 2.0**12
+    batches = [(x * unit, x[:, 100:108].sum(1, keepdim=True)) for x in torch.randn(4, 32, 1000)]
+    return nn.Linear(1000, 1), lambda m, b: F.mse_loss(m(b[0]), b[1]), batches
+"""
+
+
+def test_fp16_row_never_picks_a_scale_at_which_gradients_overflow(tmp_path, monkeypatch):
+    """An overflowing gradient is inf (a skipped step), whatever share it is: the fp16 row's S (the sweep's best)
+    must not overflow a gradient where another S does not -- it picked S = 2^8, overflowing 0.1% of the weight
+    gradients to keep the 5% that flush at smaller S."""
+    (tmp_path / "spiky_mod.py").write_text(SPIKY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    f16 = whatif(load("spiky_mod:patient"))["formats"]["fp16"]
+    assert all(f16["kinds"][k]["overflow"] == 0 for k in ("activation grads", "weight grads")), f16["kinds"]
+    assert f16["kinds"]["weight grads"]["flushed"] == pytest.approx(0.05, abs=0.001), f16["kinds"]
+    assert f16["verdict"].startswith("loses values: flushes 5.0% of root (Linear)'s weight grads at S = 2^"), f16
 
 
 @pytest.mark.heavy

@@ -5,7 +5,8 @@ TARGET is one of:
                      dict with those keys: `loss(model, batch)` gives the mean loss (or (mean loss, items),
                      as Task.loss), `batches` is a list of batches (tensors, or tuples/dicts of tensors),
                      `optimizer(model)` builds the optimizer (default: SGD, lr 0.01, momentum 0.9);
-                     mpt/doctor/examples.py has five.
+                     mpt/doctor/examples.py has six. An error raised in the loss is one line naming the
+                     user's file and line.
   module:TaskClass   a subclass of mpt.task.Task (its datasets, model, optimizer and loss under the
                      default Config); a function returning a Task instance works too.
   experiment:NAME    one of this repository's experiments, with --profile and key=value overrides as a run
@@ -26,8 +27,9 @@ It prints a one-screen report and writes report.md, report.json and histograms.p
 
 "Progress" is how far a replay got, as a share of how far FP32 got: its mean loss over the last quarter of the
 steps against the untrained model's and FP32's on the same batches, (untrained - it) / (untrained - FP32);
-100% = learned as FP32 did, 0 = did not learn. It is not judged (the report says so) when FP32 itself moved that
-loss by less than 1% of the untrained model's: two numbers near zero make no ratio.
+100% = learned as FP32 did, 0 = did not learn. It is not judged (the report says so) when FP32 itself lowered that
+loss by less than 1% of how much its own loss moves over the steps (max - min: a constant added to the loss changes
+nothing), or by less than 2^-13 of the loss: two numbers within the noise make no ratio.
 
 The package, in the order of an examination:
   targets.py      TARGET -> a Patient (the model, its loss, batches and optimizer)

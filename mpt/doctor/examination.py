@@ -2,6 +2,7 @@
 recommends -- each phase a replay.train of the same patient -- gathered into the report's dict."""
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
@@ -9,11 +10,11 @@ import torch
 import torch.nn as nn
 
 from mpt.doctor.replay import fp32_gain, progress, tail_steps, train, untrained_losses
-from mpt.doctor.targets import STEPS, Patient
+from mpt.doctor.targets import STEPS, LossError, Patient
 from mpt.doctor.verdict import MARGIN, TOLERANCE, analyse, confirm
 from mpt.doctor.keep_wide import search
 from mpt.doctor.whatif import whatif
-from mpt.errors import UserError
+from mpt.errors import UserError, one_line
 from mpt.numerics import FP16_MAX, HIST_HI, HIST_LO
 
 
@@ -41,16 +42,13 @@ def examine(patient: Patient, steps: int = STEPS, device="cpu", tol: float = TOL
     if verify and (v["precision"], v["loss_scale"]) != ("fp16", "auto"):
         key = v["precision"] if v["loss_scale"] == "auto" else f"{v['precision']} loss_scale={v['loss_scale']}"
         runs[key] = train(patient, v["precision"], v["loss_scale"], steps=steps, device=device, numerics=False)
-    if device.type == "cpu" and any(isinstance(m, nn.RNNBase) for m in patient.model.modules()):
-        # Emulated FP16 math runs a recurrent layer whole in FP32 and autograd keeps its FP32 internals; its
-        # memory is measured with PyTorch's own FP16 kernels, one step (README, "FP16 math on a CPU").
-        for key, r in runs.items():
-            if key != "fp32":
-                r["memory"] = train(patient, r["precision"], r["loss_scale"], steps=1, device=device,
-                                    numerics=False, half_math="native")["memory"]
-                r["memory"]["half_math"] = "native"
-        notes.append("memory of the recurrent model measured with half_math=native (one step): emulated "
-                     "FP16 math keeps a recurrent layer's FP32 internals")
+    rnn_cpu = device.type == "cpu" and any(isinstance(m, nn.RNNBase) for m in patient.model.modules())
+    if rnn_cpu:
+        notes.append("memory of the recurrent model measured with half_math=native and PyTorch's own RNN kernels "
+                     "(not oneDNN's, which has no FP16 LSTM here), one step: emulated FP16 math keeps a recurrent "
+                     "layer's FP32 internals")
+    for key, r in runs.items():
+        r["memory"] = _memory(patient, r, device, rnn_cpu, notes)
     checks = {}
     for key, r in runs.items():
         tail = [r["losses"][i] for i in tail_steps(steps)]
@@ -71,6 +69,38 @@ def examine(patient: Patient, steps: int = STEPS, device="cpu", tol: float = TOL
             "untrained_tail_loss": sum(untrained) / len(untrained), "fp16_max": FP16_MAX, "hist_lo": HIST_LO,
             "hist_hi": HIST_HI, **found, "runs": checks, "forward_hist": _sum_hists(fp32["forward"]),
             "wall_s": time.time() - t0}
+
+
+def _memory(patient: Patient, run: dict, device, rnn_cpu: bool, notes: list) -> dict | None:
+    """The activation bytes step 1 of `run`'s recipe saves for backward, measured in a step of its own with no
+    observer attached (replay.train(meter=True)): the same for the same model and batch, whatever the replay
+    watched. A recurrent model on a CPU is measured with PyTorch's FP16 kernels (half_math=native) and its own
+    RNN kernels, every recipe alike (oneDNN refuses an FP16 LSTM without proj_size). None, with a note, where
+    the step cannot run at all."""
+    half_math = "native" if rnn_cpu and run["precision"] != "fp32" else "auto"
+    try:
+        with _without_onednn() if rnn_cpu else contextlib.nullcontext():
+            mem = train(patient, run["precision"], run["loss_scale"], steps=1, device=device, half_math=half_math,
+                        meter=True)["memory"]
+    except LossError as e:
+        # The examination's replays ran this model; only the memory step's kernels fail: skip the figure.
+        notes.append(f"memory of {run['precision']} not measured: its step failed with half_math={half_math} "
+                     f"({one_line(e.cause)[:120]})")
+        return None
+    mem["half_math"] = half_math
+    return mem
+
+
+@contextlib.contextmanager
+def _without_onednn():
+    """PyTorch's own CPU kernels instead of oneDNN's (torch.backends.mkldnn.flags also resets TF32 settings,
+    with a warning)."""
+    was = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = was
 
 
 def _sum_hists(summary: dict) -> list[int]:

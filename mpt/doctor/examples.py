@@ -6,6 +6,9 @@ optimizer), with loss(model, batch) -> mean loss and optimizer(model) -> a torch
   underflow  the same regression with its loss multiplied by 2^-22 and the learning rate by 2^22, so FP32
              trains exactly as `healthy` while every gradient sits 2^22 times lower, mostly below FP16's
              2^-24: FP16 at S = 1 flushes them and does not learn; a loss scale brings them back (3.2)
+  big_gradients  the same regression with its loss multiplied by 2^20 and the learning rate by 2^-20: FP32
+             trains as `healthy`, while the largest gradients sit above 65504 at S = 1 (inf in FP16); a loss
+             scale below 1 brings them back into range (3.2's rule read downwards)
   stalled    `underflow`'s scaled loss under the doctor's default optimizer (SGD, lr 0.01): the update is 2^22
              times too small and FP32 itself barely moves the loss in 20 steps, so no replay's progress can be
              judged (the report says so instead of dividing two numbers near zero)
@@ -68,6 +71,19 @@ def underflow():
         return F.mse_loss(model(x).float(), y) * UNDERFLOW_SHIFT
 
     return _mlp(), loss, _data(), _sgd(0.05 / UNDERFLOW_SHIFT)
+
+
+# The other way round: gradients 2^20 times larger, the output layer's up to ~8e5 -- above FP16's 65504 at
+# S = 1, so every FP16 step overflows; S = 2^-5 holds them and still keeps the smallest.
+OVERFLOW_SHIFT = 2.0**20
+
+
+def big_gradients():
+    def loss(model, batch):
+        x, y = batch
+        return F.mse_loss(model(x).float(), y) * OVERFLOW_SHIFT
+
+    return _mlp(), loss, _data(), _sgd(0.05 / OVERFLOW_SHIFT)
 
 
 def stalled():

@@ -10,7 +10,7 @@ import torch
 
 from mpt import precision as recipes
 from mpt.config import Config
-from mpt.doctor.targets import STEPS, Patient
+from mpt.doctor.targets import STEPS, Patient, call_loss
 from mpt.errors import UserError
 from mpt.memory import ActivationMeter
 from mpt.precision import _cast_floats
@@ -31,24 +31,33 @@ def untrained_losses(patient: Patient, steps: int, device) -> list[float]:
     torch.manual_seed(patient.seed)
     with torch.no_grad():
         for i in tail_steps(steps):
-            loss = loss_fn(model, to_device(patient.batches[i % len(patient.batches)], device, False))
+            loss = call_loss(loss_fn, model, to_device(patient.batches[i % len(patient.batches)], device, False),
+                             patient.name)
             out.append(float(loss[0] if isinstance(loss, tuple) else loss))
     return out
 
 
 # Progress is a ratio of two loss reductions; it means something only when FP32's is clearly above the noise
-# of the tail's mean loss: at least this share of the untrained model's loss (stated with its absolute value).
+# of the loss: at least this share of how much FP32's own loss moves over the steps (its largest minus its
+# smallest, batch to batch as well as from training). A share of the loss itself would depend on a constant
+# added to it; its spread does not. And at least 1000 FP32 roundings of the loss (2^-13 of it): below that the
+# two reductions are rounding noise (the one place where the loss's size counts).
 JUDGE = 0.01
+RESOLUTION = 2.0**-13
 
 
 def fp32_gain(ref: list[float], untrained: list[float]) -> dict:
     """How far FP32 lowered the tail steps' mean loss from the untrained model's, and whether that is enough to
-    judge other replays against (`enough`: gain >= JUDGE x |untrained|; `needed` is that bound in loss units)."""
+    judge other replays against (`enough`: gain > 0 and >= JUDGE x the spread of FP32's losses over the steps;
+    `needed` is that bound in loss units, at least RESOLUTION x |untrained|). Unchanged by a constant added to
+    the loss (short of one 2^13 times the gain)."""
     tail = tail_steps(len(ref))
     start = sum(untrained) / len(untrained)
     gain = start - sum(ref[i] for i in tail) / len(tail)
-    needed = JUDGE * abs(start)
-    return {"gain": gain, "untrained": start, "needed": needed, "rel": JUDGE,
+    finite = [x for x in ref if math.isfinite(x)]
+    spread = max(finite) - min(finite) if finite else math.nan
+    needed = max(JUDGE * spread, RESOLUTION * abs(start))
+    return {"gain": gain, "untrained": start, "spread": spread, "needed": needed, "rel": JUDGE,
             "enough": math.isfinite(gain) and gain > 0 and gain >= needed}
 
 
@@ -65,15 +74,20 @@ def progress(losses: list[float], ref: list[float], untrained: list[float]) -> f
 
 
 def unjudged(judge: dict, steps: int) -> str:
-    """The report's sentence for a replay whose progress cannot be judged (fp32_gain not enough)."""
-    return (f"FP32 moved the loss by {judge['gain']:.2g} in {steps} steps "
-            f"(from the untrained {judge['untrained']:.3g}; "
-            f"judging needs >= {100 * judge['rel']:g}% of it, {judge['needed']:.2g}): not enough to judge; "
-            f"raise --steps or the learning rate")
+    """The report's sentence for a replay whose progress cannot be judged (fp32_gain not enough). A higher
+    learning rate is suggested only where FP32's loss fell, too little: where it did not fall, a higher one
+    is the wrong way."""
+    moved = (f"FP32 moved the loss by {judge['gain']:.2g} in {steps} steps (from the untrained "
+             f"{judge['untrained']:.3g}; judging needs >= {100 * judge['rel']:g}% of its losses' spread over the "
+             f"steps, {judge['needed']:.2g})")
+    if judge["gain"] > 0:
+        return moved + ": not enough to judge; raise --steps or the learning rate"
+    return (moved + ": its loss did not fall, so no replay can be judged against it; check the loss and the "
+            "optimizer in FP32 (a learning rate too high makes the loss rise)")
 
 
 def _mean_loss(loss_fn, model, batch, where: str):
-    out = loss_fn(model, batch)
+    out = call_loss(loss_fn, model, batch, where)
     loss, items = out if isinstance(out, tuple) and len(out) == 2 else (out, 1)
     if not isinstance(loss, torch.Tensor):
         raise UserError(f"{where}: loss(model, batch) returned a {type(loss).__name__}; "
@@ -122,15 +136,20 @@ def keep_modules_wide(model: torch.nn.Module, names, wide: str, device, precisio
 
 def train(patient: Patient, precision: str, loss_scale: str = "auto", steps: int = STEPS,
           device: torch.device | str = "cpu", numerics: bool = True, half_math: str = "auto",
-          watch: bool = False, keep_wide: tuple[str, ...] = (), wide: str = "fp32") -> dict:
+          watch: bool = False, keep_wide: tuple[str, ...] = (), wide: str = "fp32", meter: bool = False) -> dict:
     """Train a copy of the patient's model for `steps` steps under `precision` (mpt.precision.build: the same
     recipes as every run) and measure: losses, skipped steps, forward value ranges per layer, and with
     `numerics` the gradient histograms and swamping of every step (mpt.numerics.Numerics, as the engine
     samples them) and the initial weights' ranges; with `watch`, the first operation whose FP16/BF16 result is
     inf/nan from finite inputs (mpt.numerics.FirstOverflow). `keep_wide`: modules (names) computed in `wide`
     (fp32 or bf16) inside the recipe (keep_wide.py). The model's output at step 1 is kept ("first_output":
-    every replay starts from the same weights and batch, so outputs compare). Returns a dict of plain values."""
+    every replay starts from the same weights and batch, so outputs compare). `meter`: measure only the
+    activation bytes step 1 saves for backward (mpt.memory.ActivationMeter) -- with no observer attached, none
+    of the above: their hooks change what autograd saves, and the count with them. Returns a dict of plain
+    values."""
     device = torch.device(device)
+    observe = not meter
+    numerics, watch = numerics and observe, watch and observe
     recipe = recipes.build(Config(precision=precision, loss_scale=loss_scale, half_math=half_math), device)
     model = copy.deepcopy(patient.model).to(device)
     opt = patient.optimizer(model)
@@ -139,14 +158,15 @@ def train(patient: Patient, precision: str, loss_scale: str = "auto", steps: int
     first_output: list = []
     out_hook = model.register_forward_hook(
         lambda m, a, out: first_output.append(torch.cat([t.detach().double().reshape(-1).cpu() for t in tensors_in(out)
-                                                         if t.is_floating_point()] or [torch.zeros(0)])))
+                                                         if t.is_floating_point()] or [torch.zeros(0)]))) \
+        if observe else None
     num = NumericsObserver(Numerics(model, every=1 if numerics else 0))
     forward = ValueRanges()
     weights = ValueRanges()
     if numerics:
         for pname, p in model.named_parameters():
             weights.add(pname.rpartition(".")[0] or "root", p)
-    meter = ActivationMeter(model)
+    activation_meter = ActivationMeter(model) if meter else None
     watch = FirstOverflow(model) if watch else None
     loss_fn = patient.loss_fn()
     # The engine's iteration (mpt.step.TrainStep), numerics sampled as a run samples them: the true
@@ -156,9 +176,12 @@ def train(patient: Patient, precision: str, loss_scale: str = "auto", steps: int
     torch.manual_seed(patient.seed)  # the same steps: dropout masks and sampled negatives too
     losses, samples, skipped = [], [], 0
     for i in range(steps):
-        with forward.recording(model), (watch.watching(i) if watch else contextlib.nullcontext()):
-            logs, _ = train_step([patient.batches[i % len(patient.batches)]], meter=meter if i == 0 else None)
-        out_hook.remove()  # the first forward's output only
+        with forward.recording(model) if observe else contextlib.nullcontext(), \
+                watch.watching(i) if watch else contextlib.nullcontext():
+            logs, _ = train_step([patient.batches[i % len(patient.batches)]],
+                                 meter=activation_meter if i == 0 else None)
+        if out_hook is not None:
+            out_hook.remove()  # the first forward's output only
         losses.append(float(logs["loss"]))
         skipped += not train_step.applied["main"]
         if numerics:
@@ -169,7 +192,8 @@ def train(patient: Patient, precision: str, loss_scale: str = "auto", steps: int
             "keep_wide": list(keep_wide), "first_output": first_output[0] if first_output else None,
             "half_math": recipe.half_math, "losses": losses, "skipped": skipped,
             "nonfinite_losses": sum(not math.isfinite(v) for v in losses), "forward": forward.summary(),
-            "weights": weights.summary(), "numerics": samples, "memory": meter.breakdown(),
+            "weights": weights.summary(), "numerics": samples,
+            "memory": activation_meter.breakdown() if meter else None,
             "first_inf": watch.first if watch else None,
             "types": {name or "root": type(m).__name__ for name, m in model.named_modules()}}
 

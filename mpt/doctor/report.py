@@ -23,15 +23,18 @@ def _bytes(n: int) -> str:
 
 
 def _memory_line(runs: dict) -> tuple[str, dict]:
-    fp32 = runs["fp32"]["memory"]["activation_only_bytes"]
+    fp32 = (runs["fp32"]["memory"] or {}).get("activation_only_bytes")
     lines, saved = [], {}
     for key, r in runs.items():
         m = r["memory"]
+        if m is None:
+            lines.append(f"{key}: not measured (see the note)")
+            continue
         by = ", ".join(f"{d} {_bytes(b)}" for d, b in m["activation_only_bytes_by_dtype"].items())
         frac = 1 - m["activation_only_bytes"] / fp32 if fp32 else 0.0
         saved[key] = frac
         lines.append(f"{key}: {_bytes(m['activation_only_bytes'])} ({by})"
-                     + ("" if key == "fp32" else f", {pct(frac)} less than fp32"))
+                     + ("" if key == "fp32" or not fp32 else f", {pct(frac)} less than fp32"))
     return "; ".join(lines), saved
 
 
@@ -64,12 +67,12 @@ def text_report(rep: dict, max_layers: int = 4) -> list[str]:
     if fw["weight_overflow"]:
         out.append(f"  OVERFLOW weights of {', '.join(fw['weight_overflow'])} above 65504")
     under = sorted((r for r in fw["rows"] if r["flushed"] > 0), key=lambda r: -r["flushed"])
-    worst = f"at most {pct(under[0]['flushed'])} of a layer's non-zero outputs ({under[0]['layer']})" if under else ""
+    worst = f"at most {pct(under[0]['flushed'])} of a layer's non-zero outputs ({under[0]['label']})" if under else ""
     out.append("  activations flushed to zero in FP16: " + (worst or "none"))
     out.append("Backward pass (gradients at S = 1; section 3.2)")
     for kind, k in bw["kinds"].items():
         o = k["overall"]
-        worst = ", ".join(f"{r['layer']} {pct(r['flushed_s1'])}" for r in k["layers"][:3] if r["flushed_s1"] > 0)
+        worst = ", ".join(f"{r['label']} {pct(r['flushed_s1'])}" for r in k["layers"][:3] if r["flushed_s1"] > 0)
         out.append(f"  {kind}-gradients: {pct(o['flushed_s1'])} of non-zero values flushed to zero at S = 1"
                    + (f" (worst: {worst})" if worst else "") + f"; max |g| {o['max_abs']:.3g}; "
                    f"keeping all but {pct(bw['tolerance'])} needs S >= "
@@ -79,8 +82,14 @@ def text_report(rep: dict, max_layers: int = 4) -> list[str]:
                        f"{pct(k['fp16_frac_zero'])}")
     fo = bw["first_overflow"]
     cap = " (the doctor's cap)" if bw["s_high"] == MAX_SCALE else ""
-    out.append(f"  usable S: {pow2(bw['s_low'])} .. {pow2(bw['s_high'])}{cap}; first to overflow as S grows: "
-               f"{fo['kind']}-gradient of {fo['layer']} (max {fo['max_abs']:.3g}) at S = {pow2(fo['at_scale'])}")
+    if bw["s_low"] is not None and bw["s_low"] <= bw["s_high"]:
+        usable = f"{pow2(bw['s_low'])} .. {pow2(bw['s_high'])}{cap}"
+    else:  # (a range printed low .. high, never inverted)
+        usable = (f"none (keeping all but {pct(bw['tolerance'])} needs S >= "
+                  f"{pow2(bw['s_low']) if bw['s_low'] else 'more than 2^24'}; the largest S without overflow is "
+                  f"{pow2(bw['s_high'])})")
+    out.append(f"  usable S: {usable}; first to overflow as S grows: "
+               f"{fo['kind']}-gradient of {fo['label']} (max {fo['max_abs']:.3g}) at S = {pow2(fo['at_scale'])}")
     out.append("Update (section 3.1: FP16 weights without the FP32 master copy)")
     out.append(f"  an FP16 weight would lose {pct(up['frac_swamped_mean'])} of the updates "
                f"(max {pct(up['frac_swamped_max'])} "
@@ -106,7 +115,11 @@ def text_report(rep: dict, max_layers: int = 4) -> list[str]:
                    f"losses; progress not judged -> neither confirmed nor refuted (FP32 itself did not learn enough)")
     else:
         c = runs[v["checked"]]
-        allowed = f" (<= {v['allowed_skips']} while the scaler backs off from 2^16)" if v["allowed_skips"] else ""
+        allowed = ""
+        if v["loss_scale"] == "dynamic":
+            back = f"backing off from 2^16 to {pow2(rep['backward']['s_high'])} takes {v['backoff_skips']}"
+            allowed = (f" (<= {v['allowed_skips']}: {back})" if v["allowed_skips"] == v["backoff_skips"] else
+                       f" (<= {v['allowed_skips']}, half the steps; {back})")
         out.append(f"  checked: {v['checked']} replay: {c['skipped']} skipped steps{allowed}, {c['nonfinite_losses']} "
                    f"non-finite losses, progress {pct(c['progress'])} of fp32's -> "
                    + ("confirmed" if v["confirmed"] else "NOT confirmed: look at the report before trusting it"))
@@ -133,7 +146,7 @@ def markdown_report(rep: dict) -> str:
               "| inf/nan in the fp16 replay |",
               "|---|---|---|---|---|"]
     for r in rep["forward"]["rows"]:
-        lines.append(f"| {r['layer']} | {r['max_abs']:.3g} | {pct(r['frac_overflow'])} | {pct(r['flushed'])} | "
+        lines.append(f"| {r['label']} | {r['max_abs']:.3g} | {pct(r['frac_overflow'])} | {pct(r['flushed'])} | "
                      f"{r['fp16_nonfinite']} |")
     for kind, k in rep["backward"]["kinds"].items():
         lines += ["", f"## Backward pass: {kind}-gradients per layer (FP32 run, true values)", "",
@@ -141,13 +154,14 @@ def markdown_report(rep: dict) -> str:
                   "| largest S without overflow |",
                   "|---|---|---|---|---|"]
         for r in k["layers"]:
-            lines.append(f"| {r['layer']} | {pct(r['flushed_s1'])} | {r['max_abs']:.3g} | {pow2(r['s_min'])} | "
+            lines.append(f"| {r['label']} | {pct(r['flushed_s1'])} | {r['max_abs']:.3g} | {pow2(r['s_min'])} | "
                          f"{pow2(r['s_max'])} |")
     lines += ["", "## Replays", "", "| run | first loss | mean loss, last quarter | skipped | non-finite losses "
               "| progress vs fp32 | "
               "activation bytes by dtype |", "|---|---|---|---|---|---|---|"]
     for key, c in rep["runs"].items():
-        by = ", ".join(f"{d} {_bytes(b)}" for d, b in c["memory"]["activation_only_bytes_by_dtype"].items())
+        by = ", ".join(f"{d} {_bytes(b)}" for d, b in c["memory"]["activation_only_bytes_by_dtype"].items()) \
+            if c["memory"] else "not measured"
         lines.append(f"| {key} | {c['first_loss']:.4g} | {c['tail_loss']:.4g} | {c['skipped']} | "
                      f"{c['nonfinite_losses']} | {pct(c['progress'])} | {by} |")
     lines += ["", "Histograms: histograms.png. Everything measured: report.json."]

@@ -6,14 +6,16 @@ import copy
 import functools
 import importlib
 import inspect
+import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 
 from mpt.config import Config
-from mpt.errors import UserError
+from mpt.errors import UserError, one_line
 from mpt.task import Task
 
 STEPS = 20  # training steps of every phase; also how many batches a Task's patient draws
@@ -37,6 +39,46 @@ class Patient:
 
     def loss_fn(self) -> Callable:
         return copy.deepcopy(self.task).loss if self.task is not None else self.loss
+
+
+class LossError(UserError):
+    """The user's loss (or the model it calls) raised: one line naming their file and line (`cause`: what it
+    raised)."""
+
+    def __init__(self, message: str, cause: BaseException):
+        super().__init__(message)
+        self.cause = cause
+
+
+_NOT_THEIRS = (Path(torch.__file__).parent, Path(__file__).resolve().parents[1])  # torch; mpt (less the examples)
+
+
+def _their_frame(tb) -> traceback.FrameSummary | None:
+    """The innermost frame of the traceback in the user's code: not torch's, not this package's own machinery
+    (mpt/doctor/examples.py, the toys, counts as a user's file)."""
+    frames = traceback.extract_tb(tb)
+    for f in reversed(frames):
+        path = Path(f.filename).resolve()
+        if path.name == "examples.py" and path.parent == _NOT_THEIRS[1] / "doctor":
+            return f
+        if not any(path.is_relative_to(d) for d in _NOT_THEIRS) and "site-packages" not in path.parts \
+                and not f.filename.startswith("<frozen"):
+            return f
+    return frames[-1] if frames else None
+
+
+def call_loss(loss_fn: Callable, model: nn.Module, batch, name: str):
+    """loss_fn(model, batch), whose exceptions -- a bug in the user's loss or model -- become one line naming
+    where in their code it happened (a LossError) instead of a traceback through the doctor."""
+    try:
+        return loss_fn(model, batch)
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- anything their code raises
+        f = _their_frame(e.__traceback__)
+        where = f" at {f.filename}:{f.lineno} (in {f.name})" if f else ""
+        raise LossError(f"{name}: loss(model, batch) raised {one_line(e)}{where}; fix it there (the doctor "
+                        f"calls it as a training step would)", e) from None
 
 
 def default_optimizer(model: nn.Module) -> torch.optim.Optimizer:

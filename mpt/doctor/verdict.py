@@ -32,6 +32,13 @@ def pow2(s: float | None) -> str:
     return f"2^{round(k)}" if k == round(k) else f"{s:g}"
 
 
+def label(layer: str | None, types: dict) -> str | None:
+    """A layer as the report names it: its path and class, "features.4 (Linear)" -- a bare index inside an
+    nn.Sequential ("4") says nothing on its own."""
+    t = types.get(layer)
+    return f"{layer} ({t})" if t and layer is not None else layer
+
+
 def _flushed_at(hist: list[int], k: int, lo: int = HIST_LO) -> int:
     """Non-zero values of a true-gradient exponent histogram that FP16 stores as zero at S = 2^k: exponent
     at most -26 - k (below 2^-25 / S; a value in [2^-25, 2^-24) x S rounds up to 2^-24, and only 2^-25 itself
@@ -69,10 +76,14 @@ def _gradients(samples: list[dict]) -> dict:
     return out
 
 
+MIN_SCALE = 2.0**-24  # the smallest S searched: gradients that overflow at S = 1 need S < 1 (section 3.2 read down)
+
+
 def _smallest_scale(hist: list[int], tol: float) -> float | None:
-    """The smallest power of two S <= 2^24 at which at most `tol` of the histogram's values flush to zero."""
+    """The smallest power of two S in MIN_SCALE .. MAX_SCALE at which at most `tol` of the histogram's values
+    flush to zero (None: not even at MAX_SCALE)."""
     n = sum(hist)
-    for k in range(0, 25):
+    for k in range(round(math.log2(MIN_SCALE)), round(math.log2(MAX_SCALE)) + 1):
         if n == 0 or _flushed_at(hist, k) <= tol * n:
             return 2.0**k
     return None
@@ -93,7 +104,8 @@ def analyse(fp32: dict, fp16: dict, untrained: list[float], tol: float = TOLERAN
     for layer, r in fp32["forward"].items():
         nonzero = r["count"] * (1 - r["frac_zero"])
         replay = fp16["forward"].get(layer, {})
-        fwd_rows.append({"layer": layer, "type": fp32["types"].get(layer, ""), "max_abs": r["max_abs"],
+        fwd_rows.append({"layer": layer, "label": label(layer, fp32["types"]), "type": fp32["types"].get(layer, ""),
+                         "max_abs": r["max_abs"],
                          "frac_overflow": r["frac_overflow"],
                          "flushed": r["frac_underflow"] * r["count"] / nonzero if nonzero else 0.0,
                          "fp16_nonfinite": replay.get("nonfinite", 0), "count": r["count"]})
@@ -111,7 +123,7 @@ def analyse(fp32: dict, fp16: dict, untrained: list[float], tol: float = TOLERAN
         overall = layers.get("overall")
         if overall is None:
             continue
-        rows = [{"layer": layer, **{k: v for k, v in r.items() if k != "hist"},
+        rows = [{"layer": layer, "label": label(layer, fp32["types"]), **{k: v for k, v in r.items() if k != "hist"},
                  "s_min": _smallest_scale(r["hist"], tol), "s_max": advise_loss_scale(r["max_abs"], 1.0, MAX_SCALE)}
                 for layer, r in layers.items() if layer != "overall"]
         rows.sort(key=lambda r: -r["flushed_s1"])
@@ -128,7 +140,7 @@ def analyse(fp32: dict, fp16: dict, untrained: list[float], tol: float = TOLERAN
     advised = advise_loss_scale(top[0], margin, MAX_SCALE) if maxima else MAX_SCALE
     backward = {
         "kinds": kinds, "s_low": s_low, "s_high": s_high, "advised": advised, "tolerance": tol, "margin": margin,
-        "first_overflow": {"kind": top[1], "layer": top[2], "max_abs": top[0], "at_scale": _overflow_at(top[0])},
+        "first_overflow": {"kind": top[1], "layer": top[2], "label": label(top[2], fp32["types"]), "max_abs": top[0], "at_scale": _overflow_at(top[0])},
     }
 
     # The update (section 3.1): what FP16 weights would lose without the FP32 master copy.
@@ -166,7 +178,7 @@ def _verdict(overflow: list[str], first_inf: dict | None, bw: dict, fp16: dict) 
         lost = max(_flushed_at(v["hist"], k) / max(1, sum(v["hist"])) for v in kinds.values())
         why = (f"no single loss scale fits: keeping all but {100 * bw['tolerance']:g}% of the gradients needs "
                f"S >= {pow2(s_low) if s_low else 'more than 2^24'}, but the {bw['first_overflow']['kind']}-gradient "
-               f"of {bw['first_overflow']['layer']} overflows above S = {pow2(s_high)}, where FP16 still flushes "
+               f"of {bw['first_overflow']['label']} overflows above S = {pow2(s_high)}, where FP16 still flushes "
                f"{pct(lost)} of a gradient kind's non-zero values")
         if lost <= LOST_OK:
             return {"precision": "mixed", "loss_scale": "dynamic",
@@ -186,7 +198,7 @@ def _verdict(overflow: list[str], first_inf: dict | None, bw: dict, fp16: dict) 
                        f"range",
                 "alternatives": [f"keep {first} in FP32 (impl=paper: give its class fp32_compute = True)"],
                 "keep_fp32": [first]}
-    if s_low == 1 and fp16["nonfinite_losses"] == 0:
+    if s_low <= 1 <= s_high and fp16["nonfinite_losses"] == 0:
         return {"precision": "fp16", "loss_scale": "auto",
                 "why": f"at S = 1 FP16 flushes only {flushed_txt} (<= {100 * bw['tolerance']:g}%): no scaling "
                        f"needed (as the paper's Table 1 CNNs)",
@@ -197,7 +209,7 @@ def _verdict(overflow: list[str], first_inf: dict | None, bw: dict, fp16: dict) 
     # Wide: the scales between S_low and the first overflow (not the cap) span WIDE or more.
     static = (fo["at_scale"] or math.inf) / 2 / s_low >= WIDE
     why = (f"at S = 1 FP16 flushes {flushed_txt}; S >= {pow2(s_low)} keeps all but {100 * bw['tolerance']:g}%; "
-           f"the largest gradient ({fo['max_abs']:.3g}, {fo['kind']}-gradient of {fo['layer']}) overflows at "
+           f"the largest gradient ({fo['max_abs']:.3g}, {fo['kind']}-gradient of {fo['label']}) overflows at "
            f"S = {pow2(fo['at_scale'])}; S = {pow2(s)}: "
            + ("the largest power of two with S x max|g| x 2 < 65504" if s == advised and advised < MAX_SCALE else
               f"the doctor's cap (2^{round(math.log2(MAX_SCALE))})" if s == MAX_SCALE else "the range's edge"))
@@ -222,9 +234,12 @@ def confirm(v: dict, checks: dict, verified: str | None, s_high: float, steps: i
     v["checked"] = verified
     # A static S must never skip; a dynamic scaler skips while it backs off from its initial 2^16 to the
     # measured range (one skip per halving), and no more.
-    v["allowed_skips"] = 0
+    # Capped at half the steps, so that the check can fail: a scaler still backing off after that has not
+    # found a scale in time (and the replay has hardly trained).
+    v["allowed_skips"] = v["backoff_skips"] = 0
     if v["loss_scale"] == "dynamic":
-        v["allowed_skips"] = max(0, math.ceil(math.log2(Config().scaler.init_scale / s_high)))
+        v["backoff_skips"] = max(0, math.ceil(math.log2(Config().scaler.init_scale / s_high)))
+        v["allowed_skips"] = min(v["backoff_skips"], steps // 2)
     failed = c["skipped"] > v["allowed_skips"] or c["nonfinite_losses"] > 0
     v["unjudged"] = unjudged(judge, steps) if judge is not None and not judge["enough"] else None
     if verified is None or (v["unjudged"] and not failed):

@@ -31,6 +31,8 @@ From the samples:
   - setup mistakes (one line each, said once): FP16 compute without loss scaling (no GradScaler, a disabled
     one, or its scale at 1), the scheduler stepped on a step the scaler skipped, a checkpoint without the
     scaler's state (check_checkpoint).
+    A scale that fell from above 1 to 1 or below is no setup mistake but gradients overflowing at every scale
+    the GradScaler tried: "k of n steps skipped; S fell from 2^16 to 2^-4".
 Module attribution of traced operations in backward follows torch.utils.module_tracker: a module's backward
 begins when the gradients of its outputs are ready and ends when those of its inputs (and weights) are.
 """
@@ -225,6 +227,8 @@ class Watch:
         self._opt_steps_before = 0
         self._sched_before = None
         self._handles_opt = None
+        self.skipped = 0  # updates the GradScaler skipped (counted where the optimizer is given)
+        self._scale0: float | None = None  # the GradScaler's scale as the loop began
 
     # -- the user's calls ----------------------------------------------------------------------------------
     def __enter__(self) -> "Watch":
@@ -232,6 +236,8 @@ class Watch:
             self._handles_opt = self.optimizer.register_step_post_hook(self._count_step)
         self._opt_steps_before = self._opt_steps
         self._sched_before = self._sched_epoch()
+        if self.scaler is not None and self.scaler.is_enabled():
+            self._scale0 = float(self.scaler.get_scale())  # (one host read, once)
         self._begin()
         return self
 
@@ -250,6 +256,8 @@ class Watch:
             flag = ~torch.isfinite(loss.detach()).all()
             self._bad = flag if self._bad is None else self._bad | flag
         stepped = self._opt_steps != self._opt_steps_before
+        self.skipped += self.optimizer is not None and self.scaler is not None and self.scaler.is_enabled() \
+            and not stepped
         self._check_schedule(stepped)
         if self._rec is not None:
             self._read()
@@ -286,6 +294,10 @@ class Watch:
         values, as lines."""
         out = [f"watched {self.step_count} steps, {self.samples} sampled (every {self.every}), {self.traced} of them "
                f"traced; largest |value| per module, gradients as the loop holds them (x the loss scale)"]
+        if self.scaler is not None and self.scaler.is_enabled() and self.step_count:
+            now = float(self.scaler.get_scale())
+            if now <= 1.0 and self._fell(now):  # the counts as the loop ended (and a fall after the last sample)
+                self.findings["scale_fell"] = self._fell(now, self.step_count)
         out += [f"{'SETUP' if kind in SETUP else 'NOTE'}: {line}" for kind, line in self.findings.items()]
         if self.first:
             out.append(f"FIRST NON-FINITE: {_event(self.first)}")
@@ -294,6 +306,16 @@ class Watch:
         for m in top:
             out.append(f"  largest |value| in {m}: {self._run_up_line(m)}")
         return out
+
+    def _fell(self, scale: float, steps: int | None = None) -> str | None:
+        """The line for a GradScaler scale that fell from above 1 to `scale` <= 1 (None: it did not fall): the
+        gradients overflowed at every scale it tried -- not a scale set to 1 by mistake."""
+        if self._scale0 is None or self._scale0 <= 1.0 or scale >= self._scale0:
+            return None
+        skipped = f"{self.skipped} of {steps} steps skipped; " if self.optimizer is not None and steps else ""
+        return (f"{skipped}S fell from {_pow2(self._scale0)} to {_pow2(scale)}: the gradients overflow FP16 (inf/nan) "
+                f"at every scale the GradScaler tried -- find what makes them (the first non-finite value), or "
+                f"use BF16")
 
     # -- sampling ------------------------------------------------------------------------------------------
     def _begin(self) -> None:
@@ -392,6 +414,8 @@ class Watch:
                 what = "no GradScaler given to watch()" if self.scaler is None else "the GradScaler is disabled"
                 self._find("fp16_unscaled", f"FP16 compute with {what}: gradients below 2^-24 flush to zero "
                                             f"(section 3.2); use torch.amp.GradScaler() (enabled) or BF16")
+            elif scale is not None and scale <= 1.0 and self._fell(scale):
+                self._find("scale_fell", self._fell(scale, step + 1))
             elif scale is not None and scale <= 1.0:
                 self._find("fp16_unscaled", f"FP16 compute with the GradScaler's scale at {scale:g} (step {step}): "
                                             f"it does not scale the gradients; create it with the default "
@@ -504,6 +528,11 @@ class Watch:
         if kind not in self.findings:
             self.findings[kind] = line
             self.log(line)
+
+
+def _pow2(s: float) -> str:
+    k = math.log2(s) if s > 0 else math.nan
+    return f"2^{round(k)}" if k == round(k) else f"{s:g}"
 
 
 def _event(e: dict) -> str:

@@ -18,14 +18,15 @@ import math
 
 import torch
 
-from mpt.doctor.targets import Patient
+from mpt.doctor.targets import Patient, call_loss
 from mpt.doctor.verdict import pct
 from mpt.numerics import FORMATS, tensors_in, hook_targets
 from mpt.ranks import to_device
 
 KINDS = ("activations", "weights", "activation grads", "weight grads")
 GRADS = KINDS[2:]
-SWEEP = tuple(2.0**k for k in range(0, 25, 2))  # the loss scales tried for fp16's gradients
+SWEEP = tuple(2.0**k for k in range(-24, 25, 2))  # the loss scales tried for fp16's gradients (below 1 too:
+#                                                   gradients that overflow at S = 1 need S < 1)
 # The formats whose casts clip to the largest value (mpt.fp8: E4M3, E5M2); the others make inf (FP16, BF16).
 SATURATES = {fmt for fmt, f in FORMATS.items() if f.get("saturates")}
 OK_SHARE = 1e-3  # flushed or overflowed share of non-zero values called negligible (verdict.TOLERANCE)
@@ -95,12 +96,13 @@ def _summary(c: dict) -> dict:
             "sqnr_db": sqnr, "nonzero": nz}
 
 
-def collect(patient: Patient, device="cpu", batches: int = 1) -> dict:
+def collect(patient: Patient, device="cpu", batches: int = 1) -> tuple[dict, dict]:
     """One FP32 forward and backward of a copy of the patient's model on its first batch(es): {(module, kind):
-    [tensors]} for the four kinds (KINDS), on the CPU."""
+    [tensors]} for the four kinds (KINDS), on the CPU; and each module's label, "features.4 (Linear)"."""
     device = torch.device(device)
     model = copy.deepcopy(patient.model).to(device)
     names = {m: name for name, m in hook_targets(model)}
+    labels = {name: f"{name} ({type(m).__name__})" for m, name in names.items()}
     got: dict = {}
 
     def keep(name, kind, t):
@@ -120,7 +122,7 @@ def collect(patient: Patient, device="cpu", batches: int = 1) -> dict:
     torch.manual_seed(patient.seed)
     try:
         for b in patient.batches[:batches]:
-            out = loss_fn(model, to_device(b, device, False))
+            out = call_loss(loss_fn, model, to_device(b, device, False), patient.name)
             (out[0] if isinstance(out, tuple) else out).backward()
     finally:
         for h in handles:
@@ -130,14 +132,14 @@ def collect(patient: Patient, device="cpu", batches: int = 1) -> dict:
             keep(name, "weights", p)
             if p.grad is not None:
                 keep(name, "weight grads", p.grad)
-    return got
+    return got, labels
 
 
 def whatif(patient: Patient, device="cpu", formats: tuple[str, ...] | None = None) -> dict:
     """Per format: per (module, kind) and per kind overall, the shares flushed and overflowed and the SQNR; for
     fp16 the loss scale of the sweep that loses least; the modules ranked by what they lose; a verdict.
     Formats ranked by what they lose (report.json's "whatif")."""
-    tensors = collect(patient, device)
+    tensors, labels = collect(patient, device)
     out = {}
     for fmt in formats or tuple(FORMATS):
         scales = SWEEP if scaling_of(fmt) == "loss_scale" else (None,)
@@ -149,14 +151,17 @@ def whatif(patient: Patient, device="cpu", formats: tuple[str, ...] | None = Non
                 for t in ts:
                     _add(per.setdefault((module, kind), {}), measure(t, fmt, use))
             per_s[s] = per
-        best = min(scales, key=lambda s: (_lost(per_s[s]), -(s or 0)))  # ties: the larger S (headroom aside)
+        # An S at which a gradient overflows is out (inf: the step is skipped, or worse) whatever it keeps from
+        # flushing; among the others the one that loses least, ties to the larger S (headroom aside).
+        fits = [s for s in scales if not _overflows(per_s[s])] or list(scales)
+        best = min(fits, key=lambda s: (_overflows(per_s[s]), _lost(per_s[s]), -(s or 0)))
         per = per_s[best]
         out[fmt] = _setting(fmt, per, best)
         out[fmt]["sweep"] = {str(s): _lost(per_s[s]) for s in scales} if len(scales) > 1 else None
-        out[fmt]["verdict"] = _verdict(fmt, out[fmt])
+        out[fmt]["verdict"] = _verdict(fmt, out[fmt], labels)
         if best not in (None, 1.0):  # what the format loses without the loss scale (the paper's point, 3.2)
             out[f"{fmt}@S=1"] = _setting(fmt, per_s[1.0], 1.0)
-            out[f"{fmt}@S=1"]["verdict"] = _verdict(fmt, out[f"{fmt}@S=1"])
+            out[f"{fmt}@S=1"]["verdict"] = _verdict(fmt, out[f"{fmt}@S=1"], labels)
     order = sorted(out, key=lambda f: (_lost_summary(out[f]["kinds"]),
                                        -min(k["sqnr_db"] for k in out[f]["kinds"].values())))
     return {"formats": {f: out[f] for f in order}, "order": order}
@@ -187,6 +192,11 @@ def _lost(per: dict) -> float:
     return _lost_summary({k: _summary(c) for k, c in kinds.items()})
 
 
+def _overflows(per: dict) -> int:
+    """How many gradient values one setting overflows (all modules together)."""
+    return sum(c.get("overflow", 0) for (module, kind), c in per.items() if kind in GRADS)
+
+
 def _lost_summary(kinds: dict) -> float:
     return max((k["flushed"] + k["overflow"] for k in kinds.values()), default=0.0)
 
@@ -197,17 +207,17 @@ def _module_loss(kinds: dict) -> tuple:
             -min(k["sqnr_db"] for k in kinds.values()))
 
 
-def _verdict(fmt: str, r: dict) -> str:
+def _verdict(fmt: str, r: dict, labels: dict) -> str:
     s = "" if r["loss_scale"] is None else f" at S = 2^{round(math.log2(r['loss_scale']))}"
     over = [(m, k) for m in r["ranked"] for k, v in r["modules"][m].items() if v["overflow"] > 0]
     if over:
         m, k = over[0]
         verb = "clips" if fmt in SATURATES else "overflows"
-        return f"not as is: {m} {verb} ({k}, {pct(r['modules'][m][k]['overflow'])}){s}; keep it wide"
+        return f"not as is: {labels.get(m, m)} {verb} ({k}, {pct(r['modules'][m][k]['overflow'])}){s}; keep it wide"
     flushed = [(m, k, v["flushed"]) for m in r["ranked"] for k, v in r["modules"][m].items() if v["flushed"] > OK_SHARE]
     if flushed:
         m, k, share = max(flushed, key=lambda x: x[2])
-        return f"loses values: flushes {pct(share)} of {m}'s {k}{s}"
+        return f"loses values: flushes {pct(share)} of {labels.get(m, m)}'s {k}{s}"
     return f"ok{s}"
 
 
