@@ -740,6 +740,8 @@ def _flat(d: dict, prefix: str = "") -> dict:
 # left out of the content id (the runs keep their ids and directories) and a stored config without it
 # is the same run. Another value is another run.
 _ADDED_KEYS = {"half_math": "auto", "rounding": "nearest", "fp8": dataclasses.asdict(FP8Cfg())}
+# The same for keys inside a section (a dotted path; the section of experiments that have the key).
+_ADDED_NESTED_KEYS = {"task.decode": "cpu"}
 # Keys that became infrastructure (speed settings) after runs were stored, with the value those runs'
 # ids were computed with: the id still counts that value, so every earlier run keeps its id.
 _NOW_INFRA_KEYS = {"channels_last": False}
@@ -751,7 +753,7 @@ def config_difference(stored: dict, cfg: Config) -> str | None:
     new = _flat(json.loads(json.dumps(_strip_infra(cfg), default=str)))
     old = _flat(json.loads(json.dumps(stored, default=str))) if isinstance(stored, dict) else {}
     if isinstance(stored, dict):
-        old = {**_flat(_ADDED_KEYS), **old}
+        old = {**_flat(_ADDED_KEYS), **_ADDED_NESTED_KEYS, **old}
     for d in (new, old):  # one spelling per loss scale, as in cell_id
         if "loss_scale" in d:
             d["loss_scale"] = canonical_loss_scale(d["loss_scale"], str(d.get("precision", "")))
@@ -771,6 +773,13 @@ def cell_id(cfg: Config) -> str:
     for k, default in _ADDED_KEYS.items():
         if ident.get(k) == default:
             del ident[k]
+    for path, default in _ADDED_NESTED_KEYS.items():
+        *sections, leaf = path.split(".")
+        d = ident
+        for sec in sections:
+            d = d.get(sec) if isinstance(d, dict) else None
+        if isinstance(d, dict) and d.get(leaf) == default:
+            del d[leaf]
     ident.update(_NOW_INFRA_KEYS)
     blob = json.dumps(ident, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()

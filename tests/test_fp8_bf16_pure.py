@@ -493,3 +493,11 @@ def test_fp8_ranges_figure(tmp_path):
     m = re.search(r"activation gradients vs E5M2: as measured \(no scale\): ([\d.]+)% below 2\^-17 .*? "
                   r"([\d.]+)% above 2\^16; with each layer's per-tensor scale: ([\d.]+)% below", text)
     assert m and float(m.group(1)) > 50 and float(m.group(3)) < 1, text
+
+
+def test_task_decode_at_its_default_keeps_the_name_and_gpu_is_another_run():
+    """task.decode (the ILSVRC loader's JPEG decoder) came after runs were stored: at cpu, the runs keep
+    their names; decode=gpu (other decoder, other pixels within rounding) is another run."""
+    base = ["profile=tiny", "precision=mixed", "task.data_root=/nonexistent"]
+    assert C.run_name(C.resolve("ilsvrc_cnns", base)) == C.run_name(C.resolve("ilsvrc_cnns", base + ["task.decode=cpu"]))
+    assert C.run_name(C.resolve("ilsvrc_cnns", base + ["task.decode=gpu"])) != C.run_name(C.resolve("ilsvrc_cnns", base))
