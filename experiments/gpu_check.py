@@ -75,7 +75,7 @@ PROBE_S = 60  # importing torch and reading the device: ~10-20 s with CUDA's fir
 GPU_BUDGET_S = {"headline": 200, "e2e": 120, "ssd_e2e": 100, "resume": 45, "ds2_worst": 120, "cifar": 180,
                 "models": 120, "ddp": 60}
 # The CPU smoke's limits: generous (a loaded 2-core machine), they only catch a hang.
-SMOKE_BUDGET_S = {"headline": 120, "e2e": 150, "ssd_e2e": 150, "cifar": 150, "models": 180, "ds2_worst": 120,
+SMOKE_BUDGET_S = {"headline": 120, "e2e": 150, "ssd_e2e": 150, "cifar": 240, "models": 180, "ds2_worst": 120,
                   "resume": 120, "ddp": 180}
 SMOKE_CALL_S = PROBE_S + sum(SMOKE_BUDGET_S.values())
 RN = "resnet50_preact"
@@ -125,6 +125,8 @@ class Sizes:
     ssd_steps: int = 60
     cifar_seeds: tuple = (0, 1, 2)
     cifar_epochs: int = 32  # the real profile's
+    cifar_at_once: int = 4  # runs sharing the device (launch-bound: ~45 s a run on an H200, four at a time)
+    cifar_threads: int = 2
     cifar_sizes: dict = dataclasses.field(default_factory=lambda: {"train_per_class": 500, "test_per_class": 200})
 
 
@@ -136,7 +138,7 @@ SMOKE = Sizes(headline_width=0.03125, headline_batch=4, headline_size="64", head
               kernels=False, width=0.03125, batch=2, image_size="80", speech_frames=64, steps=1, warmup=1, graphed_steps=1,
               worst_frames_scale=0.04, worst_steps=1, worst_warmup=1, tiny_batch=8, tiny_steps=4, stop_after=2,
               e2e_train_per_class=2, e2e_val_per_class=1, e2e_crop=64, e2e_resize=72, e2e_steps=4, e2e_log_every=1,
-              e2e_skip_windows=1, ssd_image=96, ssd_images=8, ssd_batch=2, ssd_steps=2, cifar_seeds=(0,), cifar_epochs=1,
+              e2e_skip_windows=1, ssd_image=96, ssd_images=8, ssd_batch=2, ssd_steps=2, cifar_seeds=(0,), cifar_epochs=1, cifar_at_once=1, cifar_threads=1,
               cifar_sizes={"train_per_class": 8, "test_per_class": 4})
 
 
@@ -621,17 +623,18 @@ def part_cifar(ctx: Ctx) -> dict:
     cifar_dev.generate(ctx.work / "cifar_archives", source=str(src), **s.cifar_sizes)
     prepare.prepare(ctx.work / "cifar_archives", data, workers=4, log=lambda *a: None)
     out = {"rows": [], "epochs": s.cifar_epochs}
-    for seed in s.cifar_seeds:
+    cells = [(seed, prec) for seed in s.cifar_seeds for prec in CIFAR_PRECISIONS]
+    for k in range(0, len(cells), s.cifar_at_once):  # a seed's four precisions side by side on a GPU
         procs = []
-        for prec in CIFAR_PRECISIONS:
+        for seed, prec in cells[k:k + s.cifar_at_once]:
             ov = ["profile=real", "model=resnet8_cifar", f"precision={prec}", f"seed={seed}", f"task.data_root={data}",
                   f"out_dir={ctx.work / 'cifar_runs'}", f"device={ctx.device}", "wandb.mode=disabled",
                   "train.progress=false", f"train.epochs={s.cifar_epochs}", f"train.eval_every_epochs={s.cifar_epochs}"]
-            log = open(ctx.work / f"cifar_{prec}_{seed}.log", "w")
-            procs.append((prec, ov, time.time(), subprocess.Popen(
-                [sys.executable, "-m", "experiments.ilsvrc_cnns", *ov], stdout=log, stderr=subprocess.STDOUT,
-                cwd=root, env={**os.environ, "OMP_NUM_THREADS": "2"})))
-        for prec, ov, t0, p in procs:
+            with open(ctx.work / f"cifar_{prec}_{seed}.log", "w") as log:
+                procs.append((seed, prec, ov, time.time(), subprocess.Popen(
+                    [sys.executable, "-m", "experiments.ilsvrc_cnns", *ov], stdout=log, stderr=subprocess.STDOUT,
+                    cwd=root, env={**os.environ, "OMP_NUM_THREADS": str(s.cifar_threads)})))
+        for seed, prec, ov, t0, p in procs:
             rc = p.wait()
             from mpt import config
 
