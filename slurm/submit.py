@@ -432,7 +432,8 @@ def run_local(tasks: list[LocalTask], cap: int, started=None, say=print) -> dict
                     stopping[name] = time.monotonic()
                     for p in running[name][0]:
                         p.send_signal(signal.SIGTERM)
-                elif name in stopping and name not in killed and time.monotonic() - stopping[name] > KILL_AFTER_S:
+                elif (name in stopping and name not in killed and time.monotonic() - stopping[name] > KILL_AFTER_S
+                      and any(p.poll() is None for p in running[name][0])):
                     say(f"  {name}: still running {KILL_AFTER_S:g} s after its timeout's SIGTERM: killed")
                     killed.add(name)
                     for p in running[name][0]:
