@@ -20,18 +20,21 @@ import multiprocessing
 import os
 import pathlib
 import runpy
+import select
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 
 from mpt.config import REPO
 from mpt.errors import UserError, cli
-from mpt.rundir import open_no_follow
+from mpt.rundir import atomic_write_text, open_no_follow
 from mpt.signals import HANGUP, detach_from_closed_terminal
 from slurm import clusters, feed
 from slurm.grid import Cell, Grid, load as load_grid, nodes_and_tasks
@@ -111,37 +114,159 @@ class LocalTask:
     # Modules to import once for every cell: a CPU cell whose argv is `python -m MODULE ...` then starts
     # as a fork of a process that already imported them (_Forked), not as a fresh interpreter.
     preload: tuple[str, ...] = ()
+    timeout: float | None = None  # seconds; past it the cell is stopped as by a stop signal (--cell-timeout)
 
 
 FORKSERVER = "forkserver" in multiprocessing.get_all_start_methods()  # not on Windows: fresh processes there
+# The signals that stop a grid: the launcher forwards them to its cells as SIGTERM, and the forkserver
+# ignores them (it is in the launcher's process group: a closed terminal's SIGHUP or a `kill -- -PGID`
+# reaches it too).
+_GROUP_STOPS = (signal.SIGINT, signal.SIGTERM, *HANGUP)
+# After --cell-timeout, a cell gets SIGTERM (checkpoint at the next step boundary); one still running this
+# long after it is killed (a hung step, a leaked non-daemon thread), as SLURM's KillWait does.
+KILL_AFTER_S = 60.0
+
+
+def _start_forkserver() -> None:
+    """Start multiprocessing's forkserver (if it is not running) with the group's stop signals ignored.
+    It is the cells' parent but not their supervisor: the launcher tracks every cell by its own pid, so
+    a forkserver that dies anyway (kill -9) loses no cell, and the next cell starts a new one. The
+    signals are blocked while their handlers are swapped, so one that arrives meanwhile waits for the
+    launcher's handler instead of being lost; the forkserver inherits the mask, its cells unblock it."""
+    from multiprocessing import forkserver
+
+    if threading.current_thread() is not threading.main_thread():  # handlers can be set in the main thread only
+        forkserver.ensure_running()
+        return
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _GROUP_STOPS)
+    try:
+        old = {s: signal.signal(s, signal.SIG_IGN) for s in _GROUP_STOPS}  # kept across exec
+        try:
+            forkserver.ensure_running()
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+
+def _has_ended(pidfd: int | None, pid: int, start_time: str | None) -> bool:
+    """Whether process `pid` has exited: its pidfd is readable (Linux >= 5.3), or else /proc says it is
+    gone, a zombie, or another process with that pid (a different start time)."""
+    if pidfd is not None:
+        return bool(select.select([pidfd], [], [], 0)[0])
+    st = _proc_stat(pid)
+    return st is None or st[0] == "Z" or st[19] != start_time
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat from field 3 (state) on; None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
 
 
 class _Forked:
     """One rank of a CPU cell, forked from multiprocessing's forkserver once that has imported the
     cells' modules: importing torch, torchvision and an experiment costs ~3 s of a 2-core machine's
-    time per process, a third of a short tiny run. The fork is a process of its own as a fresh interpreter is
-    (own session, environment, log; exit code and stop signals as before): the same run, bit for bit.
-    What run_local uses of a subprocess.Popen: pid, poll(), returncode, send_signal()."""
+    time per process, a third of a short tiny run. The fork is a process of its own as a fresh interpreter
+    is (own session, environment, log, `ps` line, global RNGs; exit code and stop signals as before): the
+    same run, bit for bit. What run_local uses of a subprocess.Popen: pid, poll(), returncode, send_signal().
 
-    def __init__(self, t: LocalTask, env: dict[str, str]):
+    The cell is tracked by its own pid (a pidfd), not by the forkserver's status pipe: the forkserver is
+    its parent and reaps it, but a forkserver that dies must not make a running cell look ended (its slot
+    freed, its stop signals never sent, "exit 255"). The exit code comes from a file the cell writes
+    atomically as it exits; a cell killed by a signal writes none, and its parent, the forkserver, reports
+    it (-N); when that is gone too the code is lost and reported as 255."""
+
+    def __init__(self, t: LocalTask, env: dict[str, str], exit_file: pathlib.Path):
+        _start_forkserver()
+        self._exit_file = exit_file
         self._p = multiprocessing.get_context("forkserver").Process(
-            target=_forked_main, args=(t.argv[2], t.argv[3:], env, str(t.log) if t.log else None), name=t.name)
+            target=_forked_main, args=(t.argv, env, str(t.log) if t.log else None, str(exit_file)), name=t.name)
         self._p.start()
         self.pid, self.returncode = self._p.pid, None
+        self._pidfd, self._start_time = None, None
+        try:
+            self._pidfd = os.pidfd_open(self.pid)
+        except AttributeError:  # no pidfd in this Python or kernel: /proc and the start time
+            st = _proc_stat(self.pid)
+            self._start_time = st[19] if st else None
+        except ProcessLookupError:  # already ended (and reaped): only its exit file says how
+            self._pidfd = -1
+        except OSError:
+            st = _proc_stat(self.pid)
+            self._start_time = st[19] if st else None
+        self._ended_at = None
 
     def poll(self) -> int | None:
-        if self.returncode is None:
-            self.returncode = self._p.exitcode
+        if self.returncode is not None:
+            return self.returncode
+        if self._pidfd != -1 and not _has_ended(self._pidfd, self.pid, self._start_time):
+            return None
+        self._ended_at = self._ended_at or time.monotonic()
+        try:
+            code = int(self._exit_file.read_text())
+        except (OSError, ValueError):  # no exit file: killed by a signal; the forkserver saw how
+            code = self._p.exitcode  # 255 when the forkserver is gone too
+            if code is None and time.monotonic() - self._ended_at < 5:  # the server has yet to reap it
+                return None
+        self.returncode = 255 if code is None else code
+        if self._pidfd not in (None, -1):
+            os.close(self._pidfd)
         return self.returncode
 
     def send_signal(self, signum: int) -> None:
+        if self.poll() is not None:  # never a signal to a pid that may belong to another process by now
+            return
         with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signum)
+            if self._pidfd == -1:  # ended before it could be opened
+                return
+            if self._pidfd is not None:
+                signal.pidfd_send_signal(self._pidfd, signum)
+            else:
+                os.kill(self.pid, signum)
 
 
-def _forked_main(module: str, args: list[str], env: dict[str, str], log: str | None) -> None:
-    """In the fork: become `python -m module args` with `env`, its output appended to `log`."""
+def _set_cmdline(argv: list[str]) -> None:
+    """Make `ps` show `argv` for this process, as it would for a fresh `python -m MODULE ...`, not the
+    forkserver's `python -c from multiprocessing.forkserver import main; ...`: /proc/<pid>/cmdline is
+    the memory that held the process's arguments, so they are written over in place (what setproctitle
+    does, without moving the environment: a title longer than the forkserver's own command line, a few
+    hundred bytes, is cut). Nothing is written unless that memory holds what /proc shows."""
+    import ctypes
+
+    try:
+        st = _proc_stat(os.getpid()) or []
+        start, end = int(st[45]), int(st[46])  # fields 48 and 49: arg_start, arg_end
+        with open("/proc/self/cmdline", "rb") as f:
+            shown = f.read()
+        if not start or end - start != len(shown) or ctypes.string_at(start, end - start) != shown:
+            return
+        title = "\0".join(argv).encode()[:end - start - 1]
+        ctypes.memmove(start, title.ljust(end - start, b"\0"), end - start)
+    except (OSError, ValueError, IndexError):
+        pass
+
+
+def _forked_main(argv: list[str], env: dict[str, str], log: str | None, exit_file: str) -> None:
+    """In the fork: become `python -m MODULE ARGS` (argv) with `env`, its output appended to `log`, and
+    leave its exit code in `exit_file`."""
+    import random
+
     os.setsid()  # as start_new_session: a Ctrl-C reaches the cell only as the launcher's SIGTERM
+    # The forkserver ignores (and inherited blocked) the stop signals; a fresh interpreter has their defaults.
+    for s in _GROUP_STOPS:
+        signal.signal(s, signal.default_int_handler if s == signal.SIGINT else signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _GROUP_STOPS)
+    _set_cmdline(argv)
+    # The global RNGs are the forkserver's copies: every cell would draw the same np.random numbers.
+    # Fresh entropy, as a fresh interpreter seeds them (random also reseeds itself at fork).
+    random.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
     os.environ.clear()
     os.environ.update(env)
     os.chdir(REPO)
@@ -155,11 +280,35 @@ def _forked_main(module: str, args: list[str], env: dict[str, str], log: str | N
         import torch
 
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    module, args = argv[2], argv[3:]
     sys.argv = [module, *args]
+    code, interrupted = 0, False
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
-    finally:
-        atexit._run_exitfuncs()  # multiprocessing ends a fork with os._exit: run what an exit would run
+    except SystemExit as e:  # as the interpreter reads it
+        if e.code is None or isinstance(e.code, int):
+            code = (e.code or 0) & 0xFF
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        code, interrupted = -signal.SIGINT, True
+    except BaseException:  # noqa: BLE001 -- an uncaught exception: its traceback, exit 1
+        traceback.print_exc()
+        code = 1
+    # What an interpreter's exit runs, in its order: wait for non-daemon threads, then atexit functions.
+    threading._shutdown()
+    atexit._run_exitfuncs()  # multiprocessing ends a fork with os._exit: run what an exit would run
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    with contextlib.suppress(OSError):
+        atomic_write_text(exit_file, str(code))
+    if interrupted:  # as the interpreter does after an uncaught KeyboardInterrupt: die of SIGINT
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    os._exit(code)
 
 
 def _free_port() -> int:
@@ -196,8 +345,10 @@ def _result(t: LocalTask, code: int) -> str:
 def run_local(tasks: list[LocalTask], cap: int, started=None, say=print) -> dict[str, int]:
     """Run tasks with at most `cap` at once (submitit's local executor has no limit); returns
     name -> exit code (the worst of its ranks). SIGINT/SIGTERM/SIGHUP stop the running cells at a step
-    boundary with a checkpoint (they receive SIGTERM) and start no more. As each cell ends, one line:
-    [k/N] name: result (its time; elapsed, and the time left estimated from the cells' weights)."""
+    boundary with a checkpoint (each such signal is sent on to every running cell as SIGTERM) and start no
+    more. A cell past its `timeout` gets SIGTERM too, and SIGKILL KILL_AFTER_S later if it still runs.
+    As each cell ends, one line: [k/N] name: result (its time; elapsed, and the time left estimated from
+    the cells' weights)."""
     if cap < 1:
         raise UserError(f"--jobs {cap}: run at least one cell at a time")
     pending = list(tasks)
@@ -215,6 +366,7 @@ def run_local(tasks: list[LocalTask], cap: int, started=None, say=print) -> dict
     fork = bool(preload) and FORKSERVER
     if fork:  # what the forkserver imports when it starts (the first fork); a running one keeps its own
         multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
+    exits = pathlib.Path(tempfile.mkdtemp(prefix="mpt-cells-")) if fork else None  # the forked cells' exit codes
     signals: list[int] = []
     old = {}
     if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
@@ -223,7 +375,9 @@ def run_local(tasks: list[LocalTask], cap: int, started=None, say=print) -> dict
             detach_from_closed_terminal(signum)
 
         old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM, *HANGUP)}
-    forwarded = False
+    forwarded = 0  # stop signals sent on to the running cells so far
+    stopping: dict[str, float] = {}  # cells past their timeout -> when they were sent SIGTERM
+    killed: set[str] = set()
     try:
         while pending or running:
             while pending and len(running) < cap and not signals and pending[0].gpus <= len(free_gpus):
@@ -246,8 +400,8 @@ def run_local(tasks: list[LocalTask], cap: int, started=None, say=print) -> dict
                 procs = []
                 if fork and t.preload and not t.gpus and t.argv[1:2] == ["-m"]:
                     try:
-                        for env in envs:
-                            procs.append(_Forked(t, env))
+                        for r, env in enumerate(envs):
+                            procs.append(_Forked(t, env, exits / f"{len(began)}-{r}"))
                     except (EOFError, OSError) as e:  # the server died, e.g. a preloaded module failed at import
                         for p in procs:
                             p.send_signal(signal.SIGKILL)
@@ -263,13 +417,27 @@ def run_local(tasks: list[LocalTask], cap: int, started=None, say=print) -> dict
                 began[t.name] = (time.monotonic(), t)
                 if started is not None:
                     started(t, procs[0].pid)
-            if signals and not forwarded:
-                say(f"stopping {len(running)} running cell(s) at their next step boundary (checkpoint) ...")
+            if len(signals) > forwarded:  # every stop signal, not only the first, reaches every running cell
+                if not forwarded:
+                    say(f"stopping {len(running)} running cell(s) at their next step boundary (checkpoint) ...")
                 for procs, _ in running.values():
                     for p in procs:
-                        if p.poll() is None:
-                            p.send_signal(signal.SIGTERM)
-                forwarded = True
+                        p.send_signal(signal.SIGTERM)
+                forwarded = len(signals)
+            for name in list(running):
+                start, t = began[name]
+                if t.timeout is not None and name not in stopping and time.monotonic() - start > t.timeout:
+                    say(f"  {name}: past --cell-timeout {t.timeout:g} s: stopping it at its next step boundary "
+                        "(checkpoint)")
+                    stopping[name] = time.monotonic()
+                    for p in running[name][0]:
+                        p.send_signal(signal.SIGTERM)
+                elif (name in stopping and name not in killed and time.monotonic() - stopping[name] > KILL_AFTER_S
+                      and any(p.poll() is None for p in running[name][0])):
+                    say(f"  {name}: still running {KILL_AFTER_S:g} s after its timeout's SIGTERM: killed")
+                    killed.add(name)
+                    for p in running[name][0]:
+                        p.send_signal(signal.SIGKILL)
             for name in list(running):
                 procs, gpus = running[name]
                 if all(p.poll() is not None for p in procs):
@@ -280,7 +448,8 @@ def run_local(tasks: list[LocalTask], cap: int, started=None, say=print) -> dict
                     now_, done_weight = time.monotonic(), done_weight + t.weight
                     elapsed = now_ - t0
                     left = elapsed * (total - done_weight) / done_weight if done_weight > 0 else 0.0
-                    say(f"  [{len(results)}/{len(tasks)}] {name}: {_result(t, results[name])} ({_minutes(now_ - start)}; "
+                    why = f", stopped at its --cell-timeout {t.timeout:g} s" if name in stopping else ""
+                    say(f"  [{len(results)}/{len(tasks)}] {name}: {_result(t, results[name])}{why} ({_minutes(now_ - start)}; "
                         f"{_minutes(elapsed)} elapsed" + (f", ~{_minutes(left)} left)" if len(results) < len(tasks) else ")"))
             if signals and not running:
                 break
@@ -288,6 +457,8 @@ def run_local(tasks: list[LocalTask], cap: int, started=None, say=print) -> dict
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+        if exits is not None:
+            shutil.rmtree(exits, ignore_errors=True)
     if signals:
         raise UserError(f"stopped by signal: {len(results)} cell(s) ended, {len(pending)} not started; "
                         "submit again to resume")
@@ -408,6 +579,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="also resubmit cells that look queued or running")
     p.add_argument("--jobs", type=int, help="local backend: cells at once (default: cores / (threads x ranks))")
     p.add_argument("--threads", type=int, help="local backend: CPU threads per process (default: the grid's)")
+    p.add_argument("--cell-timeout", type=float, metavar="SECONDS",
+                   help="local backend: stop a cell running longer (checkpoint, as Ctrl-C; killed 60 s later if "
+                        "it still runs); on SLURM the cluster profile's time limit does this")
     return p
 
 
@@ -434,8 +608,11 @@ def prepare(argv) -> Submission:
         raise UserError("--backend slurm needs --cluster <name> (a profile in slurm/clusters/, e.g. local)")
     if a.backend == "local" and a.cluster:
         raise UserError("--cluster is for --backend slurm; the local backend runs on this machine")
-    if a.backend == "slurm" and (a.jobs is not None or a.threads is not None):
-        raise UserError("--jobs/--threads are for --backend local; on SLURM use the cluster profile")
+    if a.backend == "slurm" and (a.jobs is not None or a.threads is not None or a.cell_timeout is not None):
+        raise UserError("--jobs/--threads/--cell-timeout are for --backend local; on SLURM use the cluster profile")
+    if a.cell_timeout is not None and not a.cell_timeout > 0:  # also NaN
+        raise UserError(f"--cell-timeout {a.cell_timeout:g}: give a positive number of seconds "
+                        "(leave it out for no limit)")
     for flag, n in (("--jobs", a.jobs), ("--threads", a.threads)):
         if n is not None and n < 1:
             raise UserError(f"{flag} {n}: give at least one (leave it out for the default)")
@@ -502,7 +679,8 @@ def run_locally(subs: list[Submission], jobs: int | None = None) -> None:
                           world=res.world, gpus=res.gpus, log=log_dir / f"{c.run_name}.log", run_dir=c.run_dir,
                           weight=max(res.hours_for(c.axes.get("model", "")), 1e-6),
                           preload=("torch", "torchvision", "torchaudio", "mpt.cli",
-                                   f"experiments.{c.experiment}.task"))
+                                   f"experiments.{c.experiment}.task"),
+                          timeout=getattr(sub.args, "cell_timeout", None))
             entries.append((t.weight, t, sub, c))
     if len(subs) > 1:
         entries.sort(key=lambda e: -e[0])  # stable: a grid's own order within equal estimates

@@ -542,9 +542,14 @@ def test_a_cell_forked_from_the_preloaded_server_runs_as_a_fresh_process_would(t
             assert info["pid"] == pids[name] and info["own_session"] and info["name"] == "__main__"
             assert info["argv"] == [str(tmp_path / f"{name}.json"), code] and info["probe_var"] == name
             assert info["cwd"] == str(REPO) and info["threads"] == PROBE_THREADS
+            # what `ps` shows: the cell's own command line, not the forkserver's `python -c from multiprocessing...`
+            assert info["cmdline"] == [sys.executable, "-m", "local_cell_probe", *info["argv"]], info["cmdline"]
             log = (tmp_path / f"{name}.log").read_text()
             assert f"probe says hello from {info['pid']}" in log
             assert ("RuntimeError: probe failed" in log) == (code == "raise"), log
+    # numpy's and python's global RNGs are each cell's own, not copies of the forkserver's state
+    draws = [json.loads((tmp_path / f"{t.name}.json").read_text()) for t in tasks]
+    assert len({d["np_rand"] for d in draws}) == len({d["py_rand"] for d in draws}) == len(tasks), draws
 
 
 @pytest.mark.heavy
@@ -582,6 +587,107 @@ def test_a_failed_preloaded_start_falls_back_to_fresh_processes(tmp_path, monkey
     assert lines[0].startswith("the preloaded start failed (EOFError: unexpected EOF)") and len(lines) == 3, lines
     assert not json.loads((tmp_path / "p1.json").read_text())["preloaded"]
     assert "[1/2] p0: done (" in lines[1]
+
+
+def _launcher(tmp_path, cap, *cells):
+    """The local launcher on probe cells (tests/local_launcher_run.py), in a process group of its own."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
+    return subprocess.Popen([sys.executable, "-m", "local_launcher_run", str(tmp_path), str(cap), *cells], cwd=REPO,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _report(path, launcher, timeout=120):
+    """A probe cell's report once it has written it (it is running then)."""
+    deadline = time.time() + timeout
+    while not path.exists():
+        if launcher.poll() is not None or time.time() > deadline:
+            launcher.kill()
+            pytest.fail(f"no {path.name}: launcher said {launcher.communicate()[0]}")
+        time.sleep(0.05)
+    return json.loads(path.read_text())
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM])
+def test_a_stop_signal_to_the_launchers_process_group_stops_every_forked_cell(tmp_path, sig):
+    """A closed terminal (SIGHUP) or `kill -- -PGID` reaches the launcher and the forkserver, which is in
+    its group. The forkserver died of it, the launcher took that for its cells' end ("exit 255"), never sent
+    them the stop and exited, and the cells trained on unattended. Now each cell checkpoints and stops
+    (SIGTERM from the launcher) and is reported with its own exit code; no cell is started after."""
+    launcher = _launcher(tmp_path, 2, "a:0:wait", "b:0:wait", "c:0")
+    a, b = _report(tmp_path / "a.json", launcher), _report(tmp_path / "b.json", launcher)
+    os.killpg(launcher.pid, sig)
+    out = launcher.communicate(timeout=120)[0]
+    assert launcher.returncode == 2 and "stopped by signal: 2 cell(s) ended, 1 not started" in out, out
+    assert "] a: exit 3 (" in out and "] b: exit 3 (" in out and "exit 255" not in out, out
+    assert (tmp_path / "a.json.sigterm").exists() and (tmp_path / "b.json.sigterm").exists()
+    assert not (tmp_path / "c.json").exists() and not _alive(a["pid"]) and not _alive(b["pid"])
+    assert a["preloaded"] and a["ppid"] != launcher.pid  # forked by the server, not started by the launcher
+
+
+@pytest.mark.heavy
+def test_a_killed_forkserver_loses_no_running_cell(tmp_path):
+    """kill -9 of the forkserver mid-grid under one job at a time: the running cell was reported "exit 255"
+    and its slot freed (two cells at once), and the launcher's later SIGTERM never reached it. It is
+    tracked by its own pid now: the slot stays taken, the stop reaches it, its own code (3) is reported."""
+    launcher = _launcher(tmp_path, 1, "a:0:wait", "b:0")
+    a = _report(tmp_path / "a.json", launcher)
+    os.kill(a["ppid"], signal.SIGKILL)  # the forkserver: the cell's parent
+    time.sleep(3)
+    assert launcher.poll() is None and _alive(a["pid"]) and not (tmp_path / "b.json").exists()
+    os.kill(launcher.pid, signal.SIGTERM)  # the launcher alone, as `kill PID`
+    out = launcher.communicate(timeout=120)[0]
+    assert launcher.returncode == 2 and "stopped by signal: 1 cell(s) ended, 1 not started" in out, out
+    assert "[1/2] a: exit 3 (" in out and "exit 255" not in out, out
+    assert (tmp_path / "a.json.sigterm").exists() and not _alive(a["pid"])
+
+
+@pytest.mark.heavy
+def test_the_grid_goes_on_after_its_forkserver_is_killed(tmp_path):
+    """A cell whose forkserver was killed ends with its own code (the file it leaves as it exits); the next
+    cell starts after it, from a new forkserver, preloaded again."""
+    launcher = _launcher(tmp_path, 1, "a:4:sleep=2", "b:0")
+    a = _report(tmp_path / "a.json", launcher)
+    os.kill(a["ppid"], signal.SIGKILL)
+    out = launcher.communicate(timeout=180)[0]
+    assert launcher.returncode == 0 and json.loads(out.splitlines()[-1]) == {"a": 4, "b": 0}, out
+    assert out.index("[1/2] a: exit 4 (") < out.index("started b"), out
+    b = json.loads((tmp_path / "b.json").read_text())
+    assert b["preloaded"] and b["ppid"] != a["ppid"]
+
+
+@pytest.mark.heavy
+def test_cell_timeout_stops_a_cell_and_kills_a_hung_one(tmp_path, monkeypatch):
+    """--cell-timeout: past it a cell gets SIGTERM, as on a stop signal (it checkpoints and exits 3, said
+    in its line); one that still runs KILL_AFTER_S later (here a leaked non-daemon thread keeps it alive
+    after its SIGTERM) is killed. Fresh and forked alike."""
+    monkeypatch.setattr(submit, "KILL_AFTER_S", 4.0)
+    tasks = [_probe(tmp_path, f"{mode}{kind}", "0", mode, preload=pre) for mode in ("wait", "thread")
+             for kind, pre in (("fresh", ()), ("forked", ("torch",)))]
+    for t in tasks:
+        t.timeout = 6.0  # well past the probe's start: its SIGTERM handler is in place by then
+    lines = []
+    results = submit.run_local(tasks, cap=4, say=lines.append)
+    assert results == {"waitfresh": 3, "waitforked": 3, "threadfresh": -9, "threadforked": -9}, lines
+    for t in tasks:
+        assert (tmp_path / f"{t.name}.json.sigterm").exists()
+        assert any(ln.startswith(f"  {t.name}: past --cell-timeout 6 s") for ln in lines), lines
+        assert any(f"] {t.name}: exit {results[t.name]}, stopped at its --cell-timeout 6 s (" in ln for ln in lines), lines
+        assert any(ln.startswith(f"  {t.name}: still running 4 s after") for ln in lines) == (t.name.startswith("thread"))
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "nan"])
+def test_cell_timeout_must_be_positive(value):
+    with pytest.raises(UserError, match=rf"--cell-timeout {value}: give a positive number of seconds"):
+        submit.prepare([str(GRID), "--profile", "tiny", "--backend", "local", "--cell-timeout", value, "--dry-run"])
 
 
 def test_dry_run_says_whether_each_cell_is_fed(tmp_path, capsys, monkeypatch):
