@@ -92,8 +92,25 @@ class LogWindow:
         self.open()
 
     def open(self) -> None:
-        self.sums, self.items, self.t0 = {}, 0, time.monotonic()
-        self.finite = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.sums, self.finite = {}, torch.zeros((), dtype=torch.int64, device=self.device)
+        self.restart_clock()
+
+    def restart_clock(self) -> None:
+        """Throughput counts the items and the time since this process opened the window or resumed."""
+        self.items, self.t0 = 0, time.monotonic()
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of the window: a resume inside a log window (log_every=5, stopped at
+        step 7) must log at step 10 the mean of steps 6-10, as the uninterrupted run does, not of 8-10;
+        and the consecutive non-finite count goes on where it stood. Not the clock or the item count
+        (throughput is of this process)."""
+        return {"sums": dict(self.sums), "finite": self.finite, "bad": self.bad, "diverged_at": self.diverged_at}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.sums = {k: v.to(self.device, torch.float64) for k, v in sd["sums"].items()}
+        self.finite, self.bad, self.diverged_at = (sd[k].to(self.device, torch.int64)
+                                                   for k in ("finite", "bad", "diverged_at"))
+        self.restart_clock()
 
     def add(self, logs: dict, items: int, step: int) -> None:
         ok = torch.isfinite(logs["loss"])
@@ -341,12 +358,14 @@ class Run:
                 print(f"warning: {self.record.dir / 'checkpoint.pt'} was written by {len(ranks)} rank(s), this run "
                       f"has {self.world}: the continuation is not the uninterrupted run's (other data split, new "
                       "random streams)", file=sys.stderr)
-            mine = {"rng": None, "task": ranks[0].get("task")}
+            mine = {"rng": None, "task": ranks[0].get("task"), "window": None}
             torch.manual_seed(_mix(rank_seed(self.cfg.seed, self.rank), sd["step"]))
         if mine.get("task") is not None:
             self.task.load_state_dict(mine["task"])
         if mine.get("rng") is not None:
             set_rng_state(mine["rng"], self.device)
+        if mine.get("window") is not None:  # absent from checkpoints older than it: the window starts empty
+            self.window.load_state_dict(mine["window"])
         self.record.truncate_metrics(self.step, done=self.step >= self.total_steps)
         if self.main:
             print(f"resuming {self.record.name} at step {self.step}/{self.total_steps}", file=sys.stderr)
@@ -357,7 +376,9 @@ class Run:
                          # What differs between ranks and must survive a restart: the random streams
                          # (dropout, sampled negatives) and the task's state (the bigLSTM's recurrent
                          # state of this rank's streams).
-                         {"rng": rng_state(self.device), "task": self.task.state_dict()})
+                         # and the open log window's partial sums (a resume logs the same lines).
+                         {"rng": rng_state(self.device), "task": self.task.state_dict(),
+                          "window": self.window.state_dict()})
         self.last_ckpt = time.monotonic()
 
     def release(self) -> None:
@@ -426,7 +447,8 @@ class Run:
 
             bar = tqdm(total=self.total_steps, initial=self.step, desc=self.record.name, unit="step",
                        dynamic_ncols=True, file=sys.stderr, mininterval=2.0)
-        self.window.open()
+        # Not open(): the window holds what resume() restored of a log window the checkpoint fell inside.
+        self.window.restart_clock()
         metrics, last_eval, throughput = {}, -1, None
         it = self.batches()
         while self.step < self.total_steps:
