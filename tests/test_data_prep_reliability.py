@@ -372,6 +372,26 @@ def test_sigterm_while_the_pool_forks_stops_the_lm1b_prep(sources, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("interrupted (SIGTERM)"), err[-2000:]
 
 
+@pytest.mark.heavy
+@pytest.mark.parametrize("unbuffered", [False, True])
+def test_a_closed_stdout_ends_the_prep_quietly(unbuffered, sources, clean, tmp_path):
+    """`python -m data_prep.lm1b ... | head -1`: the reader gone, the prep's next print (at its end,
+    block-buffered; mid-work, unbuffered) died with BrokenPipeError and a traceback. It now ends as a
+    unix tool killed by SIGPIPE does: nothing said, status 141; the same command again finishes the work."""
+    out = tmp_path / "out"
+    code = CLEAN_SIGNALS + f"\nfrom data_prep.lm1b.__main__ import main\nmain({cli_args('lm1b', sources('lm1b'), out, 2)!r})\n"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1" if unbuffered else ""}
+    p = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=env)
+    p.stdout.close()  # the reader is gone before the prep's first line
+    err = p.stderr.read()
+    p.wait(timeout=300)
+    assert p.returncode == 141 and err == "", err[-2000:]
+    assert temp_files(out) == []
+    assert run_prep("lm1b", cli_args("lm1b", sources("lm1b"), out, workers=2))[0] == 0
+    assert contents(out) == contents(clean("lm1b"))
+
+
 HALF_WRITTEN_RESULT = """
 import inspect, os, pathlib, struct, time
 import data_prep.lm1b.prepare as _prep
