@@ -139,13 +139,14 @@ class LogWindow:
 
 
 class Run:
-    def __init__(self, cfg, task: Task):
+    def __init__(self, cfg, task: Task, on_result=None):
         if not isinstance(task, Task):  # the engine calls Task's methods; their defaults live there
             raise TypeError(f"{type(task).__qualname__} must subclass mpt.task.Task (see mpt/task.py)")
         if task.cfg is not cfg:  # the hooks read task.cfg: one config for the run and its task
             raise TypeError(f"{type(task).__qualname__} was built with another config; build it with the run's: "
                             f"Task(cfg)")
         self.cfg, self.task = cfg, task
+        self.on_result = on_result  # called with the summary as soon as it says how the run ended (finish)
         self.rank, self.world, self.local_rank = distributed_env()
         self.main = self.rank == 0
         self.device = pick_device(cfg.device, self.local_rank)
@@ -527,6 +528,10 @@ class Run:
         rec = self.record
         s = rec.write_summary(self.progress(), status=status, metrics=metrics, throughput=throughput,
                               peak_gpu_mem_bytes=peak, wall_time_s=wall, error=error)
+        if self.on_result is not None:
+            # Before wandb's finish and the loaders' teardown (seconds): a record kept beside the summary
+            # (slurm.job's job.json) says how the run ended even if the process is killed during them.
+            self.on_result(s)
         rec.wandb.summary({"status": status, "step": self.step, "skipped_steps": self.train.recipe.skipped_steps,
                            "throughput": throughput, "activation_bytes": self.train.act_bytes, "peak_gpu_mem_bytes": peak,
                            **{f"final/{k}": v for k, v in metrics.items()}})
@@ -534,9 +539,11 @@ class Run:
         return s
 
 
-def run(cfg, task: Task) -> dict:
-    """Train one run to completion (or divergence / interruption) and return its summary."""
-    r = Run(cfg, task)
+def run(cfg, task: Task, on_result=None) -> dict:
+    """Train one run to completion (or divergence / interruption) and return its summary.
+    on_result(summary), if given, is called on every rank as soon as the summary says how the run ended,
+    before the run's teardown."""
+    r = Run(cfg, task, on_result)
     try:
         return _run(r)
     finally:
