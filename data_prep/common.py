@@ -458,6 +458,9 @@ def _worker_start(parent: int, initializer, initargs) -> None:
     # Forked with these signals blocked (worker_pool): one sent to the whole group while this worker
     # started is discarded here, now that it is ignored, instead of killing the worker mid-start.
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, *HANGUP})
+    # SIGTERM keeps the prep's handler (a worker sent one stops with Terminated, as before): forked with
+    # it blocked too, it is unblocked once the handler can run outside the fork's callbacks.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     if sys.platform.startswith("linux"):
         # The kernel sends SIGKILL when the parent dies, by any signal, SIGKILL included.
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -487,11 +490,13 @@ def worker_pool(workers: int, initializer=None, initargs=()):
     pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_start,
                                                   initargs=(os.getpid(), initializer, initargs))
     if ctx is not None:
-        # Fork every worker now (a forked pool starts them all at its first task) with Ctrl-C and SIGHUP
-        # blocked: a terminal sends them to the whole group, and a worker not yet past _worker_start would
-        # die of one half-started. Blocked, not ignored: this process gets a signal sent meanwhile as
-        # soon as the workers exist.
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, *HANGUP})
+        # Fork every worker now (a forked pool starts them all at its first task) with Ctrl-C, SIGHUP and
+        # SIGTERM blocked: a terminal sends the first two to the whole group, and a worker not yet past
+        # _worker_start would die of one half-started; and a handler that ran here during the fork would
+        # run inside Python's after-fork callbacks, which print and ignore its exception (a SIGTERM then
+        # vanished and the prep finished with exit 0). Blocked, not ignored: this process gets a signal
+        # sent meanwhile as soon as the workers exist, when the mask is restored.
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, *HANGUP})
         try:
             pool.submit(int).result()
         finally:

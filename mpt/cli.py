@@ -15,11 +15,12 @@ from mpt.rundir import FINAL
 from mpt.signals import STOP, install_stop_handlers
 
 
-def main(experiment: str | config.Experiment, overrides: list[str]) -> dict:
-    """One run of `experiment` (registered, mpt.config.register; or its name) with the overrides."""
+def main(experiment: str | config.Experiment, overrides: list[str], on_result=None) -> dict:
+    """One run of `experiment` (registered, mpt.config.register; or its name) with the overrides
+    (on_result: mpt.engine.run's)."""
     exp = config.get_experiment(experiment)
     cfg = config.resolve(exp, overrides)
-    return run(cfg, exp.task(cfg))
+    return run(cfg, exp.task(cfg), on_result)
 
 
 def exit_code(summary: dict) -> int:

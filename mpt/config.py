@@ -364,6 +364,12 @@ def register(name: str, task: type, task_cfg: type, config_yaml=None) -> Experim
     old = _EXPERIMENTS.get(name)
     if old is not None and (old.task.__qualname__, old.task.__module__) != (task.__qualname__, task.__module__):
         raise ValueError(f"two experiments named {name!r}: {old.task.__module__} and {task.__module__}")
+    if old is not None and (old.config_yaml, old.task_cfg.__qualname__) != (exp.config_yaml, task_cfg.__qualname__):
+        # The same task registered again (a module imported twice) is fine; with another config.yaml or
+        # task config it would silently replace what the first registration's runs were resolved with.
+        raise ValueError(f"experiment {name!r} ({task.__qualname__}) is already registered with {old.config_yaml} "
+                         f"and {old.task_cfg.__qualname__}; register it once, or under another name, for "
+                         f"{exp.config_yaml} and {task_cfg.__qualname__}")
     _EXPERIMENTS[name] = exp
     return exp
 
@@ -471,6 +477,9 @@ def resolve(experiment: str | Experiment, overrides: list[str] | tuple = ()) -> 
     apply_mapping(cfg, spec.get("base"), f"{where} base")
     model = str(cli.get("model", cfg.model))
     models = spec.get("models") or {}
+    if not models:  # an empty (or models-less) config.yaml: "choose one of:" would list nothing
+        raise UserError(f"{exp.config_yaml} defines no models ({'it is empty' if not spec else 'it has no models: section'}); "
+                        f"give it a models: mapping (see experiments/*/config.yaml)")
     if model not in models:
         raise UserError(f"unknown model {model!r} for experiment {experiment}; choose one of: {', '.join(models)}")
     apply_mapping(cfg, models[model], f"{where} models.{model}")

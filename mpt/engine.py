@@ -92,8 +92,25 @@ class LogWindow:
         self.open()
 
     def open(self) -> None:
-        self.sums, self.items, self.t0 = {}, 0, time.monotonic()
-        self.finite = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.sums, self.finite = {}, torch.zeros((), dtype=torch.int64, device=self.device)
+        self.restart_clock()
+
+    def restart_clock(self) -> None:
+        """Throughput counts the items and the time since this process opened the window or resumed."""
+        self.items, self.t0 = 0, time.monotonic()
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of the window: a resume inside a log window (log_every=5, stopped at
+        step 7) must log at step 10 the mean of steps 6-10, as the uninterrupted run does, not of 8-10;
+        and the consecutive non-finite count goes on where it stood. Not the clock or the item count
+        (throughput is of this process)."""
+        return {"sums": dict(self.sums), "finite": self.finite, "bad": self.bad, "diverged_at": self.diverged_at}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.sums = {k: v.to(self.device, torch.float64) for k, v in sd["sums"].items()}
+        self.finite, self.bad, self.diverged_at = (sd[k].to(self.device, torch.int64)
+                                                   for k in ("finite", "bad", "diverged_at"))
+        self.restart_clock()
 
     def add(self, logs: dict, items: int, step: int) -> None:
         ok = torch.isfinite(logs["loss"])
@@ -122,13 +139,14 @@ class LogWindow:
 
 
 class Run:
-    def __init__(self, cfg, task: Task):
+    def __init__(self, cfg, task: Task, on_result=None):
         if not isinstance(task, Task):  # the engine calls Task's methods; their defaults live there
             raise TypeError(f"{type(task).__qualname__} must subclass mpt.task.Task (see mpt/task.py)")
         if task.cfg is not cfg:  # the hooks read task.cfg: one config for the run and its task
             raise TypeError(f"{type(task).__qualname__} was built with another config; build it with the run's: "
                             f"Task(cfg)")
         self.cfg, self.task = cfg, task
+        self.on_result = on_result  # called with the summary as soon as it says how the run ended (finish)
         self.rank, self.world, self.local_rank = distributed_env()
         self.main = self.rank == 0
         self.device = pick_device(cfg.device, self.local_rank)
@@ -341,12 +359,14 @@ class Run:
                 print(f"warning: {self.record.dir / 'checkpoint.pt'} was written by {len(ranks)} rank(s), this run "
                       f"has {self.world}: the continuation is not the uninterrupted run's (other data split, new "
                       "random streams)", file=sys.stderr)
-            mine = {"rng": None, "task": ranks[0].get("task")}
+            mine = {"rng": None, "task": ranks[0].get("task"), "window": None}
             torch.manual_seed(_mix(rank_seed(self.cfg.seed, self.rank), sd["step"]))
         if mine.get("task") is not None:
             self.task.load_state_dict(mine["task"])
         if mine.get("rng") is not None:
             set_rng_state(mine["rng"], self.device)
+        if mine.get("window") is not None:  # absent from checkpoints older than it: the window starts empty
+            self.window.load_state_dict(mine["window"])
         self.record.truncate_metrics(self.step, done=self.step >= self.total_steps)
         if self.main:
             print(f"resuming {self.record.name} at step {self.step}/{self.total_steps}", file=sys.stderr)
@@ -357,7 +377,9 @@ class Run:
                          # What differs between ranks and must survive a restart: the random streams
                          # (dropout, sampled negatives) and the task's state (the bigLSTM's recurrent
                          # state of this rank's streams).
-                         {"rng": rng_state(self.device), "task": self.task.state_dict()})
+                         # and the open log window's partial sums (a resume logs the same lines).
+                         {"rng": rng_state(self.device), "task": self.task.state_dict(),
+                          "window": self.window.state_dict()})
         self.last_ckpt = time.monotonic()
 
     def release(self) -> None:
@@ -426,7 +448,8 @@ class Run:
 
             bar = tqdm(total=self.total_steps, initial=self.step, desc=self.record.name, unit="step",
                        dynamic_ncols=True, file=sys.stderr, mininterval=2.0)
-        self.window.open()
+        # Not open(): the window holds what resume() restored of a log window the checkpoint fell inside.
+        self.window.restart_clock()
         metrics, last_eval, throughput = {}, -1, None
         it = self.batches()
         while self.step < self.total_steps:
@@ -505,6 +528,10 @@ class Run:
         rec = self.record
         s = rec.write_summary(self.progress(), status=status, metrics=metrics, throughput=throughput,
                               peak_gpu_mem_bytes=peak, wall_time_s=wall, error=error)
+        if self.on_result is not None:
+            # Before wandb's finish and the loaders' teardown (seconds): a record kept beside the summary
+            # (slurm.job's job.json) says how the run ended even if the process is killed during them.
+            self.on_result(s)
         rec.wandb.summary({"status": status, "step": self.step, "skipped_steps": self.train.recipe.skipped_steps,
                            "throughput": throughput, "activation_bytes": self.train.act_bytes, "peak_gpu_mem_bytes": peak,
                            **{f"final/{k}": v for k, v in metrics.items()}})
@@ -512,9 +539,11 @@ class Run:
         return s
 
 
-def run(cfg, task: Task) -> dict:
-    """Train one run to completion (or divergence / interruption) and return its summary."""
-    r = Run(cfg, task)
+def run(cfg, task: Task, on_result=None) -> dict:
+    """Train one run to completion (or divergence / interruption) and return its summary.
+    on_result(summary), if given, is called on every rank as soon as the summary says how the run ended,
+    before the run's teardown."""
+    r = Run(cfg, task, on_result)
     try:
         return _run(r)
     finally:

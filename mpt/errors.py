@@ -29,14 +29,44 @@ def one_line(e: BaseException, with_type: bool = True) -> str:
 
 
 def cli(main):
-    """Decorate a command's main(): a UserError prints one line to stderr and exits with 2."""
+    """Decorate a command's main(): a UserError prints one line to stderr and exits with 2; a closed
+    stdout (`... | head -1`) ends the command quietly (stdout_closed)."""
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
         try:
-            return main(*args, **kwargs)
+            result = main(*args, **kwargs)
+            sys.stdout.flush()  # a closed pipe fails here, not in the interpreter's flush at exit
+            return result
         except UserError as e:
             print(f"error: {one_line(e, with_type=False)}", file=sys.stderr)
             raise SystemExit(2) from None
+        except BrokenPipeError:
+            if not stdout_closed():
+                raise
+            raise SystemExit(141) from None
 
     return wrapper
+
+
+def stdout_closed() -> bool:
+    """True when stdout is a pipe whose reader has gone (`| head -1`), after pointing stdout at
+    /dev/null. Python ignores SIGPIPE, so such a command got BrokenPipeError and a traceback where a unix
+    tool dies of the signal silently; this ends it the same way, with the status a shell gives a process
+    killed by SIGPIPE (141). Its buffered output goes nowhere, so the interpreter's flush at exit does
+    not fail again ("Exception ignored ... BrokenPipeError")."""
+    import os
+    import select
+
+    try:
+        fd = sys.stdout.fileno()
+        poll = select.poll()
+        poll.register(fd, select.POLLOUT)
+        closed = any(ev & select.POLLERR for _, ev in poll.poll(0))  # a pipe without a reader
+    except (AttributeError, OSError, ValueError):  # stdout replaced or closed: not a pipe to judge
+        return False
+    if closed:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, fd)
+        os.close(devnull)
+    return closed

@@ -172,7 +172,11 @@ class RunRecord:
             sd = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001
             raise UserError(f"checkpoint {path} is unreadable ({type(e).__name__}); delete it to restart the run") from None
-        if sd.pop("checksum", None) != state_checksum(sd):
+        written = sd.pop("checksum", None)
+        if written is None:  # every checkpoint this code writes has one: edited by hand, or from elsewhere
+            raise UserError(f"checkpoint {path} has no checksum, so its contents cannot be verified (it was not "
+                            "written by this code's save, or was edited since); delete it to restart the run")
+        if written != state_checksum(sd):
             raise UserError(f"checkpoint {path} is damaged (its contents do not match the checksum written with it); "
                             "restore it from a copy, or delete it to restart the run")
         if sd.get("cell_id") != self.cell:

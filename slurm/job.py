@@ -169,11 +169,20 @@ def run_cell(experiment: str, overrides: list[str], run_dir: str, backend: str, 
         rec["attempts"][-1].update(end=now(), outcome=state, step=step, signals=sigs.received or None)
         _write_job_file(run_dir, rec)
 
+    ended = []  # the attempt's outcome as recorded when the summary said it
+
+    def on_result(summary: dict) -> None:
+        # The attempt's record follows the summary at once, not after the run's teardown (wandb's finish,
+        # the loader workers: seconds): a kill then left the attempt "running" for good beside a
+        # "completed" summary. An interrupted attempt may still become "requeued" below.
+        ended.append(summary.get("status"))
+        finish(summary.get("status"), summary.get("error"), summary.get("step"))
+
     from mpt import cli
     from mpt.rundir import RunDirBusy
 
     try:
-        summary = cli.main(experiment, list(overrides))
+        summary = cli.main(experiment, list(overrides), on_result)
     except RunDirBusy:
         # Another copy of this cell is running (e.g. after submit --force): its record stays.
         if rank == 0:
@@ -187,7 +196,8 @@ def run_cell(experiment: str, overrides: list[str], run_dir: str, backend: str, 
         raise
     status = summary.get("status")
     if status != "interrupted":
-        finish(status, summary.get("error"), summary.get("step"))
+        if ended != [status]:  # a result kept from an earlier attempt: the run did not finish in this one
+            finish(status, summary.get("error"), summary.get("step"))
         return summary
     if sigs.requeue and on_slurm and rank == 0:
         if restarts >= max_requeues:
@@ -203,7 +213,8 @@ def run_cell(experiment: str, overrides: list[str], run_dir: str, backend: str, 
         print(f"[slurm.job] {err}", file=sys.stderr, flush=True)
         finish("interrupted", err, summary.get("step"))
         return summary
-    finish("interrupted", summary.get("error"), summary.get("step"))
+    if ended != [status]:
+        finish("interrupted", summary.get("error"), summary.get("step"))
     return summary
 
 

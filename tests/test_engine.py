@@ -251,6 +251,25 @@ def test_two_optimizer_resume_is_bit_identical(tmp_path, monkeypatch):
                 assert torch.equal(v, cb["optimizers"][name]["state"][pid][key]), (name, key)
 
 
+def test_resume_inside_a_log_window_logs_the_same_lines(tmp_path, monkeypatch):
+    """Stopped at step 7 with a line every 5 steps: the step-10 line is the mean of steps 6-10, as in
+    the uninterrupted run (it averaged only steps 8-10 when the window's sums were not checkpointed)."""
+    from toy_gan import ToyGan, config
+
+    cfg = lambda d: config(d, train=dict(log_every=5))  # noqa: E731
+    full = run_task(cfg(tmp_path / "a"), ToyGan)
+    part = run_interrupted(monkeypatch, lambda _: run_task(cfg(tmp_path / "b"), ToyGan), None, at_step=6)
+    assert part["status"] == "interrupted" and part["step"] == 7
+    resumed = run_task(cfg(tmp_path / "b"), ToyGan)
+    assert resumed["status"] == "completed" and resumed["metrics"] == full["metrics"]
+    da, db = (tmp_path / x / "toy_gan" / full["run_name"] for x in ("a", "b"))
+    clock = ("time", "throughput")  # of the process, not of the training
+    la, lb = ([{k: v for k, v in x.items() if k not in clock} for x in read_lines(d) if x["kind"] == "train"]
+              for d in (da, db))
+    assert [x["step"] for x in la] == [5, 10, 12]
+    assert la == lb
+
+
 @pytest.mark.heavy
 def test_ddp_ranks_agree_a_run_is_complete(tmp_path):
     """2 gloo ranks: the second start of a completed run returns on every rank (rank 0

@@ -503,6 +503,48 @@ def test_local_process_stops_at_a_step_boundary_on_sigterm(tiny_imagenet, tmp_pa
     assert (c.run_dir / "checkpoint.pt").exists()
 
 
+# The run's teardown (after the summary said how it ended) held open until the test kills the process.
+SLOW_TEARDOWN = """
+import pathlib, time
+import mpt.torch_private
+def _stuck(loader):
+    pathlib.Path({flag!r}).touch()
+    time.sleep(600)
+mpt.torch_private.shutdown_loader_workers = _stuck
+from slurm.job import main
+main({argv!r})
+"""
+
+
+@pytest.mark.heavy
+def test_a_kill_during_the_teardown_leaves_the_attempt_recorded(tiny_imagenet, tmp_path):
+    """summary.json said "completed" seconds before job.json's attempt did (after wandb's finish and the
+    loader workers' teardown): a kill in between left the attempt "running" for good. The attempt is now
+    recorded with the summary, before the teardown."""
+    g = G.load(GRID, "tiny", [f"task.data_root={tiny_imagenet}", f"out_dir={tmp_path}", "train.max_steps=2"],
+               only=["model=alexnet", "precision=fp32"])
+    c = g.cells[0]
+    flag = tmp_path / "tearing_down"
+    argv = ["--experiment", c.experiment, "--run-dir", str(c.run_dir), "--", *c.overrides]
+    p = subprocess.Popen([sys.executable, "-c", SLOW_TEARDOWN.format(flag=str(flag), argv=argv)], cwd=REPO,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not flag.exists() and p.poll() is None:
+            time.sleep(0.1)
+        assert flag.exists(), p.communicate()[1][-2000:]
+        p.kill()  # SIGKILL: nothing of the process runs after it
+        p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert json.loads((c.run_dir / "summary.json").read_text())["status"] == "completed"
+    job = json.loads((c.run_dir / "job.json").read_text())
+    assert job["state"] == "completed" and job["attempts"][-1]["outcome"] == "completed", job
+    assert job["attempts"][-1]["step"] == 2 and job["attempts"][-1]["end"] is not None
+    assert state.cell_state(c.run_dir, c.cell_id, None, None).state == "completed"
+
+
 def test_profile_is_chosen_by_its_flag_not_an_override(capsys):
     """`--set profile=paper` under `--profile tiny` was accepted and ran the paper's
     cells under the tiny profile's name."""

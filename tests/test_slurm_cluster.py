@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -123,11 +124,15 @@ class Scenario:
         return status.collect(self.grid, self.profile, self.sets)[1]
 
     def wait(self, timeout=WAIT_S):
-        """Until every cell is final (completed/diverged/failed/interrupted); returns the rows."""
+        """Until every cell is final (completed/diverged/failed/interrupted) and job.json has recorded
+        how its last attempt ended; returns the rows. summary.json says "completed" a moment before
+        job.json does (slurm.job writes the attempt's record right after it): a test that read job.json
+        at once could see that attempt still "running"."""
         deadline = time.time() + timeout
         while True:
             rows = self.rows()
-            if all(st.state in ("completed", "diverged", "failed", "interrupted") for _, st in rows):
+            if all(st.state in ("completed", "diverged", "failed", "interrupted") and _attempt_recorded(c.run_dir)
+                   for c, st in rows):
                 return rows
             if time.time() > deadline:
                 out = next(x.split("=", 1)[1] for x in self.sets if x.startswith("out_dir="))
@@ -143,6 +148,15 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 def _job(run_dir: Path) -> dict:
     return json.loads((run_dir / "job.json").read_text())
+
+
+def _attempt_recorded(run_dir: Path) -> bool:
+    """job.json's last attempt (if any) has its outcome."""
+    try:
+        attempts = _job(run_dir).get("attempts") or [{}]
+    except (OSError, ValueError):  # not written yet
+        return False
+    return attempts[-1].get("outcome") != "running"
 
 
 def _extend_after_first_requeue(sc: Scenario, done: dict):
@@ -203,15 +217,21 @@ def _signal_step_with_workers(sc: Scenario, min_step: int, done: dict):
     """Background: once the cell has logged min_step steps and its rank has forked its DataLoader
     workers, send USR2 (the time limit) and then SIGTERM (preemption) to every process of the job's
     steps, as SLURM does: `scancel --signal` without --batch signals the step's whole process tree
-    (the rank and its workers), not only the rank."""
+    (the rank and its workers), not only the rank. The rank is stopped (SIGSTOP) while both are sent,
+    so both reach this attempt: a rank that checkpointed and requeued itself on USR2 before the TERM
+    was sent left the TERM to the requeued attempt, which then stopped for good (seen under load)."""
 
     def signal_step(cell, st, step):
         rank = _job(cell.run_dir)["attempts"][-1]["pid"]
         workers = _children(rank)
         if len(workers) < 2:  # the loader's workers are not up yet
             return False
-        rcs = [subprocess.run(["scancel", f"--signal={s}", st.job_id], capture_output=True,
-                              text=True) for s in ("USR2", "TERM")]
+        os.kill(rank, signal.SIGSTOP)
+        try:
+            rcs = [subprocess.run(["scancel", f"--signal={s}", st.job_id], capture_output=True,
+                                  text=True) for s in ("USR2", "TERM")]
+        finally:
+            os.kill(rank, signal.SIGCONT)  # both signals are delivered now, before its next step
         done.update(job_id=st.job_id, step_seen=step, rank=rank, workers=workers,
                     rc=[r.returncode for r in rcs], err=[r.stderr for r in rcs])
         return True
@@ -424,7 +444,7 @@ def test_dataloader_workers_survive_slurm_signals(scenarios):
     assert st.state == "completed", st.error
     job = _job(cell.run_dir)
     first, *rest = job["attempts"]
-    assert first["outcome"] == "requeued" and "SIGUSR2" in first["signals"], job
+    assert first["outcome"] == "requeued" and {"SIGUSR2", "SIGTERM"} <= set(first["signals"]), job
     assert WORKERS_STEPS > first["step"] >= sig["step_seen"] >= WORKERS_AT
     assert rest and rest[-1]["outcome"] == "completed" and rest[-1]["step"] == WORKERS_STEPS
     log = Path(job["log"].replace("_log.out", "_log.err")).read_text()

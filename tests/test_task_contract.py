@@ -1,5 +1,6 @@
 """The Task contract (mpt/task.py): the README's worked toy trains through the unchanged engine, a misspelt
 hook fails when the class is defined, and what is missing is named."""
+import dataclasses
 import json
 import re
 
@@ -116,3 +117,41 @@ def test_an_experiment_of_its_own_registers_and_runs_outside_the_repository(tmp_
     s = cli.main("regression_of_its_own", [])
     assert s["status"] == "completed" and s["step"] == 20
     assert (tmp_path / "runs" / "regression_of_its_own" / s["run_name"] / "summary.json").is_file()
+
+
+@dataclasses.dataclass
+class _NoKeys:
+    """A task config without task.* keys."""
+
+
+def test_a_task_registered_again_with_another_config_is_refused(tmp_path):
+    """The same Task registered twice under one name replaced its config.yaml without a word."""
+    from mpt import config as C
+
+    class Twice(Task):
+        pass
+
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    for f in (a, b):
+        f.write_text("models: {m: {}}\n")
+    exp = C.register("registered_twice", Twice, _NoKeys, a)
+    assert C.register("registered_twice", Twice, _NoKeys, a).config_yaml == exp.config_yaml  # the same again: fine
+    with pytest.raises(ValueError, match=r"'registered_twice' \(.*Twice\) is already registered with .*a\.yaml"):
+        C.register("registered_twice", Twice, _NoKeys, b)
+    assert C.get_experiment("registered_twice").config_yaml == a.resolve()
+
+
+@pytest.mark.parametrize("text,why", [("", "it is empty"), ("base: {device: cpu}\n", "it has no models: section")])
+def test_a_config_yaml_without_models_says_so(tmp_path, text, why):
+    """An empty config.yaml said "unknown model ''; choose one of:" and an empty list."""
+    from mpt import config as C
+    from mpt.errors import UserError
+
+    class NoModels(Task):
+        pass
+
+    (tmp_path / "config.yaml").write_text(text)
+    name = f"no_models_{len(text)}"
+    C.register(name, NoModels, _NoKeys, tmp_path / "config.yaml")
+    with pytest.raises(UserError, match=f"config.yaml defines no models \\({why}\\); give it a models: mapping"):
+        C.resolve(name, [])
