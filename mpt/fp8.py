@@ -13,7 +13,9 @@ both, so a diverging run is still seen as one.
 
 The same mechanism runs the block-scaled successors (precisions fp8_block, mxfp8, nvfp4; their
 switches are data, mpt.formats): each role's tensor is cut into blocks along the product's reduction
-axis (_AXES), each block scaled by its own amax and rounded (block_quantize).
+axis (_AXES), each block scaled by its own amax and rounded (block_quantize). A block holding inf or nan
+comes back nan, whole (torchao's MX: E8M0's NaN scale); a scale is never below top / FLT_MAX, so values
+near FP32's largest saturate rather than unscale to inf (block_scale).
 
 Not quantised: a recurrent layer's state inside its fused kernel (its input sequence and weights are;
 the gradient of its output sequence is), dot products without a weight (attention's), embeddings
