@@ -13,7 +13,9 @@ both, so a diverging run is still seen as one.
 
 The same mechanism runs the block-scaled successors (precisions fp8_block, mxfp8, nvfp4; their
 switches are data, mpt.formats): each role's tensor is cut into blocks along the product's reduction
-axis (_AXES), each block scaled by its own amax and rounded (block_quantize).
+axis (_AXES), each block scaled by its own amax and rounded (block_quantize). A block holding inf or nan
+comes back nan, whole (torchao's MX: E8M0's NaN scale); a scale is never below top / FLT_MAX, so values
+near FP32's largest saturate rather than unscale to inf (block_scale).
 
 Not quantised: a recurrent layer's state inside its fused kernel (its input sequence and weights are;
 the gradient of its output sequence is), dot products without a weight (attention's), embeddings
@@ -146,14 +148,27 @@ def _pow2(e: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(e, dtype=torch.float32), e)
 
 
+def _least_scale(fmt: str, rounding: str) -> float:
+    """The smallest scale s at which every value of `fmt` unscales to a finite FP32 (top / s <= FLT_MAX):
+    a block whose amax is within a factor 2 of FLT_MAX would otherwise get a smaller one, and its
+    largest value, rounded up to the next power of 2, unscale to 2^128 = inf."""
+    top = formats.ELEMENTS[fmt].max
+    if rounding == "exact":
+        return math.nextafter(top / FLT_MAX, math.inf)  # (top / that <= FLT_MAX, as FP32 divides it too)
+    return 2.0 ** math.ceil(math.log2(top / FLT_MAX))  # the power-of-2 scales: pow2, floor, rceil
+
+
 def block_scale(amax: torch.Tensor, fmt: str, rounding: str) -> torch.Tensor:
     """The factor each block is multiplied by before rounding to `fmt` (divided by after), from the
-    block's largest finite |value| (a zero block: 1).
+    block's largest |value| (a zero block: 1; a block holding inf or nan: nan, which makes the whole block
+    nan -- torchao's MX does the same through E8M0's NaN scale).
       exact  top / amax, capped at FLT_MAX
       pow2   that rounded down to a power of 2 (arXiv 2412.19437's and TE's block scales)
       floor  OCP MX (arXiv 2310.10537, section 6.3): shared exponent floor(log2 amax) - emax(fmt),
              E8M0 clamped to [-127, 127]; a block's largest value can then round past top (saturated)
-      rceil  2^-ceil(log2(amax / top)), clamped the same: amax * scale <= top always (arXiv 2506.08027)"""
+      rceil  2^-ceil(log2(amax / top)), clamped the same: amax * scale <= top always (arXiv 2506.08027)
+    Each at least _least_scale (top / FLT_MAX), so that no rounded value unscales past FLT_MAX: a block
+    with amax above top x that (2.98e38 for E4M3) saturates its largest values instead of making inf."""
     top = formats.ELEMENTS[fmt].max
     scale_e = formats.ELEMENTS["e8m0"]  # OCP MX's shared scale: powers of 2 from 2^emin to 2^emax
     if rounding == "exact":
@@ -169,7 +184,8 @@ def block_scale(amax: torch.Tensor, fmt: str, rounding: str) -> torch.Tensor:
         s = _pow2(-torch.where(mant == 0.5, e - 1, e).clamp(scale_e.emin, scale_e.emax))
     else:
         raise ValueError(f"block_scale: {rounding!r} is not a scale of its own (nvfp4 scales: _nvfp4)")
-    return torch.where(amax > 0, s, torch.ones_like(s))
+    s = s.clamp_(min=_least_scale(fmt, rounding))
+    return torch.where(amax > 0, s, torch.ones_like(s)).masked_fill_(~torch.isfinite(amax), math.nan)
 
 
 _HADAMARD: dict = {}
@@ -214,16 +230,20 @@ def block_quantize(t: torch.Tensor, f: formats.TensorFormat, axis: int = -1,
         v = F.pad(v, (0, 0, 0, pad, 0, rpad))
     kk = v.shape[1]
     if f.hadamard:  # along the axis, 16 elements at a time
+        # Its rows are 16 entries of +-1/4: an output can reach 4x the largest input. A tensor within that of
+        # FLT_MAX is transformed at 2^-2 (exact) and the result unscaled, saturating at FLT_MAX (the inverse
+        # transform of rounded values may land past it); any other at 1: bit for bit as without.
+        down = torch.where(v.abs().amax() > FLT_MAX / 4, 0.25, 1.0)
         v = torch.einsum("pjiq,ic->pjcq", v.reshape(v.shape[0], kk // 16, 16, post),
-                         _hadamard16(v.device)).reshape(v.shape)
+                         _hadamard16(v.device) * down).reshape(v.shape)
     if f.granularity == "tensor":
         blocks, dims = v, (0, 1, 2)
     elif f.granularity == "block128x128":  # 2-D blocks: 128 rows (outputs) x 128 along the axis
         blocks, dims = v.reshape(v.shape[0] // rb, rb, kk // b, b, post), (1, 3)
     else:
         blocks, dims = v.reshape(v.shape[0], kk // b, b, post), (2,)
-    absval = blocks.abs().nan_to_num_(nan=0.0, posinf=0.0)
-    amax = absval.amax(dim=dims, keepdim=True)
+    absval = blocks.abs()
+    amax = absval.amax(dim=dims, keepdim=True)  # nan or inf where the block holds one: a nan block (block_scale)
     if f.granularity == "nvfp4_16":
         q = _nvfp4(blocks, amax, f.element, generator)
     else:
@@ -238,7 +258,7 @@ def block_quantize(t: torch.Tensor, f: formats.TensorFormat, axis: int = -1,
     q = q.reshape(v.shape)
     if f.hadamard:
         q = torch.einsum("pjiq,ci->pjcq", q.reshape(q.shape[0], kk // 16, 16, post),
-                         _hadamard16(q.device)).reshape(q.shape)
+                         _hadamard16(q.device)).reshape(q.shape).div_(down).clamp_(-FLT_MAX, FLT_MAX)
     if pad or rpad:
         q = q[:pre, :k]
     return q.reshape(shape)
@@ -249,10 +269,11 @@ def _nvfp4(blocks, amax, fmt, generator):
     max x E4M3's max) maps the blocks' scales into E4M3's range; each 16-element block's decode scale is
     e4m3(amax(block) / 6 / g) * g, and its elements are E2M1 at that scale."""
     top = formats.ELEMENTS[fmt].max
-    t_amax = amax.amax()
+    finite = torch.isfinite(amax)
+    t_amax = torch.where(finite, amax, 0.0).amax()  # a block holding inf or nan is nan, not the tensor's scale
     g = torch.where(t_amax > 0, t_amax / (top * formats.ELEMENTS["e4m3"].max), torch.ones_like(t_amax))
     d = round_to(amax / top / g, "e4m3") * g
-    safe = torch.where(d > 0, d, torch.ones_like(d))
+    safe = torch.where((d > 0) | ~finite, d, torch.ones_like(d)).masked_fill_(~finite, math.nan)
     return round_to(blocks / safe, fmt, generator) * safe
 
 

@@ -15,7 +15,7 @@ from toy_gan import run_task
 from mpt.doctor import examples as ex
 from mpt.doctor.__main__ import main
 from mpt.doctor.examination import examine
-from mpt.doctor.replay import fp32_gain, progress, train, unjudged
+from mpt.doctor.replay import diverges, fp32_gain, progress, train, unjudged
 from mpt.doctor.report import text_report
 from mpt.doctor.verdict import confirm
 from mpt.doctor.report import write
@@ -178,6 +178,17 @@ def _patient_module(tmp_path, monkeypatch, body):
                           "        return super().forward(x) * float('nan')\n"
                           "def build():\n    return M(2, 1), lambda m, b: m(b).mean(), [torch.ones(4, 2)]\n",
      r"the loss is nan in FP32 already \(step 0 of 1; 1 non-finite\): fix the model"),
+    # a model the replays cannot train: no parameters; parameters without values (meta device)
+    ("patient_mod:build", "import torch\ndef build():\n    return torch.nn.ReLU(), lambda m, b: m(b).mean(), "
+                          "[torch.ones(4, 2)]\n", r"the model \(ReLU\) has no parameters: there is nothing to train"),
+    ("patient_mod:build", "import torch\ndef build():\n    return torch.nn.Linear(2, 1, device='meta'), "
+                          "lambda m, b: m(b).mean(), [torch.ones(4, 2)]\n",
+     r"the model's weight \(2 tensors in all\) is on the meta device .*model\.to_empty"),
+    # the patient's file does not parse; its factory exits instead of returning
+    ("patient_mod:build", "def build(:\n    pass\n",
+     r"cannot import module 'patient_mod': SyntaxError: .* at \S*patient_mod\.py:1; fix it there"),
+    ("patient_mod:build", "import sys\ndef build():\n    sys.exit(3)\n",
+     r"patient_mod:build: the factory exited with code 3 \(sys\.exit at \S*patient_mod\.py:3 \(in build\)\)"),
     # a bug in the user's own loss: where it is in their file, not a traceback through the doctor
     ("patient_mod:build", "import torch\nimport torch.nn.functional as F\ndef build():\n"
                           "    return torch.nn.Linear(2, 1), lambda m, b: F.mse_loss(m(b[0]), b[2]), "
@@ -391,6 +402,34 @@ def test_no_higher_learning_rate_when_fp32_loss_rose():
     assert "learning rate too high" in said and "raise --steps or the learning rate" not in said, said
     flat = fp32_gain([1.0, 1.2] + [1.099] * 18, [1.1] * 5)  # fell, by 0.001: under 1% of the losses' spread
     assert not flat["enough"] and "raise --steps or the learning rate" in unjudged(flat, 20)
+    # a climb is divergence (no verdict: examine stops); a loss wandering about where it started is not
+    wander = fp32_gain([1.0, 1.4, 0.8, 1.2] * 5, [1.0] * 5)  # tail 0.08 above the start, spread 0.6
+    assert diverges(rose) and not diverges(flat) and not diverges(wander) and wander["gain"] < 0
+
+
+def test_a_model_diverging_in_fp32_gets_no_precision_verdict(tmp_path, monkeypatch, capsys):
+    """SGD at lr 30 drives this MLP's loss from 1.4 up by hundreds, its activations past 65504: the FP16
+    replay overflows, yet BF16 (or a higher learning rate) is not the cure -- FP32 itself diverges."""
+    _patient_module(tmp_path, monkeypatch, "import torch, torch.nn as nn, torch.nn.functional as F\n"
+                                           "def build():\n"
+                                           "    torch.manual_seed(0)\n"
+                                           "    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), "
+                                           "nn.Tanh(), nn.Linear(32, 4))\n"
+                                           "    batches = [(torch.randn(16, 8), torch.randint(0, 4, (16,))) "
+                                           "for _ in range(4)]\n"
+                                           "    return (model, lambda m, b: F.cross_entropy(m(b[0]), b[1]), batches,\n"
+                                           "            lambda m: torch.optim.SGD(m.parameters(), lr=30.0, "
+                                           "momentum=0.9))\n")
+    with pytest.raises(SystemExit) as e:
+        cli(main)(["patient_mod:build", "--steps", "20", "--out", str(tmp_path / "out")])
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    m = re.search(r"FP32 itself diverges: its mean loss over the last 5 steps' batches rose from the untrained "
+                  r"model's ([\d.]+) to ([\d.e+]+) in 20 steps, activations up to ([\d.e+]+) in \S+ \(\w+\): the "
+                  r"setup is unstable", err)
+    assert m and float(m[2]) > 10 * float(m[1]) and float(m[3]) > 65504, err
+    assert "precision=" not in out + err and "raise --steps or the learning rate" not in out + err
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.heavy

@@ -1,6 +1,8 @@
 """mpt.doctor.watch on a user's own loop: the first non-finite value is named where it is made (the operation,
 its module, forward or backward, the step), not where it is passed on; the setup checks fire on a planted
 mistake and stay silent on a correct loop."""
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -125,6 +127,23 @@ def test_without_a_scaler_a_producer_between_samples_is_reported_as_nonfinite_we
     w = _train(model, 12, 5, torch.randn(8, 4), torch.randn(8, 1), [])
     assert w.first["step"] == 5 and w.first["phase"] == "before the step", w.first
     assert "already non-finite as step 5 began" in " ".join(w.report()), w.report()
+
+
+def test_the_run_up_is_the_samples_before_the_first_non_finite_value():
+    """Late makes inf from step 12 on and the weights are nan after it; the watch samples on to step 28 -- more
+    than its 8 kept samples. The run-up the report prints is the finite samples before step 12, not the nan ones
+    after it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), Late(12), nn.Linear(8, 1))
+    w = _train(model, 30, 2, torch.randn(16, 4), torch.randn(16, 1), [])
+    assert w.first["step"] == 12 and w.first["module"] == "1 (Late)", w.first
+    assert all(s > 12 for s, _, _ in w.run_up["0 (Linear)"]), "the later samples filled the kept ones"
+    said = w.report()
+    ups = [line for line in said if line.startswith(("  its run-up: ", "  largest |value| in "))]
+    assert len(ups) == 4, said
+    for line in ups:
+        steps = [int(s) for s in re.findall(r"step (\d+) fwd", line)]
+        assert steps == [4, 6, 8, 10] and "nan" not in line and "inf" not in line, line
 
 
 # -- setup checks ----------------------------------------------------------------------------------------

@@ -354,6 +354,67 @@ def test_nvfp4_matches_torchao(torchao):
         assert normal.float().mean() > 0.5 and torch.equal(ref[normal], ours[normal]), role
 
 
+def _role_formats(names=("fp8_block", "mxfp8", "nvfp4")):
+    return [(name, role, f) for name in names for role, f in formats.RECIPES[name].roles.items()]
+
+
+def _gen(f):
+    return torch.Generator().manual_seed(0) if f.rounding == "stochastic" else None
+
+
+@pytest.mark.parametrize("name,role,f", _role_formats(), ids=lambda v: v if isinstance(v, str) else "")
+def test_an_inf_or_nan_in_a_block_makes_that_block_nan(name, role, f):
+    """A block holding inf or nan has no finite scale: the whole block comes back nan (torchao's MX does
+    the same: E8M0's NaN scale). An inf was a finite value before (its amax skipped it, the rounding
+    saturated it); a nan stayed in its element. Every other block: as if the bad one were zeros."""
+    torch.manual_seed(0)
+    x = torch.randn(256, 256)
+    rows = 128 if f.granularity == "block128x128" else 1  # its blocks: 128 rows x 128 along the axis
+    width = {"tile128": 128, "block128x128": 128, "mx32": 32, "nvfp4_16": 16}[f.granularity]
+    for bad in (math.inf, -math.inf, math.nan):
+        y = x.clone()
+        y[130, 37] = bad
+        block = torch.zeros_like(x, dtype=torch.bool)
+        r0, c0 = 130 // rows * rows, 37 // width * width
+        block[r0:r0 + rows, c0:c0 + width] = True
+        q = block_quantize(y, f, -1, _gen(f))
+        assert q[block].isnan().all() and not q[~block].isnan().any(), (bad, q[block].isnan().float().mean())
+        clean = block_quantize(y.masked_fill(block, 0.0), f, -1, _gen(f))
+        assert torch.equal(q[~block], clean[~block]), bad
+
+
+@pytest.mark.parametrize("mode", ["floor", "rceil"])
+def test_a_nan_block_is_nan_as_torchao_to_mx_makes_it(torchao, mode):
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.prototype.mx_formats.mx_tensor import to_dtype, to_mx
+
+    """A nan: bit-exact with torchao's to_mx, the block nan (E8M0's NaN scale, 0xFF). An inf too in torchao's
+    newer to_mx ("no-saturation E8M0 conversion maps both NaN and Inf to 0xff"); torchao 0.18's gives the
+    block a huge scale instead (its other values flush to zero), so an inf is left to the test above."""
+    m = ScaleCalculationMode.FLOOR if mode == "floor" else ScaleCalculationMode.RCEIL
+    t = _linear_tensors()["x"].clone()
+    t[3, 40], t[9, 200], t[20, 0] = math.nan, -math.nan, math.nan
+    scale, data = to_mx(t, torch.float8_e4m3fn, 32, m)
+    ref = to_dtype(data, scale, torch.float8_e4m3fn, 32, torch.float32)
+    ours = block_quantize(t, _fmt("e4m3", "mx32", mode))
+    assert ref.isnan().sum() == 3 * 32 and torch.equal(ref.isnan(), ours.isnan())
+    assert torch.equal(ref[~ref.isnan()], ours[~ours.isnan()])
+
+
+@pytest.mark.parametrize("name,role,f", _role_formats(), ids=lambda v: v if isinstance(v, str) else "")
+def test_values_near_flt_max_quantise_without_overflow(name, role, f):
+    """Blocks whose amax is near FP32's largest value (3.4e38): the largest, rounded up to the next power of
+    2, unscaled to 2^128 = inf (every element of fp8_block and mxfp8; the Hadamard transform of nvfp4's
+    gradients summed past it). Now finite, within the format's own error of the input."""
+    torch.manual_seed(0)
+    flt_max = torch.finfo(torch.float32).max
+    x = torch.cat([torch.full((8, 256), flt_max), torch.rand(56, 256) * flt_max]) * torch.randn(64, 256).sign()
+    q = block_quantize(x, f, -1, _gen(f))
+    assert torch.isfinite(q).all(), (~torch.isfinite(q)).sum()
+    rel = ((q.double() - x.double()).norm() / x.double().norm()).item()
+    assert rel < (0.5 if f.element == "e2m1" else 0.1), rel
+
+
 def test_formats_are_typed_and_unknown_values_are_errors():
     with pytest.raises(ValueError, match="unknown element format"):
         formats.TensorFormat("e3m4")

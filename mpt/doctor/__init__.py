@@ -30,6 +30,7 @@ steps against the untrained model's and FP32's on the same batches, (untrained -
 100% = learned as FP32 did, 0 = did not learn. It is not judged (the report says so) when FP32 itself lowered that
 loss by less than 1% of how much its own loss moves over the steps (max - min: a constant added to the loss changes
 nothing), or by less than 2^-13 of the loss: two numbers within the noise make no ratio.
+Where FP32's own loss climbed (replay.diverges) the examination stops there with one line: no verdict.
 
 The package, in the order of an examination:
   targets.py      TARGET -> a Patient (the model, its loss, batches and optimizer)

@@ -9,9 +9,9 @@ import time
 import torch
 import torch.nn as nn
 
-from mpt.doctor.replay import fp32_gain, progress, tail_steps, train, untrained_losses
+from mpt.doctor.replay import diverges, fp32_gain, progress, tail_steps, train, untrained_losses
 from mpt.doctor.targets import STEPS, LossError, Patient
-from mpt.doctor.verdict import MARGIN, TOLERANCE, analyse, confirm
+from mpt.doctor.verdict import MARGIN, TOLERANCE, analyse, confirm, label
 from mpt.doctor.keep_wide import search
 from mpt.doctor.whatif import whatif
 from mpt.errors import UserError, one_line
@@ -33,8 +33,20 @@ def examine(patient: Patient, steps: int = STEPS, device="cpu", tol: float = TOL
         raise UserError(f"{patient.name}: the loss is {fp32['losses'][bad[0]]} in FP32 already (step {bad[0]} of "
                         f"{steps}; {len(bad)} non-finite): fix the model, its data or its learning rate in FP32 "
                         f"before asking which lower precision it can train in")
-    fp16 = train(patient, "fp16", steps=steps, device=device, watch=True)
     untrained = untrained_losses(patient, steps, device)
+    judge = fp32_gain(fp32["losses"], untrained)
+    if diverges(judge):
+        # The same: a forward "overflow above 65504" or a BF16 verdict would be read as the cure for a loss
+        # that FP32 itself drives up (a learning rate too high), and a higher learning rate as the next try.
+        top = max(fp32["forward"].items(), key=lambda kv: kv[1]["max_abs"], default=None)
+        acts = f", activations up to {top[1]['max_abs']:.3g} in {label(top[0], fp32['types'])}" if top else ""
+        n = len(tail_steps(steps))
+        raise UserError(f"{patient.name}: FP32 itself diverges: its mean loss over the last {n} steps' batches rose "
+                        f"from the untrained model's {judge['untrained']:.3g} to {judge['untrained'] - judge['gain']:.3g}"
+                        f" in {steps} steps{acts}: the setup is unstable before any precision is lowered; make it "
+                        f"train in FP32 first (a lower learning rate, gradient clipping, a normalisation) -- no "
+                        f"precision verdict until then")
+    fp16 = train(patient, "fp16", steps=steps, device=device, watch=True)
     found = analyse(fp32, fp16, untrained, tol, margin)
     v = found["verdict"]
     runs = {"fp32": fp32, "fp16": fp16}
@@ -62,7 +74,6 @@ def examine(patient: Patient, steps: int = STEPS, device="cpu", tol: float = TOL
     kept = None
     if keep_wide:
         kept = search(patient, keep_wide, fp32, untrained, formats, fp16["first_inf"], steps, device, wide)
-    judge = fp32_gain(fp32["losses"], untrained)
     confirm(v, checks, verified, found["backward"]["s_high"], steps, judge)
     return {"patient": patient.name, "device": str(device), "steps": steps, "notes": notes, "fp32_gain": judge,
             "whatif": formats, "keep_wide": kept,

@@ -61,6 +61,18 @@ def fp32_gain(ref: list[float], untrained: list[float]) -> dict:
             "enough": math.isfinite(gain) and gain > 0 and gain >= needed}
 
 
+# FP32 itself diverges when its loss rose, from the untrained model's on the same batches, by a quarter of how
+# much it moves over the steps or more (and more than the gate's noise bound): a loss that did not fall but
+# wanders (noise, a plateau) stays within a share of its own spread; one that climbs makes most of it.
+DIVERGE = 0.25
+
+
+def diverges(judge: dict) -> bool:
+    """Did FP32's own loss rise clearly (fp32_gain's dict)? No precision verdict means anything then."""
+    rise = -judge["gain"]
+    return math.isfinite(rise) and rise > 0 and rise >= max(judge["needed"], DIVERGE * judge["spread"])
+
+
 def progress(losses: list[float], ref: list[float], untrained: list[float]) -> float | None:
     """How far a run got on the tail steps' batches, as a share of how far FP32 got from the untrained
     model's losses on the same batches: 1 = as FP32, 0 = not at all (None: non-finite, or FP32 did not move

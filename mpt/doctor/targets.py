@@ -67,6 +67,40 @@ def _their_frame(tb) -> traceback.FrameSummary | None:
     return frames[-1] if frames else None
 
 
+def _where(e: BaseException) -> str:
+    f = _their_frame(e.__traceback__)
+    return f" at {f.filename}:{f.lineno} (in {f.name})" if f else ""
+
+
+def _call_factory(factory: Callable, target: str, *args):
+    """factory(*args) -- the user's function or Task class -- with what it raises (or its sys.exit, which
+    would end the doctor with no word) as one line naming where in their code."""
+    try:
+        return factory(*args)
+    except UserError:
+        raise
+    except SystemExit as e:  # sys.exit(msg) exits 1 having printed msg; sys.exit() exits 0
+        code = 0 if e.code is None else e.code
+        said = f"code {code}" if isinstance(code, int) else f"code 1 ({code!r})"
+        raise UserError(f"{target}: the factory exited with {said} (sys.exit{_where(e)}) instead of returning "
+                        f"the patient; {FORM}") from None
+    except Exception as e:  # noqa: BLE001 -- anything their code raises
+        raise UserError(f"{target}: the factory raised {one_line(e)}{_where(e)}; fix it there") from None
+
+
+def check_model(model: nn.Module, name: str) -> None:
+    """A model the replays can train: parameters, with values (not on PyTorch's meta device)."""
+    params = list(model.parameters())
+    if not params:
+        raise UserError(f"{name}: the model ({type(model).__name__}) has no parameters: there is nothing to train "
+                        f"and no precision to choose; return the model whose weights the loss trains")
+    meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if meta:
+        raise UserError(f"{name}: the model's {meta[0]} ({len(meta)} tensors in all) is on the meta device (a shape "
+                        f"without values); materialise it before returning it: model.to_empty(device='cpu') and "
+                        f"initialise it, or load_state_dict(..., assign=True)")
+
+
 def call_loss(loss_fn: Callable, model: nn.Module, batch, name: str):
     """loss_fn(model, batch), whose exceptions -- a bug in the user's loss or model -- become one line naming
     where in their code it happened (a LossError) instead of a traceback through the doctor."""
@@ -99,16 +133,22 @@ def load(target: str, overrides: list[str] = (), profile: str | None = None, ste
     except ImportError as e:
         raise UserError(f"cannot import module {mod_name!r} ({type(e).__name__}: {e}); give a module importable "
                         f"from the current directory, e.g. mpt.doctor.examples:underflow") from None
+    except SyntaxError as e:  # (its traceback is the doctor's import machinery; the line is the user's)
+        raise UserError(f"cannot import module {mod_name!r}: {type(e).__name__}: {e.msg} at {e.filename}:{e.lineno}; "
+                        f"fix it there") from None
+    except Exception as e:  # noqa: BLE001 -- whatever their module's top level raises
+        raise UserError(f"cannot import module {mod_name!r}: it raised {one_line(e)}{_where(e)}; fix it there") \
+            from None
     obj = getattr(mod, attr, None)
     if obj is None:
         public = sorted(k for k, v in vars(mod).items() if callable(v) and not k.startswith("_")
                         and getattr(v, "__module__", None) == mod.__name__)
         raise UserError(f"module {mod_name!r} has no {attr!r}; it defines: {', '.join(public) or 'nothing callable'}")
     if inspect.isclass(obj) and issubclass(obj, Task):
-        return _from_task(obj(Config()), target, steps)
+        return _from_task(_call_factory(obj, target, Config()), target, steps)
     if not callable(obj):
         raise UserError(f"{target} is a {type(obj).__name__}, not a function; {FORM}")
-    got = obj()
+    got = _call_factory(obj, target)
     if isinstance(got, Task):
         return _from_task(got, target, steps)
     return _from_value(got, target)
@@ -129,6 +169,7 @@ def _from_value(got: Any, target: str) -> Patient:
     model, loss, batches, opt = parts
     if not isinstance(model, nn.Module):
         raise UserError(f"{target}: the model is a {type(model).__name__}, not a torch.nn.Module; {FORM}")
+    check_model(model, target)
     if not callable(loss):
         raise UserError(f"{target}: the loss is a {type(loss).__name__}, not a function loss(model, batch); {FORM}")
     if opt is not None and not callable(opt):
@@ -160,6 +201,7 @@ def _from_task(task: Task, name: str, steps: int) -> Patient:
     model = task.build_model()
     if isinstance(model, nn.ModuleDict):
         raise UserError(f"{name}: the task builds several models ({', '.join(model)}); the doctor examines one")
+    check_model(model, name)
     micro = max(1, cfg.train.batch_size // cfg.train.accum_steps)
     if len(train) < micro:
         raise UserError(f"{name}: train.batch_size={micro} is larger than the training set ({len(train)})")

@@ -205,6 +205,9 @@ class Watch:
         self.first: dict | None = None  # the first non-finite value: step, module, phase, op
         self.findings: dict[str, str] = {}  # kind -> its line (each kind once)
         self.run_up: dict[str, collections.deque] = {}  # module -> (step, fwd max, bwd max) of recent samples
+        # The run-up as it stood at the first non-finite value: the samples after it (chased, traced, all
+        # nan once the weights are) would push the ones that lead to it out of `run_up`.
+        self.run_up_to_first: dict[str, list] = {}
         self.samples = 0  # sampled steps, traced ones included
         self.traced = 0
         self._names = {m: f"{n or 'root'} ({type(m).__name__})" for n, m in model.named_modules()}
@@ -299,12 +302,14 @@ class Watch:
             if now <= 1.0 and self._fell(now):  # the counts as the loop ended (and a fall after the last sample)
                 self.findings["scale_fell"] = self._fell(now, self.step_count)
         out += [f"{'SETUP' if kind in SETUP else 'NOTE'}: {line}" for kind, line in self.findings.items()]
+        run_up = self.run_up
         if self.first:
             out.append(f"FIRST NON-FINITE: {_event(self.first)}")
-            out.append(f"  its run-up: {self._run_up_line(self.first['module'])}")
-        top = sorted(self.run_up, key=lambda m: -max(max(f, b) for _, f, b in self.run_up[m]))[:3]
+            run_up = self.run_up_to_first  # the samples before it: what led there
+            out.append(f"  its run-up: {self._run_up_line(self.first['module'], run_up)}")
+        top = sorted(run_up, key=lambda m: -max((max(f, b) for _, f, b in run_up[m]), default=0.0))[:3]
         for m in top:
-            out.append(f"  largest |value| in {m}: {self._run_up_line(m)}")
+            out.append(f"  largest |value| in {m}: {self._run_up_line(m, run_up)}")
         return out
 
     def _fell(self, scale: float, steps: int | None = None) -> str | None:
@@ -460,15 +465,18 @@ class Watch:
             self.log(f"traced: {_traced(e)}")
             return
         self.first = e
+        self.run_up_to_first = {m: [r for r in rows if r[0] < e["step"]] for m, rows in self.run_up.items()}
         if e["phase"] == "backward" and self.scaler is not None and self.scaler.is_enabled():
             e["note"] = "the GradScaler skips such a step and lowers S: expected while it finds its scale"
         self.log(f"first non-finite value: {_event(e)}")
         # Name the operation: trace the next steps (a module whose output stays finite hides it at module level).
         self._chase = self.every if e["phase"] != "before the step" and "op" not in e else 0
 
-    def _run_up_line(self, module: str) -> str:
-        rows = list(self.run_up.get(module, ()))[-4:]
-        return ", ".join(f"step {s} fwd {f:.3g} bwd {b:.3g}" for s, f, b in rows) or "not sampled"
+    def _run_up_line(self, module: str, run_up: dict) -> str:
+        rows = list(run_up.get(module, ()))[-4:]
+        if rows or not self.first:
+            return ", ".join(f"step {s} fwd {f:.3g} bwd {b:.3g}" for s, f, b in rows) or "not sampled"
+        return f"not sampled before step {self.first['step']}"
 
     # -- which module is running ---------------------------------------------------------------------------
     def _current(self) -> str:
