@@ -228,6 +228,31 @@ def safe_name(name: str, what: str, source) -> str:
     return name
 
 
+class PreparedInfo(dict):
+    """A prepared.json's content: a key it lacks (an edited or truncated file, another version's) is a
+    one-line UserError naming the file and the fix, not a KeyError traceback mid-run."""
+
+    def __init__(self, data: dict, path: Path, fix: str):
+        super().__init__(data)
+        self.path, self.fix = path, fix
+
+    def __missing__(self, key):
+        raise UserError(f"{self.path} has no {key!r} entry: it is damaged or was written by another version; {self.fix}")
+
+
+def read_prepared(root, fix: str) -> PreparedInfo:
+    """root/prepared.json (which must exist: callers say how to make it) as a PreparedInfo; unreadable
+    JSON or not a mapping is a one-line UserError ending in `fix` (e.g. the prepare command with --force)."""
+    path = Path(root) / MARKER
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot read {path} ({type(e).__name__}: {e}); {fix}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path} is not a JSON object; {fix}")
+    return PreparedInfo(data, path, fix)
+
+
 def rgb_tensor(data: bytes):
     """Encoded image bytes as a uint8 (3, H, W) RGB tensor (HWC in memory): libjpeg-turbo through
     torchvision's decoder, ~2/3 of PIL's time on photographs; PIL for what it refuses (a PNG named .JPEG,

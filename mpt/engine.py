@@ -15,7 +15,9 @@ mpt/cli.py (the command line).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import functools
 import math
 import sys
@@ -400,8 +402,9 @@ class Run:
             # The main process's copy (and through it the base dataset's own layout for the epoch);
             # workers get the epoch with each index (EpochSampler(with_epoch=True)).
             d.train_ds.set_epoch(epoch)
-            for b in d.train_loader:
-                yield epoch, b
+            with open_files_limit(self.cfg):
+                for b in d.train_loader:
+                    yield epoch, b
 
     def train_step(self, micro_batches) -> tuple[dict, int, dict]:
         """One iteration (TrainStep) -> (logs: device tensors, items, the numerics sample or {}). The
@@ -427,7 +430,8 @@ class Run:
                          device=self.device, channels_last=self.channels_last, rank=self.rank, world=self.world,
                          run_dir=self.record.dir, eval_max_batches=self.cfg.train.eval_max_batches, write_image=write)
         t.model.eval()
-        metrics = dict(self.task.evaluate(ev))
+        with open_files_limit(self.cfg):
+            metrics = dict(self.task.evaluate(ev))
         t.model.train()
         return metrics
 
@@ -537,6 +541,34 @@ class Run:
                            **{f"final/{k}": v for k, v in metrics.items()}})
         rec.wandb.finish(0 if status in ("completed", "interrupted") else 1)
         return s
+
+
+@contextlib.contextmanager
+def open_files_limit(cfg):
+    """Running out of file descriptors in a loader (EMFILE: its workers' shared-memory tensors travel as
+    descriptors, persistent workers hold theirs) as a one-line error naming the limit and the fixes,
+    not a traceback from inside torch's multiprocessing."""
+    try:
+        yield
+    except (OSError, RuntimeError) as e:
+        if getattr(e, "errno", None) != errno.EMFILE and "Too many open files" not in str(e):
+            raise
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        # The half-started loader iterator fails in its own __del__ at exit ("Exception ignored ...
+        # '_MultiProcessingDataLoaderIter' object has no attribute '_workers_status'"): a torch error after
+        # ours, not the user's to read. Silence that one report only.
+        hook = sys.unraisablehook
+
+        def quiet(u):
+            if not (isinstance(u.exc_value, AttributeError) and "_MultiProcessingDataLoaderIter" in repr(u.object)):
+                hook(u)
+
+        sys.unraisablehook = quiet
+        raise UserError(f"the data loader ran out of file descriptors (this process may open {soft}; the hard "
+                        f"limit is {hard}): raise it with `ulimit -n {min(hard, max(4 * soft, 4096))}` before the "
+                        f"run, or lower train.num_workers={cfg.train.num_workers}") from None
 
 
 def run(cfg, task: Task, on_result=None) -> dict:

@@ -18,6 +18,7 @@ from torchvision.datasets import ImageFolder
 
 from mpt.errors import UserError
 
+from ..common import read_prepared
 from .prepare import CLASSES, MARKER
 
 SPLITS = ("train", "val")
@@ -72,7 +73,7 @@ class ImageNetFolder(ImageFolder):
         if not (root / MARKER).is_file():
             raise _no_marker(root)
         self.split = split
-        self.info = json.loads((root / MARKER).read_text())
+        self.info = read_prepared(root, _redo_hint(root))
         try:
             super().__init__(root / split, transform=transform, target_transform=target_transform,
                              loader=loader or functools.partial(load_rgb, root=root))

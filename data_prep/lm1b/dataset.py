@@ -18,14 +18,13 @@ reset it where window == 0 (the start of a stream: a new epoch, or a new evaluat
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from data_prep.common import check_id_file
+from data_prep.common import check_id_file, read_prepared
 from mpt.errors import UserError
 
 from .prepare import BOS, EOS, MARKER, UNK, VOCAB, load_vocab
@@ -41,7 +40,7 @@ class Prepared:
             raise UserError(f"no prepared One Billion Word data at {self.root} (no {MARKER}); run "
                             f"python -m data_prep.lm1b --archive <release .tar.gz> --out {self.root} "
                             f"(or python -m data_prep.lm1b.tiny for the tiny one)")
-        self.info = json.loads(marker.read_text())
+        self.info = read_prepared(self.root, "rerun python -m data_prep.lm1b with --force")
         self.vocab = load_vocab(self.root / VOCAB)
         if len(self.vocab) != self.info["vocab_size"]:
             raise UserError(f"{self.root / VOCAB} has {len(self.vocab)} words, {MARKER} says "

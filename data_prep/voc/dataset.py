@@ -9,7 +9,6 @@ one past the edge) would otherwise be dropped whole by SanitizeBoundingBoxes. da
 every box keeps at least a pixel inside its image."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -18,7 +17,7 @@ from torchvision import tv_tensors
 
 from mpt.errors import UserError
 
-from ..common import rgb_tensor
+from ..common import read_prepared, rgb_tensor
 from .prepare import MARKER, check_box, parse_annotation
 
 
@@ -27,7 +26,7 @@ def read_marker(root) -> dict:
     if not path.is_file():
         raise UserError(f"{root} is not a prepared VOC folder (no {MARKER}); run "
                         f"python -m data_prep.voc --archives DIR --out {root}")
-    return json.loads(path.read_text())
+    return read_prepared(root, f"rerun python -m data_prep.voc --archives DIR --out {root} --force")
 
 
 def read_rgb(path: str) -> torch.Tensor:

@@ -1,13 +1,12 @@
 """Reading a prepared WMT15 folder (data_prep/wmt15/prepare.py): sentence pairs of subword ids."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from data_prep.common import check_id_file
+from data_prep.common import check_id_file, read_prepared
 from mpt.errors import UserError
 from mpt.rundir import sampled_digest
 
@@ -21,7 +20,7 @@ class Prepared:
             raise UserError(f"{self.root} is not a prepared WMT15 folder (no {MARKER}); run "
                             f"`python -m data_prep.wmt15 --archives DIR --out {self.root}` "
                             f"(or data_prep.wmt15.tiny for the CPU set)")
-        self.info = json.loads((self.root / MARKER).read_text())
+        self.info = read_prepared(self.root, f"rerun python -m data_prep.wmt15 --archives DIR --out {self.root} --force")
         self.vocab = self.info["vocab"]  # {"en": n, "fr": n}
         self.special = self.info["special_ids"]
         for lang, digest in self.info.get("spm_digest", {}).items():  # the subword models BLEU decodes with
