@@ -155,3 +155,16 @@ def test_header_size_reads_the_frame_header_of_every_kind_of_file():
     cases["png"] = buf.getvalue()
     for name, data in cases.items():
         assert pipeline.header_size(data) == (37, 53), name
+
+
+def test_a_damaged_file_in_the_gpu_decodes_batch_is_one_line_naming_it(tmp_path, photos):
+    """decode=gpu: the decode runs in the training process; a truncated JPEG in the batch (nvJPEG refuses
+    it, libjpeg-turbo too) is named in one line, not a traceback from the decoder."""
+    data = open(photos[0], "rb").read()
+    bad = tmp_path / "n01440764_7.JPEG"
+    bad.write_bytes(data[: len(data) // 2])
+    gpu = ImagePipeline(tmp_path, "torchvision", True, 224, 256, flip=True, decode="gpu")
+    x, _ = collate([(gpu(photos[1]), 0), (gpu(str(bad)), 1)])
+    with pytest.raises(UserError, match="cannot read image .*n01440764_7.JPEG") as e:
+        decode_on_device(x, torch.device("cpu"))
+    assert "\n" not in str(e.value)

@@ -201,6 +201,8 @@ class Encoded:
     """A sample for the GPU decode: the file's bytes and its drawn plan (to the device as they are)."""
     data: torch.Tensor  # uint8, 1-D: the encoded file
     plan: Plan
+    path: str = ""  # where it was read from, and the prepared root: for the error naming a damaged file
+    root: str = ""
 
 
 class EncodedBatch:
@@ -210,6 +212,7 @@ class EncodedBatch:
     def __init__(self, samples: list[Encoded]):
         self.data = [s.data for s in samples]
         self.plans = [s.plan for s in samples]
+        self.paths = [(s.path, s.root) for s in samples]
 
     def __len__(self):
         return len(self.data)
@@ -223,15 +226,24 @@ def decode_on_device(batch: EncodedBatch, device: torch.device) -> torch.Tensor:
 
     from torchvision.io import ImageReadMode, decode_jpeg
 
-    from data_prep.common import rgb_tensor
-
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # as rgb_tensor: the decoders' deprecation
             imgs = decode_jpeg(batch.data, mode=ImageReadMode.RGB, device=device)
     except RuntimeError:  # a file nvJPEG refuses (a PNG named .JPEG, as ILSVRC's train set holds): each on the CPU
-        imgs = [rgb_tensor(d.numpy().tobytes()).to(device) for d in batch.data]
+        imgs = [_host_decode(d, where).to(device) for d, where in zip(batch.data, batch.paths)]
     return torch.stack([apply_plan(x, p) for x, p in zip(imgs, batch.plans)])
+
+
+def _host_decode(data: torch.Tensor, where: tuple[str, str]) -> torch.Tensor:
+    from data_prep.common import rgb_tensor
+
+    from .dataset import damaged
+
+    try:
+        return rgb_tensor(data.numpy().tobytes())
+    except (OSError, ValueError, SyntaxError, RuntimeError) as e:  # a damaged file: named, one line
+        raise damaged(where[0], Path(where[1]), e) from None
 
 
 class ImagePipeline:
@@ -250,7 +262,7 @@ class ImagePipeline:
             h, w = header_size(data)
             p = draw_plan(self.augment, self.train, h, w, self.crop, self.resize, self.flip)
             if self.decode == "gpu":
-                return Encoded(torch.frombuffer(bytearray(data), dtype=torch.uint8), p)
+                return Encoded(torch.frombuffer(bytearray(data), dtype=torch.uint8), p, str(path), str(self.root))
             x, scale = decode_for(data, p, h, w)
         except (OSError, ValueError, SyntaxError, RuntimeError) as e:  # PIL's and libjpeg's decode errors
             raise damaged(path, self.root, e) from None
