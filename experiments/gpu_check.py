@@ -513,6 +513,15 @@ def photo_imagenet(work: Path, train_per_class: int, val_per_class: int, workers
     return out, round(time.time() - t0, 1)
 
 
+def _failed_runs(out: dict, name) -> dict:
+    """The part failed when any of its runs (out["rows"]) did not complete: each named by name(row)."""
+    bad = [r for r in out["rows"] if r["status"] != "completed"]
+    if bad:
+        out["status"] = "failed"
+        out["error"] = "; ".join(f"{name(r)}: {r['status']} {r.get('error') or ''}".rstrip() for r in bad)
+    return out
+
+
 def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
@@ -566,10 +575,7 @@ def part_e2e(ctx: Ctx) -> dict:
               f"({row['seconds']:.0f} s)", file=sys.stderr, flush=True)
         out["rows"].append(row)
         ctx.emit(out)
-    bad = [r for r in out["rows"] if r["status"] != "completed"]
-    if bad:
-        out["status"], out["error"] = "failed", "; ".join(f"decode={r['decode']}: {r['status']} {r['error']}" for r in bad)
-    return out
+    return _failed_runs(out, lambda r: f"decode={r['decode']}")
 
 
 def part_ssd_e2e(ctx: Ctx) -> dict:
@@ -645,10 +651,7 @@ def part_cifar(ctx: Ctx) -> dict:
             print(f"cifar {prec} seed {seed}: {row['status']} top1 {(row.get('metrics') or {}).get('top1')} "
                   f"({row['seconds']:.0f} s)", file=sys.stderr, flush=True)
             ctx.emit(out)
-    bad = [r for r in out["rows"] if r["status"] != "completed"]
-    if bad:
-        out["status"], out["error"] = "failed", "; ".join(f"{r['precision']} seed {r['seed']}: {r['status']}" for r in bad)
-    return out
+    return _failed_runs(out, lambda r: f"{r['precision']} seed {r['seed']}")
 
 
 def part_env(ctx: Ctx) -> dict:
