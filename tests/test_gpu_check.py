@@ -68,8 +68,10 @@ def test_cpu_smoke_runs_every_part(tmp_path):
     assert res["wall_s"] <= res["budget_s"] == gpu_check.SMOKE_CALL_S
     parts = res["parts"]
     assert list(parts) == list(gpu_check.PARTS)
-    assert {p: v["status"] for p, v in parts.items()} == {p: "ok" for p in gpu_check.PARTS}, \
-        {p: v["error"] for p, v in parts.items()}
+    # cifar reads the development subset from data/ or ../shared/data and is skipped where neither has it
+    has_cifar = any(p.is_file() for p in (REPO / "data/cifar10-dev.tar.gz", REPO.parent / "shared/data/cifar10-dev.tar.gz"))
+    assert {p: v["status"] for p, v in parts.items()} == {p: "ok" if p != "cifar" or has_cifar else "skipped"
+                                                          for p in gpu_check.PARTS}, {p: v["error"] for p, v in parts.items()}
 
     head = parts["headline"]["result"]["rows"]
     # channels_last (the CNNs' layout on CUDA) first, then NCHW; each with the four precisions
@@ -110,7 +112,7 @@ def test_cpu_smoke_runs_every_part(tmp_path):
     assert e2e["num_workers"] >= 1 and e2e["data"]["train_images"] == 24
     assert parts["ssd_e2e"]["result"]["row"]["status"] == "completed"
     cifar = parts["cifar"]["result"]
-    if "note" not in parts["cifar"] or not parts["cifar"]["note"]:
+    if has_cifar:
         assert sorted(x["precision"] for x in cifar["rows"]) == sorted(gpu_check.CIFAR_PRECISIONS)
         assert all(x["status"] == "completed" for x in cifar["rows"])
 
