@@ -168,3 +168,19 @@ def test_a_damaged_file_in_the_gpu_decodes_batch_is_one_line_naming_it(tmp_path,
     with pytest.raises(UserError, match="cannot read image .*n01440764_7.JPEG") as e:
         decode_on_device(x, torch.device("cpu"))
     assert "\n" not in str(e.value)
+
+
+def test_the_gpu_decodes_batch_passes_a_cpu_loaders_pinning_unchanged(photos):
+    """decode=gpu on a CUDA run decodes in the loader's pin-memory thread (EncodedBatch.pin_memory); where no
+    GPU is visible the batch passes through the loader as it came from the collate."""
+    from torch.utils.data import DataLoader
+
+    gpu = ImagePipeline("root", "torchvision", True, 224, 256, flip=True, decode="gpu")
+    batch = collate([(gpu(p), k) for k, p in enumerate(photos[:3])])
+    if not torch.cuda.is_available():
+        assert batch[0].pin_memory() is batch[0]
+    loader = DataLoader([(gpu(p), k) for k, p in enumerate(photos[:4])], batch_size=2, collate_fn=collate,
+                        pin_memory=torch.cuda.is_available())
+    for x, y in loader:
+        out = x if isinstance(x, torch.Tensor) else decode_on_device(x, torch.device("cpu"))
+        assert out.shape == (2, 3, 224, 224) and out.dtype == torch.uint8

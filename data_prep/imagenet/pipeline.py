@@ -19,8 +19,9 @@ A Plan runs in one of two places (task.decode):
        draft mode): a 1000x750 photograph whose crop ends at 224 px decodes a quarter of its pixels.
        A crop box is then rounded to the smaller image's pixel grid (within k/2 source pixels at 1/k).
   gpu  the worker reads the file and draws the plan; the batch's JPEGs are decoded together on the GPU
-       (nvJPEG through torchvision.io.decode_jpeg(device="cuda")) and the plans applied there: for
-       nodes with few cores per GPU (decode_on_device).
+       (nvJPEG through torchvision.io.decode_jpeg(device="cuda")) and the plans applied there, in the
+       DataLoader's pin-memory thread while the step trains (EncodedBatch.pin_memory): for nodes with few
+       cores per GPU (decode_on_device).
 """
 from __future__ import annotations
 
@@ -216,6 +217,15 @@ class EncodedBatch:
 
     def __len__(self):
         return len(self.data)
+
+    def pin_memory(self, device=None):
+        """What the DataLoader's pin-memory thread does with the batch (pin_memory=True: the CUDA runs):
+        decode it on its GPU there, so nvJPEG's host stage and the crops' launches overlap the training
+        step on the main thread, instead of running between steps. -> the uint8 (N, 3, h, w) batch on the
+        GPU (Task.images normalises it); unchanged where no GPU is visible."""
+        if not torch.cuda.is_available():
+            return self
+        return decode_on_device(self, torch.device("cuda", torch.cuda.current_device()))
 
 
 def decode_on_device(batch: EncodedBatch, device: torch.device) -> torch.Tensor:
