@@ -261,9 +261,9 @@ def rgb_tensor(data: bytes):
     damaged file raises PIL's OSError."""
     import warnings
 
-    import numpy as np
     import torch
     from PIL import Image
+    from torchvision.transforms.functional import pil_to_tensor
 
     try:
         from torchvision.io import ImageReadMode, decode_image as tv_decode
@@ -274,7 +274,7 @@ def rgb_tensor(data: bytes):
     except (ImportError, RuntimeError):
         pass
     with Image.open(io.BytesIO(data)) as im:
-        return torch.from_numpy(np.asarray(im.convert("RGB")).copy()).permute(2, 0, 1)
+        return pil_to_tensor(im.convert("RGB"))
 
 
 def decode_image(data, what: str, fix: str, kind: str = "an image") -> tuple[str, tuple[int, int]]:

@@ -1,5 +1,5 @@
 """The first GPU call in one command: what a GPU tells us that the CPU cannot, in one call of at
-most 6 minutes on one H100 or H200 (a short lease: the machine's start and a rerun must fit beside it),
+most 6 minutes on one H100 or H200 (a time-limited GPU job: the machine's start and a rerun must fit beside it),
 into one results file.
 
     python -m experiments.gpu_check [--out DIR] [--parts a,b] [--budget 360]
@@ -59,7 +59,7 @@ from mpt.errors import UserError, cli, one_line
 SCHEMA = "gpu_check/1"
 PARTS = ("headline", "e2e", "ssd_e2e", "resume", "ds2_worst", "cifar", "models", "ddp")
 RESULTS_DIR = "experiments/speed_memory/results"
-# The whole call's default limit, the environment probe included: 6 minutes. A lease of 15 minutes
+# The whole call's default limit, the environment probe included: 6 minutes. A 15-minute GPU job
 # spends 1-2 on the machine's start; 6 here leaves room for a second call that reruns what failed.
 DEFAULT_CALL_S = 360
 PROBE_S = 60  # importing torch and reading the device: ~10-20 s with CUDA's first initialisation
@@ -522,8 +522,12 @@ def _failed_runs(out: dict, name) -> dict:
     return out
 
 
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+def _timed_run_keys(ctx: Ctx, folder: str) -> list[str]:
+    """The overrides every end-to-end run shares: log windows to time, no evaluation or checkpoint to
+    speak of, no tracking, its own folder of the call's work, this device."""
+    return [f"train.log_every={ctx.sizes.e2e_log_every}", "train.eval_every_epochs=1000", "train.eval_max_batches=1",
+            "train.ckpt_every_minutes=0", "train.progress=false", "wandb.mode=disabled",
+            f"out_dir={ctx.work / folder}", f"device={ctx.device}"]
 
 
 def _engine_run(experiment: str, overrides: list[str], skip_windows: int) -> dict:
@@ -549,10 +553,10 @@ def part_e2e(ctx: Ctx) -> dict:
     this machine, the machine's cores as loader workers, with the JPEGs decoded on the CPU (workers) and
     on the GPU (nvJPEG). Its images/s against the headline's synthetic ones: ratio_to_synthetic (the parent
     fills it in from the same call's headline)."""
-    from mpt.ranks import loader_workers
+    from mpt.ranks import loader_workers, usable_cpus
 
     s = ctx.sizes
-    cores = _cores()
+    cores = usable_cpus()
     workers = max(1, loader_workers("auto"))  # the paper profiles' train.num_workers=auto: the cores less one
     data, wrote_s = photo_imagenet(ctx.work, s.e2e_train_per_class, s.e2e_val_per_class, cores)
     out = {"cores": cores, "num_workers": workers, "data": {"train_images": 12 * s.e2e_train_per_class,
@@ -565,9 +569,7 @@ def part_e2e(ctx: Ctx) -> dict:
               f"task.data_root={data}", "task.augment=torchvision", f"task.decode={decode}",
               f"task.crop={s.e2e_crop}", f"task.resize={s.e2e_resize}",
               f"train.batch_size={s.headline_batch}", f"train.max_steps={s.e2e_steps}", f"train.num_workers={workers}",
-              f"train.log_every={s.e2e_log_every}", "train.eval_every_epochs=1000", "train.eval_max_batches=1",
-              "train.ckpt_every_minutes=0", "train.progress=false", "wandb.mode=disabled",
-              f"out_dir={ctx.work / 'e2e_runs'}", f"device={ctx.device}"]
+              *_timed_run_keys(ctx, "e2e_runs")]
         row = {"model": RN, "precision": "mixed", "impl": "autocast", "channels_last": True, "decode": decode,
                "batch": s.headline_batch, **_engine_run("ilsvrc_cnns", ov, s.e2e_skip_windows)}
         row["seconds"] = round(time.time() - t0, 1)
@@ -583,10 +585,10 @@ def part_ssd_e2e(ctx: Ctx) -> dict:
     VOC's sizes (data_prep.voc.real_photos) with SSD's augmentation in the machine's cores."""
     from data_prep.voc import prepare as voc_prepare
     from data_prep.voc.real_photos import generate
-    from mpt.ranks import loader_workers
+    from mpt.ranks import loader_workers, usable_cpus
 
     s = ctx.sizes
-    cores = _cores()
+    cores = usable_cpus()
     workers = max(1, loader_workers("auto"))
     t0 = time.time()
     arch, data = ctx.work / "voc_archives", ctx.work / "voc"
@@ -598,9 +600,7 @@ def part_ssd_e2e(ctx: Ctx) -> dict:
     ov = ["model=ssd300_vgg16", "precision=mixed", "impl=autocast", "channels_last=true", f"width={s.width}",
           f"task.data_root={data}", "task.train_sets=[2007_trainval]", "task.backbone=scratch",
           f"train.batch_size={s.ssd_batch}", f"train.max_steps={s.ssd_steps}", f"train.num_workers={workers}",
-          f"train.log_every={s.e2e_log_every}", "train.eval_every_epochs=1000", "train.eval_max_batches=1",
-          "train.ckpt_every_minutes=0", "train.progress=false", "wandb.mode=disabled",
-          f"out_dir={ctx.work / 'ssd_runs'}", f"device={ctx.device}"]
+          *_timed_run_keys(ctx, "ssd_runs")]
     t0 = time.time()
     out["row"] = {"model": "ssd300_vgg16", "precision": "mixed", "batch": s.ssd_batch,
                   **_engine_run("voc_detection", ov, s.e2e_skip_windows), "seconds": 0.0}
@@ -618,6 +618,7 @@ def part_cifar(ctx: Ctx) -> dict:
     cores in fp32, fp16 (S = 1), mixed and bf16, one process per run, the four precisions of a seed
     side by side: top-1 to set beside the CPU emulation's (experiments/ilsvrc_cnns/config.yaml)."""
     from data_prep.imagenet import cifar_dev, prepare
+    from mpt import config
 
     s = ctx.sizes
     root = Path(__file__).resolve().parents[1]
@@ -642,8 +643,6 @@ def part_cifar(ctx: Ctx) -> dict:
                     cwd=root, env={**os.environ, "OMP_NUM_THREADS": str(s.cifar_threads)})))
         for seed, prec, ov, t0, p in procs:
             rc = p.wait()
-            from mpt import config
-
             summ = config.run_dir(config.resolve("ilsvrc_cnns", ov)) / "summary.json"
             s_ = json.loads(summ.read_text()) if summ.is_file() else {"status": f"exit {rc}"}
             row = {"precision": prec, "seed": seed, **_brief(s_), "seconds": round(time.time() - t0, 1)}
@@ -819,7 +818,7 @@ WORK_PREFIX = "gpu_check_"  # the call's temp work folder: <tmp>/gpu_check_XXXXX
 
 def new_work_folder() -> tuple[Path, int]:
     """A fresh temp work folder and the descriptor that holds an flock on it while this call lives; first,
-    the folders of calls that are gone are removed. A call killed by SIGKILL (a lease ending, an OOM kill)
+    the folders of calls that are gone are removed. A call killed by SIGKILL (a GPU job's time limit, an OOM kill)
     runs no cleanup and left its folder -- tiny data and runs -- in the temp folder for good; the kernel
     drops a dead call's lock, so a folder whose lock can be taken is a leftover."""
     import fcntl

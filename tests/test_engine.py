@@ -230,15 +230,22 @@ def test_two_optimizer_run_counts_skips_per_optimizer_and_writes_images(tmp_path
     assert numerics[0]["numerics/discriminator/skipped"] is False  # the overflow (iteration 1) was not sampled
 
 
-def test_two_optimizer_resume_is_bit_identical(tmp_path, monkeypatch):
+def _gan_uninterrupted_and_resumed(tmp_path, monkeypatch, at_step: int, **train):
+    """The toy GAN run through (tmp_path/a) and stopped after step at_step + 1, then resumed (tmp_path/b):
+    both completed with the same final metrics. -> their run directories."""
     from toy_gan import ToyGan, config
 
-    full = run_task(config(tmp_path / "a"), ToyGan)
-    part = run_interrupted(monkeypatch, lambda _: run_task(config(tmp_path / "b"), ToyGan), None, at_step=4)
-    assert part["status"] == "interrupted" and part["step"] == 5
-    resumed = run_task(config(tmp_path / "b"), ToyGan)
+    cfg = lambda d: config(d, train=train) if train else config(d)  # noqa: E731
+    full = run_task(cfg(tmp_path / "a"), ToyGan)
+    part = run_interrupted(monkeypatch, lambda _: run_task(cfg(tmp_path / "b"), ToyGan), None, at_step=at_step)
+    assert part["status"] == "interrupted" and part["step"] == at_step + 1
+    resumed = run_task(cfg(tmp_path / "b"), ToyGan)
     assert resumed["status"] == "completed" and resumed["metrics"] == full["metrics"]
-    da, db = (tmp_path / x / "toy_gan" / full["run_name"] for x in ("a", "b"))
+    return tuple(tmp_path / x / "toy_gan" / full["run_name"] for x in ("a", "b"))
+
+
+def test_two_optimizer_resume_is_bit_identical(tmp_path, monkeypatch):
+    da, db = _gan_uninterrupted_and_resumed(tmp_path, monkeypatch, at_step=4)
     keys = ("step", "loss", "loss_D", "loss_G", "gap")
     assert [[x.get(k) for k in keys] for x in read_lines(da)] == [[x.get(k) for k in keys] for x in read_lines(db)]
     ca, cb = (torch.load(d / "checkpoint.pt", weights_only=True) for d in (da, db))
@@ -254,15 +261,7 @@ def test_two_optimizer_resume_is_bit_identical(tmp_path, monkeypatch):
 def test_resume_inside_a_log_window_logs_the_same_lines(tmp_path, monkeypatch):
     """Stopped at step 7 with a line every 5 steps: the step-10 line is the mean of steps 6-10, as in
     the uninterrupted run (it averaged only steps 8-10 when the window's sums were not checkpointed)."""
-    from toy_gan import ToyGan, config
-
-    cfg = lambda d: config(d, train=dict(log_every=5))  # noqa: E731
-    full = run_task(cfg(tmp_path / "a"), ToyGan)
-    part = run_interrupted(monkeypatch, lambda _: run_task(cfg(tmp_path / "b"), ToyGan), None, at_step=6)
-    assert part["status"] == "interrupted" and part["step"] == 7
-    resumed = run_task(cfg(tmp_path / "b"), ToyGan)
-    assert resumed["status"] == "completed" and resumed["metrics"] == full["metrics"]
-    da, db = (tmp_path / x / "toy_gan" / full["run_name"] for x in ("a", "b"))
+    da, db = _gan_uninterrupted_and_resumed(tmp_path, monkeypatch, at_step=6, log_every=5)
     clock = ("time", "throughput")  # of the process, not of the training
     la, lb = ([{k: v for k, v in x.items() if k not in clock} for x in read_lines(d) if x["kind"] == "train"]
               for d in (da, db))

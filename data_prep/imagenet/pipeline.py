@@ -71,13 +71,10 @@ class Plan:
     ow: int
     flip: bool
 
-    def as_row(self) -> list[int]:
-        return [self.rh, self.rw, self.top, self.left, self.h, self.w, self.oh, self.ow, int(self.flip)]
-
 
 def _flip(p: float) -> bool:
-    """RandomHorizontalFlip's draw (torch.rand(1) < p), taken whether or not flipping is on: no --
-    the flip-free profiles draw nothing, as their Compose had no flip."""
+    """RandomHorizontalFlip's draw (torch.rand(1) < p). Taken only where flipping is on: the flip-free
+    profiles' Compose had no flip, so they draw nothing here either."""
     return bool(torch.rand(1) < p)
 
 
@@ -177,6 +174,8 @@ def decode_for(data: bytes, p: Plan, h: int, w: int) -> tuple[torch.Tensor, tupl
     DCT-domain scaling (PIL draft) where the plan shrinks it at least that much, else whole through
     torchvision's libjpeg-turbo decode (faster than PIL's at full size). Non-JPEG files, CMYK and
     greyscale JPEGs come out as RGB either way."""
+    from torchvision.transforms.functional import pil_to_tensor
+
     from data_prep.common import rgb_tensor
 
     f = dct_factor(p, h, w)
@@ -186,15 +185,8 @@ def decode_for(data: bytes, p: Plan, h: int, w: int) -> tuple[torch.Tensor, tupl
             im.draft("RGB", (math.ceil(w / f), math.ceil(h / f)))  # the largest 1/k with size >= that
             if im.size != (w, h):
                 sw, sh = im.size
-                x = torch.from_numpy(_rgb_array(im)).permute(2, 0, 1)
-                return x, (sh / h, sw / w)
+                return pil_to_tensor(im.convert("RGB")), (sh / h, sw / w)
     return rgb_tensor(data), (1.0, 1.0)
-
-
-def _rgb_array(im: Image.Image):
-    import numpy as np
-
-    return np.array(im.convert("RGB"))  # a writable copy (torch.from_numpy wants one)
 
 
 @dataclass(frozen=True)
