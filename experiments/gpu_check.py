@@ -147,10 +147,11 @@ SMOKE = Sizes(headline_width=0.03125, headline_batch=4, headline_size="64", head
 
 
 class Ctx:
-    def __init__(self, smoke: bool, work: Path, emit):
+    def __init__(self, smoke: bool, work: Path, emit, models: tuple = TABLE1 + TABLE3, graphed: tuple = GRAPHED):
         import torch
 
         self.smoke, self.work, self.emit = smoke, work, emit
+        self.models, self.graphed = models, graphed  # the models part's cells (--models, --graphed)
         self.sizes = SMOKE if smoke else GPU
         self.device = torch.device("cpu") if smoke else torch.device("cuda", 0)
         if not smoke and not torch.cuda.is_available():
@@ -245,13 +246,13 @@ def part_models(ctx: Ctx) -> dict:
     s = ctx.sizes
     pb = paper_batches()
     out = {"paper_batch": pb, "rows": []}
-    for m in TABLE1 + TABLE3:
+    for m in ctx.models:
         b = s.batch or pb[m]["per_gpu"]
         size = str(s.speech_frames) if m in TABLE3 else s.image_size
         o = _bench_options(ctx, models=m, batch=b, size=size, width=s.width, warmup=s.warmup, kernels=False,
-                           steps=s.graphed_steps if m in GRAPHED else s.steps)
+                           steps=s.graphed_steps if m in ctx.graphed else s.steps)
         cells = [(p, i, False) for p, i in (("fp32", None), ("mixed", pb[m]["mixed_impl"]), ("fp16_storage", "paper"))]
-        if m in GRAPHED:
+        if m in ctx.graphed:
             cells += [(p, i, True) for p, i in (("fp32", None), ("mixed", "autocast"), ("fp16_storage", "paper"))]
         for prec, impl, graphed in cells:
             # The layout a run of this cell gets by default (channels_last=auto, precision.channels_last_pays)
@@ -259,7 +260,7 @@ def part_models(ctx: Ctx) -> dict:
             out["rows"].append(_measure(m, prec, impl, {**o, "channels_last": cl, "cuda_graphs": graphed}, ctx))
             report.add_ratios(out["rows"])
             ctx.emit(out)
-        if m in GRAPHED and ctx.device.type == "cuda":
+        if m in ctx.graphed and ctx.device.type == "cuda":
             out.setdefault("graphs_exact", []).extend(_graphs_exact(m, o, ctx))
             ctx.emit(out)
     bad = [r for r in out["rows"] if r["status"] not in ("ok", "skipped")]
@@ -702,7 +703,8 @@ def _mib(r: dict) -> str:
     return f"{b / 2**20:,.0f} MiB" if b else "-"
 
 
-def child_main(part: str, state: Path, smoke: bool, work: Path) -> int:
+def child_main(part: str, state: Path, smoke: bool, work: Path, models: tuple = TABLE1 + TABLE3,
+               graphed: tuple = GRAPHED) -> int:
     """Run one part in this process; its result (partial ones as it goes) lands in `state`."""
     from mpt.rundir import atomic_write_json
 
@@ -717,7 +719,7 @@ def child_main(part: str, state: Path, smoke: bool, work: Path) -> int:
         emit(r)
 
     try:
-        ctx = Ctx(smoke, work, emit_partial)
+        ctx = Ctx(smoke, work, emit_partial, models, graphed)
         r = PART_FNS[part](ctx)
         emit(r, status=r.pop("status", "ok"), error=r.pop("error", None), traceback=r.pop("traceback", None),
              note=r.pop("note", None))
@@ -742,14 +744,16 @@ def _read_part(state: Path, seconds: float, timeout: float) -> dict:
             "result": got.get("result") or {}}
 
 
-def run_part(part: str, smoke: bool, work: Path, timeout: float, save=lambda rec: None, every: float = 5.0) -> dict:
+def run_part(part: str, smoke: bool, work: Path, timeout: float, save=lambda rec: None, every: float = 5.0,
+             models: tuple = TABLE1 + TABLE3, graphed: tuple = GRAPHED) -> dict:
     """The part in a child process (a CUDA error or a leak cannot reach the next part; a hang is
     killed at `timeout`); its output is echoed live, indented. Every `every` seconds what it has
     finished goes to save(record), so a kill of the whole call loses at most those seconds."""
     state = work / f"{part}.state.json"
     state.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "experiments.gpu_check", "--_part", part, "--_state", str(state),
-           "--_work", str(work)] + (["--cpu-smoke"] if smoke else [])
+           "--_work", str(work), "--models", ",".join(models), "--graphed", ",".join(graphed) or "none"] + (
+               ["--cpu-smoke"] if smoke else [])
     env = dict(os.environ)
     if smoke:
         env["CUDA_VISIBLE_DEVICES"] = ""  # the smoke is a CPU run even on a GPU machine
@@ -1060,6 +1064,10 @@ def _parse(argv):
                         f"on a GPU; the CPU smoke: {SMOKE_CALL_S})")
     p.add_argument("--limit", default="", help="part=seconds,... : other limits for some parts (a rerun of what "
                    "a first call cut, e.g. --parts headline --limit headline=240)")
+    p.add_argument("--models", default=",".join(TABLE1 + TABLE3),
+                   help="the models part's models (comma-separated; default: every Table 1 and Table 3 model)")
+    p.add_argument("--graphed", default=",".join(GRAPHED), help="which of them are measured again with CUDA "
+                   f"graphs (comma-separated Table 1 models, or none; default: {','.join(GRAPHED)})")
     p.add_argument("--source-digest", action="store_true", help="print the digest of this tree's Python "
                    "sources (as a results file records it) and exit")
     p.add_argument("--_save_every", type=float, default=5.0, help=argparse.SUPPRESS)  # tests: sooner
@@ -1080,6 +1088,14 @@ def _parse(argv):
             a.limits[k.strip()] = -1.0
         if k.strip() not in PARTS or a.limits[k.strip()] <= 0:
             raise UserError(f"--limit {item}: write part=seconds with a part of {','.join(PARTS)}, e.g. headline=240")
+    a.models = tuple(x.strip() for x in a.models.split(",") if x.strip())
+    bad = [x for x in a.models if x not in TABLE1 + TABLE3]
+    if bad or not a.models:
+        raise UserError(f"--models {','.join(bad) or '(empty)'}: choose from {','.join(TABLE1 + TABLE3)}")
+    a.graphed = () if a.graphed.strip() == "none" else tuple(x.strip() for x in a.graphed.split(",") if x.strip())
+    bad = [x for x in a.graphed if x not in TABLE1]
+    if bad:
+        raise UserError(f"--graphed {','.join(bad)}: choose Table 1 models from {','.join(TABLE1)}, or none")
     if a.budget is not None and a.budget <= 0:
         raise UserError(f"--budget {a.budget:g}: give a positive number of seconds")
     return a
@@ -1089,7 +1105,7 @@ def _parse(argv):
 def main(argv=None) -> int:
     a = _parse(sys.argv[1:] if argv is None else argv)
     if a._part:  # a child: one part
-        return child_main(a._part, Path(a._state), a.cpu_smoke, Path(a._work))
+        return child_main(a._part, Path(a._state), a.cpu_smoke, Path(a._work), a.models, a.graphed)
     if a.report:
         return write_report([Path(x) for x in a.report])
     if a.source_digest:
@@ -1121,7 +1137,7 @@ def main(argv=None) -> int:
                "mode": "cpu-smoke" if a.cpu_smoke else "gpu", "date": date, "env": env,
                "source_digest": source_digest(),
                "sizes": dataclasses.asdict(SMOKE if a.cpu_smoke else GPU), "budget_s": round(total),
-               "part_budgets_s": {p: budgets[p] for p in a.parts}, "parts": {}, "wall_s": None, "exit_code": None}
+               "part_budgets_s": {p: budgets[p] for p in a.parts}, "models": list(a.models), "graphed": list(a.graphed), "parts": {}, "wall_s": None, "exit_code": None}
         print(f"gpu_check on {env['device_name']}: parts {', '.join(a.parts)}; budget {total:.0f} s; -> {path}",
               file=sys.stderr, flush=True)
 
@@ -1146,7 +1162,7 @@ def main(argv=None) -> int:
                 print(f"== {p} (limit {min(budgets[p], left):.0f} s)", file=sys.stderr, flush=True)
                 current = p
                 save(p, run_part(p, a.cpu_smoke, work, min(budgets[p], left), save=lambda rec, p=p: save(p, rec),
-                                 every=a._save_every))
+                                 every=a._save_every, models=a.models, graphed=a.graphed))
                 print(f"== {p}: {res['parts'][p]['status']} in {res['parts'][p]['seconds']:.1f} s"
                       + (f": {res['parts'][p]['error']}" if res["parts"][p]["error"] else ""), file=sys.stderr, flush=True)
         failed = [p for p, r in res["parts"].items() if r["status"] == "failed"]

@@ -234,3 +234,4 @@ def test_the_gpu_calls_exactness_check_on_the_cpu():
         r = bench.graphs_exactness("alexnet", "mixed", "autocast", o, torch.device("cpu"), steps=3,
                                    backend=graphs.EagerGraph)
     assert r["losses_equal"] and r["weights_equal"] and r["replays"] == 2 and r["captures"] == 1
+    assert r["eager_repeat_losses_equal"] and r["eager_repeat_max_weight_diff"] == 0.0
