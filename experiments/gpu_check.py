@@ -147,11 +147,13 @@ SMOKE = Sizes(headline_width=0.03125, headline_batch=4, headline_size="64", head
 
 
 class Ctx:
-    def __init__(self, smoke: bool, work: Path, emit, models: tuple = TABLE1 + TABLE3, graphed: tuple = GRAPHED):
+    def __init__(self, smoke: bool, work: Path, emit, models: tuple = TABLE1 + TABLE3, graphed: tuple = GRAPHED,
+                 e2e_workers: tuple = ("auto",)):
         import torch
 
         self.smoke, self.work, self.emit = smoke, work, emit
         self.models, self.graphed = models, graphed  # the models part's cells (--models, --graphed)
+        self.e2e_workers = e2e_workers  # the e2e part's loader workers, a run each (--e2e-workers)
         self.sizes = SMOKE if smoke else GPU
         self.device = torch.device("cpu") if smoke else torch.device("cuda", 0)
         if not smoke and not torch.cuda.is_available():
@@ -558,27 +560,28 @@ def part_e2e(ctx: Ctx) -> dict:
 
     s = ctx.sizes
     cores = usable_cpus()
-    workers = max(1, loader_workers("auto"))  # the paper profiles' train.num_workers=auto: the cores less one
+    # auto: the paper profiles' train.num_workers=auto, the cores less one
+    counts = [max(1, loader_workers("auto")) if w == "auto" else int(w) for w in ctx.e2e_workers]
     data, wrote_s = photo_imagenet(ctx.work, s.e2e_train_per_class, s.e2e_val_per_class, cores)
-    out = {"cores": cores, "num_workers": workers, "data": {"train_images": 12 * s.e2e_train_per_class,
+    out = {"cores": cores, "num_workers": counts[0], "data": {"train_images": 12 * s.e2e_train_per_class,
            "sizes": "3/4 at 500x375, 1/4 at 1000x750 (1 in 5 portrait), JPEG quality 90", "write_s": wrote_s,
            "source": "Debian mate-backgrounds nature photographs"}, "rows": []}
     ctx.emit(out)
-    for decode in ("cpu", "gpu"):
+    for workers, decode in [(w, d) for w in counts for d in ("cpu", "gpu")]:
         t0 = time.time()
         ov = [f"model={RN}", "precision=mixed", "impl=autocast", "channels_last=true", f"width={s.headline_width}",
               f"task.data_root={data}", "task.augment=torchvision", f"task.decode={decode}",
               f"task.crop={s.e2e_crop}", f"task.resize={s.e2e_resize}",
               f"train.batch_size={s.headline_batch}", f"train.max_steps={s.e2e_steps}", f"train.num_workers={workers}",
-              *_timed_run_keys(ctx, "e2e_runs")]
+              *_timed_run_keys(ctx, f"e2e_runs_w{workers}")]  # a folder each: the run id leaves workers out
         row = {"model": RN, "precision": "mixed", "impl": "autocast", "channels_last": True, "decode": decode,
-               "batch": s.headline_batch, **_engine_run("ilsvrc_cnns", ov, s.e2e_skip_windows)}
+               "num_workers": workers, "batch": s.headline_batch, **_engine_run("ilsvrc_cnns", ov, s.e2e_skip_windows)}
         row["seconds"] = round(time.time() - t0, 1)
-        print(f"e2e decode={decode}: {row['throughput_steady']} img/s steady, windows {row['windows']} "
+        print(f"e2e decode={decode} workers={workers}: {row['throughput_steady']} img/s steady, windows {row['windows']} "
               f"({row['seconds']:.0f} s)", file=sys.stderr, flush=True)
         out["rows"].append(row)
         ctx.emit(out)
-    return _failed_runs(out, lambda r: f"decode={r['decode']}")
+    return _failed_runs(out, lambda r: f"decode={r['decode']} workers={r['num_workers']}")
 
 
 def part_ssd_e2e(ctx: Ctx) -> dict:
@@ -703,8 +706,7 @@ def _mib(r: dict) -> str:
     return f"{b / 2**20:,.0f} MiB" if b else "-"
 
 
-def child_main(part: str, state: Path, smoke: bool, work: Path, models: tuple = TABLE1 + TABLE3,
-               graphed: tuple = GRAPHED) -> int:
+def child_main(part: str, state: Path, smoke: bool, work: Path, selection: dict) -> int:
     """Run one part in this process; its result (partial ones as it goes) lands in `state`."""
     from mpt.rundir import atomic_write_json
 
@@ -719,7 +721,7 @@ def child_main(part: str, state: Path, smoke: bool, work: Path, models: tuple = 
         emit(r)
 
     try:
-        ctx = Ctx(smoke, work, emit_partial, models, graphed)
+        ctx = Ctx(smoke, work, emit_partial, **selection)
         r = PART_FNS[part](ctx)
         emit(r, status=r.pop("status", "ok"), error=r.pop("error", None), traceback=r.pop("traceback", None),
              note=r.pop("note", None))
@@ -745,15 +747,15 @@ def _read_part(state: Path, seconds: float, timeout: float) -> dict:
 
 
 def run_part(part: str, smoke: bool, work: Path, timeout: float, save=lambda rec: None, every: float = 5.0,
-             models: tuple = TABLE1 + TABLE3, graphed: tuple = GRAPHED) -> dict:
+             selection: list[str] = ()) -> dict:
     """The part in a child process (a CUDA error or a leak cannot reach the next part; a hang is
     killed at `timeout`); its output is echoed live, indented. Every `every` seconds what it has
-    finished goes to save(record), so a kill of the whole call loses at most those seconds."""
+    finished goes to save(record), so a kill of the whole call loses at most those seconds. selection:
+    the call's --models/--graphed/--e2e-workers arguments, passed on to the part's process."""
     state = work / f"{part}.state.json"
     state.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "experiments.gpu_check", "--_part", part, "--_state", str(state),
-           "--_work", str(work), "--models", ",".join(models), "--graphed", ",".join(graphed) or "none"] + (
-               ["--cpu-smoke"] if smoke else [])
+           "--_work", str(work), *selection] + (["--cpu-smoke"] if smoke else [])
     env = dict(os.environ)
     if smoke:
         env["CUDA_VISIBLE_DEVICES"] = ""  # the smoke is a CPU run even on a GPU machine
@@ -917,11 +919,12 @@ def summary_text(res: dict) -> str:
                                                          else "") if name == "ds2_worst" else ""))
     e = P.get("e2e", {}).get("result", {})
     if e.get("rows"):
-        lines += ["", f"end to end: {RN} mixed (autocast, NHWC) from JPEG files, {e['num_workers']} loader workers "
-                      f"of {e['cores']} cores; {e['data']['train_images']:,} photographs ({e['data']['sizes']})",
-                  f"  {'decode':6s} {'status':10s} {'img/s':>9s} {'x synthetic':>11s}  per-window img/s"]
+        lines += ["", f"end to end: {RN} mixed (autocast, NHWC) from JPEG files, loader workers of {e['cores']} "
+                      f"cores; {e['data']['train_images']:,} photographs ({e['data']['sizes']})",
+                  f"  {'decode':6s} {'workers':>7s} {'status':10s} {'img/s':>9s} {'x synthetic':>11s}  per-window img/s"]
         for r in e["rows"]:
-            lines.append(f"  {r['decode']:6s} {r['status'] or '-':10s} {_num(r.get('throughput_steady'), '{:9.0f}')} "
+            lines.append(f"  {r['decode']:6s} {r.get('num_workers', e['num_workers']):7d} {r['status'] or '-':10s} "
+                         f"{_num(r.get('throughput_steady'), '{:9.0f}')} "
                          f"{_num(r.get('ratio_to_synthetic'), '{:10.2f}x')}  {r.get('windows')}")
     r = P.get("ssd_e2e", {}).get("result", {}).get("row")
     if r:
@@ -1068,6 +1071,9 @@ def _parse(argv):
                    help="the models part's models (comma-separated; default: every Table 1 and Table 3 model)")
     p.add_argument("--graphed", default=",".join(GRAPHED), help="which of them are measured again with CUDA "
                    f"graphs (comma-separated Table 1 models, or none; default: {','.join(GRAPHED)})")
+    p.add_argument("--e2e-workers", default="auto", help="the e2e part's loader workers, a run of each decode "
+                   "per value (comma-separated counts, or auto: the cores less one; e.g. 15,7,3 for what a node "
+                   "with fewer cores per GPU would feed)")
     p.add_argument("--source-digest", action="store_true", help="print the digest of this tree's Python "
                    "sources (as a results file records it) and exit")
     p.add_argument("--_save_every", type=float, default=5.0, help=argparse.SUPPRESS)  # tests: sooner
@@ -1096,6 +1102,11 @@ def _parse(argv):
     bad = [x for x in a.graphed if x not in TABLE1]
     if bad:
         raise UserError(f"--graphed {','.join(bad)}: choose Table 1 models from {','.join(TABLE1)}, or none")
+    a.e2e_workers = tuple(x.strip() for x in a.e2e_workers.split(",") if x.strip())
+    if not a.e2e_workers or not all(x == "auto" or (x.isdigit() and int(x) >= 1) for x in a.e2e_workers):
+        raise UserError(f"--e2e-workers {','.join(a.e2e_workers) or '(empty)'}: give counts >= 1 or auto, e.g. 15,7,3")
+    a.selection = ["--models", ",".join(a.models), "--graphed", ",".join(a.graphed) or "none",
+                   "--e2e-workers", ",".join(a.e2e_workers)]
     if a.budget is not None and a.budget <= 0:
         raise UserError(f"--budget {a.budget:g}: give a positive number of seconds")
     return a
@@ -1105,7 +1116,8 @@ def _parse(argv):
 def main(argv=None) -> int:
     a = _parse(sys.argv[1:] if argv is None else argv)
     if a._part:  # a child: one part
-        return child_main(a._part, Path(a._state), a.cpu_smoke, Path(a._work), a.models, a.graphed)
+        return child_main(a._part, Path(a._state), a.cpu_smoke, Path(a._work),
+                          {"models": a.models, "graphed": a.graphed, "e2e_workers": a.e2e_workers})
     if a.report:
         return write_report([Path(x) for x in a.report])
     if a.source_digest:
@@ -1137,7 +1149,7 @@ def main(argv=None) -> int:
                "mode": "cpu-smoke" if a.cpu_smoke else "gpu", "date": date, "env": env,
                "source_digest": source_digest(),
                "sizes": dataclasses.asdict(SMOKE if a.cpu_smoke else GPU), "budget_s": round(total),
-               "part_budgets_s": {p: budgets[p] for p in a.parts}, "models": list(a.models), "graphed": list(a.graphed), "parts": {}, "wall_s": None, "exit_code": None}
+               "part_budgets_s": {p: budgets[p] for p in a.parts}, "models": list(a.models), "graphed": list(a.graphed), "e2e_workers": list(a.e2e_workers), "parts": {}, "wall_s": None, "exit_code": None}
         print(f"gpu_check on {env['device_name']}: parts {', '.join(a.parts)}; budget {total:.0f} s; -> {path}",
               file=sys.stderr, flush=True)
 
@@ -1162,7 +1174,7 @@ def main(argv=None) -> int:
                 print(f"== {p} (limit {min(budgets[p], left):.0f} s)", file=sys.stderr, flush=True)
                 current = p
                 save(p, run_part(p, a.cpu_smoke, work, min(budgets[p], left), save=lambda rec, p=p: save(p, rec),
-                                 every=a._save_every, models=a.models, graphed=a.graphed))
+                                 every=a._save_every, selection=a.selection))
                 print(f"== {p}: {res['parts'][p]['status']} in {res['parts'][p]['seconds']:.1f} s"
                       + (f": {res['parts'][p]['error']}" if res["parts"][p]["error"] else ""), file=sys.stderr, flush=True)
         failed = [p for p, r in res["parts"].items() if r["status"] == "failed"]

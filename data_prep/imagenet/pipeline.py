@@ -217,7 +217,30 @@ class EncodedBatch:
         GPU (Task.images normalises it); unchanged where no GPU is visible."""
         if not torch.cuda.is_available():
             return self
-        return decode_on_device(self, torch.device("cuda", torch.cuda.current_device()))
+        device = torch.device("cuda", torch.cuda.current_device())
+        side = _decode_stream(device)
+        with torch.cuda.stream(side):
+            out = decode_on_device(self, device)
+        # This thread waits, not the training loop: the batch is whole when it is handed on, and no kernel
+        # of `side` is still queued when the next batch's decode allocates. torchvision's GPU decoder
+        # allocates its output on the caller's stream but writes it from a stream of its own that does not
+        # wait on the caller's, so a block freed by kernels still queued could be overwritten
+        # (pytorch/vision pull request 9606).
+        side.synchronize()
+        # The training loop reads the batch on its own stream: the allocator keeps the block until that
+        # use is done, not just until `side` is.
+        out.record_stream(torch.cuda.default_stream(device))
+        return out
+
+
+_STREAMS: dict = {}
+
+
+def _decode_stream(device: torch.device):
+    """One side stream per device for the pin-memory thread's decodes (the thread is the only user)."""
+    if device not in _STREAMS:
+        _STREAMS[device] = torch.cuda.Stream(device)
+    return _STREAMS[device]
 
 
 def decode_on_device(batch: EncodedBatch, device: torch.device) -> torch.Tensor:
