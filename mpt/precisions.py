@@ -73,6 +73,9 @@ class Precision:
     tf32: bool = False  # FP32 with TF32 tensor-core math: a setting of fp32 (cfg.tf32), not a recipe
     # The error for a loss scale other than 1 where the precision takes none ({value}, {name}).
     refuses_scale: str = "loss_scale={value} does nothing for precision={name}; leave it at auto"
+    # A simulated format's price: at most this many times FP32's step time on the CPU benchmark
+    # (experiments.speed_memory.formats_cost); None: measured and reported, with no goal.
+    cost_goal: float | None = None
 
     @property
     def half_compute(self) -> bool:
@@ -142,6 +145,7 @@ TABLE: tuple[Precision, ...] = (
                  _beyond("fp8_current", "FP8, current scaling, BF16 first/last layers", "tab:pink"),
                  _beyond("fp8_delayed_all", "FP8, delayed scaling, every layer", "tab:olive"),
                  _beyond("fp8_current_all", "FP8, current scaling, every layer", "tab:cyan")),
+        cost_goal=2.0,  # FP8 family 2x, NVFP4 3x (stochastic rounding and the Hadamard on top)
         refuses_scale="precision=fp8 scales each tensor on its own (fp8.scaling); loss_scale={value} "
                       "is not used: leave it at auto"),
     Precision(
@@ -152,6 +156,7 @@ TABLE: tuple[Precision, ...] = (
         impls=(), recipe="formats", beyond_paper=True,
         columns=(_beyond("fp8_block", "block-scaled FP8 (1x128 / 128x128), BF16 first/last layers", "peru"),
                  _beyond("fp8_block_all", "block-scaled FP8 (1x128 / 128x128), every layer")),
+        cost_goal=2.0,
         refuses_scale="precision=fp8_block scales each block on its own; loss_scale={value} is not used: "
                       "leave it at auto"),
     Precision(
@@ -162,6 +167,7 @@ TABLE: tuple[Precision, ...] = (
         impls=(), recipe="formats", beyond_paper=True,
         columns=(_beyond("mxfp8", "MXFP8 (32-element E8M0 blocks), BF16 first/last layers", "teal"),
                  _beyond("mxfp8_all", "MXFP8 (32-element E8M0 blocks), every layer")),
+        cost_goal=2.0,
         refuses_scale="precision=mxfp8 scales each block on its own; loss_scale={value} is not used: "
                       "leave it at auto"),
     Precision(
@@ -172,6 +178,7 @@ TABLE: tuple[Precision, ...] = (
         impls=(), recipe="formats", beyond_paper=True,
         columns=(_beyond("nvfp4", "NVFP4 (16-element E4M3-scaled blocks), BF16 first/last layers", "crimson"),
                  _beyond("nvfp4_all", "NVFP4 (16-element E4M3-scaled blocks), every layer")),
+        cost_goal=3.0,
         refuses_scale="precision=nvfp4 scales each block on its own; loss_scale={value} is not used: "
                       "leave it at auto"),
     Precision(
@@ -199,6 +206,26 @@ COLUMNS = (tuple(c for p in _OWN for c in p.columns if not c.beyond_paper)
 # those the block-scaled ones, whose scales are the blocks' own: read from the rows, so a new row is enough.
 FORMATS = tuple(p.name for p in TABLE if p.recipe == "formats")
 BLOCK_SCALED = tuple(n for n in FORMATS if n in formats.RECIPES and formats.RECIPES[n].block_scaled)
+# Groups a grid may name on its precision axis (slurm.grid): `precision: [block_scaled]` runs every
+# block-scaled precision of the table, today's and any row added later. Read from the rows.
+GROUPS: dict[str, tuple[str, ...]] = {
+    "formats": FORMATS,  # every simulated low-precision format (per-tensor FP8 and the block-scaled)
+    "block_scaled": BLOCK_SCALED,
+    "no_master_copy": tuple(p.name for p in TABLE if not p.master),  # section 3.1's ablation and its BF16 twin
+}
+assert not set(GROUPS) & {p.name for p in TABLE}, "a group must not share a precision's name"
+
+
+def expand_groups(values: list) -> list:
+    """A precision axis with its group names replaced by their members, in table order, each once."""
+    out: list = []
+    for v in values:
+        for name in GROUPS.get(v, (v,)) if isinstance(v, str) else (v,):
+            if name not in out:
+                out.append(name)
+    return out
+
+
 _ROW_OF = {c.name: p for p in TABLE if not p.tf32 for c in p.columns}
 _TF32 = {p.run_as: p.columns[0] for p in TABLE if p.tf32}
 

@@ -5,7 +5,7 @@ experiments/<name>/grid.yaml:
     experiment: ilsvrc_cnns
     axes:                       # the grid is the product of these lists; any config key may be an axis
       model: [alexnet, resnet50_preact]
-      precision: [fp32, mixed]
+      precision: [fp32, mixed]   # or a group of the precision table: formats, block_scaled, no_master_copy
       seed: [0]
     overrides: []               # key=value applied to every cell
     profiles:                   # one per config profile (mpt.config): `profile=<name>` is set for you
@@ -194,6 +194,10 @@ def load(path, profile: str, extra: list[str] = (), only: list[str] = ()) -> Gri
     axes.update(_check_axes(prof.get("axes"), f"{where}.axes"))
     if not axes:
         raise UserError(f"{path}: no axes; give at least one, e.g. axes: {{model: [alexnet]}}")
+    if "precision" in axes:  # group names (mpt.precisions.GROUPS, e.g. block_scaled) stand for their members
+        from mpt.precisions import expand_groups
+
+        axes["precision"] = expand_groups(axes["precision"])
     fixed = (_check_overrides(spec.get("overrides"), f"{path}: overrides")
              + _check_overrides(prof.get("overrides"), f"{where}.overrides"))
     extra = _check_overrides(list(extra), "--set")

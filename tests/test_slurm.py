@@ -56,6 +56,24 @@ def test_tiny_grid_cells_have_content_ids_and_run_dirs(tmp_path):
     assert [c.cell_id for c in g2.cells] == [c.cell_id for c in g.cells]
 
 
+def test_a_precision_group_expands_to_the_rows_of_the_table(tmp_path, monkeypatch):
+    """`precision: [block_scaled]` in a grid runs every block-scaled row of mpt/precisions.py -- one added
+    to the table joins the grid without an edit -- with the same cells (and run ids) as the names written out."""
+    from mpt import precisions
+
+    grid = REPO / "experiments" / "ilsvrc_cnns" / "grid_formats.yaml"
+    assert "[block_scaled]" in grid.read_text()
+    by_group = G.load(grid, "tiny", tiny_set("/nonexistent", tmp_path))
+    assert [c.axes["precision"] for c in by_group.cells][::len(by_group.cells) // len(precisions.BLOCK_SCALED)] == \
+        list(precisions.BLOCK_SCALED)
+    spelt = write(tmp_path / "spelt.yaml", grid.read_text().replace(
+        "[block_scaled]", "[" + ", ".join(precisions.BLOCK_SCALED) + ", block_scaled]"))  # a member twice: once
+    assert [c.cell_id for c in G.load(spelt, "tiny", tiny_set("/nonexistent", tmp_path)).cells] == \
+        [c.cell_id for c in by_group.cells]
+    monkeypatch.setitem(precisions.GROUPS, "block_scaled", ("mxfp8",))  # the group is read from the table
+    assert {c.axes["precision"] for c in G.load(grid, "tiny", tiny_set("/nonexistent", tmp_path)).cells} == {"mxfp8"}
+
+
 def test_relative_out_dir_becomes_absolute(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     g = G.load(GRID, "tiny", ["out_dir=runs"])

@@ -284,15 +284,25 @@ def test_speech_workloads_measure_a_ctc_step(model, one_thread):
 
 
 def test_formats_cost_measures_every_format_against_fp32(tmp_path):
-    """The simulated formats' cost run: one row per format, each ratio to FP32 of the same run with its goal
-    (2x for the FP8 family, 3x for NVFP4), and the table written."""
-    from experiments.speed_memory import formats_cost
+    """The simulated formats' cost run: one row per format of the precision table, each ratio to FP32 of the
+    same run with the goal its row sets -- a row without one is still reported, never dropped -- and the
+    table written."""
+    import dataclasses
 
-    r = formats_cost.main(["models=resnet50_preact", "width=0.03125", "batch=2", "size=32", "steps=1",
-                           "warmup=0", "rounds=1", "device=cpu", f"out={tmp_path}", "tag=t"])
-    assert [row["precision"] for row in r["rows"]] == ["fp32", "fp8", "fp8_block", "mxfp8", "nvfp4"]
+    from experiments.speed_memory import formats_cost
+    from mpt import precisions
+
+    nogoal = dataclasses.replace(precisions.BY_NAME["mxfp8"], cost_goal=None)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(formats_cost.GOALS, "mxfp8", nogoal.cost_goal)
+        r = formats_cost.main(["models=resnet50_preact", "width=0.03125", "batch=2", "size=32", "steps=1",
+                               "warmup=0", "rounds=1", "device=cpu", f"out={tmp_path}", "tag=t"])
+    assert [row["precision"] for row in r["rows"]] == ["fp32", *precisions.FORMATS]
     assert all(row["status"] == "ok" for row in r["rows"])
-    assert {q["precision"]: q["goal"] for q in r["ratios"]} == {"fp8": 2.0, "fp8_block": 2.0, "mxfp8": 2.0,
-                                                                "nvfp4": 3.0}
+    goals = {q["precision"]: q["goal"] for q in r["ratios"]}
+    assert goals == {n: (None if n == "mxfp8" else precisions.BY_NAME[n].cost_goal) for n in precisions.FORMATS}
+    assert goals["fp8"] == 2.0 and goals["nvfp4"] == 3.0  # the issue's budget: FP8 family 2x, NVFP4 3x
+    assert next(q for q in r["ratios"] if q["precision"] == "mxfp8")["meets_goal"] is None
+    assert "none set" in next(tmp_path.glob("*-formats-t.md")).read_text()
     assert all(q["ratio"] > 0 for q in r["ratios"])
     assert len(list(tmp_path.glob("*-formats-t.md"))) == 1

@@ -19,7 +19,7 @@ import sys
 from mpt import precisions
 
 FORMATS = ("fp32", *precisions.FORMATS)
-GOALS = {"fp8": 2.0, "fp8_block": 2.0, "mxfp8": 2.0, "nvfp4": 3.0}  # x FP32's step time
+GOALS = {n: precisions.BY_NAME[n].cost_goal for n in precisions.FORMATS}  # x FP32's step time; None: no goal
 DEFAULTS = {"models": "resnet50_preact", "width": 0.25, "batch": 16, "size": 96, "steps": 10, "warmup": 2,
             "rounds": 2, "device": "auto", "out": "experiments/speed_memory/results", "tag": ""}
 
@@ -52,9 +52,9 @@ def main(overrides: list[str]) -> dict:
         base = _median(next(r for r in rows if r["model"] == model and r["precision"] == "fp32"))
         for r in rows:
             if r["model"] == model and r["precision"] in GOALS and base and _median(r):
-                x = _median(r) / base
-                ratios.append({"model": model, "precision": r["precision"], "ratio": x,
-                               "goal": GOALS[r["precision"]], "meets_goal": x <= GOALS[r["precision"]]})
+                x, goal = _median(r) / base, GOALS[r["precision"]]  # every format, a goal or none
+                ratios.append({"model": model, "precision": r["precision"], "ratio": x, "goal": goal,
+                               "meets_goal": None if goal is None else x <= goal})
     result = {"command": "python -m experiments.speed_memory.formats_cost " + shlex.join(overrides),
               "date": now(), "env": env, "options": {**o, "device": str(device)}, "data": bench.DATA_NOTE,
               "rows": rows, "ratios": ratios, "every_round": every}
@@ -68,7 +68,8 @@ def main(overrides: list[str]) -> dict:
     for r in rows:
         q = next((x for x in ratios if x["model"] == r["model"] and x["precision"] == r["precision"]), None)
         lines.append(f"| {r['model']} | {r['precision']} | {_median(r)} | "
-                     + (f"{q['ratio']:.2f} | {q['goal']:.0f}x | {'yes' if q['meets_goal'] else 'NO'} |" if q
+                     + (f"{q['ratio']:.2f} | " + (f"{q['goal']:g}x | {'yes' if q['meets_goal'] else 'NO'} |"
+                                                   if q["goal"] is not None else "none set | - |") if q
                         else "1.00 | | |"))
     atomic_write_text(out / f"{name}.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
