@@ -121,3 +121,111 @@ def test_keep_wide_precision_is_checked(tmp_path, capsys):
         cli(main)(["mpt.doctor.examples:healthy", "--keep-wide", "fp4", "--out", str(tmp_path)])
     err = capsys.readouterr().err
     assert err.startswith("error: --keep-wide fp4: choose one of") and err.count("\n") == 1, err
+
+
+# One Linear layer whose weight holds a single outlier: per-tensor scaling puts every other weight below
+# E4M3's range, while a block format loses that one block of its weights.
+OUTLIER = """
+import torch, torch.nn as nn, torch.nn.functional as F
+
+def patient():
+    torch.manual_seed(0)
+    m = nn.Linear(256, 4, bias=False)
+    with torch.no_grad():
+        m.weight.normal_(0, 2.0**-9)
+        m.weight[0, 0] = 2.0**12
+    batches = [(x, x[:, :4]) for x in torch.randn(2, 8, 256)]
+    return m, lambda mod, b: F.mse_loss(mod(b[0]), b[1]), batches
+"""
+
+
+def test_every_simulated_precision_is_a_row_rounded_by_its_recipe(tmp_path, monkeypatch):
+    """Each precision of the table that simulates a format has a what-if row, measured through the recipe's
+    own quantisers per role: fp8's gradients in E5M2, mxfp8's 32-element blocks; the weights' noise is the
+    noise of mpt.fp8.block_quantize on the very weight; weight gradients are not rounded by these recipes."""
+    from mpt import formats, precisions
+    from mpt.fp8 import block_quantize
+
+    (tmp_path / "outlier_mod.py").write_text(OUTLIER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    patient = load("outlier_mod:patient")
+    w = whatif(patient)["formats"]
+    assert set(precisions.FORMATS) <= set(w)
+    assert w["fp8"]["roles"]["activation grads"].startswith("e5m2") and w["fp8"]["roles"]["weights"].startswith("e4m3")
+    assert "mx32 blocks" in w["mxfp8"]["roles"]["weights"] and "Hadamard-16" in w["nvfp4"]["roles"]["activation grads"]
+    assert all(w[p]["not_rounded"] == ["weight grads"] for p in precisions.FORMATS)
+
+    weight = patient.model.weight.detach().double()
+    q = block_quantize(patient.model.weight.detach(), formats.RECIPES["mxfp8"].w, -1).double()
+    sqnr = 10 * math.log10(float((weight**2).sum()) / float(((q - weight) ** 2).sum()))
+    assert w["mxfp8"]["modules"]["root"]["weights"]["sqnr_db"] == pytest.approx(sqnr, abs=1e-9)
+
+    # The outlier: per tensor, every other weight flushes; in MX blocks, only the outlier's block of 32.
+    n = weight.numel()
+    assert w["fp8"]["kinds"]["weights"]["flushed"] > 0.99
+    assert 0 < w["mxfp8"]["kinds"]["weights"]["flushed"] <= 31 / (n - 1)
+    assert w["mxfp8"]["blocks"]["weights"] == {"blocks": n // 32, "blocks_flushing": 1 / (n // 32),
+                                              "blocks_emptied": 0.0, "blocks_clipping": 0.0,  # the outlier stays
+                                              "spread_over_range": 1 / (n // 32)}
+    assert w["fp8"]["verdict"].startswith("loses values: flushes") and w["mxfp8"]["verdict"].startswith("loses values")
+
+
+def test_keep_wide_takes_every_simulated_precision():
+    """--keep-wide ranks by the precision's own what-if row (fp8: its recipe, E5M2 gradients included, not E4M3
+    for every role), and a module kept wide is left unquantised by every simulated format's recipe."""
+    import torch.nn as nn
+
+    from mpt import precisions
+    from mpt.doctor.keep_wide import FORMAT_OF
+    from mpt.doctor.replay import keep_modules_wide
+
+    assert all(FORMAT_OF[p] == p for p in precisions.FORMATS)
+    for p in precisions.FORMATS:
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        for h in keep_modules_wide(model, ["1"], "fp32", "cpu", p):
+            h.remove()
+        assert getattr(model[1], "keep_fp32", False) and not getattr(model[0], "keep_fp32", False)
+
+
+# A middle layer whose inputs are ~2^-14 (a fixed scale before it, undone after): under fp8's delayed scaling
+# its first step quantises them at scale 1, below E4M3's smallest value, so step 1's output is wrong; once the
+# amax history exists (step 2 on) the layer is exact enough.
+DELAYED = """
+import torch, torch.nn as nn, torch.nn.functional as F
+
+
+class Scale(nn.Module):
+    def __init__(self, s):
+        super().__init__()
+        self.s = s
+
+    def forward(self, x):
+        return x * self.s
+
+
+def patient():
+    torch.manual_seed(0)
+    w = torch.randn(16, 1) / 4
+    batches = [(x, torch.tanh(x @ w * 2)) for x in torch.randn(8, 32, 16)]
+    model = nn.Sequential(nn.Linear(16, 64), Scale(2.0**-14), nn.Linear(64, 64, bias=False), Scale(2.0**14),
+                          nn.ReLU(), nn.Linear(64, 1))
+    return model, lambda m, b: F.mse_loss(m(b[0]), b[1]), batches
+"""
+
+
+@pytest.mark.heavy
+def test_keep_wide_judges_the_output_at_the_trials_last_step(tmp_path, monkeypatch):
+    """Under delayed scaling step 1 runs at unit scales: judged there, the toy's middle layer would be kept wide
+    for a fault that the recipe's own history removes a step later. At the last step, nothing is kept."""
+    from mpt.doctor.__main__ import main
+    from mpt.doctor.replay import train
+    from mpt.numerics import sqnr_db
+
+    (tmp_path / "delayed_mod.py").write_text(DELAYED)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    p = load("delayed_mod:patient")
+    f32, f8 = train(p, "fp32", numerics=False), train(p, "fp8", numerics=False)
+    assert abs(f8["losses"][0] - f32["losses"][0]) > 0.05 * f32["losses"][0]  # step 1: the unit scales lose
+    assert sqnr_db(f32["last_output"], f8["last_output"]) >= 20
+    kw = main(["delayed_mod:patient", "--keep-wide", "fp8", "--out", str(tmp_path / "out")])["keep_wide"]
+    assert kw["kept"] == [] and kw["trials"][0]["output_sqnr_db"] >= 20, kw["trials"]

@@ -31,8 +31,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help=f"share of non-zero gradient values allowed to flush to zero (default {TOLERANCE})")
     p.add_argument("--no-verify", action="store_true", help="skip the replay in the recommended recipe")
     p.add_argument("--keep-wide", nargs="?", const="fp16", default=None, metavar="PRECISION",
-                   help="find the smallest set of modules to keep wide for PRECISION to train (fp16, mixed, bf16, "
-                        "fp8; default fp16), each set checked by a replay")
+                   help=f"find the smallest set of modules to keep wide for PRECISION to train ({', '.join(KEEP_WIDE)}; "
+                        "default fp16), each set checked by a replay")
     p.add_argument("--wide", default="fp32", choices=("fp32", "bf16"), help="what kept modules compute in")
     a = p.parse_intermixed_args(argv)
     if a.steps < 1:

@@ -15,6 +15,7 @@ from mpt.errors import UserError
 from mpt.memory import ActivationMeter
 from mpt.precision import _cast_floats
 from mpt.numerics import FirstOverflow, Numerics, NumericsObserver, ValueRanges, tensors_in
+from mpt.precisions import FORMATS
 from mpt.ranks import to_device
 from mpt.step import TrainStep, loss_body
 
@@ -116,7 +117,8 @@ def _mean_loss(loss_fn, model, batch, where: str):
 def keep_modules_wide(model: torch.nn.Module, names, wide: str, device, precision: str) -> list:
     """Compute the named modules in `wide` (fp32 | bf16) inside a low-precision recipe: their inputs cast to it
     and autocast off (fp32) or in BF16 (bf16) for their forward -- their backward follows the dtypes autograd
-    recorded. Under precision=fp8 a module kept wide is marked keep_fp32, which mpt.fp8 leaves unquantised.
+    recorded. Under a simulated format (precision=fp8, fp8_block, mxfp8, nvfp4, ...) a module kept wide is marked
+    keep_fp32, which mpt.fp8 leaves unquantised.
     Returns the hook handles."""
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[wide]
     handles = []
@@ -125,7 +127,7 @@ def keep_modules_wide(model: torch.nn.Module, names, wide: str, device, precisio
             m = model.get_submodule(name)
         except AttributeError:
             raise UserError(f"keep wide: the model has no module {name!r}") from None
-        if precision == "fp8":
+        if precision in FORMATS:  # the simulated formats' recipe leaves a keep_fp32 module unquantised
             m.keep_fp32 = True
         ctx = torch.autocast(torch.device(device).type, dtype=torch.bfloat16) if wide == "bf16" else \
             torch.autocast(torch.device(device).type, enabled=False)
@@ -154,8 +156,9 @@ def train(patient: Patient, precision: str, loss_scale: str = "auto", steps: int
     `numerics` the gradient histograms and swamping of every step (mpt.numerics.Numerics, as the engine
     samples them) and the initial weights' ranges; with `watch`, the first operation whose FP16/BF16 result is
     inf/nan from finite inputs (mpt.numerics.FirstOverflow). `keep_wide`: modules (names) computed in `wide`
-    (fp32 or bf16) inside the recipe (keep_wide.py). The model's output at step 1 is kept ("first_output":
-    every replay starts from the same weights and batch, so outputs compare). `meter`: measure only the
+    (fp32 or bf16) inside the recipe (keep_wide.py). The model's output at the last step's forward is kept
+    ("last_output": every replay starts from the same weights and reads the same batches in the same order, so
+    outputs compare; and a recipe with delayed scales computes with its amax history by then). `meter`: measure only the
     activation bytes step 1 saves for backward (mpt.memory.ActivationMeter) -- with no observer attached, none
     of the above: their hooks change what autograd saves, and the count with them. Returns a dict of plain
     values."""
@@ -167,11 +170,12 @@ def train(patient: Patient, precision: str, loss_scale: str = "auto", steps: int
     opt = patient.optimizer(model)
     wide_handles = keep_modules_wide(model, keep_wide, wide, device, precision)
     model = recipe.prepare(model, [opt])
-    first_output: list = []
-    out_hook = model.register_forward_hook(
-        lambda m, a, out: first_output.append(torch.cat([t.detach().double().reshape(-1).cpu() for t in tensors_in(out)
-                                                         if t.is_floating_point()] or [torch.zeros(0)]))) \
-        if observe else None
+    outputs: dict = {}  # the model's output at the last step's forward
+
+    def grab(m, a, out):
+        outputs["last"] = torch.cat([t.detach().double().reshape(-1).cpu() for t in tensors_in(out)
+                                     if t.is_floating_point()] or [torch.zeros(0)])
+    out_hook = model.register_forward_hook(grab) if observe else None
     num = NumericsObserver(Numerics(model, every=1 if numerics else 0))
     forward = ValueRanges()
     weights = ValueRanges()
@@ -192,16 +196,14 @@ def train(patient: Patient, precision: str, loss_scale: str = "auto", steps: int
                 watch.watching(i) if watch else contextlib.nullcontext():
             logs, _ = train_step([patient.batches[i % len(patient.batches)]],
                                  meter=activation_meter if i == 0 else None)
-        if out_hook is not None:
-            out_hook.remove()  # the first forward's output only
         losses.append(float(logs["loss"]))
         skipped += not train_step.applied["main"]
         if numerics:
             samples.append(num.stats)
-    for h in wide_handles:
+    for h in [*wide_handles, *([out_hook] if out_hook is not None else [])]:
         h.remove()
     return {"precision": precision, "loss_scale": loss_scale, "final_loss_scale": recipe.loss_scale,
-            "keep_wide": list(keep_wide), "first_output": first_output[0] if first_output else None,
+            "keep_wide": list(keep_wide), "last_output": outputs.get("last"),
             "half_math": recipe.half_math, "losses": losses, "skipped": skipped,
             "nonfinite_losses": sum(not math.isfinite(v) for v in losses), "forward": forward.summary(),
             "weights": weights.summary(), "numerics": samples,

@@ -20,6 +20,7 @@ import torch
 
 from mpt.doctor.targets import Patient, call_loss
 from mpt.doctor.verdict import pct
+from mpt.fp8 import FP8Math, FP8State
 from mpt.numerics import FORMATS, tensors_in, hook_targets
 from mpt.ranks import to_device
 
@@ -33,7 +34,9 @@ OK_SHARE = 1e-3  # flushed or overflowed share of non-zero values called negligi
 
 
 def scaling_of(fmt: str) -> str:
-    return FORMATS[fmt].get("scaling") or "per_tensor"  # the row's (mpt.formats.Element.range_scaling)
+    """How a what-if row scales: an element format's range scaling (mpt.formats.Element.range_scaling), or
+    "recipe" for a simulated precision of the table (its recipe's own scales, recipe_rows)."""
+    return FORMATS[fmt].get("scaling") or "per_tensor" if fmt in FORMATS else "recipe"
 
 
 def quantize(v: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,10 +141,19 @@ def collect(patient: Patient, device="cpu", batches: int = 1) -> tuple[dict, dic
 def whatif(patient: Patient, device="cpu", formats: tuple[str, ...] | None = None) -> dict:
     """Per format: per (module, kind) and per kind overall, the shares flushed and overflowed and the SQNR; for
     fp16 the loss scale of the sweep that loses least; the modules ranked by what they lose; a verdict.
-    Formats ranked by what they lose (report.json's "whatif")."""
+    `formats`: element formats (mpt.numerics.FORMATS) and simulated precisions of the table (their recipes,
+    recipe_rows); default every one of both. Formats ranked by what they lose (report.json's "whatif")."""
+    from mpt.precisions import FORMATS as RECIPE_ROWS
+
+    # By default the element formats the FP16/BF16 recipes store in (scaled by S, or not at all) and the
+    # simulated precisions through their recipes; an FP8 element alone is what a recipe row shows per role.
+    asked = tuple(formats or (*(f for f in FORMATS if scaling_of(f) != "per_tensor"), *RECIPE_ROWS))
     tensors, labels = collect(patient, device)
     out = {}
-    for fmt in formats or tuple(FORMATS):
+    recipes = [f for f in asked if f in RECIPE_ROWS]
+    if recipes:
+        out.update(recipe_rows(patient, device, recipes, labels))
+    for fmt in (f for f in asked if f not in RECIPE_ROWS):
         scales = SWEEP if scaling_of(fmt) == "loss_scale" else (None,)
         per_s = {}
         for s in scales:
@@ -165,6 +177,141 @@ def whatif(patient: Patient, device="cpu", formats: tuple[str, ...] | None = Non
     order = sorted(out, key=lambda f: (_lost_summary(out[f]["kinds"]),
                                        -min(k["sqnr_db"] for k in out[f]["kinds"].values())))
     return {"formats": {f: out[f] for f in order}, "order": order}
+
+
+# ------------------------------------------------------------------------------------------------
+# The precisions of the table that simulate a format (fp8, fp8_block, mxfp8, nvfp4, ...): measured through
+# the training recipe's own quantisers (mpt.fp8.FP8State.role_quantizer under FP8Math), per role as the recipe
+# rounds it -- its input x and weights w in their formats and blocks, the gradient g arriving at its output
+# in its own (E5M2 for fp8; NVFP4's stochastic rounding and Hadamard transform) -- not a second copy of the
+# rounding. Every weight-bearing layer is measured (fp8.ends=fp8): the ranking says whether the first and
+# last layers are the ones to keep wide. Weight gradients are not rounded by these recipes (FP32 products of
+# rounded operands into the FP32 master weights): their column is empty.
+ROLE_KIND = {"x": "activations", "w": "weights", "g": "activation grads"}
+
+
+def recipe_rows(patient: Patient, device, names, labels: dict) -> dict:
+    """{precision: setting} for precisions of the table run by the simulated-format recipe, from one FP32
+    forward and backward in which every operand the recipe would round is rounded, compared with itself and
+    passed on unrounded (the pass computes what FP32 computes)."""
+    from mpt import formats as fmts
+
+    device = torch.device(device)
+    out = {}
+    for name in names:
+        acc: dict = {}
+        recipe = fmts.RECIPES[name].with_scaling("current")  # one pass: no amax history to delay by
+        state = _Watched(recipe, acc)
+        model = copy.deepcopy(patient.model).to(device)
+        state.register(model, ends="fp8")
+        loss_fn = patient.loss_fn()
+        torch.manual_seed(patient.seed)
+        with FP8Math(state):
+            o = call_loss(loss_fn, model, to_device(patient.batches[0], device, False), patient.name)
+        (o[0] if isinstance(o, tuple) else o).backward()
+        per = {(layer, kind): c for (layer, kind), c in acc.items()}
+        r = _setting(name, per, None)
+        r["not_rounded"] = ["weight grads"]
+        r["roles"] = {ROLE_KIND[k]: _describe(f) for k, f in recipe.roles.items()}
+        r["blocks"] = _block_summary(acc)
+        r["block_scaled"] = recipe.block_scaled
+        r["verdict"] = _verdict(name, r, {**labels, **{m: _label(model, m) for m in r["modules"]}})
+        out[name] = r
+    return out
+
+
+def _label(model, layer: str) -> str:
+    try:
+        return f"{layer} ({type(model.get_submodule('' if layer == 'root' else layer)).__name__})"
+    except AttributeError:
+        return layer
+
+
+def _describe(f) -> str:
+    """e4m3 in mx32 blocks, rceil scales: how the recipe rounds one role."""
+    parts = [f.element, "per tensor" if f.granularity == "tensor" else f"{f.granularity} blocks",
+             f"{f.scale_rounding} scales"]
+    return ", ".join(parts + (["stochastic"] if f.rounding == "stochastic" else [])
+                     + (["Hadamard-16"] if f.hadamard else []))
+
+
+class _Watched(FP8State):
+    """The recipe's quantisers, watched: each operand is rounded as training rounds it (record=False: no
+    delayed history), compared with itself (compare), and handed on unrounded."""
+
+    def __init__(self, recipe, acc: dict):
+        super().__init__("current", recipe=recipe)
+        self.acc = acc
+
+    def role_quantizer(self, layer, role, record, axis):
+        real = super().role_quantizer(layer, role, False, axis)
+        f = self.recipe.roles[role[0]]
+        key = (layer, ROLE_KIND[role[0]])
+
+        def watch(t: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                _add(self.acc.setdefault(key, {}), compare(t.detach(), real(t.detach()), f, axis))
+            return t.clone() if role[0] != "g" else t  # an autograd Function's forward returns a new tensor
+        return watch
+
+
+def compare(v: torch.Tensor, q: torch.Tensor, f, axis: int) -> dict:
+    """What rounding v to q lost, as measure() counts it, plus per-block counts: blocks (of the role's
+    blocks along its reduction axis; the whole axis per row for per-tensor and row scales; 1 x 128 rows of
+    a 128 x 128 block), blocks where some non-zero value was flushed, blocks where every non-zero value was
+    (the block's scale left nothing: an outlier or an underflowing scale), blocks with a clipped value (the
+    block's largest stored value, short of the true one by more than the element's rounding allows), and the
+    blocks' spread: log2(largest / smallest non-zero |value|), against what the element spans."""
+    from mpt import formats as fmts
+
+    el = fmts.ELEMENTS[f.element]
+    x, y = v.double(), q.double()
+    if x.dim() == 0:
+        x, y = x.reshape(1), y.reshape(1)
+    axis = axis % x.dim()
+    k = x.shape[axis]
+    x = x.reshape(math.prod(x.shape[:axis]), k, -1).transpose(1, 2).reshape(-1, k)
+    y = y.reshape(math.prod(y.shape[:axis]), k, -1).transpose(1, 2).reshape(-1, k)
+    b = min(f.block or k, k) if f.granularity != "tensor" else x.numel()
+    x, y = x.reshape(-1), y.reshape(-1)
+    pad = -x.numel() % b
+    if pad:
+        x, y = torch.cat([x, x.new_zeros(pad)]), torch.cat([y, y.new_zeros(pad)])
+    x, y = x.view(-1, b), y.view(-1, b)
+    ax, ay = x.abs(), y.abs()
+    nonzero = (x != 0) & torch.isfinite(x)
+    flushed = nonzero & (y == 0)
+    finite = torch.isfinite(y)
+    top = ay.masked_fill(~finite, 0).amax(1, keepdim=True)
+    clipped = nonzero & finite & (ay == top) & (ay > 0) & (ax > ay * (1 + 2.0 ** -(el.mantissa_bits + 1)))
+    noise = torch.where(finite, y - x, torch.zeros_like(x))
+    nz_blocks = nonzero.any(1)
+    small = ax.masked_fill(~nonzero, math.inf).amin(1)
+    big = ax.masked_fill(~nonzero, 0).amax(1)
+    spread = torch.log2(big[nz_blocks] / small[nz_blocks]) if nz_blocks.any() else x.new_zeros(0)
+    return {"n": v.numel(), "nonzero": int(nonzero.sum()), "flushed": int(flushed.sum()),
+            "overflow": int(clipped.sum()), "inf": int((~finite & nonzero).sum()),
+            "signal": float((x[nonzero] ** 2).sum()), "noise": float((noise**2).sum()),
+            "blocks": int(nz_blocks.sum()), "blocks_flushing": int((flushed.any(1) & nz_blocks).sum()),
+            "blocks_emptied": int((nz_blocks & (flushed.sum(1) == nonzero.sum(1))).sum()),
+            "blocks_clipping": int(clipped.any(1).sum()),
+            "spread_over_range": int((spread > math.log2(el.max / el.min_subnormal)).sum())}
+
+
+def _block_summary(acc: dict) -> dict:
+    """Per kind: the share of blocks that flush a value, that lose every value, that clip, and whose spread
+    exceeds what the element spans -- the per-block view a block format is judged by."""
+    out = {}
+    for kind in ROLE_KIND.values():
+        c: dict = {}
+        for (layer, k), v in acc.items():
+            if k == kind:
+                _add(c, {x: v[x] for x in ("blocks", "blocks_flushing", "blocks_emptied", "blocks_clipping",
+                                         "spread_over_range")})
+        n = c.get("blocks", 0)
+        out[kind] = {"blocks": n, **{x: (c[x] / n if n else 0.0) for x in ("blocks_flushing", "blocks_emptied",
+                                                                           "blocks_clipping", "spread_over_range")}}
+    return out
 
 
 def _setting(fmt: str, per: dict, s: float | None) -> dict:
@@ -209,10 +356,11 @@ def _module_loss(kinds: dict) -> tuple:
 
 def _verdict(fmt: str, r: dict, labels: dict) -> str:
     s = "" if r["loss_scale"] is None else f" at S = 2^{round(math.log2(r['loss_scale']))}"
-    over = [(m, k) for m in r["ranked"] for k, v in r["modules"][m].items() if v["overflow"] > 0]
+    recipe = r.get("scaling") == "recipe"  # a block format's casts saturate; a share below OK_SHARE is its rounding
+    over = [(m, k) for m in r["ranked"] for k, v in r["modules"][m].items() if v["overflow"] > (OK_SHARE if recipe else 0)]
     if over:
         m, k = over[0]
-        verb = "clips" if fmt in SATURATES else "overflows"
+        verb = "clips" if fmt in SATURATES or recipe else "overflows"
         return f"not as is: {labels.get(m, m)} {verb} ({k}, {pct(r['modules'][m][k]['overflow'])}){s}; keep it wide"
     flushed = [(m, k, v["flushed"]) for m in r["ranked"] for k, v in r["modules"][m].items() if v["flushed"] > OK_SHARE]
     if flushed:
@@ -227,11 +375,31 @@ def table(w: dict) -> list[str]:
     for fmt in w["order"]:
         r = w["formats"][fmt]
         k = r["kinds"]
-        fl = " / ".join(_pct(k[kind]["flushed"]) for kind in KINDS)
+        fl = " / ".join("-" if kind in r.get("not_rounded", ()) else _pct(k[kind]["flushed"]) for kind in KINDS)
         over = max(v["overflow"] for v in k.values())
         sq = min(v["sqnr_db"] for v in k.values())
-        lines.append(f"  {fmt:<9} {fl:<36} {_pct(over):>6} {sq:>6.1f} dB  {r['verdict']}")
+        lines.append(f"  {fmt:<9} {fl:<36} {_pct(over):>6} {sq:>6.1f} dB  {_short(r['verdict'], fmt)}")
+    for fmt in w["order"]:  # the per-block view a block format is judged by (recipe_rows), where it loses
+        b = w["formats"][fmt].get("blocks") if w["formats"][fmt].get("block_scaled") else None
+        if b and any(b[k]["blocks_flushing"] for k in ROLE_KIND.values()):
+            row = [" / ".join(_pct(b[k][x]) for k in ROLE_KIND.values())
+                   for x in ("blocks_flushing", "blocks_emptied", "spread_over_range")]
+            emptied = "" if not any(b[k]["blocks_emptied"] for k in ROLE_KIND.values()) else \
+                f"; {row[1]} flush every value"
+            lines.append(f"  {fmt} blocks, act / w / act-grad: {row[0]} flush a value{emptied}; {row[2]} exceed "
+                         f"its span")
     return lines
+
+
+def _short(verdict: str, fmt: str) -> str:
+    """A verdict in the table's words: the kinds as its header abbreviates them, no S where the row names it
+    (one screen)."""
+    if fmt.endswith("@S=1"):
+        verdict = verdict.replace(" at S = 2^0", "")
+    for long, short in (("activation grads", "act-grad"), ("weight grads", "w-grad"), ("activations", "act"),
+                        ("weights", "w")):
+        verdict = verdict.replace(f"'s {long}", f"'s {short}").replace(f"({long},", f"({short},")
+    return verdict
 
 
 def _pct(x: float) -> str:
