@@ -229,3 +229,37 @@ def test_keep_wide_judges_the_output_at_the_trials_last_step(tmp_path, monkeypat
     assert sqnr_db(f32["last_output"], f8["last_output"]) >= 20
     kw = main(["delayed_mod:patient", "--keep-wide", "fp8", "--out", str(tmp_path / "out")])["keep_wide"]
     assert kw["kept"] == [] and kw["trials"][0]["output_sqnr_db"] >= 20, kw["trials"]
+
+
+# Six tanh layers: NVFP4's ~20 dB a layer compounds below 20 dB at the output, the FP8 family's does not.
+DEEP = """
+import torch, torch.nn as nn, torch.nn.functional as F
+
+def patient():
+    torch.manual_seed(0)
+    w = torch.randn(16, 1) / 4
+    batches = [(x, torch.tanh(x @ w * 2)) for x in torch.randn(8, 32, 16)]
+    layers = [nn.Linear(16, 64)]
+    for _ in range(5):
+        layers += [nn.Tanh(), nn.Linear(64, 64)]
+    return nn.Sequential(*layers, nn.Tanh(), nn.Linear(64, 1)), lambda m, b: F.mse_loss(m(b[0]), b[1]), batches
+"""
+
+
+@pytest.mark.heavy
+def test_formats_finds_the_narrowest_format_that_trains_as_fp32(tmp_path, monkeypatch, capsys):
+    """--formats replays the simulated precisions narrowest first: NVFP4 (4 bits) before the 8-bit ones; on the
+    deep toy NVFP4 learns but its output is off (SQNR below 20 dB), so the answer is the first 8-bit one whose
+    replay passes, as it is."""
+    from mpt.doctor.__main__ import main
+    from mpt.doctor.narrowest import bits, order
+
+    assert order()[0] == "nvfp4" and bits("nvfp4") == 4 and all(bits(n) == 8 for n in order()[1:])
+    (tmp_path / "deep_mod.py").write_text(DEEP)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    n = main(["deep_mod:patient", "--formats", "--out", str(tmp_path / "out")])["narrowest"]
+    first, *rest = n["tried"]
+    assert first["precision"] == "nvfp4" and not first["ok"] and first["output_sqnr_db"] < 20, first
+    assert n["precision"] == rest[-1]["precision"] and rest[-1]["ok"] and n["kept"] == []
+    assert [t["precision"] for t in n["tried"]] == order()[:len(n["tried"])]
+    assert f"precision={n['precision']} as it is (checked by its replay)" in " ".join(capsys.readouterr().out.split())

@@ -21,8 +21,10 @@ What it does, through the one recipe and step code every run uses (mpt.precision
   3. decides a verdict from the measurements: fp16 as it is, fp16 + a static S (which), fp16 + dynamic S,
      or bf16 / layers kept in FP32 -- and replays the same steps once more in the recipe it recommends,
      so the verdict says whether that recipe then trains (skipped steps, progress against FP32);
-  4. rounds one FP32 pass's values to every format (whatif.py) and, with --keep-wide PRECISION, finds the
-     smallest set of modules to compute wide for that precision to train, each set checked by a replay.
+  4. rounds one FP32 pass's values to every format (whatif.py: the FP16/BF16 elements, and every simulated
+     precision through its recipe's own quantisers) and, with --keep-wide PRECISION, finds the smallest set of
+     modules to compute wide for that precision to train, each set checked by a replay; with --formats, the
+     narrowest simulated format that trains as FP32 does (narrowest.py), its answer a replay too.
 It prints a one-screen report and writes report.md, report.json and histograms.png (--out).
 
 "Progress" is how far a replay got, as a share of how far FP32 got: its mean loss over the last quarter of the
@@ -39,6 +41,7 @@ The package, in the order of an examination:
   examination.py  examine(): the replays and the verdict in order -> the report as a dict (report.json)
   whatif.py       one FP32 pass rounded to every format: shares flushed and overflowed, SQNR, a verdict each
   keep_wide.py    the smallest set of modules kept wide, promoted greedily, each set replayed
+  narrowest.py    the narrowest simulated format that trains as FP32 does (--formats)
   report.py       the one-screen text, report.md, report.json and histograms.png
   __main__.py     the command line
   examples.py     toys whose answers are known (the tests' and the README's patients)

@@ -34,6 +34,9 @@ def main(argv: list[str] | None = None) -> dict:
                    help=f"find the smallest set of modules to keep wide for PRECISION to train ({', '.join(KEEP_WIDE)}; "
                         "default fp16), each set checked by a replay")
     p.add_argument("--wide", default="fp32", choices=("fp32", "bf16"), help="what kept modules compute in")
+    p.add_argument("--formats", action="store_true", help="also find the narrowest simulated format (fp8, "
+                   "fp8_block, mxfp8, nvfp4, ...) that trains as FP32 does, with the modules it keeps wide, each "
+                   "answer a replay")
     a = p.parse_intermixed_args(argv)
     if a.steps < 1:
         raise UserError(f"--steps={a.steps}: need at least 1 step")
@@ -43,7 +46,8 @@ def main(argv: list[str] | None = None) -> dict:
     patient = load(a.target, a.overrides, a.profile, a.steps)
     if a.keep_wide and a.keep_wide not in KEEP_WIDE:
         raise UserError(f"--keep-wide {a.keep_wide}: choose one of {', '.join(KEEP_WIDE)}")
-    rep = examine(patient, a.steps, device, a.tolerance, verify=not a.no_verify, keep_wide=a.keep_wide, wide=a.wide)
+    rep = examine(patient, a.steps, device, a.tolerance, verify=not a.no_verify, keep_wide=a.keep_wide, wide=a.wide,
+                  narrowest=a.formats)
     out = Path(a.out) if a.out else Path("doctor_out") / re.sub(r"[^\w.-]+", "_", a.target)
     lines = wrap(text_report(rep))
     files = write(rep, out)

@@ -13,16 +13,18 @@ from mpt.doctor.replay import diverges, fp32_gain, progress, tail_steps, train, 
 from mpt.doctor.targets import STEPS, LossError, Patient
 from mpt.doctor.verdict import MARGIN, TOLERANCE, analyse, confirm, label
 from mpt.doctor.keep_wide import search
+from mpt.doctor.narrowest import find
 from mpt.doctor.whatif import whatif
 from mpt.errors import UserError, one_line
 from mpt.numerics import FP16_MAX, HIST_HI, HIST_LO
 
 
 def examine(patient: Patient, steps: int = STEPS, device="cpu", tol: float = TOLERANCE, margin: float = MARGIN,
-            verify: bool = True, keep_wide: str | None = None, wide: str = "fp32") -> dict:
+            verify: bool = True, keep_wide: str | None = None, wide: str = "fp32", narrowest: bool = False) -> dict:
     """The whole examination: FP32 with numerics, the FP16 (S = 1) replay, the analysis and verdict, and a
     replay in the recommended recipe; the what-if per format; with `keep_wide` (a precision), the smallest set of
-    modules to keep in `wide` for it to train (keep_wide.search). Returns the report as a dict (report.json)."""
+    modules to keep in `wide` for it to train (keep_wide.search); with `narrowest`, the narrowest simulated format
+    that trains as FP32 does (narrowest.find). Returns the report as a dict (report.json)."""
     t0 = time.time()
     device = torch.device(device)
     fp32 = train(patient, "fp32", steps=steps, device=device)
@@ -74,9 +76,10 @@ def examine(patient: Patient, steps: int = STEPS, device="cpu", tol: float = TOL
     kept = None
     if keep_wide:
         kept = search(patient, keep_wide, fp32, untrained, formats, fp16["first_inf"], steps, device, wide)
+    narrow = find(patient, fp32, untrained, formats, fp16["first_inf"], steps, device, wide) if narrowest else None
     confirm(v, checks, verified, found["backward"]["s_high"], steps, judge)
     return {"patient": patient.name, "device": str(device), "steps": steps, "notes": notes, "fp32_gain": judge,
-            "whatif": formats, "keep_wide": kept,
+            "whatif": formats, "keep_wide": kept, "narrowest": narrow,
             "untrained_tail_loss": sum(untrained) / len(untrained), "fp16_max": FP16_MAX, "hist_lo": HIST_LO,
             "hist_hi": HIST_HI, **found, "runs": checks, "forward_hist": _sum_hists(fp32["forward"]),
             "wall_s": time.time() - t0}

@@ -9,6 +9,7 @@ from pathlib import Path
 from mpt.doctor.replay import tail_steps
 from mpt.doctor.verdict import MAX_SCALE, pct, pow2
 from mpt.doctor.keep_wide import lines as keep_wide_lines
+from mpt.doctor.narrowest import lines as narrowest_lines
 from mpt.doctor.whatif import table
 from mpt.plots import draw_hist, render
 from mpt.rundir import atomic_write_bytes, atomic_write_json, atomic_write_text
@@ -101,6 +102,8 @@ def text_report(rep: dict, max_layers: int = 4) -> list[str]:
         out += table(rep["whatif"])
     if rep.get("keep_wide"):
         out += keep_wide_lines(rep["keep_wide"])
+    if rep.get("narrowest"):
+        out += narrowest_lines(rep["narrowest"])
     mem, _ = _memory_line(runs)
     out.append(f"Memory (activations saved for backward, step 1): {mem}")
     cmd = f"precision={v['precision']}" + ("" if v["loss_scale"] == "auto" else f" loss_scale={v['loss_scale']}")
