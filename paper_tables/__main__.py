@@ -39,13 +39,26 @@ def main(argv=None) -> int:
         report.write(rep, out)
     except OSError as e:  # a read-only, full or unwritable --out: one line naming it (README "Bad input")
         raise storage_error(e, out) or e from None
+    # What these runs filled, one line each; the rest in one line (index.md lists each with why and how).
+    empty_tables, empty_figures = [], []
     for sec in rep.sections:
         for t in sec.tables:
             done = sum(c.n > 0 for c in t.cells.values())
-            print(f"{out / t.stem}.{{md,tex,csv}}: {done}/{len(t.cells)} cells with results, "
-                  f"{t.n_runs} run(s)")
+            if not t.n_runs:
+                empty_tables.append(t.stem)
+                continue
+            print(f"{out / t.stem}.{{md,tex,csv}}: {done}/{len(t.cells)} cells with results, {t.n_runs} run(s)"
+                  + (f"; the {len(t.cells) - done} others not run here (the table says how to fill them)"
+                     if done < len(t.cells) else ""))
         for f in sec.figures:
-            print(f"{out / f.stem}.{{png,svg}}" if not f.missing else f"{f.stem}: missing ({f.missing})")
+            if f.missing:
+                empty_figures.append(f.stem)
+            else:
+                print(f"{out / f.stem}.{{png,svg}}")
+    if empty_tables or empty_figures:
+        print(f"no runs here for {len(empty_tables)} table(s) ({', '.join(empty_tables) or '-'}) and "
+              f"{len(empty_figures)} figure(s) ({', '.join(empty_figures) or '-'}): written as placeholders; "
+              f"index.md says why and which grid fills each")
     print(f"{out / 'index.md'}, {out / 'report.html'}; {len(rep.problems)} skipped or questionable result(s)"
           + (" (listed in index.md)" if rep.problems else ""))
     for p in rep.problems:

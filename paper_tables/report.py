@@ -69,7 +69,7 @@ def _index_md(rep: Report) -> str:
         out += ["", "Figures:"]
         for f in sec.figures:
             if f.missing:
-                out.append(f"- {f.title}: **missing**: {f.missing}")
+                out.append(f"- {f.title}: **not drawn**: {f.missing}")
             else:
                 out.append(f"- {f.title}: [{f.stem}.png]({f.stem}.png), [{f.stem}.svg]({f.stem}.svg), "
                            f"caption [{f.stem}.md]({f.stem}.md)")
@@ -124,7 +124,7 @@ def _report_html(rep: Report) -> str:
             if f.label:
                 out.append(f'<p class="profile-label">{e(f.label)}</p>')
             if f.missing:
-                out.append(f'<p class="missing">Missing: {e(f.missing)}</p>')
+                out.append(f'<p class="missing">Not drawn: {e(f.missing)}</p>')
             else:
                 b64 = base64.b64encode(f.png).decode("ascii")
                 out.append(f'<figure><img alt="{e(f.title)}" src="data:image/png;base64,{b64}">')
@@ -150,7 +150,7 @@ def _figure_md(f: figures.FigureResult) -> str:
     if f.label:
         out += [f"> **{f.label}**", ""]
     out += [f.paper_text, ""]
-    out += [f"![{f.title}]({f.stem}.png)", ""] if not f.missing else [f"**Missing:** {f.missing}", ""]
+    out += [f"![{f.title}]({f.stem}.png)", ""] if not f.missing else [f"**Not drawn:** {f.missing}", ""]
     out += [f"- {n}" for n in f.notes]
     return "\n".join(out) + "\n"
 

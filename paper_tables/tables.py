@@ -97,7 +97,7 @@ class Cell:
                 parts.append(f"{label} ({prog})")
             else:
                 parts.append(label + (f" ({k} seeds)" if k > 1 else ""))
-        return "; ".join(parts) or "missing"
+        return "; ".join(parts) or "not run"
 
     def paper_text(self) -> str:
         if self.paper is None:
@@ -162,6 +162,16 @@ class Table:
                 f"{better} is better; mean ± sample std over seeds, n = seeds; "
                 + ("Δ = ours − paper." if self.profile == "paper" else
                    "Δ = ours − this row's FP32 (the paper's numbers are not comparable at this scale)."))
+
+    def fill_command(self) -> str:
+        """What fills this table's cells: its experiment's grid in this profile (experiments/<name>/grid*.yaml
+        hold the rest: Table 1's batch-32 nets, the formats beyond the paper)."""
+        e, p = self.spec.experiment, self.profile
+        backend = "--backend slurm --cluster <name>" if p == "paper" else "--backend local"
+        cmd = f"`python -m slurm.submit experiments/{e}/grid.yaml --profile {p} {backend}` (`--only model=M` for one row)"
+        if p == "tiny":  # the demo runs a chosen subset of the tiny grids
+            cmd += "; `python -m experiments --full` runs every tiny grid of every experiment"
+        return cmd
 
     def records(self) -> list[dict]:
         """The table as plain data (what the CSV holds)."""
@@ -334,12 +344,15 @@ def to_markdown(t: Table) -> str:
             cell = t.cells[(model, c.id)]
             row += [cell.ours_text(), cell.paper_text(), cell.diff_text()]
         out.append("| " + " | ".join(_md(x) for x in row) + " |")
+    if any(c.status == "missing" for c in t.cells.values()):
+        out += ["", f"Cells `not run` have no run of this profile under the run directories read: "
+                    f"{t.fill_command()}."]
     out += ["", "Paper notes:"] + [f"- {n}" for n in t.spec.paper.get("notes", [])]
     out += ["", f"Environment of the {t.n_runs} run(s) behind this table:"]
     out += [f"- {e}" for e in t.env] or ["- (no runs yet)"]
     out += ["", "Skipped or questionable results:"]
     out += [f"- `{p.where}`: {p.what}" for p in t.problems] or ["- none"]
-    out += ["", "Status markers: see paper_tables/README.md (missing, running (step/total), "
+    out += ["", "Status markers: see paper_tables/README.md (not run, running (step/total), "
             "interrupted, diverged, failed, completed without metric, n/c = not comparable). In a "
             "non-paper profile Δ compares with the row's FP32 cell instead of the paper: within seed noise "
             "when |Δ| <= 2 standard errors of the difference.", ""]

@@ -89,7 +89,7 @@ def test_mean_std_n_and_difference(tmp_path):
     # A paper column with no run is a placeholder that says missing but keeps the paper's number;
     # Table 1's MP is the paper's: FP16 with an FP32 master copy and S = 1 (section 4.1).
     mp = cell(table_of(rep, "table1"), "alexnet", "fp16_S1")
-    assert (mp.ours_text(), mp.paper_text(), mp.diff_text()) == ("missing", "56.93", "—")
+    assert (mp.ours_text(), mp.paper_text(), mp.diff_text()) == ("not run", "56.93", "—")
 
 
 def test_table1_mp_column_is_the_papers_run_without_loss_scaling(tmp_path):
@@ -174,9 +174,11 @@ def test_every_status_marker(tmp_path):
     bf = cell(t, "ssd300_vgg16", "bf16")
     assert (bf.ours_text(), bf.paper_text(), bf.diff_text()) == ("77.0 (n=1)", "—", "—")
     md = tables.to_markdown(t)
-    for marker in ("missing", "running (120/500)", "failed", "diverged (2 seeds)", "both diverge",
+    for marker in ("not run", "running (120/500)", "failed", "diverged (2 seeds)", "both diverge",
                    "interrupted (40/100)", "(n=2; 1 diverged)", "completed without metric"):
         assert marker in md, marker
+    # The cells not run say which grid fills them
+    assert "`python -m slurm.submit experiments/voc_detection/grid.yaml --profile paper --backend slurm" in md
     assert "1 run: NVIDIA H100 80GB HBM3" not in md and "runs: NVIDIA H100 80GB HBM3; torch 2.14.1" in md
     assert "TF32 matmul off, cuDNN off; git 0123456789 (dirty)" in md
 
@@ -194,7 +196,8 @@ def test_tiny_and_paper_never_mixed(tmp_path):
     assert specs.TINY_LABEL in (out / "table1_tiny.tex").read_text()
     rows = tables.read_csv((out / "table1_tiny.csv").read_text())
     assert {r["profile"] for r in rows} == {"tiny"}
-    assert not (out / "table2_tiny.md").exists() or "missing" in (out / "table2_tiny.md").read_text()
+    assert not (out / "table2_tiny.md").exists() or "not run" in (out / "table2_tiny.md").read_text()
+    assert "`python -m experiments --full` runs every tiny grid" in tiny_md  # the rows the demo leaves out
     html = (out / "report.html").read_text()
     assert html.count(specs.TINY_LABEL) >= 1
 
@@ -540,15 +543,19 @@ def test_figure3_without_a_loss_scaled_run_shifts_by_the_papers_s(tmp_path):
     assert "zeros 67.0% of all values" in text and problems == []
 
 
-def test_missing_figures_listed_not_drawn(tmp_path):
+def test_missing_figures_listed_not_drawn(tmp_path, capsys):
     write_run(tmp_path / "runs", "lm_biglstm", "biglstm", "fp32", 1, train=[(5.0, 1.0), (4.0, 1.0)])
     out = tmp_path / "out"
     assert cli_main.main(["--runs", str(tmp_path / "runs"), "--out", str(out)]) == 0
+    # The closing screen lists what these runs filled, each on a line; the rest in one line, never as "missing"
+    said = capsys.readouterr().out
+    assert "figure5.{png,svg}" in said and ": missing" not in said and "table1.{md" not in said
+    assert re.search(r"no runs here for \d+ table\(s\) \(table1, table2, table3.*figure2b", said), said
     index = (out / "index.md").read_text()
     for stem in ("figure2b", "figure3", "figure4", "figure6", "loss_scale"):
         assert not (out / f"{stem}.png").exists()
-        assert re.search(rf"Figure {stem[6:]}.*\*\*missing\*\*" if stem.startswith("figure") else
-                         r"Loss-scale.*\*\*missing\*\*", index), stem
+        assert re.search(rf"Figure {stem[6:]}.*\*\*not drawn\*\*" if stem.startswith("figure") else
+                         r"Loss-scale.*\*\*not drawn\*\*", index), stem
     # Figure 5 drawn, with the runs still to do named.
     assert (out / "figure5.png").exists()
     f5 = (out / "figure5.md").read_text()
