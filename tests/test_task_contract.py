@@ -36,7 +36,7 @@ def test_readme_toy_is_a_complete_experiment(tmp_path, one_thread):
 
 def test_a_misspelt_hook_fails_at_class_definition():
     with pytest.raises(TypeError, match="evalute.*'evaluate'"):
-        class Typo(Task):  # noqa: F841
+        class Typo(Task):
             def evalute(self, ev):
                 return {}
 
