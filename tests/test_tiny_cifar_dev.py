@@ -144,8 +144,8 @@ def test_pad_augmentation_decoded_once_is_torchvisions_on_pil(tmp_path):
     from torchvision import transforms as T
 
     from data_prep.imagenet.dataset import DecodedImages, ImageNetFolder
-    from data_prep.imagenet.pipeline import normalise
-    from experiments.ilsvrc_cnns.task import MEAN, STD, TaskCfg, transforms
+    from data_prep.imagenet.pipeline import MEAN, STD, normalise
+    from experiments.ilsvrc_cnns.task import TaskCfg, transforms
     from mpt.data import SeededDataset
 
     out, _ = _prepared(tmp_path, _source(tmp_path / "src", train=6, test=2), train_per_class=6)
