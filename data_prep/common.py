@@ -125,8 +125,8 @@ def generator_command(name: str, description: str, generate, *, options=(), out_
     """main(argv) of `python -m data_prep.<name>`, a command that writes a release in the official
     format (a tiny set, or real data made offline): --out, the set's own `options` -- (flag, default)
     or (flag, default, help), typed by the default (a bool: a switch, off unless given), in the order
-    generate() takes them -- and --seed; then result = generate(out, *options, seed) and one line, `done(args, result, seconds)` or
-    'wrote RESULT' (a dict's values joined). main returns the result; a UserError is one line."""
+    generate() takes them -- and --seed; then result = generate(out, *options, seed) and one line,
+    `done(args, result, seconds)` or 'wrote RESULT' (a dict's values joined). main returns the result; a UserError is one line."""
     p = argparse.ArgumentParser(prog=f"python -m data_prep.{name}", description=description)
     p.add_argument("--out", required=True, type=Path, help=out_help)
     dests = []

@@ -138,7 +138,8 @@ SMOKE = Sizes(headline_width=0.03125, headline_batch=4, headline_size="64", head
               kernels=False, width=0.03125, batch=2, image_size="80", speech_frames=64, steps=1, warmup=1, graphed_steps=1,
               worst_frames_scale=0.04, worst_steps=1, worst_warmup=1, tiny_batch=8, tiny_steps=4, stop_after=2,
               e2e_train_per_class=2, e2e_val_per_class=1, e2e_crop=64, e2e_resize=72, e2e_steps=4, e2e_log_every=1,
-              e2e_skip_windows=1, ssd_image=96, ssd_images=8, ssd_batch=2, ssd_steps=2, cifar_seeds=(0,), cifar_epochs=1, cifar_at_once=1, cifar_threads=1,
+              e2e_skip_windows=1, ssd_image=96, ssd_images=8, ssd_batch=2, ssd_steps=2, cifar_seeds=(0,), cifar_epochs=1,
+              cifar_at_once=1, cifar_threads=1,
               cifar_sizes={"train_per_class": 8, "test_per_class": 4})
 
 
@@ -174,7 +175,8 @@ def _measure(model: str, precision: str, impl: str | None, o: dict, ctx: Ctx) ->
     with bench.restored_backend_flags():
         row = bench.measure(model, precision, impl, o, ctx.device)
     row["seconds"] = round(time.time() - t0, 1)
-    print(f"{model:16s} {precision:12s} {impl or '-':8s} {'NHWC' if o['channels_last'] else 'NCHW'} {row['status']:7s} {_ms(row):>10s} {_mib(row):>12s}"
+    print(f"{model:16s} {precision:12s} {impl or '-':8s} {'NHWC' if o['channels_last'] else 'NCHW'} {row['status']:7s} "
+          f"{_ms(row):>10s} {_mib(row):>12s}"
           f"  ({row['seconds']:.0f} s){'  ' + row['note'] if row.get('note') else ''}", file=sys.stderr, flush=True)
     return row
 
@@ -667,8 +669,8 @@ def part_env(ctx: Ctx) -> dict:
     return {"env": env, "slug": bench.device_slug(env)}
 
 
-PART_FNS = {"env": part_env, "headline": part_headline, "e2e": part_e2e, "ssd_e2e": part_ssd_e2e, "cifar": part_cifar, "models": part_models, "ds2_worst": part_ds2_worst,
-            "resume": part_resume, "ddp": part_ddp}
+PART_FNS = {"env": part_env, "headline": part_headline, "e2e": part_e2e, "ssd_e2e": part_ssd_e2e, "cifar": part_cifar,
+            "models": part_models, "ds2_worst": part_ds2_worst, "resume": part_resume, "ddp": part_ddp}
 
 
 def source_digest(root: Path | None = None) -> str:
@@ -787,7 +789,7 @@ def run_part(part: str, smoke: bool, work: Path, timeout: float, save=lambda rec
                 rc = proc.wait(timeout=min(every, left))
             except subprocess.TimeoutExpired:
                 save(_read_part(state, time.time() - t0, timeout))
-    except BaseException as e:  # SIGINT / SIGTERM of the call: stop the part, keep what it finished
+    except BaseException as e:  # noqa: BLE001 -- SIGINT / SIGTERM of the call: stop the part, keep what it finished
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         rec = _read_part(state, time.time() - t0, timeout)
@@ -885,8 +887,8 @@ def summary_text(res: dict) -> str:
     if h.get("rows"):
         lines += ["", f"headline: {RN}, batch {h['options']['batch']}, width {h['options']['width']}, "
                       f"size {h['rows'][0]['size']}",
-                  f"  {'precision':20s} {'layout':6s} {'status':8s} {'img/s':>9s} {'ms/step':>9s} {'peak MiB':>9s} {'GPU busy':>8s}"
-                  f" {'speed-up':>8s} {'mem/FP32':>8s}"]
+                  f"  {'precision':20s} {'layout':6s} {'status':8s} {'img/s':>9s} {'ms/step':>9s} {'peak MiB':>9s}"
+                  f" {'GPU busy':>8s} {'speed-up':>8s} {'mem/FP32':>8s}"]
         for r in h["rows"]:
             f = (r.get("ratios") or {}).get("vs_fp32") or {}
             busy = r.get("gpu_busy_fraction")
@@ -977,7 +979,8 @@ def markdown(res: dict) -> str:
     h = (P.get("headline") or {}).get("result") or {}
     if h.get("rows"):
         lines += ["", f"## ResNet-50 (pre-activation), batch {h['options']['batch']}, 224 px, synthetic data", "",
-                  "| precision | layout | images/s | ms/step (median) | peak MiB | GPU busy | vs strict FP32 (same layout) | memory / FP32 |",
+                  "| precision | layout | images/s | ms/step (median) | peak MiB | GPU busy "
+                  "| vs strict FP32 (same layout) | memory / FP32 |",
                   "|---|---|---|---|---|---|---|---|"]
         for r in h["rows"]:
             f = (r.get("ratios") or {}).get("vs_fp32") or {}
@@ -1149,7 +1152,8 @@ def main(argv=None) -> int:
                "mode": "cpu-smoke" if a.cpu_smoke else "gpu", "date": date, "env": env,
                "source_digest": source_digest(),
                "sizes": dataclasses.asdict(SMOKE if a.cpu_smoke else GPU), "budget_s": round(total),
-               "part_budgets_s": {p: budgets[p] for p in a.parts}, "models": list(a.models), "graphed": list(a.graphed), "e2e_workers": list(a.e2e_workers), "parts": {}, "wall_s": None, "exit_code": None}
+               "part_budgets_s": {p: budgets[p] for p in a.parts}, "models": list(a.models), "graphed": list(a.graphed),
+               "e2e_workers": list(a.e2e_workers), "parts": {}, "wall_s": None, "exit_code": None}
         print(f"gpu_check on {env['device_name']}: parts {', '.join(a.parts)}; budget {total:.0f} s; -> {path}",
               file=sys.stderr, flush=True)
 

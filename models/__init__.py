@@ -14,7 +14,8 @@ from mpt.errors import UserError
 
 _REGISTRY: dict[str, Callable[..., nn.Module]] = {}
 # Modules whose import registers models; imported lazily so `import models` stays cheap.
-_MODULES = ["models.imagenet_cnns", "models.cifar_resnet", "models.lm", "models.dcgan", "models.detection", "models.deepspeech2", "models.seq2seq"]
+_MODULES = ["models.imagenet_cnns", "models.cifar_resnet", "models.lm", "models.dcgan", "models.detection",
+            "models.deepspeech2", "models.seq2seq"]
 
 
 def register(name: str):

@@ -10,7 +10,7 @@ import sys
 
 from mpt import config
 from mpt.engine import run
-from mpt.errors import cli
+from mpt.errors import UserError, cli
 from mpt.rundir import FINAL
 from mpt.signals import STOP, install_stop_handlers
 
@@ -35,10 +35,24 @@ def exit_code(summary: dict) -> int:
     return 1
 
 
+OPTIONS = ("-h", "--help", "--print-config")
+
+
+def split_options(argv: list[str]) -> tuple[set[str], list[str]]:
+    """(the options, the key=value words in their order): an option may come anywhere, and a word that
+    starts with "-" is one (a key=value word starts with its key)."""
+    opts = {a for a in argv if a.startswith("-")}
+    unknown = sorted(opts - set(OPTIONS))
+    if unknown:
+        raise UserError(f"unknown option {unknown[0]!r}; the options are {', '.join(OPTIONS)}, the rest key=value words")
+    return opts, [a for a in argv if not a.startswith("-")]
+
+
 def cli_main(experiment: str | config.Experiment, argv: list[str] | None = None) -> None:
-    """`python -m <the experiment's package> key=value ...` (an experiment's __main__ hands itself here)."""
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in ("-h", "--help"):
+    """`python -m <the experiment's package> key=value ...` (an experiment's __main__ hands itself here);
+    options may come before, between or after the key=value words."""
+    opts, argv = cli(split_options)(sys.argv[1:] if argv is None else argv)
+    if opts & {"-h", "--help"}:
         exp = cli(config.get_experiment)(experiment)
         prog = exp.task.__module__.rpartition(".")[0] or exp.task.__module__
         print(f"usage: python -m {prog} [--print-config] [key=value ...]\n"
@@ -49,9 +63,9 @@ def cli_main(experiment: str | config.Experiment, argv: list[str] | None = None)
               f"stop (exit 128 + signal: 143, 130, 138, 129); "
               f"starting the same command again resumes")
         return
-    if argv and argv[0] == "--print-config":
+    if "--print-config" in opts:
         # What a grid cell will do, before it does it (the same resolution as a run).
-        cfg = cli(config.resolve)(experiment, argv[1:])
+        cfg = cli(config.resolve)(experiment, argv)
         print(config.dump_yaml(cfg), end="")
         print(f"# run directory: {config.run_dir(cfg)}")
         return

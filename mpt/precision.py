@@ -648,8 +648,9 @@ class NoMasterCopy(HalfModel):
 
 
 class FP8(Recipe):
-    """precision=fp8, fp8_block, mxfp8 and nvfp4, beyond the paper (mpt.fp8, their formats mpt.formats): FP32 parameters that are the master copy, every
-    weight-bearing dot product on FP8 operands (FP8Math), per-tensor scales (FP8State, checkpointed),
+    """precision=fp8, fp8_block, mxfp8 and nvfp4, beyond the paper (mpt.fp8, their formats mpt.formats): FP32
+    parameters that are the master copy, every weight-bearing dot product on FP8 operands (FP8Math),
+    per-tensor scales (FP8State, checkpointed),
     FP32 accumulation and outputs, no loss scaling (the per-tensor scales replace it). The same recipe
     for impl=autocast and impl=paper.
 

@@ -332,7 +332,8 @@ def env_info(device, world_size: int = 1, cfg=None) -> dict:
         "torchvision": torchvision.__version__,
         "cuda": torch.version.cuda if cuda else None,
         "cudnn": torch.backends.cudnn.version() if cuda else None,
-        "device_name": torch.cuda.get_device_name(device) if cuda else f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
+        "device_name": (torch.cuda.get_device_name(device) if cuda
+                        else f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"),
         **precision.backend_flags(),
         "hostname": socket.gethostname(),
         "world_size": world_size,

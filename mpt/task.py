@@ -1,7 +1,7 @@
 """The Task contract: what an experiment gives the one training loop (mpt/engine.py).
 
 A new experiment is a subclass of Task. The engine calls these methods and nothing else; every hook
-but `datasets` and `build_model` has a default, so a subclass writes only what its workload differs
+but `datasets`, `build_model` and `loss` has a default, so a subclass writes only what its workload differs
 in. Which hook wins is never a question: there is one of each, and a default calls the others.
 
 A task is built once, the same way everywhere (the engine, the benchmark, the doctor, a test):
@@ -33,7 +33,8 @@ expected_data(cfg) names the dataset task.data_root must hold (mpt.config.resolv
 experiment's data in one line).
 
 A public method whose name is one or two letters from a hook's (`evalute`) is an error when the
-class is defined: it would otherwise never be called, and the default would run silently.
+class is defined: it would otherwise never be called, and the default would run silently. So is a
+task with neither `loss` nor a train_step of its own (inherited counts).
 """
 from __future__ import annotations
 
@@ -79,6 +80,10 @@ class Task:
             if close:
                 raise TypeError(f"{cls.__qualname__}.{name} looks like a misspelt Task hook {close[0]!r}: "
                                 f"rename it (the engine calls {close[0]})")
+        # Said here, not at the first step: by then the run directory, the data and the model exist.
+        if cls.loss is Task.loss and cls.train_step is Task.train_step:
+            raise TypeError(f"{cls.__qualname__} has no loss: define loss(self, model, batch) -> (mean loss, items), "
+                            f"or a train_step of its own")
 
     # -- 0: the config and the facts of the data ------------------------------------------------------
     @classmethod

@@ -6,8 +6,9 @@ minutes). A server that accepts the connection but then fails or never answers c
 init_timeout (WANDB_INIT_TIMEOUT, default 30 s) before the run logs offline, in a fresh wandb state:
 the offline record exists whatever the server does, and the process exits without waiting for it
 (wandb's telemetry about itself is off unless WANDB_ERROR_REPORTING is set). A WANDB_BASE_URL that is
-no usable URL (a bad port) is said in one line and the run logs offline without it. Offline runs are written under the run directory, can be browsed with
-`wandb leet <run dir>/wandb` and uploaded later with `wandb sync <run dir>/wandb/offline-run-*`. The wandb run id is derived from the run's content id,
+no usable URL (a bad port) is said in one line and the run logs offline without it. Offline runs are written
+under the run directory, can be browsed with `wandb leet <run dir>/wandb` and uploaded later with
+`wandb sync <run dir>/wandb/offline-run-*`. The wandb run id is derived from the run's content id,
 so a resumed or requeued run continues the same wandb run. Only rank 0 logs. The API key is read by
 wandb from the environment and never written into configs or logs."""
 from __future__ import annotations
@@ -128,7 +129,7 @@ class WandbLogger:
         try:
             self.run = wandb.init(mode=mode, settings=wandb.Settings(console="off", x_disable_stats=True,
                                                                      init_timeout=init_timeout()), **kw)
-        except Exception as e:  # noqa: BLE001 -- reachable but failing (auth, server error, timeout)
+        except Exception as e:  # reachable but failing (auth, server error, timeout)
             if mode != "online":
                 raise
             print(f"wandb: online start failed ({type(e).__name__}: {str(e).strip().splitlines()[0][:200]}); "

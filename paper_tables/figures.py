@@ -424,7 +424,7 @@ def _samples(spec, runs, profile, problems, notes):
             for f in reversed(files):
                 try:
                     image = matplotlib.image.imread(f)
-                except Exception as e:  # a half-written PNG: try an older one
+                except Exception as e:  # noqa: BLE001 -- a half-written PNG: try an older one
                     problems.append(r.problem(f"{f.name} unreadable ({type(e).__name__}); skipped"))
                     continue
                 panels.append((f"{extra}{variant_label(r.variant)}\n{r.name}/{f.name}", image))
@@ -615,7 +615,7 @@ def build_figure(spec: specs.FigureSpec, runs: list[RunResult], profile: str,
             if label:
                 fig.suptitle(label, color="tab:red", fontsize=10, fontweight="bold")
             res.png, res.svg = render(fig, "png"), render(fig, "svg")
-    except Exception as e:  # results we did not foresee must not stop the other figures
+    except Exception as e:  # noqa: BLE001 -- results we did not foresee must not stop the other figures
         res.missing = f"could not be drawn ({type(e).__name__}: {e}); see problems"
         res.png = res.svg = None
         local.append(Problem(spec.id, f"drawing failed: {type(e).__name__}: {e}", None, profile))

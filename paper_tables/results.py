@@ -110,7 +110,7 @@ class RunResult:
         if self._lines is None:
             try:
                 self._lines = self.load_lines() if self.load_lines else Lines()
-            except Exception as e:  # a history we cannot read must not stop the other figures
+            except Exception as e:  # noqa: BLE001 -- a history we cannot read must not stop the other figures
                 problems.append(self.problem(f"metrics unreadable ({_oneline(e)}); no curves from it"))
                 self._lines = Lines()
             if self._lines.bad:
@@ -466,7 +466,7 @@ def collect_wandb(path: str) -> tuple[list[RunResult], list[Problem]]:
         import wandb
 
         api_runs = list(wandb.Api().runs(path))
-    except Exception as e:  # no key, no network, no such project: the user's to fix, in one line
+    except Exception as e:  # noqa: BLE001 -- no key, no network, no such project: the user's to fix, in one line
         raise UserError(f"--wandb {path}: could not list runs ({_oneline(e)}); check the name, "
                         "`wandb login` and the network, or read run folders with --runs") from None
     problems: list[Problem] = []
@@ -474,7 +474,7 @@ def collect_wandb(path: str) -> tuple[list[RunResult], list[Problem]]:
     for run in api_runs:
         try:
             r = _wandb_run(run, path, problems)
-        except Exception as e:  # one odd run must not stop the tables
+        except Exception as e:  # noqa: BLE001 -- one odd run must not stop the tables
             problems.append(Problem(f"wandb:{path}/{getattr(run, 'id', '?')}",
                                     f"unreadable run ({_oneline(e)}); skipped"))
             continue

@@ -79,7 +79,7 @@ def gpu_rate(cfg, gpu: str, world: int, folder=None) -> tuple[float, str] | None
     per_gpu = cfg.train.batch_size // max(world, 1) // max(cfg.train.accum_steps, 1)
     try:
         cnn = config.get_experiment(cfg.experiment).task.channels_last
-    except Exception:  # an unregistered experiment: no layout preference
+    except Exception:  # noqa: BLE001 -- an unregistered experiment: no layout preference
         cnn = False
     nhwc = precision.channels_last_pays(cfg, torch.device("cuda"), cnn)
     best = None
@@ -115,6 +115,7 @@ def sources(cells, cluster, world: int, folder=None) -> str:
     loaders = sorted({x[1] for c in cells if (x := per_core_rate(c.cfg, folder))})
     gpus = sorted({x[1] for c in cells if cluster.gpu and (x := gpu_rate(c.cfg, cluster.gpu, world, folder))})
     where = "experiments/speed_memory/results"
+    no_gpu = (f"no gpu_check result for {cluster.gpu!r}" if cluster.gpu else "unknown: the cluster profile names no gpu")
     return (f"data: loader = ({cluster.cpus_per_task} CPUs per task - 1) x the per-core samples/s of "
             f"{', '.join(loaders) or f'no loader result in {where} (python -m experiments.speed_memory.loader)'}; "
-            f"GPU = {'step samples/s of ' + ', '.join(gpus) if gpus else ('no gpu_check result for ' + repr(cluster.gpu) if cluster.gpu else 'unknown: the cluster profile names no gpu')}")
+            f"GPU = {'step samples/s of ' + ', '.join(gpus) if gpus else no_gpu}")

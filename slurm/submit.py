@@ -519,7 +519,7 @@ def has_batchnorm(model: str) -> bool:
 
     try:
         m = models.build(model, width=1 / 64)
-    except Exception:  # not a registry model, or one that needs other arguments: nothing to say
+    except Exception:  # noqa: BLE001 -- not a registry model, or one that needs other arguments: nothing to say
         return False
     return any(isinstance(x, torch.nn.modules.batchnorm._BatchNorm) for x in m.modules())
 

@@ -10,6 +10,8 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.pop("WANDB_API_KEY", None)  # tests never go online
 
+# pytest.ini's addopts start pytest-xdist workers (--numprocesses=auto --dist=loadgroup); what an ini
+# cannot say is below: how many workers "auto" is, and that `-p no:xdist` still runs.
 # At most this many xdist workers by default (one per usable core below that): every worker builds
 # its own session fixtures and imports torch, and the heavy tests start processes of their own.
 MAX_WORKERS = 4
@@ -21,32 +23,24 @@ if SHARED_CORES:
     os.environ["OMP_NUM_THREADS"] = "1"
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_cmdline_main(config):
-    """The default run uses every core (up to MAX_WORKERS): pytest-xdist workers, with the tests that
-    share an expensive or process-wide fixture kept on one worker (--dist loadgroup, groups set in
-    pytest_collection_modifyitems). `-n 0`, `-p no:xdist` or --pdb run in this one process."""
-    if (not config.pluginmanager.hasplugin("xdist") or config.getoption("usepdb")
-            or hasattr(config, "workerinput")):  # a worker: xdist clears its -n, it must not start more
-        return
-    if config.option.numprocesses is None and not config.option.tx:
-        n = min(len(os.sched_getaffinity(0)), MAX_WORKERS)
-        config.option.numprocesses = n if n > 1 else 0
-    if config.option.numprocesses and config.option.dist == "no":
-        config.option.dist = "loadgroup"  # `-n N` alone would be --dist load: groups split
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown to pytest under -p no:xdist
+def pytest_xdist_auto_num_workers(config):
+    """`--numprocesses=auto`: the cores this process may use (taskset, a SLURM allocation; xdist's own
+    count is the machine's), at most MAX_WORKERS; on one core none, the tests run in this process (one
+    worker would only add its start-up). An explicit `-n N` is taken as given; so is
+    PYTEST_XDIST_AUTO_NUM_WORKERS. xdist itself turns auto into 0 under --pdb."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None  # xdist's own hook reads it
+    n = min(len(os.sched_getaffinity(0)), MAX_WORKERS)
+    return n if n > 1 else 0
 
 
-@pytest.hookimpl(optionalhook=True)
-def pytest_configure_node(node):
-    """A worker parses the command line, not the --dist set above: tell it to name the groups in its
-    test ids (what --dist loadgroup does), or the controller sees no groups."""
-    node.workerinput["loadgroup"] = node.config.option.dist == "loadgroup"
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's worker hook reads config.option.loadgroup
-def pytest_configure(config):
-    if getattr(config, "workerinput", {}).get("loadgroup"):
-        config.option.loadgroup = True
+def pytest_addoption(parser, pluginmanager):
+    """With xdist switched off (`-p no:xdist`) or not installed, the xdist options in pytest.ini's addopts
+    would be unknown arguments: accept them, unused, so the run goes on in this one process."""
+    if not pluginmanager.hasplugin("xdist"):
+        for opt in ("--numprocesses", "--dist"):
+            parser.addoption(opt, help=f"pytest-xdist's {opt}: ignored, xdist is not active")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the groups into the test ids

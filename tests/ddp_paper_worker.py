@@ -6,10 +6,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
+import torch
 
-from mpt import engine  # noqa: E402
-from toy_mlp import ToyMLP, config  # noqa: E402
+from mpt import engine
+from toy_mlp import ToyMLP, config
 
 torch.set_num_threads(1)
 __import__("faulthandler").dump_traceback_later(60, exit=True)  # a hang prints where

@@ -7,9 +7,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
+import torch
 
-from toy_gan import ToyGan, config, run_task  # noqa: E402
+from toy_gan import ToyGan, config, run_task
 
 torch.set_num_threads(1)
 __import__('faulthandler').dump_traceback_later(60, exit=True)  # a hang prints where

@@ -172,7 +172,8 @@ def test_refused_for_tasks_without_a_static_step():
     from mpt.task import Task
 
     class Dynamic(Task):
-        pass
+        def loss(self, model, batch):
+            return model(batch).mean(), len(batch)
 
     class OwnBody(Task):
         graphable = True

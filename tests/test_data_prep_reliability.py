@@ -320,7 +320,8 @@ def test_lm1b_workers_die_with_a_killed_prep(sources, tmp_path):
 @pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)])
 def test_ctrl_c_stops_a_prep_in_one_line_and_the_rerun_finishes(sig, code, sources, clean, tmp_path):
     """Ctrl-C (SIGINT to the whole process group, as a terminal sends it), SIGTERM or SIGHUP (a closed
-    terminal, to the whole group too) during the lm1b prep: one line, exit 128 + the signal, no worker left; the same command again finishes the work."""
+    terminal, to the whole group too) during the lm1b prep: one line, exit 128 + the signal, no worker left; the
+    same command again finishes the work."""
     out = tmp_path / "out"
     with SlowLm1bPrep(sources("lm1b"), out, tmp_path / "flags", start_new_session=True) as prep:
         if sig in (signal.SIGINT, signal.SIGHUP):

@@ -135,8 +135,8 @@ def test_progress_is_not_judged_when_fp32_barely_moves_the_loss(capsys, tmp_path
     said = " ".join(capsys.readouterr().out.split())
     assert "% of fp32's" not in said, said  # no ratio of two numbers near zero
     assert re.search(r"FP32 moved the loss by [-\d.e]+ in 20 steps \(from the untrained [\d.e-]+; judging needs "
-                     r">= 1% of its losses' spread over the steps, [\d.e-]+\): not enough to judge; raise --steps or the learning "
-                     r"rate", said), said
+                     r">= 1% of its losses' spread over the steps, [\d.e-]+\): not enough to judge; raise --steps or the "
+                     r"learning rate", said), said
     assert "neither confirmed nor refuted" in said and "NOT confirmed" not in said
     judge = rep["fp32_gain"]
     assert not judge["enough"] and abs(judge["gain"]) < judge["needed"] == pytest.approx(0.01 * judge["spread"])

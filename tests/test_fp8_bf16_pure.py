@@ -1,7 +1,6 @@
 """Beyond the paper: precision=fp8 (simulated E4M3/E5M2 with per-tensor scaling) and
 precision=bf16_pure (BF16 weights without an FP32 master copy, rounding nearest|stochastic|kahan),
 checked against hand-computed values."""
-import json
 import re
 
 import pytest
@@ -303,7 +302,8 @@ KNOWN_RUN_NAMES = [
     ('wmt_translation', ['profile=tiny', 'precision=bf16_pure', 'rounding=stochastic'], 'nmt_lstm3-bf16_pure-s0-370b1f291c'),
     ('wmt_translation', ['profile=tiny', 'precision=bf16_pure'], 'nmt_lstm3-bf16_pure-s0-c2c3d0ed42'),
     ('deepspeech2', ['profile=tiny', 'model=english', 'precision=fp16_storage'], 'english-fp16_storage-s0-3a4fb2915e'),
-    ('voc_detection', ['profile=tiny', 'model=ssd300_vgg16', 'precision=mixed', 'loss_scale=8'], 'ssd300_vgg16-mixed-s0-0e12b59517'),
+    ('voc_detection', ['profile=tiny', 'model=ssd300_vgg16', 'precision=mixed', 'loss_scale=8'],
+     'ssd300_vgg16-mixed-s0-0e12b59517'),
 ]
 
 

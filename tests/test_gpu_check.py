@@ -17,6 +17,7 @@ from experiments import gpu_check
     (["--parts", "headline,foo"], "--parts foo: choose from"),
     (["--bogus"], "unrecognized arguments: --bogus"),
     (["--budget", "0"], "--budget 0: give a positive number"),
+    (["--limit", "headline=abc"], "--limit headline=abc: write part=seconds"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, says, capsys):
     with pytest.raises(SystemExit) as e:
@@ -256,13 +257,27 @@ def test_out_defaults_to_the_out_variable(tmp_path, monkeypatch):
     assert [p.name.endswith("-gpu_check.json") for p in (tmp_path / "remote_out").iterdir()] == [True]
 
 
-def test_limit_and_budget_defaults():
-    assert gpu_check.DEFAULT_CALL_S <= 360  # a 15-minute lease: start + this + a rerun
-    # most valuable first: the synthetic headline, then training from JPEG files beside it
-    assert gpu_check.PARTS[:3] == ("headline", "e2e", "ssd_e2e")
-    with pytest.raises(SystemExit) as e:
-        gpu_check.main(["--limit", "headline=abc"])
-    assert e.value.code == 2
+def test_a_call_runs_its_parts_in_order_each_within_its_limit(tmp_path, monkeypatch):
+    """A GPU call without --parts runs every part, the most valuable first (the synthetic headline, then
+    training from JPEG files), each under its own limit (--limit sets one) and never past what is left
+    of the call's --budget; ddp on one GPU is skipped without a process."""
+    started = []
+
+    def run_part(part, cpu_smoke, work, limit, **kw):
+        started.append((part, limit))
+        result = {"env": {"device_name": "GPU", "gpu_count": 1}, "slug": "gpu"} if part == "env" else {}
+        return {"status": "ok", "seconds": 0.1, "budget_s": round(limit), "error": None, "traceback": None, "note": None,
+                "result": result}
+
+    monkeypatch.setattr(gpu_check, "run_part", run_part)
+    assert gpu_check.main(["--out", str(tmp_path), "--budget", "150", "--limit", "headline=240,e2e=30"]) == 0
+    assert [p for p, _ in started][:4] == ["env", "headline", "e2e", "ssd_e2e"]
+    assert [p for p, _ in started[1:]] == [p for p in gpu_check.PARTS if p != "ddp"]
+    for part, limit in started[1:]:
+        own = {"headline": 240, "e2e": 30}.get(part, gpu_check.GPU_BUDGET_S[part])
+        assert min(own, 150) - 10 < limit <= min(own, 150), (part, limit)  # the call's 150 s caps headline
+    res = json.loads(next(tmp_path.glob("gpu-*-gpu_check.json")).read_text())
+    assert res["budget_s"] == 150 and res["part_budgets_s"]["e2e"] == 30 and res["parts"]["ddp"]["status"] == "skipped"
 
 
 def test_report_merges_a_machines_calls(tmp_path):

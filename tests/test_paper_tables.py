@@ -29,7 +29,8 @@ def write_run(root, experiment, model, precision, seed, *, status="completed", m
               profile="paper", loss_scale="auto", tf32=False, impl="autocast", updated=None,
               step=500, total_steps=500, train=None, numerics=(), samples=False, env=ENV, name=None):
     """One run directory in the contract's layout (contracts: "Run directory")."""
-    d = pathlib.Path(root) / experiment / (name or f"{model}-{precision}-s{seed}-{abs(hash((profile, loss_scale, tf32, impl, updated))) % 10**10:010d}")
+    digest = abs(hash((profile, loss_scale, tf32, impl, updated))) % 10**10
+    d = pathlib.Path(root) / experiment / (name or f"{model}-{precision}-s{seed}-{digest:010d}")
     d.mkdir(parents=True, exist_ok=True)
     cfg = {"experiment": experiment, "model": model, "precision": precision, "seed": seed,
            "profile": profile, "loss_scale": loss_scale, "tf32": tf32, "impl": impl, "out_dir": str(root)}

@@ -745,7 +745,8 @@ def test_cell_timeout_stops_a_cell_and_kills_a_hung_one(tmp_path, monkeypatch):
     for t in tasks:
         assert (tmp_path / f"{t.name}.json.sigterm").exists()
         assert any(ln.startswith(f"  {t.name}: past --cell-timeout {TIMEOUT:g} s") for ln in lines), lines
-        assert any(f"] {t.name}: exit {results[t.name]}, stopped at its --cell-timeout {TIMEOUT:g} s (" in ln for ln in lines), lines
+        stopped = f"] {t.name}: exit {results[t.name]}, stopped at its --cell-timeout {TIMEOUT:g} s ("
+        assert any(stopped in ln for ln in lines), lines
         assert any(ln.startswith(f"  {t.name}: still running 4 s after") for ln in lines) == (t.name.startswith("thread"))
 
 

@@ -159,7 +159,8 @@ def test_command_on_cpu_two_tiny_models(tmp_path):
     assert p.returncode == 0, p.stderr
     (path,) = out.glob("cpu-*-test.json")
     res = json.loads(path.read_text())
-    assert (out / path.name.replace(".json", ".md")).read_text().count("| resnet50_preact | mixed |") == 3  # 2 impls + engine overhead
+    md = (out / path.name.replace(".json", ".md")).read_text()
+    assert md.count("| resnet50_preact | mixed |") == 3  # 2 impls + engine overhead
     assert res["schema"] == report.SCHEMA and res["env"]["torch"] == torch.__version__ and res["env"]["date"]
     assert "synthetic" in res["data"] and res["options"]["channels_last"] is False
     rows = {(r["model"], r["precision"], r["impl"]): r for r in res["rows"]}

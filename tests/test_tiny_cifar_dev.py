@@ -98,7 +98,8 @@ def test_val_from_train_takes_the_unused_train_images(tmp_path):
         assert val == sorted((src / "train" / c / f"{i:04d}.jpg").read_bytes() for i in range(2, 5))
         val2 = sorted(p.read_bytes() for p in (out2 / "val" / wnid).iterdir())
         assert val2 == sorted((src / "train" / c / f"{i:04d}.jpg").read_bytes() for i in range(2, 4))
-    for kw, match in ((dict(val_from="both"), "--val-from 'both'"), (dict(train_per_class=0, val_from="train"), "give --train-per-class > 0"),
+    for kw, match in ((dict(val_from="both"), "--val-from 'both'"),
+                      (dict(train_per_class=0, val_from="train"), "give --train-per-class > 0"),
                       (dict(train_per_class=5, val_from="train"), "no images after the first 5")):
         with pytest.raises(UserError, match=match) as e:
             cifar_dev.generate(tmp_path / "bad", source=str(src), **kw)
@@ -143,8 +144,8 @@ def test_pad_augmentation_decoded_once_is_torchvisions_on_pil(tmp_path):
     from torchvision import transforms as T
 
     from data_prep.imagenet.dataset import DecodedImages, ImageNetFolder
-    from data_prep.imagenet.pipeline import normalise
-    from experiments.ilsvrc_cnns.task import MEAN, STD, TaskCfg, transforms
+    from data_prep.imagenet.pipeline import MEAN, STD, normalise
+    from experiments.ilsvrc_cnns.task import TaskCfg, transforms
     from mpt.data import SeededDataset
 
     out, _ = _prepared(tmp_path, _source(tmp_path / "src", train=6, test=2), train_per_class=6)

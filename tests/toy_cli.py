@@ -10,10 +10,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
+import torch
 
-from mpt import cli  # noqa: E402
-from toy_gan import ToyGan, config, run_task  # noqa: E402
+from mpt import cli
+from toy_gan import ToyGan, config, run_task
 
 
 class SlowToyGan(ToyGan):

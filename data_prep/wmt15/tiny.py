@@ -108,7 +108,7 @@ def _lines(lines: list[str]) -> bytes:
 
 def _sgm(kind: str, lang: str, lines: list[str]) -> bytes:
     """WMT SGML: <srcset>/<refset> of <doc>s of <seg id="N">; ids restart at 1 in each document."""
-    head = (f'<srcset setid="newstest2014" srclang="any">' if kind == "src" else
+    head = ('<srcset setid="newstest2014" srclang="any">' if kind == "src" else
             f'<refset setid="newstest2014" srclang="any" trglang="{lang}">')
     out, per_doc = [head], 50
     for d in range(0, len(lines), per_doc):

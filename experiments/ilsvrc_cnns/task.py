@@ -12,7 +12,7 @@ from mpt.config import infra
 from mpt.errors import UserError
 from mpt.task import Task as BaseTask
 
-from data_prep.imagenet.pipeline import DECODES, MEAN, STD, EncodedBatch, collate, decode_on_device, normalise
+from data_prep.imagenet.pipeline import DECODES, MEAN, EncodedBatch, collate, decode_on_device, normalise
 
 AUGMENTS = ("caffe", "torchvision", "pad")
 

@@ -39,7 +39,7 @@ def run_cell(data: Path, model: str, precision: str, seed: int, out: Path, extra
         s = main("ilsvrc_cnns", overrides)
     except UserError:
         raise
-    except Exception as e:  # a failed run is a cell of the table, not the end of the check
+    except Exception as e:  # noqa: BLE001 -- a failed run is a cell of the table, not the end of the check
         s = {"status": "failed", "metrics": {}, "error": f"{type(e).__name__}: {e}"}
     s.setdefault("wall_time_s", None)
     s["check_seconds"] = time.time() - start

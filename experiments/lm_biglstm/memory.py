@@ -9,8 +9,9 @@ own optimizer and precision recipes (mpt.optim.build_optimizer, mpt.precision):
    master weights and their gradients. Counted from the tensors after a step, as bytes per parameter,
    separately for the softmax layer (FP32 in every recipe, as in the reference: models/lm.py) and the
    rest; these do not depend on the model's size (checked at several widths), so the full model needs
-   bytes/param x parameters of each part (812,514,304 + 793,471 softmax, 963,640,320 the rest). DistributedDataParallel adds one more gradient-sized buffer (its
-   all-reduce buckets; gradient_as_bucket_view=False, the engine's setting), and torch's foreach
+   bytes/param x parameters of each part (812,514,304 + 793,471 softmax, 963,640,320 the rest).
+   DistributedDataParallel adds one more gradient-sized buffer (its all-reduce buckets;
+   gradient_as_bucket_view=False, the engine's setting), and torch's foreach
    Adagrad allocates two FP32 temporaries (sqrt of the accumulator, lr x gradient) for one param group
    at a time -- at most 8 bytes x the largest group, the softmax table; both counted analytically.
 2. Activations: the bytes autograd saves for backward (mpt.memory.SavedTensorBytes), measured at a

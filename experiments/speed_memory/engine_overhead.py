@@ -1,6 +1,7 @@
 """Engine overhead: the engine's training iteration (mpt.engine.Run.iterate: the train step through
-the precision recipe, then the loop's on-device divergence and logging counters) versus a hand-written torch.amp loop, same model, same device-resident batch, one process,
-rotating blocks so drift in machine load hits every loop alike, and a second hand-written loop
+the precision recipe, then the loop's on-device divergence and logging counters) versus a hand-written
+torch.amp loop, same model, same device-resident batch, one process, rotating blocks so drift in
+machine load hits every loop alike, and a second hand-written loop
 as a control that shows the machine's noise floor. `python -m experiments.speed_memory`
 runs it as its engine-overhead row; alone:
 
@@ -126,7 +127,7 @@ def measure(model: str, precision: str, *, width: float, batch: int, size: int |
             for fn in loops[r % 3:] + loops[:r % 3]:
                 times[fn].append(block(fn))
         run.record.wandb.finish(0)
-        del run
+        run = None  # frees the run (not `del`: the closures above read this name)
         sync(dev)
     hand, eng, ctl = times[hand_step], times[engine_step], times[control_step]
     # Paired within each round (adjacent blocks), then the median over rounds: robust to load that

@@ -184,7 +184,8 @@ def goals(result: dict) -> list[dict]:
     best = max(mixed, key=lambda i: mixed[i]["throughput"]) if mixed else None
     v = mixed[best]["throughput"] if best else None
     floor, aim = (round(MIN_OF_MLPERF * mlperf), round(AIM_OF_MLPERF * mlperf)) if mlperf else (3600, 5200)
-    out.append(_goal("resnet50_mixed_throughput", "ResNet-50 mixed-precision training throughput (one GPU, batch 256, synthetic data)",
+    out.append(_goal("resnet50_mixed_throughput",
+                     "ResNet-50 mixed-precision training throughput (one GPU, batch 256, synthetic data)",
                      f">= {floor} images/s (aim {aim})",
                      ", ".join(f"{i} {r['throughput']:.0f} images/s" for i, r in mixed.items()) or None,
                      status_of(None if v is None else v >= floor),

@@ -48,4 +48,4 @@ The package, in the order of an examination:
   watch.py        watch(model, every=10, ...): a user's own training loop watched (the first non-finite value's
                   producer, each module's run-up, setup mistakes); not part of an examination
 """
-from mpt.doctor.watch import watch  # noqa: E402,F401 -- `with mpt.doctor.watch(model) as w:`
+from mpt.doctor.watch import watch  # noqa: F401 -- `with mpt.doctor.watch(model) as w:`

@@ -140,7 +140,8 @@ def analyse(fp32: dict, fp16: dict, untrained: list[float], tol: float = TOLERAN
     advised = advise_loss_scale(top[0], margin, MAX_SCALE) if maxima else MAX_SCALE
     backward = {
         "kinds": kinds, "s_low": s_low, "s_high": s_high, "advised": advised, "tolerance": tol, "margin": margin,
-        "first_overflow": {"kind": top[1], "layer": top[2], "label": label(top[2], fp32["types"]), "max_abs": top[0], "at_scale": _overflow_at(top[0])},
+        "first_overflow": {"kind": top[1], "layer": top[2], "label": label(top[2], fp32["types"]), "max_abs": top[0],
+                           "at_scale": _overflow_at(top[0])},
     }
 
     # The update (section 3.1): what FP16 weights would lose without the FP32 master copy.
