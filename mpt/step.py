@@ -69,7 +69,9 @@ class TrainStep:
         self.model = model  # unwrapped: state_dicts, evaluation, numerics
         self.models = model if ddp is None else ddp  # what forward calls (DDP all-reduces in backward)
         self.optimizers = optimizers
-        self.scheds = scheds or {}  # name -> scheduler; an optimizer without one keeps its lr
+        # name -> scheduler; an optimizer without one keeps its lr. A scheduler with observe(logs) gets
+        # every iteration's logs (device tensors) after the task's body.
+        self.scheds = scheds or {}
         self.recipe = recipe
         self.clip_grad_norm = clip_grad_norm
         self.device, self.channels_last, self.world = device, channels_last, world
@@ -104,6 +106,11 @@ class TrainStep:
         # The workload's body: by default forward/backward of each micro-batch, then the optimizer's
         # update (StepContext.loss_step, which calls forward_backward and update below).
         logs, items = self.body(StepContext(self, len(micro), meter), micro)
+        # A schedule that follows the training loss (the translation reference's decay on a plateau)
+        # reads it from here: it holds its own state, the task none.
+        for s in self.scheds.values():
+            if hasattr(s, "observe"):
+                s.observe(logs)
         for o in self.observers:
             o.end(self)
         # The loss scale moves once per iteration, after every optimizer's update (torch.amp's rule

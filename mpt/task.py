@@ -120,7 +120,8 @@ class Task:
         """One learning-rate scheduler per optimizer (same names), stepped after each applied update and
         checkpointed. Default: cfg.sched through mpt.optim.lr_factor (the open SCHEDULES registry), a
         function of the fractional epoch. A schedule that needs more (the translation reference's decay
-        on a training-loss plateau) is a scheduler of the task's own."""
+        on a training-loss plateau) is a scheduler of the task's own; one with an observe(logs) method is
+        handed every iteration's logs by the training step (the task keeps no state for it)."""
         factor = update_factor(self.cfg.sched, steps_per_epoch, total_epochs)
         return {name: torch.optim.lr_scheduler.LambdaLR(opt, factor) for name, opt in optimizers.items()}
 

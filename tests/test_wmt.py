@@ -137,7 +137,7 @@ def test_full_size_parameter_count():
 
 def test_buckets_collate_and_order(tiny_wmt):
     from mpt import config as C
-    from experiments.wmt_translation.task import Task
+    from experiments.wmt_translation.task import PlateauLR, Task
 
     cfg = C.resolve("wmt_translation", ["profile=tiny", f"task.data_root={tiny_wmt}", "train.batch_size=8"])
     t = Task(cfg)
@@ -218,7 +218,7 @@ def test_bleu_is_sacrebleu_of_the_greedy_translations_in_test_order(tiny_wmt):
     returns the next sentence's reference scores what sacrebleu gives those sentences."""
     import sacrebleu
 
-    from experiments.wmt_translation.task import Task
+    from experiments.wmt_translation.task import PlateauLR, Task
     from mpt import config as C
 
     cfg = C.resolve("wmt_translation", tiny_overrides(tiny_wmt, "unused", "task.bleu_max_sentences=0"))
@@ -297,7 +297,7 @@ def test_plateau_decay_follows_translate_py_and_resumes_exactly():
     opt, sched = make()
     lrs = []
     for i, loss in enumerate(losses):
-        sched.observe(torch.tensor(float(loss)))
+        sched.observe({"loss": torch.tensor(float(loss))})
         opt.step()
         sched.step()
         lrs.append(opt.param_groups[0]["lr"])
@@ -327,3 +327,34 @@ def test_plateau_decay_runs_in_the_engine(tiny_wmt, tmp_path):
     plateau = torch.load(d / "checkpoint.pt", weights_only=True)["scheds"]["main"]["plateau"]
     assert plateau["history"] == pytest.approx(losses[-3:], rel=1e-6)
     assert plateau["multiplier"] == 0.5 ** decays
+
+
+def test_the_doctor_takes_the_translation_task_and_its_plateau_schedule_is_the_steps(tiny_wmt):
+    """The plateau decay is a schedule the training step feeds (PlateauLR.observe(logs)): the task keeps no
+    state and has no training step of its own, so the doctor, which replays a task's loss, takes it."""
+    import torch
+
+    from mpt.doctor.targets import load
+    from mpt.task import Task as BaseTask
+
+    t = load("experiment:wmt_translation", [f"task.data_root={tiny_wmt}", "width=0.03125"], "tiny", steps=2)
+    assert t.name and t.batches
+    from experiments.wmt_translation.task import PlateauLR, Task
+
+    assert Task.train_step is BaseTask.train_step
+    sched = PlateauLR(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), lambda u: 1.0, 0.5, 1)
+    from mpt.step import TrainStep
+
+    step = TrainStep(lambda ctx, mb: ({"loss": torch.tensor(float(mb[0]))}, 1), torch.nn.Linear(1, 1),
+                     {"main": sched.optimizer}, _NoRecipe(), scheds={"main": sched})
+    for loss in (1.0, 1.0, 1.0, 2.0):  # the fourth window's mean above the three before it: decay
+        step([loss])
+    assert sched.multiplier == 0.5 and sched.history == [1.0, 1.0, 2.0]
+
+
+class _NoRecipe:
+    def update(self):
+        pass
+
+    def zero_grad(self):
+        pass

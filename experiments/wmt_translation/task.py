@@ -43,10 +43,10 @@ class TaskCfg:
 
 
 class PlateauLR(torch.optim.lr_scheduler.LambdaLR):
-    """cfg.sched's factor times translate.py's plateau multiplier (TaskCfg.plateau_decay). The task
-    hands every iteration's loss to observe() (a device tensor: the loss is read on the host once
-    per window, summed over ranks so every rank takes the same decision); the multiplier applies
-    from the next update. Its state (multiplier, last three window means, the open window) is in the
+    """cfg.sched's factor times translate.py's plateau multiplier (TaskCfg.plateau_decay). The training
+    step (mpt.step.TrainStep) hands every iteration's logs to observe(); their loss, a device tensor, is
+    read on the host once per window, summed over ranks so every rank takes the same decision; the
+    multiplier applies from the next update. Its state (multiplier, last three window means, the open window) is in the
     checkpoint, so a resumed run decays exactly as an uninterrupted one."""
 
     def __init__(self, optimizer, factor, decay: float, window: int):
@@ -54,8 +54,8 @@ class PlateauLR(torch.optim.lr_scheduler.LambdaLR):
         self.multiplier, self.history, self.sum, self.count = 1.0, [], None, 0
         super().__init__(optimizer, lambda u: factor(u) * self.multiplier)
 
-    def observe(self, loss: torch.Tensor) -> None:
-        loss = loss.detach().to(torch.float64)
+    def observe(self, logs: dict) -> None:
+        loss = logs["loss"].detach().to(torch.float64)
         self.sum, self.count = (loss if self.sum is None else self.sum + loss), self.count + 1
         if self.count < self.window:
             return
@@ -188,18 +188,10 @@ class Task(BaseTask):
     def schedules(self, optimizers, steps_per_epoch, total_epochs):
         c = self.cfg.task
         if c.plateau_decay <= 0:
-            self._plateau = None
             return super().schedules(optimizers, steps_per_epoch, total_epochs)
         (name, opt), = optimizers.items()
-        self._plateau = PlateauLR(opt, update_factor(self.cfg.sched, steps_per_epoch, total_epochs),
-                                  c.plateau_decay, c.plateau_window)
-        return {name: self._plateau}
-
-    def train_step(self, ctx, micro_batches):
-        logs, n = super().train_step(ctx, micro_batches)
-        if self._plateau is not None:
-            self._plateau.observe(logs["loss"])
-        return logs, n
+        return {name: PlateauLR(opt, update_factor(self.cfg.sched, steps_per_epoch, total_epochs),
+                                c.plateau_decay, c.plateau_window)}
 
     def loss(self, model, batch):
         n = batch["n_tgt"]  # = (tgt_out != pad).sum(), from collate: int() of the device count would sync
