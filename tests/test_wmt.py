@@ -137,7 +137,7 @@ def test_full_size_parameter_count():
 
 def test_buckets_collate_and_order(tiny_wmt):
     from mpt import config as C
-    from experiments.wmt_translation.task import PlateauLR, Task
+    from experiments.wmt_translation.task import Task
 
     cfg = C.resolve("wmt_translation", ["profile=tiny", f"task.data_root={tiny_wmt}", "train.batch_size=8"])
     t = Task(cfg)
@@ -218,7 +218,7 @@ def test_bleu_is_sacrebleu_of_the_greedy_translations_in_test_order(tiny_wmt):
     returns the next sentence's reference scores what sacrebleu gives those sentences."""
     import sacrebleu
 
-    from experiments.wmt_translation.task import PlateauLR, Task
+    from experiments.wmt_translation.task import Task
     from mpt import config as C
 
     cfg = C.resolve("wmt_translation", tiny_overrides(tiny_wmt, "unused", "task.bleu_max_sentences=0"))
