@@ -141,6 +141,10 @@ class LogWindow:
 
 
 class Run:
+    # Observers (mpt.step.Observer) every run of this process adds after its own: what a test injects into
+    # the iteration (a stop request at a given step), without a seam in the loop.
+    extra_observers: tuple = ()
+
     def __init__(self, cfg, task: Task, on_result=None):
         if not isinstance(task, Task):  # the engine calls Task's methods; their defaults live there
             raise TypeError(f"{type(task).__qualname__} must subclass mpt.task.Task (see mpt/task.py)")
@@ -220,7 +224,9 @@ class Run:
 
             self.observers.append(NumericsObserver(Numerics(model, every=cfg.numerics.every, lo=cfg.numerics.hist_lo,
                                                             hi=cfg.numerics.hist_hi)))
-        self.train = TrainStep(self.task.train_step, model, optimizers, recipe, ddp=ddp, scheds=scheds,
+        self.observers += list(self.extra_observers)
+        self.train = TrainStep(None if self.task.own_step else self.task.loss, model, optimizers, recipe,
+                               body=self.task.train_step if self.task.own_step else None, ddp=ddp, scheds=scheds,
                                clip_grad_norm=cfg.train.clip_grad_norm, device=self.device,
                                channels_last=self.channels_last, world=self.world, observers=tuple(self.observers),
                                cuda_graphs=cfg.train.cuda_graphs)
@@ -406,21 +412,6 @@ class Run:
                 for b in d.train_loader:
                     yield epoch, b
 
-    def train_step(self, micro_batches) -> tuple[dict, int, dict]:
-        """One iteration (TrainStep) -> (logs: device tensors, items, the numerics sample or {}). The
-        logs stay on the device (the loop reads them once per log step); the host reads in an iteration
-        are the loss scaler's overflow flag, one per optimizer update (mpt.precision), and, on sampled
-        steps only, the numerics statistics and SQNRs."""
-        logs, n = self.train(micro_batches)
-        return logs, n, {k: v for o in self.observers for k, v in o.stats.items()}
-
-    def iterate(self, micro_batches) -> dict:
-        """One iteration of the loop: the train step, then the divergence rule and the log window, on
-        the device. Returns the numerics sample."""
-        logs, n, stats = self.train_step(micro_batches)
-        self.window.add(logs, n, self.step)
-        return stats
-
     @torch.no_grad()
     def evaluate(self) -> dict:
         t, step = self.train, self.step
@@ -443,64 +434,41 @@ class Run:
         return self.step / self.data.steps_per_epoch
 
     def loop(self) -> dict:
-        t, rec = self.cfg.train, self.record
+        """Train from self.step to total_steps: each iteration the step (TrainStep: forward, backward, the
+        update), its logs into the window (on the device), the numerics sample; at log steps the window's
+        line, at eval steps the metrics, checkpoints as due; stopped by divergence or a signal."""
+        t = self.cfg.train
         self.train.model.train()
         self.t_start = self.last_ckpt = time.monotonic()
-        bar = None
-        if self.main and t.progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=self.total_steps, initial=self.step, desc=self.record.name, unit="step",
-                       dynamic_ncols=True, file=sys.stderr, mininterval=2.0)
+        bar = self._progress_bar()
         # Not open(): the window holds what resume() restored of a log window the checkpoint fell inside.
         self.window.restart_clock()
         metrics, last_eval, throughput = {}, -1, None
         it = self.batches()
         while self.step < self.total_steps:
-            stats = self.iterate([next(it)[1] for _ in range(t.accum_steps)])
+            logs, items = self.train([next(it)[1] for _ in range(t.accum_steps)])
+            self.window.add(logs, items, self.step)  # the divergence rule and the log window, on the device
+            stats = {k: v for o in self.observers for k, v in getattr(o, "stats", {}).items()}
             if stats:
-                rec.log({"kind": "numerics", "step": self.step, **stats})
+                self.record.log({"kind": "numerics", "step": self.step, **stats})
             if bar is not None:
                 bar.update(1)
-            at_log = self.step % t.log_every == 0 or self.step == self.total_steps
             stop = diverged = due_time = False
-            if at_log:
-                win = self.window
-                means, nf, diverged, (stop, due_time) = win.read([STOP.reason is not None, self.ckpt_due_by_time()],
-                                                                 self.world)
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                dt = time.monotonic() - win.t0
-                throughput = win.items * self.world / dt if dt > 0 else None
-                recipe, opts = self.train.recipe, self.train.optimizers
-                line = {"kind": "train", "step": self.step, "epoch": self.epoch(), **means,
-                        "lr": next(iter(opts.values())).param_groups[0]["lr"], "loss_scale": recipe.loss_scale,
-                        "skipped_steps": recipe.skipped_steps, "throughput": throughput,
-                        "time": self.wall + time.monotonic() - self.t_start}
-                if len(opts) > 1:
-                    for k, o in opts.items():
-                        line[f"lr/{k}"], line[f"skipped/{k}"] = o.param_groups[0]["lr"], self.train.skipped[k]
-                rec.log(line)
-                if bar is not None:
-                    bar.set_postfix(loss=f"{means['loss']:.3f}", S=f"{recipe.loss_scale:g}",
-                                    ips=f"{throughput or 0:.0f}", refresh=False)
-                win.open()
+            if self.step % t.log_every == 0 or self.step == self.total_steps:
+                throughput, diverged, stop, due_time = self._log_line(bar)
             if self.world == 1:  # a single process acts at once; DDP ranks agree at log steps (LogWindow.read)
                 stop, due_time = STOP.reason is not None, self.ckpt_due_by_time()
-            if diverged:
-                # The paper's "diverges" cells: stop instead of burning GPU hours on NaNs.
+            if diverged:  # the paper's "diverges" cells: stop instead of burning GPU hours on NaNs
                 at = int(self.window.diverged_at.item())
                 at = at if at >= 0 else self.step  # another rank's loss diverged
                 return self.finish("diverged", metrics, throughput,
                                    error=f"loss non-finite for {t.diverge_after} consecutive steps at step {at}")
             if self.step % self.eval_every == 0 or self.step == self.total_steps:
-                metrics = self.evaluate()
-                last_eval = self.step
-                rec.log({"kind": "eval", "step": self.step, "epoch": self.epoch(), **metrics})
+                metrics, last_eval = self._evaluate_and_log(), self.step
             due_step = t.ckpt_every_steps > 0 and self.step % t.ckpt_every_steps == 0
             if (due_time or due_step or self.step % self.eval_every == 0) and self.step < self.total_steps:
                 self.save()
-                rec.write_summary(self.progress(), metrics=metrics)
+                self.record.write_summary(self.progress(), metrics=metrics)
             # Checked after a step, so a process always makes progress before it can be stopped
             # (a job signalled at every start would otherwise requeue forever).
             if stop and self.step < self.total_steps:
@@ -508,12 +476,51 @@ class Run:
                 return self.finish("interrupted", metrics, throughput, error=f"stopped: {STOP.reason or 'another rank'}")
         if bar is not None:
             bar.close()
-        if last_eval != self.step:
-            metrics = self.evaluate()
-            rec.log({"kind": "eval", "step": self.step, "epoch": self.epoch(), **metrics})
-        # A run whose last losses or final metrics are not finite is never "completed": fewer than
-        # diverge_after NaN steps at the very end (a NaN at step 5 of 20 with diverge_after=20) would
-        # otherwise record a broken model as a result.
+        return self._end(metrics if last_eval == self.step else self._evaluate_and_log(), throughput)
+
+    def _progress_bar(self):
+        if not (self.main and self.cfg.train.progress):
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=self.total_steps, initial=self.step, desc=self.record.name, unit="step",
+                    dynamic_ncols=True, file=sys.stderr, mininterval=2.0)
+
+    def _log_line(self, bar) -> tuple:
+        """A log step: the window's means read (the one host read of the losses, ranks agreeing on stop and
+        timed checkpoint), its train line written, the window reopened. -> (throughput, diverged, stop,
+        timed checkpoint due)."""
+        win = self.window
+        means, nf, diverged, (stop, due_time) = win.read([STOP.reason is not None, self.ckpt_due_by_time()],
+                                                         self.world)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        dt = time.monotonic() - win.t0
+        throughput = win.items * self.world / dt if dt > 0 else None
+        recipe, opts = self.train.recipe, self.train.optimizers
+        line = {"kind": "train", "step": self.step, "epoch": self.epoch(), **means,
+                "lr": next(iter(opts.values())).param_groups[0]["lr"], "loss_scale": recipe.loss_scale,
+                "skipped_steps": recipe.skipped_steps, "throughput": throughput,
+                "time": self.wall + time.monotonic() - self.t_start}
+        if len(opts) > 1:
+            for k, o in opts.items():
+                line[f"lr/{k}"], line[f"skipped/{k}"] = o.param_groups[0]["lr"], self.train.skipped[k]
+        self.record.log(line)
+        if bar is not None:
+            bar.set_postfix(loss=f"{means['loss']:.3f}", S=f"{recipe.loss_scale:g}", ips=f"{throughput or 0:.0f}",
+                            refresh=False)
+        win.open()
+        return throughput, diverged, stop, due_time
+
+    def _evaluate_and_log(self) -> dict:
+        metrics = self.evaluate()
+        self.record.log({"kind": "eval", "step": self.step, "epoch": self.epoch(), **metrics})
+        return metrics
+
+    def _end(self, metrics: dict, throughput) -> dict:
+        """The run's end: a run whose last losses or final metrics are not finite is never "completed":
+        fewer than diverge_after NaN steps at the very end (a NaN at step 5 of 20 with diverge_after=20)
+        would otherwise record a broken model as a result."""
         tail = self.window.bad.clone()
         if self.world > 1:
             dist.all_reduce(tail, op=dist.ReduceOp.MAX)

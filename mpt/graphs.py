@@ -71,13 +71,11 @@ def refusal(*, device, world: int = 1, accum: int = 1, recipe=None, observers=()
             return (f"{KEY}: observer {type(o).__name__} hooks the forward/backward a replay would skip "
                     f"(numerics.every / numerics.sqnr_every); turn it off or set train.cuda_graphs=false")
     if task is not None:
-        from mpt.task import Task
-
         name = type(task).__qualname__
         if not getattr(task, "graphable", False):
             return (f"{KEY}: task {name} does not declare a static step (Task.graphable: fixed shapes, no host "
                     f"syncs, no data-dependent control flow); set train.cuda_graphs=false")
-        if type(task).train_step is not Task.train_step:
+        if task.own_step:
             return (f"{KEY}: task {name} writes its own train_step; only the default body's forward/backward "
                     f"is captured. Set train.cuda_graphs=false")
     return None

@@ -10,7 +10,9 @@ doctor all train through it, so the order below is written once:
     once:                  update the loss scale, zero the gradients
 
 A task writes the first two lines its own way when it has several losses or optimizers (a GAN):
-Task.train_step gets a StepContext, a view of the TrainStep, and calls ctx.update(name) per optimizer.
+its Task.train_step is the step's body, gets a StepContext, a view of the TrainStep, and calls
+ctx.step(name) per optimizer. The loop calls the step; the step calls the update, the update the recipe,
+the recipe the optimizer.
 Observers (numerics sampling, a memory probe) hook in around each optimizer update instead of living
 inside it. EvalContext is what Task.evaluate sees.
 
@@ -50,22 +52,20 @@ class Observer:
     def end(self, step: "TrainStep") -> None: ...
 
 
-def loss_body(loss_fn: Callable) -> Callable:
-    """The default iteration body (Task.train_step's) for a loss function loss_fn(models, batch) ->
-    (mean loss, items): forward/backward of each micro-batch, then the one optimizer's update."""
-    return lambda ctx, micro_batches: ctx.loss_step(loss_fn, micro_batches)
-
-
 class TrainStep:
-    """One iteration at a time. `body(ctx, micro_batches) -> (logs, items)` is what differs between
-    workloads: a run's Task.train_step, or loss_body(loss_fn) for a plain loss (the benchmark, the
-    doctor)."""
+    """One iteration at a time, for a loss function loss(models, batch) -> (mean loss, items): forward and
+    backward of each micro-batch, then the one optimizer's update -- the default, run here. A task with
+    several losses or optimizers (a GAN) gives its own `body(ctx, micro_batches) -> (logs, items)` instead
+    (its Task.train_step), which drives the same calls through a StepContext."""
 
-    def __init__(self, body: Callable, model: nn.Module, optimizers: dict, recipe, *, ddp: nn.Module | None = None,
+    def __init__(self, loss: Callable | None, model: nn.Module, optimizers: dict, recipe, *, body: Callable | None = None,
+                 ddp: nn.Module | None = None,
                  scheds: dict | None = None, clip_grad_norm: float = 0.0, device=torch.device("cpu"),
                  channels_last: bool = False, world: int = 1, observers: tuple[Observer, ...] = (),
                  measure_first: bool = True, cuda_graphs: bool = False, graph_backend=None):
-        self.body = body
+        if (loss is None) == (body is None):
+            raise TypeError("TrainStep: give a loss function or a body, one of them")
+        self.loss, self.body = loss, body
         self.model = model  # unwrapped: state_dicts, evaluation, numerics
         self.models = model if ddp is None else ddp  # what forward calls (DDP all-reduces in backward)
         self.optimizers = optimizers
@@ -103,9 +103,12 @@ class TrainStep:
         micro = [to_device(b, self.device, self.channels_last) for b in micro_batches]
         for o in self.observers:
             o.begin(self, micro)
-        # The workload's body: by default forward/backward of each micro-batch, then the optimizer's
-        # update (StepContext.loss_step, which calls forward_backward and update below).
-        logs, items = self.body(StepContext(self, len(micro), meter), micro)
+        if self.body is None:  # the default: forward/backward of each micro-batch, the one optimizer's update
+            loss, items = self.forward_backward(self.loss, micro, meter)
+            self.update(next(iter(self.optimizers)))
+            logs = {"loss": loss}
+        else:  # a task's own (several losses or optimizers), through the same calls
+            logs, items = self.body(StepContext(self, len(micro), meter), micro)
         # A schedule that follows the training loss (the translation reference's decay on a plateau)
         # reads it from here: it holds its own state, the task none.
         for s in self.scheds.values():
@@ -228,8 +231,9 @@ class StepContext:
         return stack
 
     def loss_step(self, loss_fn, micro_batches: list) -> tuple[dict, int]:
-        """Task.train_step's default body: forward_backward over loss_fn(models, batch) -> (mean loss,
-        items), then the first (only) optimizer's update. Returns ({"loss": mean loss}, items)."""
+        """What TrainStep runs by default, for a task's own train_step that adds to it (super().train_step):
+        forward_backward over loss_fn(models, batch) -> (mean loss, items), then the first (only)
+        optimizer's update. Returns ({"loss": mean loss}, items)."""
         loss, n = self._step.forward_backward(loss_fn, micro_batches, meter=self._meter)
         self.step(next(iter(self.optimizers)))
         return {"loss": loss}, n

@@ -137,6 +137,12 @@ class Task:
         ctx.autocast, ctx.backward, ctx.sync and ctx.step (mpt.step.StepContext)."""
         return ctx.loss_step(self.loss, micro_batches)
 
+    @property
+    def own_step(self) -> bool:
+        """Whether this task writes its own train_step (several losses or optimizers): the engine then runs
+        it as the step's body; otherwise the step runs the default over self.loss itself."""
+        return type(self).train_step is not Task.train_step
+
     def loss(self, model, batch):
         """(mean loss, items in batch) for the default train_step."""
         raise NotImplementedError(f"{type(self).__qualname__} must define loss(model, batch) or its own train_step")

@@ -132,19 +132,32 @@ def run_interrupted(monkeypatch, main, overrides, at_step: int) -> dict:
     `at_step` trains: the run checkpoints after that step and returns status "interrupted"."""
     from mpt import engine
 
-    orig = engine.Run.train_step
-
-    def train_step(self, micro):
-        if self.step == at_step:
-            engine.STOP.request("test")
-        return orig(self, micro)
-
-    monkeypatch.setattr(engine.Run, "train_step", train_step)
+    monkeypatch.setattr(engine.Run, "extra_observers", (StopAt(at_step),))
     try:
         return main(overrides)
     finally:
         engine.STOP.clear()
-        monkeypatch.setattr(engine.Run, "train_step", orig)
+
+
+class StopAt:
+    """An observer of the iteration (mpt.step.Observer) that asks the engine to stop, as a SLURM signal
+    would, as iteration `at` begins."""
+    graph_safe = True  # it hooks no forward or backward
+
+    def __init__(self, at: int):
+        self.at = at
+
+    def begin(self, step, micro_batches):
+        if step.iteration == self.at:
+            from mpt import engine
+
+            engine.STOP.request("test")
+
+    def before_update(self, *a): ...
+
+    def after_update(self, *a): ...
+
+    def end(self, step): ...
 
 
 def run_gloo_ranks(script: Path, *args: str, world: int = 2, timeout: float = 180,

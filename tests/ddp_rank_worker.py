@@ -18,6 +18,7 @@ from toy_gan import run_task
 from mpt import engine
 from toy_mlp import config
 from toy_ranks import RankToy
+from conftest import StopAt
 
 torch.set_num_threads(1)
 __import__("faulthandler").dump_traceback_later(120, exit=True)  # a hang prints where
@@ -29,17 +30,10 @@ if mode == "fail":
     raise SystemExit(0)
 task = RankToy(cfg)
 if mode == "resumed":
-    orig = engine.Run.train_step
-
-    def train_step(self, micro):
-        if self.step == 2:
-            engine.STOP.request("test")
-        return orig(self, micro)
-
-    engine.Run.train_step = train_step
+    engine.Run.extra_observers = (StopAt(2),)
     s = engine.run(cfg, task)
     assert s["status"] == "interrupted" and s["step"] == 3, s
-    engine.Run.train_step = orig
+    engine.Run.extra_observers = ()
     engine.STOP.clear()
     os.environ["MASTER_PORT"] = sys.argv[3]  # a fresh rendezvous: the first one is being torn down
     task = RankToy(cfg)  # a new process would start with nothing: only the checkpoint carries state

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from mpt import graphs, precision
 from mpt.config import Config
 from mpt.errors import UserError
-from mpt.step import Observer, TrainStep, loss_body
+from mpt.step import Observer, TrainStep
 
 torch.set_num_threads(1)
 
@@ -47,7 +47,7 @@ def train(prec, impl, steps, graphed, loss_scale="auto", data=None, **scaler):
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     recipe = precision.build(cfg_of(prec, impl, loss_scale, **scaler), "cpu")
     model = recipe.prepare(model, [opt])
-    step = TrainStep(loss_body(loss_fn), model, {"main": opt}, recipe, cuda_graphs=graphed,
+    step = TrainStep(loss_fn, model, {"main": opt}, recipe, cuda_graphs=graphed,
                      graph_backend=graphs.EagerGraph if graphed else None)
     torch.manual_seed(123)  # dropout's stream, the same for both runs
     losses = []
@@ -115,9 +115,9 @@ def test_autocast_cache_is_off_inside_the_region_only():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     recipe = precision.build(cfg_of("bf16", "autocast"), "cpu")
     model = recipe.prepare(model, [opt])
-    eager = TrainStep(loss_body(probe), model, {"main": opt}, recipe)
+    eager = TrainStep(probe, model, {"main": opt}, recipe)
     eager([batches(1)[0]])
-    graphed = TrainStep(loss_body(probe), model, {"main": opt}, recipe, cuda_graphs=True, graph_backend=graphs.EagerGraph)
+    graphed = TrainStep(probe, model, {"main": opt}, recipe, cuda_graphs=True, graph_backend=graphs.EagerGraph)
     for _ in range(2):  # the first iteration eager (measured), the second captures and replays
         graphed([batches(1)[0]])
     # eager, eager; 2 warm-up passes, the capture, the stand-in's replay
@@ -132,7 +132,7 @@ def _step(**kw):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     recipe = kw.pop("recipe", None) or precision.build(cfg_of(), "cpu")
     recipe.prepare(model, [opt])
-    return TrainStep(loss_body(loss_fn), model, {"main": opt}, recipe, cuda_graphs=True, **kw)
+    return TrainStep(loss_fn, model, {"main": opt}, recipe, cuda_graphs=True, **kw)
 
 
 def test_refused_on_a_cpu_device():
@@ -215,7 +215,7 @@ def test_the_benchmarks_cells_through_the_runner(model):
             with bench.restored_backend_flags():
                 task, net, opt, recipe, batch = bench.build_cell(wl, model, prec, impl, 80, o, torch.device("cpu"))
             assert graphs.refusal(device="cuda", recipe=recipe, task=task) is None
-            step = TrainStep(loss_body(task.loss), net, {"main": opt}, recipe, cuda_graphs=backend is not None,
+            step = TrainStep(task.loss, net, {"main": opt}, recipe, cuda_graphs=backend is not None,
                              graph_backend=backend)
             torch.manual_seed(5)
             losses = [step([batch])[0]["loss"].item() for _ in range(4)]

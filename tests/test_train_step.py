@@ -47,7 +47,7 @@ def test_the_iteration_order_mean_loss_and_what_observers_see():
     last), the update, one scale update, zero_grad; an observer reads the gradients between the update
     and zero_grad; the mean loss over micro-batches and the gradient of that mean."""
     from mpt.memory import SavedTensorBytes
-    from mpt.step import Observer, TrainStep, loss_body
+    from mpt.step import Observer, TrainStep
 
     synced = []
 
@@ -72,7 +72,7 @@ def test_the_iteration_order_mean_loss_and_what_observers_see():
             self.grad = net.weight.grad.clone()
 
     seen = Seen()
-    step = TrainStep(loss_body(lambda m, b: (m(b).mean(), len(b))), net, {"main": opt}, r, world=2,
+    step = TrainStep(lambda m, b: (m(b).mean(), len(b)), net, {"main": opt}, r, world=2,
                      observers=(seen,), measure_first=False)
     with torch.no_grad():
         net.weight.fill_(1.0)

@@ -40,7 +40,7 @@ from mpt.config import Config, OptimCfg
 from mpt.errors import cli
 from mpt.memory import SavedTensorBytes
 from mpt.optim import build_optimizer
-from mpt.step import Observer, TrainStep, loss_body
+from mpt.step import Observer, TrainStep
 
 RECIPES = [("fp32", "autocast", "auto"), ("mixed", "paper", "128"), ("mixed", "autocast", "128"),
            ("fp16", "paper", "auto"), ("bf16", "autocast", "auto")]
@@ -111,7 +111,7 @@ def measure(prec: str, impl: str, scale: str, shape) -> dict:
 
     state, meter = State(), SavedTensorBytes(model)
     # The engine's iteration (mpt.step.TrainStep): forward, backward, update, scale update, zero_grad.
-    TrainStep(loss_body(lambda m, batch: loss(batch)), model, {"main": opt}, recipe, device=x.device,
+    TrainStep(lambda m, batch: loss(batch), model, {"main": opt}, recipe, device=x.device,
               observers=(state,))([(x, y, mask)], meter=meter)
     out = state.out
     return {**out, "activations": meter.bytes}

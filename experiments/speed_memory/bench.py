@@ -34,7 +34,7 @@ from mpt import precision as recipes
 from mpt import precisions
 from mpt import torch_private as TP
 from mpt.optim import build_optimizer
-from mpt.step import Observer, TrainStep, loss_body
+from mpt.step import Observer, TrainStep
 from mpt.errors import UserError
 from mpt.memory import ActivationMeter
 from mpt.rundir import env_info
@@ -433,7 +433,7 @@ def graphs_exactness(model_name: str, precision: str, impl: str | None, o: dict,
     runs = []
     for graphed in (False, False, True):
         task, net, opt, recipe, batch = build_cell(wl, model_name, precision, impl, size, o, device)
-        step = TrainStep(loss_body(task.loss), net, {"main": opt}, recipe, device=device,
+        step = TrainStep(task.loss, net, {"main": opt}, recipe, device=device,
                          channels_last=o["channels_last"], cuda_graphs=graphed, graph_backend=backend if graphed else None)
         torch.manual_seed(1)  # dropout's stream, the same for all three
         losses = [step([batch])[0]["loss"] for _ in range(steps)]
@@ -467,8 +467,8 @@ def _measure(wl: Workload, model_name, precision, impl, size, o, device) -> dict
     # (torch.compile saves other tensors): one optimizer, no schedule, no clipping.
     kw = dict(device=device, channels_last=o["channels_last"], measure_first=False)
     # cuda_graphs: the timed step's first warm-up iteration runs eagerly, the second captures (mpt.graphs)
-    timed = TrainStep(loss_body(task.loss), net, {"main": opt}, recipe, ddp=run, cuda_graphs=graphed, **kw)
-    eager = TrainStep(loss_body(task.loss), net, {"main": opt}, recipe, observers=(probe,), **kw)
+    timed = TrainStep(task.loss, net, {"main": opt}, recipe, ddp=run, cuda_graphs=graphed, **kw)
+    eager = TrainStep(task.loss, net, {"main": opt}, recipe, observers=(probe,), **kw)
     items = 0
 
     def train_step(step: TrainStep, meter: ActivationMeter | None = None) -> tuple[bool, dict | None]:

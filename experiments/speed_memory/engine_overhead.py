@@ -1,5 +1,5 @@
-"""Engine overhead: the engine's training iteration (mpt.engine.Run.iterate: the train step through
-the precision recipe, then the loop's on-device divergence and logging counters) versus a hand-written
+"""Engine overhead: the engine's training iteration (what mpt.engine.Run.loop does each iteration: the
+train step through the precision recipe, then the loop's on-device divergence and logging counters) versus a hand-written
 torch.amp loop, same model, same device-resident batch, one process, rotating blocks so drift in
 machine load hits every loop alike, and a second hand-written loop
 as a control that shows the machine's noise floor. `python -m experiments.speed_memory`
@@ -41,7 +41,7 @@ from mpt.config import parse_options
 from mpt.optim import build_optimizer
 from mpt.ranks import pick_device
 from mpt.errors import UserError, cli
-from mpt.step import TrainStep, loss_body
+from mpt.step import TrainStep
 from mpt.task import Task
 
 # Precisions the hand-written loop covers: torch.amp's documented recipe, autocast + GradScaler.
@@ -105,8 +105,9 @@ def measure(model: str, precision: str, *, width: float, batch: int, size: int |
         # noise floor of this machine; an engine overhead below it cannot be resolved.
         control_step = _hand_loop(task, cfg, precision, run.device, xb, channels_last)
 
-        def engine_step():
-            run.iterate([xb])
+        def engine_step():  # what Run.loop does each iteration: the step, its logs into the window
+            logs, items = run.train([xb])
+            run.window.add(logs, items, run.step)
 
         def block(fn):
             if clock == "cpu":
@@ -249,7 +250,7 @@ def launches(model: str, precision: str, impl: str | None, *, width: float, batc
            "device": str(dev), "half_math": variants[""][3].half_math}
     runs = {}
     for key, (task, net, opt, recipe, xb) in variants.items():
-        step = TrainStep(loss_body(task.loss), net, {"main": opt}, recipe, device=dev, measure_first=False)
+        step = TrainStep(task.loss, net, {"main": opt}, recipe, device=dev, measure_first=False)
         runs[key] = lambda step=step, xb=xb: step([xb])
         for _ in range(3):  # cudnn.benchmark's search, lazy state (momentum buffers, master gradients)
             runs[key]()

@@ -17,7 +17,7 @@ from mpt.precision import _cast_floats
 from mpt.numerics import FirstOverflow, Numerics, NumericsObserver, ValueRanges, tensors_in
 from mpt.precisions import FORMATS
 from mpt.ranks import to_device
-from mpt.step import TrainStep, loss_body
+from mpt.step import TrainStep
 
 
 def tail_steps(steps: int) -> range:
@@ -187,7 +187,7 @@ def train(patient: Patient, precision: str, loss_scale: str = "auto", steps: int
     loss_fn = patient.loss_fn()
     # The engine's iteration (mpt.step.TrainStep), numerics sampled as a run samples them: the true
     # gradients of every step, then the update's fate (3.1).
-    train_step = TrainStep(loss_body(lambda m, b: _mean_loss(loss_fn, m, b, patient.name)), model, {"main": opt},
+    train_step = TrainStep(lambda m, b: _mean_loss(loss_fn, m, b, patient.name), model, {"main": opt},
                            recipe, device=device, observers=(num,), measure_first=False)
     torch.manual_seed(patient.seed)  # the same steps: dropout masks and sampled negatives too
     losses, samples, skipped = [], [], 0

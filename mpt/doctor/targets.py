@@ -192,7 +192,7 @@ def _from_task(task: Task, name: str, steps: int) -> Patient:
 
     from mpt.data import EpochSampler, SeededDataset
 
-    if type(task).train_step is not Task.train_step:
+    if task.own_step:
         raise UserError(f"{name}: {type(task).__qualname__} has its own train_step (several losses or optimizers); "
                         f"the doctor runs the default loss step: give module:function returning one model and loss")
     cfg = task.cfg
