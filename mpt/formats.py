@@ -158,6 +158,7 @@ GRANULARITIES = ("tensor", "row", "tile128", "block128x128", "mx32", "nvfp4_16")
 SCALE_ROUNDINGS = ("exact", "pow2", "floor", "rceil", "e4m3")
 ROUNDINGS = ("nearest", "stochastic")
 SCALINGS = ("delayed", "current")
+WGRADS = ("shared", "high", "own")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,17 +204,50 @@ class FormatRecipe:
     # linear layer's dot products rounded to it, to show what section 3.3 guards against
     # (mpt.fp8.accumulate_linear).
     accumulate: str = "fp32"
+    # The backward's two products, where they read operands of their own. A hardware recipe quantises each
+    # GEMM's operands along that GEMM's reduction axis; by default (None, "shared") the simulation
+    # quantises each tensor once and both backward products read it (module docstring).
+    # The weight as the data-gradient product (dx from g and w) reads it: None, the forward's quantised
+    # weight; a format, the weight quantised again along the axis that product reduces over (its output
+    # features): torchao's rowwise recipes.
+    w_dgrad: TensorFormat | None = None
+    # What the weight-gradient product (dW from g and x, reduced over the batch) reads: "shared", the x
+    # and g the other products read; "high", x and g unquantised, in FP32 (torchao's rowwise_with_gw_hp:
+    # "the weight gradient in high precision"); "own", x and g quantised again along the batch axis, as
+    # x_wgrad and g_wgrad say (None: as x and g) -- torchao's rowwise, Transformer Engine's NVFP4 with its
+    # Hadamard transform there. mpt.fp8.FP8Math runs a product of its own for it (FP8Math._split).
+    wgrad: str = "shared"
+    x_wgrad: TensorFormat | None = None
+    g_wgrad: TensorFormat | None = None
 
     def __post_init__(self):
         _one_of("scaling", self.scaling, SCALINGS)
         _one_of("accumulation", self.accumulate, ("fp32", *element_names()))
+        _one_of("weight-gradient operands", self.wgrad, WGRADS)
+        if self.split and self.accumulate != "fp32":
+            raise ValueError(f"accumulation in {self.accumulate} is simulated on the shared products only: "
+                             f"wgrad=shared and no w_dgrad, or accumulate=fp32")
+        if self.wgrad != "own" and (self.x_wgrad or self.g_wgrad):
+            raise ValueError("x_wgrad and g_wgrad are the weight-gradient product's own operands: wgrad=own")
         if self.scaling == "delayed" and any((f.granularity, f.scale_rounding) != ("tensor", "exact")
                                              for f in self.roles.values()):
             raise ValueError("delayed scaling keeps one amax history per tensor: per-tensor exact scales only")
 
     @property
     def roles(self) -> dict[str, TensorFormat]:
-        return {"x": self.x, "w": self.w, "g": self.g}
+        """The format of each quantised tensor role: x, w, g; wd (the weight for the data gradient), xw and
+        gw (the weight gradient's x and g) where the recipe quantises them again."""
+        own = {"xw": self.x_wgrad or self.x, "gw": self.g_wgrad or self.g} if self.wgrad == "own" else {}
+        return {"x": self.x, "w": self.w, "g": self.g, **({"wd": self.w_dgrad} if self.w_dgrad else {}), **own}
+
+    @property
+    def split(self) -> bool:
+        """Some backward product reads operands of its own (w_dgrad, wgrad)."""
+        return self.w_dgrad is not None or self.wgrad != "shared"
+
+    def format_of(self, role: str) -> TensorFormat:
+        """The format of a quantiser's role name: "x", "g", "w<i>" (a layer's i-th weight), "wd<i>", "xw", "gw"."""
+        return self.roles[role.rstrip("0123456789")]
 
     @property
     def block_scaled(self) -> bool:
@@ -230,9 +264,17 @@ _TILE = TensorFormat("e4m3", "tile128", "pow2")
 _MX = TensorFormat("e4m3", "mx32", "rceil")
 _NV = TensorFormat("e2m1", "nvfp4_16", "e4m3")
 
+# torchao.float8's rowwise recipes (Float8LinearConfig.from_recipe_name): E4M3 for every operand, one
+# power-of-2 scale per row along the reduction axis; with_gw_hp keeps the weight-gradient product in high
+# precision and gives the data-gradient product a per-tensor weight.
+_ROW = TensorFormat("e4m3", "row", "pow2")
+
 RECIPES: dict[str, FormatRecipe] = {r.name: r for r in (
     # The scaling of precision=fp8 is its config key fp8.scaling (delayed by default).
     FormatRecipe("fp8", x=_E4M3, w=_E4M3, g=_E5M2, scaling="delayed"),
+    FormatRecipe("fp8_rowwise", x=_ROW, w=_ROW, g=_ROW, w_dgrad=_ROW, wgrad="own"),
+    FormatRecipe("fp8_rowwise_gw_hp", x=_ROW, w=_ROW, g=_ROW, w_dgrad=TensorFormat("e4m3", "tensor", "pow2"),
+                 wgrad="high"),
     FormatRecipe("fp8_block", x=_TILE, w=TensorFormat("e4m3", "block128x128", "pow2"), g=_TILE),
     FormatRecipe("mxfp8", x=_MX, w=_MX, g=_MX),
     FormatRecipe("nvfp4", x=_NV, w=_NV, g=dataclasses.replace(_NV, rounding="stochastic", hadamard=True)),

@@ -290,9 +290,9 @@ def test_formats_cost_measures_every_format_against_fp32(tmp_path):
 
     r = formats_cost.main(["models=resnet50_preact", "width=0.03125", "batch=2", "size=32", "steps=1",
                            "warmup=0", "rounds=1", "device=cpu", f"out={tmp_path}", "tag=t"])
-    assert [row["precision"] for row in r["rows"]] == ["fp32", "fp8", "fp8_block", "mxfp8", "nvfp4"]
+    fp8_family = ("fp8", "fp8_rowwise", "fp8_rowwise_gw_hp", "fp8_block", "mxfp8")
+    assert [row["precision"] for row in r["rows"]] == ["fp32", *fp8_family, "nvfp4"]
     assert all(row["status"] == "ok" for row in r["rows"])
-    assert {q["precision"]: q["goal"] for q in r["ratios"]} == {"fp8": 2.0, "fp8_block": 2.0, "mxfp8": 2.0,
-                                                                "nvfp4": 3.0}
+    assert {q["precision"]: q["goal"] for q in r["ratios"]} == {**dict.fromkeys(fp8_family, 2.0), "nvfp4": 3.0}
     assert all(q["ratio"] > 0 for q in r["ratios"])
     assert len(list(tmp_path.glob("*-formats-t.md"))) == 1
