@@ -6,22 +6,29 @@ A recipe is a named choice of these switches, one per tensor role of a dot produ
 activation (x), its weight (w) and the gradient arriving at its output (g):
 
     fp8        per-tensor scales, E4M3 forward / E5M2 backward (arXiv 2209.05433); its scaling (delayed
-               or current) and its first/last layers are config keys (fp8.*).
+               or current) and its first/last layers are config keys (fp8.*). With current scaling,
+               torchao.float8's "tensorwise" recipe.
+    fp8_rowwise        torchao.float8's "rowwise" recipe (Float8LinearConfig.from_recipe_name): E4M3
+               everywhere, one power-of-2 scale per row along each product's reduction axis -- the
+               backward products quantise their operands again along theirs.
+    fp8_rowwise_gw_hp  torchao.float8's "rowwise_with_gw_hp": rowwise forward and data gradient (the
+               latter against a per-tensor weight), the weight gradient in high precision.
     fp8_block  DeepSeek-V3's fine-grained FP8 (arXiv 2412.19437, section 3.3.1): E4M3 everywhere,
                1x128 tiles for activations and gradients, 128x128 blocks for weights, scales rounded
                to powers of 2 (as Transformer Engine's Float8BlockScaling does).
     mxfp8      OCP Microscaling MXFP8 (arXiv 2310.10537): 32-element blocks with an E8M0 (power-of-2)
                shared scale, E4M3 elements; the scale rounded up ("RCEIL", arXiv 2506.08027) where the
                spec's FLOOR can push a block's largest value past E4M3's 448.
-    nvfp4      NVIDIA's NVFP4 recipe (arXiv 2509.25149): E2M1 elements in 16-element blocks with an
-               E4M3 block scale and an FP32 per-tensor scale; gradients rounded stochastically and
-               passed through a 16x16 random Hadamard transform.
+    nvfp4      NVIDIA's NVFP4 recipe (arXiv 2509.25149) as Transformer Engine's NVFP4BlockScaling runs
+               it: E2M1 elements in 16-element blocks with an E4M3 block scale and an FP32 per-tensor
+               scale; gradients rounded stochastically; a 16x16 random Hadamard transform on the
+               weight-gradient product's operands only, along the batch.
 
 A block runs along the tensor's reduction axis in the forward product (a linear layer's input
-features, a convolution's input channels; mpt.fp8._AXES). The backward products read the same
-quantised gradient and weights (one quantisation per tensor, as the per-tensor simulation does); a
-hardware recipe quantises the weight-gradient product's operands again along the batch axis. This is
-a simulation's simplification, stated here and in the README.
+features, a convolution's input channels; mpt.fp8._AXES). By default the backward products read the
+same quantised gradient and weights (one quantisation per tensor: the simulation's simplification,
+exact for per-tensor scales); a hardware recipe quantises each product's operands along that product's
+reduction axis, which a recipe states with w_dgrad and wgrad (FormatRecipe) where it matters.
 
 The element formats themselves -- bits, range, what overflow does -- are one table, ELEMENTS below:
 every module that rounds to a format or reasons about its range (mpt.fp8's quantisers, mpt.numerics'
@@ -263,6 +270,7 @@ _E4M3, _E5M2 = TensorFormat("e4m3"), TensorFormat("e5m2")
 _TILE = TensorFormat("e4m3", "tile128", "pow2")
 _MX = TensorFormat("e4m3", "mx32", "rceil")
 _NV = TensorFormat("e2m1", "nvfp4_16", "e4m3")
+_NV_SR = dataclasses.replace(_NV, rounding="stochastic")
 
 # torchao.float8's rowwise recipes (Float8LinearConfig.from_recipe_name): E4M3 for every operand, one
 # power-of-2 scale per row along the reduction axis; with_gw_hp keeps the weight-gradient product in high
@@ -277,5 +285,9 @@ RECIPES: dict[str, FormatRecipe] = {r.name: r for r in (
                  wgrad="high"),
     FormatRecipe("fp8_block", x=_TILE, w=TensorFormat("e4m3", "block128x128", "pow2"), g=_TILE),
     FormatRecipe("mxfp8", x=_MX, w=_MX, g=_MX),
-    FormatRecipe("nvfp4", x=_NV, w=_NV, g=dataclasses.replace(_NV, rounding="stochastic", hadamard=True)),
+    # Transformer Engine's NVFP4BlockScaling: stochastic rounding on gradients only, the 16x16 random Hadamard
+    # transform only on the weight-gradient product's operands (x and g along the batch; its docs: "used
+    # only for wgrad GEMM"), so that product reads x and g quantised again there.
+    FormatRecipe("nvfp4", x=_NV, w=_NV, g=_NV_SR, wgrad="own", x_wgrad=dataclasses.replace(_NV, hadamard=True),
+                 g_wgrad=dataclasses.replace(_NV_SR, hadamard=True)),
 )}

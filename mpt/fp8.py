@@ -8,14 +8,18 @@ x -> fp8(clamp(x * s, -max, max)) / s, computed in FP32, then the FP32 kernel on
 FP8 numbers (exact), accumulating in FP32 -- what an FP8 GEMM with FP32 accumulation computes, up to
 summation order, as the FP8 paper itself simulated: the numerics, not the speed. Both casts saturate
 finite values (Transformer Engine's choice: a value beyond the delayed scale's range is clipped, not
-made inf). E4M3 has no infinities, so inf saturates too; E5M2 keeps inf (it has one); nan stays nan in
-both, so a diverging run is still seen as one.
+made inf). Under delayed scaling (Transformer Engine's) E4M3 saturates an inf too, E5M2 keeps inf (it
+has one), a nan stays in its element; under current scaling a tensor holding inf or nan has no scale
+and comes back nan, whole (torchao's tensorwise) -- either way a diverging run is still seen as one.
+A bias's gradient is the output gradient summed before its rounding (_FP8Grad, _Passes).
 
 The same mechanism runs the block-scaled successors (precisions fp8_block, mxfp8, nvfp4; their
 switches are data, mpt.formats): each role's tensor is cut into blocks along the product's reduction
 axis (_AXES), each block scaled by its own amax and rounded (block_quantize). A block holding inf or nan
-comes back nan, whole (torchao's MX: E8M0's NaN scale); a scale is never below top / FLT_MAX, so values
-near FP32's largest saturate rather than unscale to inf (block_scale).
+comes back nan, whole (torchao's MX: E8M0's NaN scale; a row, torchao's rowwise; under NVFP4 the tensor,
+whose per-tensor scale it spoils); a scale is never below top / FLT_MAX, so values near FP32's largest
+saturate rather than unscale to inf (block_scale). Where a recipe gives the backward products operands
+of their own (FormatRecipe.w_dgrad, wgrad), FP8Math._split runs each product on its own.
 
 Not quantised: a recurrent layer's state inside its fused kernel (its input sequence and weights are;
 the gradient of its output sequence is), dot products without a weight (attention's), embeddings
@@ -357,6 +361,62 @@ class _Passes(torch.autograd.Function):
         gd = rounded(ctx.quant_d) if ctx.needs_input_grad[1] else None
         gw = rounded(ctx.quant_w) if ctx.needs_input_grad[2] else None
         return None, gd, gw, None, None, _bias_grad(g, ctx.channel) if ctx.needs_input_grad[5] else None, None
+
+
+class _Alone(torch.autograd.Function):
+    """A backward product with no forward of its own (FP8Math._split): forward, a stand-in of the output's
+    shape that holds no memory; backward, the gradient of `live` (an operand's rounding, which passes it
+    straight through) from the arriving gradient and the other operand by `product` (_backward_products)."""
+
+    @staticmethod
+    def forward(ctx, live, other, shape, product):
+        ctx.save_for_backward(live, other)
+        ctx.product = product
+        return other.new_zeros(()).expand(shape)
+
+    @staticmethod
+    def backward(ctx, g):
+        if not ctx.needs_input_grad[0]:  # a first layer's input, a frozen weight
+            return None, None, None, None
+        live, other = ctx.saved_tensors
+        return ctx.product(g, live, other), None, None, None
+
+
+_CONV_KEYS = ("stride", "padding", "dilation", "groups")  # F.convNd's arguments after the bias
+_CONV_T_KEYS = ("stride", "padding", "output_padding", "groups", "dilation")  # F.conv_transposeNd's
+
+
+def _backward_products(func, args, kwargs):
+    """(dgrad(g, x, w), wgrad(g, w, x)): the input's and the weight's gradients of func(x, w) for the output
+    gradient g, each computed alone -- a linear layer's g w and g^T x, a convolution's (transposed or not)
+    through aten.convolution_backward; None for other products (recurrent layers) and for a convolution
+    padded 'same' or 'valid' (their backward products run forwards of their own)."""
+    if func is F.linear:
+        return (lambda g, x, w: g.reshape(-1, g.shape[-1]).mm(w).reshape(x.shape),
+                lambda g, w, x: g.reshape(-1, g.shape[-1]).t().mm(x.reshape(-1, x.shape[-1])))
+    if func not in _CONVS and func not in _CONV_TS:
+        return None
+    transposed = func in _CONV_TS
+    given = dict(zip(_CONV_T_KEYS if transposed else _CONV_KEYS, args[3:]))
+    given.update((k, v) for k, v in kwargs.items() if k in _CONV_T_KEYS)
+    if isinstance(given.get("padding", 0), str):
+        return None
+    n = (args[1] if len(args) > 1 else kwargs["weight"]).dim() - 2
+
+    def each(key, default):
+        v = given.get(key, default)
+        return [int(i) for i in v] if isinstance(v, (tuple, list)) else [int(v)] * n
+
+    spec = (each("stride", 1), each("padding", 0), each("dilation", 1), transposed, each("output_padding", 0),
+            int(given.get("groups", 1)))
+
+    def grads(g, x, w, mask):
+        one = x.dim() == n + 1  # an unbatched input
+        got = torch.ops.aten.convolution_backward(g.unsqueeze(0) if one else g, x.unsqueeze(0) if one else x, w,
+                                                  None, *spec, mask)
+        return got[0].squeeze(0) if mask[0] and one else got[0] if mask[0] else got[1]
+    return (lambda g, x, w: grads(g, x, w, [True, False, False]),
+            lambda g, w, x: grads(g, x, w, [False, True, False]))
 
 
 def _bias_grad(g: torch.Tensor, channel: int) -> torch.Tensor:
@@ -735,10 +795,10 @@ class FP8Math(TorchFunctionMode):
             shared: the forward's quantised input and grad_q's rounding; high: both unquantised; own: both
             quantised again along the batch axis (every axis but their channel axis) -- the input and
             any recurrent state detached.
-        A linear layer's or convolution's weight gradient does not depend on the weight's value; a recurrent
-        layer's weight-gradient product runs the quantised weights on its own input (the state inside its
-        kernel is that input's), and its biases take their gradient from it. The forward runs two or
-        three times: the simulation's cost, not the numerics'."""
+        A linear layer's or convolution's backward products are computed alone (_Alone: no forward runs for
+        them); a recurrent layer's run forwards of their own -- its weight-gradient product the quantised
+        weights on its own input (the state inside its kernel is that input's), its biases taking their
+        gradient from it: the simulation's cost, not the numerics'."""
         r = self.state.recipe
         params = {id(t) for t in float_tensors(kwargs.values(), float_tensors(args, []))
                   if isinstance(t, nn.Parameter) or id(t) in order}
@@ -752,14 +812,19 @@ class FP8Math(TorchFunctionMode):
 
         quantised = (tuple(new_args[1:]), new_kwargs)  # the weights rounded (straight-through), the bias detached
         constant = lambda t: t.detach() if id(t) in params else t  # noqa: E731
+        alone = _backward_products(func, args, kwargs) if len(wq) == 1 else None
         if r.w_dgrad is None:
             value = dgrad = call(x_q, constant, quantised)
         else:
             axis = _DGRAD_W_AXES[func]
             wd = lambda t: q(f"wd{order[id(t)]}", axis)(t.detach()) if id(t) in order else constant(t)  # noqa: E731
-            dgrad = call(x_q, wd, (tuple(args[1:]), kwargs))
+            if alone is None:
+                dgrad = call(x_q, wd, (tuple(args[1:]), kwargs))
             with torch.no_grad():
                 value = call(x_q.detach(), constant, quantised)
+            if alone is not None:
+                w = next(t for t in float_tensors(kwargs.values(), float_tensors(args, [])) if id(t) in order)
+                dgrad = _Alone.apply(x_q, wd(w), value.shape, alone[0])
         quant_w = grad_q
         if r.wgrad == "high":
             x_w, quant_w = x.detach(), None
@@ -769,9 +834,12 @@ class FP8Math(TorchFunctionMode):
             quant_w = lambda g: _along_batch(gq, g, g_axis)  # noqa: E731
         else:
             x_w = x_q.detach()
-        # The weights' roundings pass the gradient straight through to them, an RNN's biases take theirs here;
-        # the bias of a linear layer or convolution is detached in new_args, anything else (state) detached.
-        wgrad = call(x_w, lambda t: t if id(t) in params and t.requires_grad else t.detach(), quantised)
+        if alone is not None:  # a linear layer, a convolution: no forward for it
+            wgrad = _Alone.apply(next(iter(wq.values())), x_w, value.shape, alone[1])
+        else:
+            # The weights' roundings pass the gradient straight through to them, an RNN's biases take theirs
+            # here; anything else (state) is detached.
+            wgrad = call(x_w, lambda t: t if id(t) in params and t.requires_grad else t.detach(), quantised)
         if isinstance(value, torch.Tensor):
             return _Passes.apply(value, dgrad, wgrad, grad_q, quant_w, bias, channel)
         return tuple(_Passes.apply(v, d, w, *((grad_q, quant_w) if i == 0 else (None, None)), None, None)

@@ -188,9 +188,10 @@ TABLE: tuple[Precision, ...] = (
         refuses_scale="precision=mxfp8 scales each block on its own; loss_scale={value} is not used: "
                       "leave it at auto"),
     Precision(
-        "nvfp4", "NVFP4 (arXiv 2509.25149): E2M1 operands in 16-element blocks with E4M3 scales under an FP32 "
-        "per-tensor scale; gradients rounded stochastically through a 16x16 random Hadamard transform; FP32 "
-        "accumulation and master weights; simulated (mpt.formats).",
+        "nvfp4", "NVFP4 (arXiv 2509.25149; Transformer Engine's NVFP4BlockScaling): E2M1 operands in 16-element "
+        "blocks with E4M3 scales under an FP32 per-tensor scale; gradients rounded stochastically; a 16x16 random "
+        "Hadamard transform on the weight-gradient product's operands; FP32 accumulation and master weights; "
+        "simulated (mpt.formats).",
         storage="float32", compute="float4", master=True, loss_scaling=False, auto_loss_scale=None,
         impls=(), recipe="formats", beyond_paper=True,
         columns=(_beyond("nvfp4", "NVFP4 (16-element E4M3-scaled blocks), BF16 first/last layers", "crimson"),

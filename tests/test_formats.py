@@ -261,6 +261,37 @@ def test_nvfp4_by_hand():
     assert (q[3:16] == 0).all() and (q[17:] == 0).all()
 
 
+def test_nvfp4_hadamard_is_on_the_weight_gradient_operands_along_the_batch(monkeypatch):
+    """Transformer Engine's NVFP4: the 16x16 random Hadamard transform only on the weight-gradient product's
+    operands, the input and the output gradient each cut into blocks along the batch (the axis that product
+    reduces over); the data gradient reads the output gradient quantised along the output features, no
+    transform. Checked on a linear layer with nearest rounding in place of the stochastic one (the same
+    recipe otherwise): the weight gradient is g_w^T x_w of those roundings, the input gradient g_q w_q,
+    bit for bit -- and the transform changes the weight gradient."""
+    import dataclasses
+
+    r = formats.RECIPES["nvfp4"]
+    assert r.wgrad == "own" and r.x_wgrad.hadamard and r.g_wgrad.hadamard and not r.g.hadamard
+    assert not r.x.hadamard and r.g.rounding == r.g_wgrad.rounding == "stochastic"
+    near = lambda f: dataclasses.replace(f, rounding="nearest")  # noqa: E731
+    nearest = dataclasses.replace(r, g=near(r.g), g_wgrad=near(r.g_wgrad))
+    monkeypatch.setitem(formats.RECIPES, "nvfp4", nearest)
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 32, bias=False)
+    x, grad = torch.randn(48, 64), torch.randn(48, 32)
+    xx = x.clone().requires_grad_()
+    with _ours(lin, "nvfp4")():
+        y = lin(xx)
+    (y * grad).sum().backward()
+    w_q = block_quantize(lin.weight.detach(), r.w)
+    assert torch.equal(xx.grad, block_quantize(grad, nearest.g) @ w_q)
+    x_w = block_quantize(x.t(), nearest.x_wgrad).t()
+    g_w = block_quantize(grad.t(), nearest.g_wgrad).t()
+    assert torch.equal(lin.weight.grad, g_w.t() @ x_w)
+    plain = block_quantize(grad.t(), near(_NVFP4)).t().t() @ block_quantize(x.t(), _NVFP4).t()
+    assert not torch.equal(lin.weight.grad, plain)
+
+
 def test_hadamard_is_orthonormal_and_inverted():
     """The 16x16 random Hadamard transform is undone after quantising (arXiv 2509.25149, section 4.2): with
     an element format fine enough, what comes back is the tensor itself."""
@@ -380,6 +411,33 @@ def test_fp8_recipes_match_torchao_float8_linear(torchao, theirs, ours, fp8):
             mine = copy.deepcopy(lin)
             once = _layer_grads(mine, x, grad, _ours(mine, ours))
         assert torch.equal(once[0], ref[0]) and not torch.equal(once[1], ref[1]) and not torch.equal(once[2], ref[2])
+
+
+def test_rowwise_convolution_quantises_each_product_along_its_own_reduction_axis():
+    """fp8_rowwise on a convolution (torchao has linear layers only; the same rule), against torch's own
+    convolution gradients of the operands quantised by hand, bit for bit: the data gradient reads the
+    output gradient scaled along its channels at each pixel and the weight scaled along its output
+    channels; the weight gradient reads the input and the output gradient scaled per channel over the
+    batch and the pixels (the axes it reduces over) -- not the forward's roundings."""
+    r = formats.RECIPES["fp8_rowwise"]
+    torch.manual_seed(0)
+    conv = nn.Conv2d(8, 16, 3, padding=1)
+    x = torch.randn(4, 8, 6, 6) * 10.0 ** torch.linspace(-2, 2, 8)[:, None, None]
+    grad = torch.randn(4, 16, 6, 6) * 10.0 ** torch.linspace(-3, 1, 16)[:, None, None]
+    w = conv.weight.detach().clone()
+    _, dx, dw, _ = _layer_grads(conv, x, grad, _ours(conv, "fp8_rowwise"))
+
+    def per_channel_over_batch(t, f):  # [N, C, H, W] -> blocks of each channel over N, H, W
+        flat = t.movedim(1, -1).reshape(-1, t.shape[1]).t()
+        return block_quantize(flat, f).t().reshape(t.movedim(1, -1).shape).movedim(-1, 1)
+
+    g_d = block_quantize(grad, r.g, axis=1)
+    w_d = block_quantize(w, r.w_dgrad, axis=0)
+    assert torch.equal(dx, torch.nn.grad.conv2d_input(x.shape, w_d, g_d, padding=1))
+    x_w, g_w = per_channel_over_batch(x, r.x), per_channel_over_batch(grad, r.g)
+    assert torch.equal(dw, torch.nn.grad.conv2d_weight(x_w, w.shape, g_w, padding=1))
+    shared = torch.nn.grad.conv2d_weight(block_quantize(x, r.x, axis=1), w.shape, g_d, padding=1)
+    assert not torch.equal(dw, shared)
 
 
 @pytest.mark.parametrize("name,scaling", [("fp8", "delayed"), ("fp8", "current"), ("fp8_block", "delayed"),
