@@ -766,7 +766,7 @@ class FP8Math(TorchFunctionMode):
         # get the bias detached and _FP8Grad / _Passes give it its gradient. An RNN's biases act inside its
         # kernel: left to it.
         bias, channel = None, None
-        if func in _BIASED and not keep16:
+        if func in _BIASED and not keep16 and record:
             b = args[2] if len(args) > 2 else kwargs.get("bias")
             if isinstance(b, torch.Tensor) and b.requires_grad:
                 bias, channel = b, 1 - weights[0].dim()  # the output's channel axis, from its end
@@ -774,7 +774,7 @@ class FP8Math(TorchFunctionMode):
                     new_args[2] = b.detach()
                 else:
                     new_kwargs["bias"] = b.detach()
-        if not keep16 and st.recipe.split:
+        if not keep16 and st.recipe.split and record:  # (no backward without grad: the value alone)
             return self._split(func, args, kwargs, new_args, new_kwargs, wq, order, q, grad_q, bias, channel)
         out = func(*new_args, **new_kwargs)
         if st.recipe.accumulate != "fp32" and not keep16:

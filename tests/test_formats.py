@@ -389,7 +389,7 @@ def test_fp8_recipes_match_torchao_float8_linear(torchao, theirs, ours, fp8):
     and output gradient along the batch for the weight gradient); with_gw_hp: the weight gradient from the
     unquantised operands, the data gradient from a per-tensor weight; the bias gradient from the unrounded
     output gradient in all three. The data separates these: quantising each tensor once (the shared
-    simplification) misses torchao's gradients."""
+    simplification) misses torchao's gradients. Without grad (evaluation) the output is the same."""
     import copy
     import dataclasses
 
@@ -400,9 +400,12 @@ def test_fp8_recipes_match_torchao_float8_linear(torchao, theirs, ours, fp8):
     cfg = dataclasses.replace(Float8LinearConfig.from_recipe_name(theirs), emulate=True)
     ref = _layer_grads(Float8Linear.from_float(copy.deepcopy(lin), config=cfg), x, grad)
     mine = copy.deepcopy(lin)
-    got = _layer_grads(mine, x, grad, _ours(mine, ours, **fp8))
+    autocast = _ours(mine, ours, **fp8)
+    got = _layer_grads(mine, x, grad, autocast)
     for what, a, b in zip(("output", "input grad", "weight grad", "bias grad"), ref, got):
         assert torch.equal(a, b), (what, sqnr_db(a, b))
+    with torch.no_grad(), autocast():  # evaluation: the value alone, the same
+        assert torch.equal(mine(x), ref[0])
     if ours != "fp8":
         r = formats.RECIPES[ours]
         shared = dataclasses.replace(r, w_dgrad=None, wgrad="shared")
