@@ -6,22 +6,29 @@ A recipe is a named choice of these switches, one per tensor role of a dot produ
 activation (x), its weight (w) and the gradient arriving at its output (g):
 
     fp8        per-tensor scales, E4M3 forward / E5M2 backward (arXiv 2209.05433); its scaling (delayed
-               or current) and its first/last layers are config keys (fp8.*).
+               or current) and its first/last layers are config keys (fp8.*). With current scaling,
+               torchao.float8's "tensorwise" recipe.
+    fp8_rowwise        torchao.float8's "rowwise" recipe (Float8LinearConfig.from_recipe_name): E4M3
+               everywhere, one power-of-2 scale per row along each product's reduction axis -- the
+               backward products quantise their operands again along theirs.
+    fp8_rowwise_gw_hp  torchao.float8's "rowwise_with_gw_hp": rowwise forward and data gradient (the
+               latter against a per-tensor weight), the weight gradient in high precision.
     fp8_block  DeepSeek-V3's fine-grained FP8 (arXiv 2412.19437, section 3.3.1): E4M3 everywhere,
                1x128 tiles for activations and gradients, 128x128 blocks for weights, scales rounded
                to powers of 2 (as Transformer Engine's Float8BlockScaling does).
     mxfp8      OCP Microscaling MXFP8 (arXiv 2310.10537): 32-element blocks with an E8M0 (power-of-2)
                shared scale, E4M3 elements; the scale rounded up ("RCEIL", arXiv 2506.08027) where the
                spec's FLOOR can push a block's largest value past E4M3's 448.
-    nvfp4      NVIDIA's NVFP4 recipe (arXiv 2509.25149): E2M1 elements in 16-element blocks with an
-               E4M3 block scale and an FP32 per-tensor scale; gradients rounded stochastically and
-               passed through a 16x16 random Hadamard transform.
+    nvfp4      NVIDIA's NVFP4 recipe (arXiv 2509.25149) as Transformer Engine's NVFP4BlockScaling runs
+               it: E2M1 elements in 16-element blocks with an E4M3 block scale and an FP32 per-tensor
+               scale; gradients rounded stochastically; a 16x16 random Hadamard transform on the
+               weight-gradient product's operands only, along the batch.
 
 A block runs along the tensor's reduction axis in the forward product (a linear layer's input
-features, a convolution's input channels; mpt.fp8._AXES). The backward products read the same
-quantised gradient and weights (one quantisation per tensor, as the per-tensor simulation does); a
-hardware recipe quantises the weight-gradient product's operands again along the batch axis. This is
-a simulation's simplification, stated here and in the README.
+features, a convolution's input channels; mpt.fp8._AXES). By default the backward products read the
+same quantised gradient and weights (one quantisation per tensor: the simulation's simplification,
+exact for per-tensor scales); a hardware recipe quantises each product's operands along that product's
+reduction axis, which a recipe states with w_dgrad and wgrad (FormatRecipe) where it matters.
 
 The element formats themselves -- bits, range, what overflow does -- are one table, ELEMENTS below:
 every module that rounds to a format or reasons about its range (mpt.fp8's quantisers, mpt.numerics'
@@ -158,6 +165,7 @@ GRANULARITIES = ("tensor", "row", "tile128", "block128x128", "mx32", "nvfp4_16")
 SCALE_ROUNDINGS = ("exact", "pow2", "floor", "rceil", "e4m3")
 ROUNDINGS = ("nearest", "stochastic")
 SCALINGS = ("delayed", "current")
+WGRADS = ("shared", "high", "own")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,17 +211,50 @@ class FormatRecipe:
     # linear layer's dot products rounded to it, to show what section 3.3 guards against
     # (mpt.fp8.accumulate_linear).
     accumulate: str = "fp32"
+    # The backward's two products, where they read operands of their own. A hardware recipe quantises each
+    # GEMM's operands along that GEMM's reduction axis; by default (None, "shared") the simulation
+    # quantises each tensor once and both backward products read it (module docstring).
+    # The weight as the data-gradient product (dx from g and w) reads it: None, the forward's quantised
+    # weight; a format, the weight quantised again along the axis that product reduces over (its output
+    # features): torchao's rowwise recipes.
+    w_dgrad: TensorFormat | None = None
+    # What the weight-gradient product (dW from g and x, reduced over the batch) reads: "shared", the x
+    # and g the other products read; "high", x and g unquantised, in FP32 (torchao's rowwise_with_gw_hp:
+    # "the weight gradient in high precision"); "own", x and g quantised again along the batch axis, as
+    # x_wgrad and g_wgrad say (None: as x and g) -- torchao's rowwise, Transformer Engine's NVFP4 with its
+    # Hadamard transform there. mpt.fp8.FP8Math runs a product of its own for it (FP8Math._split).
+    wgrad: str = "shared"
+    x_wgrad: TensorFormat | None = None
+    g_wgrad: TensorFormat | None = None
 
     def __post_init__(self):
         _one_of("scaling", self.scaling, SCALINGS)
         _one_of("accumulation", self.accumulate, ("fp32", *element_names()))
+        _one_of("weight-gradient operands", self.wgrad, WGRADS)
+        if self.split and self.accumulate != "fp32":
+            raise ValueError(f"accumulation in {self.accumulate} is simulated on the shared products only: "
+                             f"wgrad=shared and no w_dgrad, or accumulate=fp32")
+        if self.wgrad != "own" and (self.x_wgrad or self.g_wgrad):
+            raise ValueError("x_wgrad and g_wgrad are the weight-gradient product's own operands: wgrad=own")
         if self.scaling == "delayed" and any((f.granularity, f.scale_rounding) != ("tensor", "exact")
                                              for f in self.roles.values()):
             raise ValueError("delayed scaling keeps one amax history per tensor: per-tensor exact scales only")
 
     @property
     def roles(self) -> dict[str, TensorFormat]:
-        return {"x": self.x, "w": self.w, "g": self.g}
+        """The format of each quantised tensor role: x, w, g; wd (the weight for the data gradient), xw and
+        gw (the weight gradient's x and g) where the recipe quantises them again."""
+        own = {"xw": self.x_wgrad or self.x, "gw": self.g_wgrad or self.g} if self.wgrad == "own" else {}
+        return {"x": self.x, "w": self.w, "g": self.g, **({"wd": self.w_dgrad} if self.w_dgrad else {}), **own}
+
+    @property
+    def split(self) -> bool:
+        """Some backward product reads operands of its own (w_dgrad, wgrad)."""
+        return self.w_dgrad is not None or self.wgrad != "shared"
+
+    def format_of(self, role: str) -> TensorFormat:
+        """The format of a quantiser's role name: "x", "g", "w<i>" (a layer's i-th weight), "wd<i>", "xw", "gw"."""
+        return self.roles[role.rstrip("0123456789")]
 
     @property
     def block_scaled(self) -> bool:
@@ -229,11 +270,24 @@ _E4M3, _E5M2 = TensorFormat("e4m3"), TensorFormat("e5m2")
 _TILE = TensorFormat("e4m3", "tile128", "pow2")
 _MX = TensorFormat("e4m3", "mx32", "rceil")
 _NV = TensorFormat("e2m1", "nvfp4_16", "e4m3")
+_NV_SR = dataclasses.replace(_NV, rounding="stochastic")
+
+# torchao.float8's rowwise recipes (Float8LinearConfig.from_recipe_name): E4M3 for every operand, one
+# power-of-2 scale per row along the reduction axis; with_gw_hp keeps the weight-gradient product in high
+# precision and gives the data-gradient product a per-tensor weight.
+_ROW = TensorFormat("e4m3", "row", "pow2")
 
 RECIPES: dict[str, FormatRecipe] = {r.name: r for r in (
     # The scaling of precision=fp8 is its config key fp8.scaling (delayed by default).
     FormatRecipe("fp8", x=_E4M3, w=_E4M3, g=_E5M2, scaling="delayed"),
+    FormatRecipe("fp8_rowwise", x=_ROW, w=_ROW, g=_ROW, w_dgrad=_ROW, wgrad="own"),
+    FormatRecipe("fp8_rowwise_gw_hp", x=_ROW, w=_ROW, g=_ROW, w_dgrad=TensorFormat("e4m3", "tensor", "pow2"),
+                 wgrad="high"),
     FormatRecipe("fp8_block", x=_TILE, w=TensorFormat("e4m3", "block128x128", "pow2"), g=_TILE),
     FormatRecipe("mxfp8", x=_MX, w=_MX, g=_MX),
-    FormatRecipe("nvfp4", x=_NV, w=_NV, g=dataclasses.replace(_NV, rounding="stochastic", hadamard=True)),
+    # Transformer Engine's NVFP4BlockScaling: stochastic rounding on gradients only, the 16x16 random Hadamard
+    # transform only on the weight-gradient product's operands (x and g along the batch; its docs: "used
+    # only for wgrad GEMM"), so that product reads x and g quantised again there.
+    FormatRecipe("nvfp4", x=_NV, w=_NV, g=_NV_SR, wgrad="own", x_wgrad=dataclasses.replace(_NV, hadamard=True),
+                 g_wgrad=dataclasses.replace(_NV_SR, hadamard=True)),
 )}

@@ -8,14 +8,18 @@ x -> fp8(clamp(x * s, -max, max)) / s, computed in FP32, then the FP32 kernel on
 FP8 numbers (exact), accumulating in FP32 -- what an FP8 GEMM with FP32 accumulation computes, up to
 summation order, as the FP8 paper itself simulated: the numerics, not the speed. Both casts saturate
 finite values (Transformer Engine's choice: a value beyond the delayed scale's range is clipped, not
-made inf). E4M3 has no infinities, so inf saturates too; E5M2 keeps inf (it has one); nan stays nan in
-both, so a diverging run is still seen as one.
+made inf). Under delayed scaling (Transformer Engine's) E4M3 saturates an inf too, E5M2 keeps inf (it
+has one), a nan stays in its element; under current scaling a tensor holding inf or nan has no scale
+and comes back nan, whole (torchao's tensorwise) -- either way a diverging run is still seen as one.
+A bias's gradient is the output gradient summed before its rounding (_FP8Grad, _Passes).
 
 The same mechanism runs the block-scaled successors (precisions fp8_block, mxfp8, nvfp4; their
 switches are data, mpt.formats): each role's tensor is cut into blocks along the product's reduction
 axis (_AXES), each block scaled by its own amax and rounded (block_quantize). A block holding inf or nan
-comes back nan, whole (torchao's MX: E8M0's NaN scale); a scale is never below top / FLT_MAX, so values
-near FP32's largest saturate rather than unscale to inf (block_scale).
+comes back nan, whole (torchao's MX: E8M0's NaN scale; a row, torchao's rowwise; under NVFP4 the tensor,
+whose per-tensor scale it spoils); a scale is never below top / FLT_MAX, so values near FP32's largest
+saturate rather than unscale to inf (block_scale). Where a recipe gives the backward products operands
+of their own (FormatRecipe.w_dgrad, wgrad), FP8Math._split runs each product on its own.
 
 Not quantised: a recurrent layer's state inside its fused kernel (its input sequence and weights are;
 the gradient of its output sequence is), dot products without a weight (attention's), embeddings
@@ -139,6 +143,12 @@ def bf16_quantize(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16).float()
 
 
+def _over(top: float, amax: torch.Tensor) -> torch.Tensor:
+    """top / amax, one correctly rounded FP32 division (torchao's FP64 quotient rounded to FP32 is the same
+    number). torch's number / tensor is reciprocal(tensor) x number, two roundings: a scale one ulp off."""
+    return torch.full_like(amax, top).div_(amax)
+
+
 def _finite_abs(t: torch.Tensor) -> torch.Tensor:
     a = t.abs()
     return torch.where(torch.isfinite(a), a, torch.zeros_like(a))
@@ -172,9 +182,9 @@ def block_scale(amax: torch.Tensor, fmt: str, rounding: str) -> torch.Tensor:
     top = formats.ELEMENTS[fmt].max
     scale_e = formats.ELEMENTS["e8m0"]  # OCP MX's shared scale: powers of 2 from 2^emin to 2^emax
     if rounding == "exact":
-        s = (top / amax).clamp(max=FLT_MAX)
+        s = _over(top, amax).clamp(max=FLT_MAX)
     elif rounding == "pow2":
-        s = _pow2(torch.frexp((top / amax).clamp(max=FLT_MAX))[1] - 1)
+        s = _pow2(torch.frexp(_over(top, amax).clamp(max=FLT_MAX))[1] - 1)
     elif rounding == "floor":
         emax = int(torch.frexp(torch.tensor(top))[1]) - 1
         s = _pow2(-((torch.frexp(amax)[1] - 1) - emax).clamp(scale_e.emin, scale_e.emax))
@@ -265,16 +275,24 @@ def block_quantize(t: torch.Tensor, f: formats.TensorFormat, axis: int = -1,
 
 
 def _nvfp4(blocks, amax, fmt, generator):
-    """NVFP4 (arXiv 2509.25149, section 2): a per-tensor FP32 decode scale g = amax(tensor) / (E2M1's
-    max x E4M3's max) maps the blocks' scales into E4M3's range; each 16-element block's decode scale is
-    e4m3(amax(block) / 6 / g) * g, and its elements are E2M1 at that scale."""
+    """NVFP4 (arXiv 2509.25149, section 2), as torchao's nvfp4_quantize computes it: a per-tensor FP32
+    decode scale g = amax(tensor) / (E2M1's max x E4M3's max) maps the blocks' scales into E4M3's range;
+    each 16-element block's scale is s = e4m3(amax(block) / 6 / g), clamped to [E4M3's smallest normal,
+    448] before the rounding, its elements E2M1 of x x ((1 / g) / s), decoded as e2m1 x (s x g).
+    The clamp from below is torchao's: a block far quieter than the tensor (amax below ~2e-6 of it) is
+    quantised at 2^-6 x g, not at a subnormal or zero scale (a zero scale made it fall back to 1: a
+    block [0.5, 1, 1.5, 5] of a tensor whose max is 2688 x 1024 came back [0.5, 1, 1.5, 4], torchao's
+    [0, 0, 0, 8]; tests/test_formats.py). A tensor holding inf or nan comes back nan, whole, as torchao's per-tensor scale makes it
+    (its amax is inf or nan). g is at least FP32's smallest normal, so a tensor of amax below ~3e-35 is
+    still quantised (torchao's g underflows there)."""
     top = formats.ELEMENTS[fmt].max
-    finite = torch.isfinite(amax)
-    t_amax = torch.where(finite, amax, 0.0).amax()  # a block holding inf or nan is nan, not the tensor's scale
-    g = torch.where(t_amax > 0, t_amax / (top * formats.ELEMENTS["e4m3"].max), torch.ones_like(t_amax))
-    d = round_to(amax / top / g, "e4m3") * g
-    safe = torch.where((d > 0) | ~finite, d, torch.ones_like(d)).masked_fill_(~finite, math.nan)
-    return round_to(blocks / safe, fmt, generator) * safe
+    e4m3 = formats.ELEMENTS["e4m3"]
+    t_amax = amax.amax()  # nan or inf where any block holds one
+    g = torch.where(t_amax > 0, t_amax / (top * e4m3.max), torch.ones_like(t_amax))
+    g = g.clamp(min=torch.finfo(torch.float32).tiny).masked_fill_(~torch.isfinite(t_amax), math.nan)
+    s = round_to((amax / top / g).clamp(e4m3.min_normal, e4m3.max), "e4m3")
+    # A multiplication by (1 / g) / s, not a division by s x g: torchao's (and its kernels') arithmetic, bit for bit.
+    return round_to(blocks * ((1.0 / g) / s), fmt, generator).mul_(s * g)
 
 
 def accumulate_linear(x: torch.Tensor, w: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -311,16 +329,108 @@ class _FP8Grad(torch.autograd.Function):
     """Forward: the dot product's output, unchanged (a copy: a later in-place op on it must not
     write into this function's output view); backward: the gradient arriving at the output rounded
     to E5M2 (or BF16) at its own scale before both backward products (input and weight gradients)
-    read it, as an FP8 GEMM's backward reads it."""
+    read it, as an FP8 GEMM's backward reads it. `bias` (the product ran with it detached): its
+    gradient the sum of the arriving gradient over every axis but `channel` (the output's channel
+    axis), unrounded -- a bias gradient is reduced from the high-precision gradient in FP8 training
+    (Transformer Engine), not from its FP8 rounding."""
 
     @staticmethod
-    def forward(ctx, y, quant):
-        ctx.quant = quant
+    def forward(ctx, y, quant, bias=None, channel=None):
+        ctx.quant, ctx.channel = quant, channel
         return y.clone()
 
     @staticmethod
     def backward(ctx, g):
-        return ctx.quant(g), None
+        return ctx.quant(g), None, _bias_grad(g, ctx.channel) if ctx.needs_input_grad[2] else None, None
+
+
+class _Passes(torch.autograd.Function):
+    """The products of a layer whose backward products read operands of their own (FP8Math._split).
+    Forward: the value pass's output; backward: the arriving gradient rounded by quant_d to the
+    data-gradient pass, by quant_w to the weight-gradient pass (None: as it arrives), and summed over
+    every axis but `channel` to the bias, unrounded (_FP8Grad)."""
+
+    @staticmethod
+    def forward(ctx, value, dgrad, wgrad, quant_d, quant_w, bias=None, channel=None):
+        ctx.quant_d, ctx.quant_w, ctx.channel = quant_d, quant_w, channel
+        return value.detach().clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        rounded = lambda quant: g if quant is None else quant(g)  # noqa: E731
+        gd = rounded(ctx.quant_d) if ctx.needs_input_grad[1] else None
+        gw = rounded(ctx.quant_w) if ctx.needs_input_grad[2] else None
+        return None, gd, gw, None, None, _bias_grad(g, ctx.channel) if ctx.needs_input_grad[5] else None, None
+
+
+class _Alone(torch.autograd.Function):
+    """A backward product with no forward of its own (FP8Math._split): forward, a stand-in of the output's
+    shape that holds no memory; backward, the gradient of `live` (an operand's rounding, which passes it
+    straight through) from the arriving gradient and the other operand by `product` (_backward_products)."""
+
+    @staticmethod
+    def forward(ctx, live, other, shape, product):
+        ctx.save_for_backward(live, other)
+        ctx.product = product
+        return other.new_zeros(()).expand(shape)
+
+    @staticmethod
+    def backward(ctx, g):
+        if not ctx.needs_input_grad[0]:  # a first layer's input, a frozen weight
+            return None, None, None, None
+        live, other = ctx.saved_tensors
+        return ctx.product(g, live, other), None, None, None
+
+
+_CONV_KEYS = ("stride", "padding", "dilation", "groups")  # F.convNd's arguments after the bias
+_CONV_T_KEYS = ("stride", "padding", "output_padding", "groups", "dilation")  # F.conv_transposeNd's
+
+
+def _backward_products(func, args, kwargs):
+    """(dgrad(g, x, w), wgrad(g, w, x)): the input's and the weight's gradients of func(x, w) for the output
+    gradient g, each computed alone -- a linear layer's g w and g^T x, a convolution's (transposed or not)
+    through aten.convolution_backward; None for other products (recurrent layers) and for a convolution
+    padded 'same' or 'valid' (their backward products run forwards of their own)."""
+    if func is F.linear:
+        return (lambda g, x, w: g.reshape(-1, g.shape[-1]).mm(w).reshape(x.shape),
+                lambda g, w, x: g.reshape(-1, g.shape[-1]).t().mm(x.reshape(-1, x.shape[-1])))
+    if func not in _CONVS and func not in _CONV_TS:
+        return None
+    transposed = func in _CONV_TS
+    given = dict(zip(_CONV_T_KEYS if transposed else _CONV_KEYS, args[3:]))
+    given.update((k, v) for k, v in kwargs.items() if k in _CONV_T_KEYS)
+    if isinstance(given.get("padding", 0), str):
+        return None
+    n = (args[1] if len(args) > 1 else kwargs["weight"]).dim() - 2
+
+    def each(key, default):
+        v = given.get(key, default)
+        return [int(i) for i in v] if isinstance(v, (tuple, list)) else [int(v)] * n
+
+    spec = (each("stride", 1), each("padding", 0), each("dilation", 1), transposed, each("output_padding", 0),
+            int(given.get("groups", 1)))
+
+    def grads(g, x, w, mask):
+        one = x.dim() == n + 1  # an unbatched input
+        got = torch.ops.aten.convolution_backward(g.unsqueeze(0) if one else g, x.unsqueeze(0) if one else x, w,
+                                                  None, *spec, mask)
+        return got[0].squeeze(0) if mask[0] and one else got[0] if mask[0] else got[1]
+    return (lambda g, x, w: grads(g, x, w, [True, False, False]),
+            lambda g, w, x: grads(g, x, w, [False, True, False]))
+
+
+def _bias_grad(g: torch.Tensor, channel: int) -> torch.Tensor:
+    """A bias's gradient: g summed over every axis but its channel axis (`channel`, from the end)."""
+    ch = channel % g.dim()
+    return g.sum([d for d in range(g.dim()) if d != ch]) if g.dim() > 1 else g.clone()
+
+
+def _along_batch(quant, t: torch.Tensor, axis: int) -> torch.Tensor:
+    """t rounded by `quant` (a quantiser along the last axis) along its batch axis: every axis but its
+    channel axis `axis`, flattened -- the axis a weight-gradient product reduces over."""
+    moved = t.movedim(axis, -1)
+    flat = moved.reshape(-1, moved.shape[-1]).t()  # [channels, batch]: blocks along the batch
+    return quant(flat).t().reshape(moved.shape).movedim(-1, axis)
 
 
 def _amax(t: torch.Tensor) -> torch.Tensor:
@@ -508,7 +618,7 @@ class FP8State:
     def role_quantizer(self, layer: str, role: str, record: bool, axis: int):
         """The function that rounds a tensor of `layer`'s role ("x", "w<i>", "g") as the recipe says;
         `axis`: its dot product's reduction axis, along which blocks run."""
-        f = self.recipe.roles[role[0]]
+        f = self.recipe.format_of(role)
         if f.granularity == "tensor" and f.scale_rounding == "exact":
             return self.quantizer(f"{layer}:{role}", f.element, record, f.rounding == "stochastic")
 
@@ -524,8 +634,11 @@ class FP8State:
 
         def quant(t: torch.Tensor) -> torch.Tensor:
             if self.scaling == "current":
-                a = _amax(t)
-                s = torch.where(a > 0, (top / a).clamp(max=FLT_MAX), torch.ones_like(a))
+                # torchao's tensorwise scale: a tensor holding inf or nan has none, and comes back nan whole
+                # (delayed scaling keeps its scale there and saturates, as Transformer Engine does).
+                a = t.detach().abs().float().amax() if t.numel() else t.new_zeros((), dtype=torch.float32)
+                s = torch.where(a > 0, _over(top, a).clamp(max=FLT_MAX), torch.ones_like(a))
+                s = s.masked_fill_(~torch.isfinite(a), math.nan)
             else:
                 s = self.scale.get(key)
                 if s is None:
@@ -564,8 +677,8 @@ class FP8State:
             h.copy_(torch.roll(h, 1))
             h[0] = a
             ref = h.max() if self.algo == "max" else h[0]
-            top = formats.ELEMENTS[self.recipe.roles[key.rpartition(":")[2][0]].element].max
-            new = (top / ref / 2.0 ** self.margin).clamp(max=FLT_MAX)
+            top = formats.ELEMENTS[self.recipe.format_of(key.rpartition(":")[2]).element].max
+            new = (_over(top, ref) / 2.0 ** self.margin).clamp(max=FLT_MAX)
             self.scale[key] = torch.where((ref > 0) & torch.isfinite(new), new, self.scale[key])
         self._seen = {}
 
@@ -599,6 +712,10 @@ _FP8_OPS = {F.linear} | _CONVS | _CONV_TS | _RNNS
 # channels, the axis the input-gradient product reduces over.
 _AXES = {**{f: (-1, -1, -1) for f in {F.linear} | _RNNS}, **{f: (1, 1, 1) for f in _CONVS},
          **{f: (1, 0, 1) for f in _CONV_TS}}
+# The weight's axis the data-gradient product reduces over (its output features or channels), where the
+# recipe quantises the weight again for it (FormatRecipe.w_dgrad); the products whose bias is an argument.
+_DGRAD_W_AXES = {**{f: 0 for f in {F.linear} | _RNNS | _CONVS}, **{f: 1 for f in _CONV_TS}}
+_BIASED = {F.linear} | _CONVS | _CONV_TS
 
 
 class FP8Math(TorchFunctionMode):
@@ -627,27 +744,107 @@ class FP8Math(TorchFunctionMode):
         record = torch.is_grad_enabled()
         x_axis, w_axis, g_axis = _AXES[func]
         q = (lambda role, axis: bf16_quantize) if keep16 else \
-            (lambda role, axis: st.role_quantizer(layer, role, record or role == "g", axis))
+            (lambda role, axis: st.role_quantizer(layer, role, record or role[0] == "g", axis))
         order = {id(w): i for i, w in enumerate(weights)}
+        wq: dict[int, torch.Tensor] = {}  # id(weight) -> its quantised value (straight-through to it)
 
         def operand(t):
             if id(t) in order:
-                return _FP8Operand.apply(t, q(f"w{order[id(t)]}", w_axis))
+                if id(t) not in wq:
+                    wq[id(t)] = _FP8Operand.apply(t, q(f"w{order[id(t)]}", w_axis))
+                return wq[id(t)]
             return t
 
         x = args[0]
         new_args = list(map_tensors(tuple(args), operand))
         if isinstance(x, torch.Tensor) and x.is_floating_point() and id(x) not in order:
             new_args[0] = _FP8Operand.apply(x, q("x", x_axis))
-        out = func(*new_args, **map_tensors(kwargs, operand))
+        new_kwargs = map_tensors(kwargs, operand)
+        grad_q = q("g", g_axis)
+        # The bias's gradient is the sum of the output gradient as it arrives, not of its rounding
+        # (Transformer Engine and torchao.float8 reduce it from the high-precision gradient): the products
+        # get the bias detached and _FP8Grad / _Passes give it its gradient. An RNN's biases act inside its
+        # kernel: left to it.
+        bias, channel = None, None
+        if func in _BIASED and not keep16 and record:
+            b = args[2] if len(args) > 2 else kwargs.get("bias")
+            if isinstance(b, torch.Tensor) and b.requires_grad:
+                bias, channel = b, 1 - weights[0].dim()  # the output's channel axis, from its end
+                if len(new_args) > 2:
+                    new_args[2] = b.detach()
+                else:
+                    new_kwargs["bias"] = b.detach()
+        if not keep16 and st.recipe.split and record:  # (no backward without grad: the value alone)
+            return self._split(func, args, kwargs, new_args, new_kwargs, wq, order, q, grad_q, bias, channel)
+        out = func(*new_args, **new_kwargs)
         if st.recipe.accumulate != "fp32" and not keep16:
             out = self._narrow(func, new_args, kwargs, out, weights, st.recipe.accumulate)
-        grad_q = q("g", g_axis)
         if isinstance(out, torch.Tensor):
-            return _FP8Grad.apply(out, grad_q) if out.requires_grad else out
+            return _FP8Grad.apply(out, grad_q, bias, channel) if out.requires_grad or bias is not None else out
         if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor) and out[0].requires_grad:
-            return (_FP8Grad.apply(out[0], grad_q), *out[1:])
+            return (_FP8Grad.apply(out[0], grad_q, None, None), *out[1:])
         return out
+
+    def _split(self, func, args, kwargs, new_args, new_kwargs, wq, order, q, grad_q, bias, channel):
+        """A product whose backward products read operands of their own (FormatRecipe.w_dgrad, wgrad):
+        each of the three runs on its own operands, joined by _Passes --
+          value: the quantised input and weights (new_args: the forward's output);
+          data gradient: the output gradient rounded by grad_q against the weights as w_dgrad rounds them
+            (or the forward's), the parameters detached;
+          weight gradient: the weights' gradient from the input and output gradient as wgrad says --
+            shared: the forward's quantised input and grad_q's rounding; high: both unquantised; own: both
+            quantised again along the batch axis (every axis but their channel axis) -- the input and
+            any recurrent state detached.
+        A linear layer's or convolution's backward products are computed alone (_Alone: no forward runs for
+        them); a recurrent layer's run forwards of their own -- its weight-gradient product the quantised
+        weights on its own input (the state inside its kernel is that input's), its biases taking their
+        gradient from it: the simulation's cost, not the numerics'."""
+        r = self.state.recipe
+        params = {id(t) for t in float_tensors(kwargs.values(), float_tensors(args, []))
+                  if isinstance(t, nn.Parameter) or id(t) in order}
+        params |= {id(v) for v in wq.values()} | ({id(bias)} if bias is not None else set())
+        x_q, x = new_args[0], args[0]
+        x_axis, _, g_axis = _AXES[func]  # the channel axes of x and g
+
+        def call(first, sub, rest):
+            more = map_tensors(rest, sub)
+            return func(first, *more[0], **more[1])
+
+        quantised = (tuple(new_args[1:]), new_kwargs)  # the weights rounded (straight-through), the bias detached
+        constant = lambda t: t.detach() if id(t) in params else t  # noqa: E731
+        alone = _backward_products(func, args, kwargs) if len(wq) == 1 else None
+        if r.w_dgrad is None:
+            value = dgrad = call(x_q, constant, quantised)
+        else:
+            axis = _DGRAD_W_AXES[func]
+            wd = lambda t: q(f"wd{order[id(t)]}", axis)(t.detach()) if id(t) in order else constant(t)  # noqa: E731
+            if alone is None:
+                dgrad = call(x_q, wd, (tuple(args[1:]), kwargs))
+            with torch.no_grad():
+                value = call(x_q.detach(), constant, quantised)
+            if alone is not None:
+                w = next(t for t in float_tensors(kwargs.values(), float_tensors(args, [])) if id(t) in order)
+                dgrad = _Alone.apply(x_q, wd(w), value.shape, alone[0])
+        quant_w = grad_q
+        if r.wgrad == "high":
+            x_w, quant_w = x.detach(), None
+        elif r.wgrad == "own":
+            x_w = _along_batch(q("xw", -1), x.detach(), x_axis)
+            gq = q("gw", -1)
+            quant_w = lambda g: _along_batch(gq, g, g_axis)  # noqa: E731
+        else:
+            x_w = x_q.detach()
+        if alone is not None:  # a linear layer, a convolution: no forward for it
+            wgrad = _Alone.apply(next(iter(wq.values())), x_w, value.shape, alone[1])
+        else:
+            # The weights' roundings pass the gradient straight through to them, an RNN's biases take theirs
+            # here; anything else (state) is detached.
+            wgrad = call(x_w, lambda t: t if id(t) in params and t.requires_grad else t.detach(), quantised)
+        if isinstance(value, torch.Tensor):
+            return _Passes.apply(value, dgrad, wgrad, grad_q, quant_w, bias, channel)
+        return tuple(_Passes.apply(v, d, w, *((grad_q, quant_w) if i == 0 else (None, None)), None, None)
+                     if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                     for i, (v, d, w) in enumerate(zip(value, dgrad, wgrad)))
 
     @staticmethod
     def _narrow(func, args, kwargs, out, weights, fmt):

@@ -149,6 +149,31 @@ TABLE: tuple[Precision, ...] = (
         refuses_scale="precision=fp8 scales each tensor on its own (fp8.scaling); loss_scale={value} "
                       "is not used: leave it at auto"),
     Precision(
+        "fp8_rowwise", "torchao.float8's rowwise recipe (Float8LinearConfig.from_recipe_name('rowwise')): E4M3 "
+        "operands for every weight-bearing dot product, one power-of-2 scale per row along the reduction axis "
+        "for activations, weights and output gradients; FP32 accumulation and master weights; simulated "
+        "(mpt.formats).",
+        storage="float32", compute="float8", master=True, loss_scaling=False, auto_loss_scale=None,
+        impls=(), recipe="formats", beyond_paper=True,
+        columns=(_beyond("fp8_rowwise", "row-wise FP8 (torchao), BF16 first/last layers", "darkorange"),
+                 _beyond("fp8_rowwise_all", "row-wise FP8 (torchao), every layer")),
+        cost_goal=2.0,
+        refuses_scale="precision=fp8_rowwise scales each row on its own; loss_scale={value} is not used: "
+                      "leave it at auto"),
+    Precision(
+        "fp8_rowwise_gw_hp", "torchao.float8's rowwise_with_gw_hp recipe: fp8_rowwise's forward, the data "
+        "gradient from the row-wise E4M3 output gradient and a per-tensor E4M3 weight, the weight gradient "
+        "from the unquantised input and output gradient (high precision); simulated (mpt.formats).",
+        storage="float32", compute="float8", master=True, loss_scaling=False, auto_loss_scale=None,
+        impls=(), recipe="formats", beyond_paper=True,
+        columns=(_beyond("fp8_rowwise_gw_hp", "row-wise FP8, weight gradient in high precision (torchao), "
+                         "BF16 first/last layers", "goldenrod"),
+                 _beyond("fp8_rowwise_gw_hp_all", "row-wise FP8, weight gradient in high precision (torchao), "
+                         "every layer")),
+        cost_goal=2.0,
+        refuses_scale="precision=fp8_rowwise_gw_hp scales each row on its own; loss_scale={value} is not used: "
+                      "leave it at auto"),
+    Precision(
         "fp8_block", "DeepSeek-V3's fine-grained FP8 (arXiv 2412.19437, section 3.3): E4M3 operands for every "
         "weight-bearing dot product, activations and gradients scaled per 1x128 tile, weights per 128x128 "
         "block, power-of-2 scales; FP32 accumulation and master weights; simulated (mpt.formats).",
@@ -171,9 +196,10 @@ TABLE: tuple[Precision, ...] = (
         refuses_scale="precision=mxfp8 scales each block on its own; loss_scale={value} is not used: "
                       "leave it at auto"),
     Precision(
-        "nvfp4", "NVFP4 (arXiv 2509.25149): E2M1 operands in 16-element blocks with E4M3 scales under an FP32 "
-        "per-tensor scale; gradients rounded stochastically through a 16x16 random Hadamard transform; FP32 "
-        "accumulation and master weights; simulated (mpt.formats).",
+        "nvfp4", "NVFP4 (arXiv 2509.25149; Transformer Engine's NVFP4BlockScaling): E2M1 operands in 16-element "
+        "blocks with E4M3 scales under an FP32 per-tensor scale; gradients rounded stochastically; a 16x16 random "
+        "Hadamard transform on the weight-gradient product's operands; FP32 accumulation and master weights; "
+        "simulated (mpt.formats).",
         storage="float32", compute="float4", master=True, loss_scaling=False, auto_loss_scale=None,
         impls=(), recipe="formats", beyond_paper=True,
         columns=(_beyond("nvfp4", "NVFP4 (16-element E4M3-scaled blocks), BF16 first/last layers", "crimson"),

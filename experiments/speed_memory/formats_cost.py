@@ -4,7 +4,7 @@ of the same run (bench.measure: the engine's step on a synthetic batch), and the
 The formats beyond the paper (mpt/formats.py) are simulated by quantise-dequantise in FP32 around FP32
 kernels, so this is the price of the simulation, not the speed of FP8 or FP4 hardware: the goal is that
 the simulation stays cheap enough to train with -- at most 2x FP32's step time for the FP8 family
-(fp8, fp8_block, mxfp8) and 3x for NVFP4 (stochastic rounding and the Hadamard transform on top).
+(fp8, fp8_rowwise, fp8_rowwise_gw_hp, fp8_block, mxfp8) and 3x for NVFP4 (stochastic rounding and the Hadamard transform on top).
 
     python -m experiments.speed_memory.formats_cost [models=resnet50_preact] [width=0.25] [batch=16]
         [size=96] [steps=10] [warmup=2] [rounds=2] [device=auto] [out=experiments/speed_memory/results] [tag=]
