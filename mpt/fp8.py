@@ -282,8 +282,8 @@ def _nvfp4(blocks, amax, fmt, generator):
     The clamp from below is torchao's: a block far quieter than the tensor (amax below ~2e-6 of it) is
     quantised at 2^-6 x g, not at a subnormal or zero scale (a zero scale made it fall back to 1: a
     block [0.5, 1, 1.5, 5] of a tensor whose max is 2688 x 1024 came back [0.5, 1, 1.5, 4], torchao's
-    [0, 0, 0, 8]; tests/test_formats.py). A tensor holding inf or nan comes back nan, whole, as torchao's per-tensor scale makes it
-    (its amax is inf or nan). g is at least FP32's smallest normal, so a tensor of amax below ~3e-35 is
+    [0, 0, 0, 8]; tests/test_formats.py). A tensor holding inf or nan comes back nan, whole, as torchao's
+    per-tensor scale makes it (its amax is inf or nan). g is at least FP32's smallest normal, so a tensor of amax below ~3e-35 is
     still quantised (torchao's g underflows there)."""
     top = formats.ELEMENTS[fmt].max
     e4m3 = formats.ELEMENTS["e4m3"]

@@ -150,9 +150,13 @@ def test_every_simulated_precision_is_a_row_rounded_by_its_recipe(tmp_path, monk
     monkeypatch.syspath_prepend(str(tmp_path))
     patient = load("outlier_mod:patient")
     w = whatif(patient)["formats"]
-    assert set(precisions.FORMATS) <= set(w)
+    # every one by default but a preset that rounds x, w and g as an earlier one does (its backward differs)
+    assert set(precisions.FORMATS) - set(w) == {"fp8_rowwise_gw_hp"}
+    w.update(whatif(patient, formats=("fp8_rowwise_gw_hp",))["formats"])
     assert w["fp8"]["roles"]["activation grads"].startswith("e5m2") and w["fp8"]["roles"]["weights"].startswith("e4m3")
-    assert "mx32 blocks" in w["mxfp8"]["roles"]["weights"] and "Hadamard-16" in w["nvfp4"]["roles"]["activation grads"]
+    assert "mx32 blocks" in w["mxfp8"]["roles"]["weights"] and "stochastic" in w["nvfp4"]["roles"]["activation grads"]
+    assert "Hadamard-16" in w["nvfp4"]["roles"]["activation grads, weight-gradient product"]  # described, not counted
+    assert "high precision" in w["fp8_rowwise_gw_hp"]["roles"]["weight-gradient product"]
     assert all(w[p]["not_rounded"] == ["weight grads"] for p in precisions.FORMATS)
 
     weight = patient.model.weight.detach().double()

@@ -147,7 +147,7 @@ def whatif(patient: Patient, device="cpu", formats: tuple[str, ...] | None = Non
 
     # By default the element formats the FP16/BF16 recipes store in (scaled by S, or not at all) and the
     # simulated precisions through their recipes; an FP8 element alone is what a recipe row shows per role.
-    asked = tuple(formats or (*(f for f in FORMATS if scaling_of(f) != "per_tensor"), *RECIPE_ROWS))
+    asked = tuple(formats or (*(f for f in FORMATS if scaling_of(f) != "per_tensor"), *_distinct(RECIPE_ROWS)))
     tensors, labels = collect(patient, device)
     out = {}
     recipes = [f for f in asked if f in RECIPE_ROWS]
@@ -188,6 +188,26 @@ def whatif(patient: Patient, device="cpu", formats: tuple[str, ...] | None = Non
 # last layers are the ones to keep wide. Weight gradients are not rounded by these recipes (FP32 products of
 # rounded operands into the FP32 master weights): their column is empty.
 ROLE_KIND = {"x": "activations", "w": "weights", "g": "activation grads"}
+# The operands a recipe quantises again for a backward product of its own (mpt.formats.FormatRecipe.roles):
+# described in the row, not counted in its columns (the same values, rounded a second way).
+OTHER_ROLES = {"wd": "weights, data-gradient product", "xw": "activations, weight-gradient product",
+               "gw": "activation grads, weight-gradient product"}
+
+
+def _distinct(names) -> list[str]:
+    """The simulated precisions whose forward operands and output gradient are rounded differently: a preset
+    that differs from an earlier one only in its backward products' own operands (fp8_rowwise_gw_hp from
+    fp8_rowwise) would show the same row again."""
+    from mpt import formats as fmts
+
+    seen, out = set(), []
+    for n in names:
+        r = fmts.RECIPES[n]
+        key = (r.x, r.w, r.g, r.scaling)
+        if key not in seen:
+            seen.add(key)
+            out.append(n)
+    return out
 
 
 def recipe_rows(patient: Patient, device, names, labels: dict) -> dict:
@@ -212,7 +232,9 @@ def recipe_rows(patient: Patient, device, names, labels: dict) -> dict:
         per = {(layer, kind): c for (layer, kind), c in acc.items()}
         r = _setting(name, per, None)
         r["not_rounded"] = ["weight grads"]
-        r["roles"] = {ROLE_KIND[k]: _describe(f) for k, f in recipe.roles.items()}
+        r["roles"] = {{**ROLE_KIND, **OTHER_ROLES}[k]: _describe(f) for k, f in recipe.roles.items()}
+        if recipe.wgrad == "high":
+            r["roles"]["weight-gradient product"] = "unquantised operands (high precision)"
         r["blocks"] = _block_summary(acc)
         r["block_scaled"] = recipe.block_scaled
         r["verdict"] = _verdict(name, r, {**labels, **{m: _label(model, m) for m in r["modules"]}})
@@ -245,13 +267,15 @@ class _Watched(FP8State):
 
     def role_quantizer(self, layer, role, record, axis):
         real = super().role_quantizer(layer, role, False, axis)
-        f = self.recipe.roles[role[0]]
-        key = (layer, ROLE_KIND[role[0]])
+        base = role.rstrip("0123456789")  # "w1": a layer's second weight
+        f = self.recipe.format_of(role)
+        key = (layer, ROLE_KIND.get(base))
 
         def watch(t: torch.Tensor) -> torch.Tensor:
-            with torch.no_grad():
-                _add(self.acc.setdefault(key, {}), compare(t.detach(), real(t.detach()), f, axis))
-            return t.clone() if role[0] != "g" else t  # an autograd Function's forward returns a new tensor
+            if key[1] is not None:
+                with torch.no_grad():
+                    _add(self.acc.setdefault(key, {}), compare(t.detach(), real(t.detach()), f, axis))
+            return t.clone()  # an autograd Function's forward returns a new tensor
         return watch
 
 
@@ -283,7 +307,9 @@ def compare(v: torch.Tensor, q: torch.Tensor, f, axis: int) -> dict:
     flushed = nonzero & (y == 0)
     finite = torch.isfinite(y)
     top = ay.masked_fill(~finite, 0).amax(1, keepdim=True)
-    clipped = nonzero & finite & (ay == top) & (ay > 0) & (ax > ay * (1 + 2.0 ** -(el.mantissa_bits + 1)))
+    # Nearest rounding moves a value by at most half a spacing, stochastic rounding by less than one.
+    slack = 2.0 ** -(el.mantissa_bits + (f.rounding == "nearest"))
+    clipped = nonzero & finite & (ay == top) & (ay > 0) & (ax > ay * (1 + slack))
     noise = torch.where(finite, y - x, torch.zeros_like(x))
     nz_blocks = nonzero.any(1)
     small = ax.masked_fill(~nonzero, math.inf).amin(1)
@@ -371,14 +397,15 @@ def _verdict(fmt: str, r: dict, labels: dict) -> str:
 
 def table(w: dict) -> list[str]:
     """The one-screen table: one line per format, ranked by what it loses."""
-    lines = [f"  {'format':<9} {'flushed: act / w / act-grad / w-grad':<36} {'over':>6} {'min SQNR':>9}  verdict"]
+    wide = max(9, *(len(f) for f in w["order"]))
+    lines = [f"  {'format':<{wide}} {'flushed act/w/act-grad/w-grad':<29} {'over':>6} {'min SQNR':>9}  verdict"]
     for fmt in w["order"]:
         r = w["formats"][fmt]
         k = r["kinds"]
-        fl = " / ".join("-" if kind in r.get("not_rounded", ()) else _pct(k[kind]["flushed"]) for kind in KINDS)
+        fl = "/".join("-" if kind in r.get("not_rounded", ()) else _pct(k[kind]["flushed"]) for kind in KINDS)
         over = max(v["overflow"] for v in k.values())
         sq = min(v["sqnr_db"] for v in k.values())
-        lines.append(f"  {fmt:<9} {fl:<36} {_pct(over):>6} {sq:>6.1f} dB  {_short(r['verdict'], fmt)}")
+        lines.append(f"  {fmt:<{wide}} {fl:<29} {_pct(over):>6} {sq:>6.1f} dB  {_short(r['verdict'], fmt)}")
     for fmt in w["order"]:  # the per-block view a block format is judged by (recipe_rows), where it loses
         b = w["formats"][fmt].get("blocks") if w["formats"][fmt].get("block_scaled") else None
         if b and any(b[k]["blocks_flushing"] for k in ROLE_KIND.values()):
