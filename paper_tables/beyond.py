@@ -13,14 +13,23 @@ import io
 import math
 import statistics
 
+from mpt import precisions
 from paper_tables import results, specs, tables
+
+
+
+def _header(c) -> str:
+    """A column's header: its label without the "beyond the paper" prefix and the first/last-layers note
+    ("row-wise FP8 (torchao)")."""
+    return c.label.removeprefix("beyond the paper: ").split(", BF16 first/last")[0]
+
 
 # (column id, header): a run's column is its precision's column (results.run_precision), except the
 # paper's MP, which is whichever precision fills that table's MP column (tables.paper_column: mixed or
-# fp16 with S = 1, Table 3's fp16_storage).
-COLUMNS = (("fp32", "FP32"), ("mp", "the paper's MP"), ("fp8_delayed", "FP8 (per-tensor, delayed)"),
-           ("fp8_block", "block FP8 (DeepSeek-V3)"), ("mxfp8", "MXFP8"), ("nvfp4", "NVFP4"),
-           ("bf16_pure", "BF16, no master copy"))
+# fp16 with S = 1, Table 3's fp16_storage). Then the first column of every precision beyond the paper, in
+# the table's order: a precision row added to mpt/precisions.py gets its column here.
+COLUMNS = (("fp32", "FP32"), ("mp", "the paper's MP"),
+           *((p.columns[0].name, _header(p.columns[0])) for p in precisions.TABLE if p.beyond_paper))
 
 
 SQNR_KEY = "numerics/sqnr/grad_median"  # per sampled step: the median over parameters (mpt.numerics.sqnr_summary)
