@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from data_prep.speech import decode, read_manifest
 from models.deepspeech2 import out_lengths
-from mpt.config import infra
+from mpt.config import added, infra
 from mpt.errors import UserError
 from mpt.task import Task as BaseTask
 
@@ -45,9 +45,9 @@ class TaskCfg:
     # lengths make the result independent of it (models/deepspeech2.py; tests/test_deepspeech2.py).
     pad_to_multiple: int = 64
     # Channels of each convolution; 0: the paper's 32 scaled by `width` like the GRUs (at least 4).
-    conv_channels: int = 0
+    conv_channels: int = added(0)
     # After epoch 0: shuffle whole batches of duration neighbours instead of utterances (train_order).
-    bucket_batches: bool = False
+    bucket_batches: bool = added(False)
 
 
 def vocabulary(model: str, root: Path) -> str:
