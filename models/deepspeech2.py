@@ -151,17 +151,18 @@ class DeepSpeech2(nn.Module):
         return self.fc(self.out_norm(x, mask)), lengths
 
 
-def _build(name: str, vocab: int | None, width: float, n_freq: int) -> DeepSpeech2:
+def _build(name: str, vocab: int | None, width: float, n_freq: int, conv_channels: int) -> DeepSpeech2:
+    """conv_channels 0: CONV_CHANNELS scaled by `width` like the GRUs (at least 4)."""
     v = vocab or (ENGLISH_VOCAB if name == "english" else MANDARIN_VOCAB)
     return DeepSpeech2(v, hidden=max(8, round(HIDDEN[name] * width)),
-                       conv_channels=max(4, round(CONV_CHANNELS * width)), n_freq=n_freq)
+                       conv_channels=conv_channels or max(4, round(CONV_CHANNELS * width)), n_freq=n_freq)
 
 
 @register("english")
-def english(vocab: int | None = None, width: float = 1.0, n_freq: int = N_FREQ) -> DeepSpeech2:
-    return _build("english", vocab, width, n_freq)
+def english(vocab: int | None = None, width: float = 1.0, n_freq: int = N_FREQ, conv_channels: int = 0) -> DeepSpeech2:
+    return _build("english", vocab, width, n_freq, conv_channels)
 
 
 @register("mandarin")
-def mandarin(vocab: int | None = None, width: float = 1.0, n_freq: int = N_FREQ) -> DeepSpeech2:
-    return _build("mandarin", vocab, width, n_freq)
+def mandarin(vocab: int | None = None, width: float = 1.0, n_freq: int = N_FREQ, conv_channels: int = 0) -> DeepSpeech2:
+    return _build("mandarin", vocab, width, n_freq, conv_channels)

@@ -470,3 +470,32 @@ def test_padding_to_a_multiple_changes_nothing():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     for i, n in enumerate(res[0][4].tolist()):  # every valid frame's output
         torch.testing.assert_close(res[0][3][i, :n], res[1][3][i, :n], rtol=1e-5, atol=1e-5)
+
+
+def test_bucketed_order_shuffles_whole_batches_of_neighbours():
+    """task.bucket_batches: after the SortaGrad epoch, each batch is a run of duration neighbours
+    (consecutive indices of the sorted set) and the batches' order changes with the epoch; the
+    order is a permutation, the tail past the last whole batch kept at the end."""
+    from experiments.deepspeech2.task import ENGLISH, Task, TaskCfg
+    from mpt.config import Config, TrainCfg
+
+    cfg = Config(model="english", width=0.05, train=TrainCfg(batch_size=4), task=TaskCfg(bucket_batches=True))
+    task = Task(cfg, Task.Facts(chars=ENGLISH))
+    train = range(18)
+    assert list(task.train_order(train, 0, torch.Generator().manual_seed(0))) == list(range(18))  # SortaGrad
+    orders = [task.train_order(train, e, torch.Generator().manual_seed(e)) for e in (1, 2)]
+    for order in orders:
+        assert sorted(order) == list(range(18)) and order[16:] == [16, 17]
+        for b in range(4):
+            batch = order[4 * b: 4 * b + 4]
+            assert batch[0] % 4 == 0 and batch == list(range(batch[0], batch[0] + 4)), order
+    assert orders[0] != orders[1]
+
+
+def test_conv_channels_override():
+    """task.conv_channels sets the convolutions' width apart from the GRUs' (0: scaled by width)."""
+    import models
+
+    assert models.build("english", width=0.05, n_freq=81).conv[0][0].out_channels == 4
+    m = models.build("english", width=0.05, n_freq=81, conv_channels=8)
+    assert m.conv[0][0].out_channels == m.conv[1][0].out_channels == 8 and m.grus[0].input_size == 8 * 21

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from data_prep.speech import decode, read_manifest
 from models.deepspeech2 import out_lengths
-from mpt.config import infra
+from mpt.config import added, infra
 from mpt.errors import UserError
 from mpt.task import Task as BaseTask
 
@@ -44,6 +44,10 @@ class TaskCfg:
     # rounded to 64 frames (0.64 s) give a few dozen shapes instead of one per batch. The masks and
     # lengths make the result independent of it (models/deepspeech2.py; tests/test_deepspeech2.py).
     pad_to_multiple: int = 64
+    # Channels of each convolution; 0: the paper's 32 scaled by `width` like the GRUs (at least 4).
+    conv_channels: int = added(0)
+    # After epoch 0: shuffle whole batches of duration neighbours instead of utterances (train_order).
+    bucket_batches: bool = added(False)
 
 
 def vocabulary(model: str, root: Path) -> str:
@@ -123,6 +127,8 @@ class Task(BaseTask):
     @classmethod
     def check(cls, cfg):
         _window(cfg.task)
+        if cfg.task.conv_channels < 0:
+            raise UserError(f"task.conv_channels={cfg.task.conv_channels} must be >= 0 (0: scaled by width)")
         if cfg.task.pad_to_multiple < 1:
             raise UserError(f"task.pad_to_multiple={cfg.task.pad_to_multiple} must be >= 1 (1: pad to the "
                             f"longest utterance)")
@@ -156,7 +162,7 @@ class Task(BaseTask):
 
         n_fft, _ = _window(self.cfg.task)
         return models.build(self.cfg.model, vocab=len(self.facts.chars) + 1, width=self.cfg.width,
-                            n_freq=n_fft // 2 + 1)
+                            n_freq=n_fft // 2 + 1, conv_channels=self.cfg.task.conv_channels)
 
     def collate(self, samples):
         feats, targets, texts = zip(*samples)
@@ -174,7 +180,15 @@ class Task(BaseTask):
     def train_order(self, train, epoch: int, generator: torch.Generator):
         if epoch == 0 and self.cfg.task.sortagrad:
             return range(len(train))  # the dataset is sorted by duration: shortest first
-        return torch.randperm(len(train), generator=generator).tolist()
+        if not self.cfg.task.bucket_batches:
+            return torch.randperm(len(train), generator=generator).tolist()
+        # Batches of neighbours in the duration-sorted set, in a random order (deepspeech.pytorch's
+        # DSRandomSampler): each batch is padded to a length close to its shortest utterance's, where a
+        # batch drawn from the whole set pads to ~1.5 x the mean duration.
+        b = self.cfg.train.batch_size
+        n = len(train) - len(train) % b
+        bins = torch.randperm(n // b, generator=generator).tolist()
+        return [i for k in bins for i in range(k * b, (k + 1) * b)] + list(range(n, len(train)))
 
     def ctc(self, model, batch):
         logits, lengths = model(batch["x"], batch["lengths"])
