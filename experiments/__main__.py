@@ -39,7 +39,7 @@ DATASETS = {"imagenet": ("imagenet", {"workers": 2}), "voc": ("voc", {}), "libri
             "celeba": ("celeba", {})}
 
 
-def _prepare(name: str, data: pathlib.Path) -> pathlib.Path:
+def prepare_tiny(name: str, data: pathlib.Path) -> pathlib.Path:
     """The tiny release of `name`, written in its official format and prepared by the real code."""
     if (data / "prepared.json").exists():
         return data
@@ -118,12 +118,12 @@ def main(argv=None) -> None:
     names = list(dict.fromkeys(d for _, d, _ in grids))
     # The releases are independent: two at a time (the speech one, espeak-ng utterance by utterance, is
     # half of the ~24 s). Spawned, not forked: the launcher's forkserver must start after, preloaded. A
-    # spawned process does not import a package's __main__, so _prepare goes by its module's own name.
+    # spawned process does not import a package's __main__, so prepare_tiny goes by its module's own name.
     import concurrent.futures
     import importlib
     import multiprocessing
 
-    prepare = importlib.import_module("experiments.__main__")._prepare
+    prepare = importlib.import_module("experiments.__main__").prepare_tiny
     with concurrent.futures.ProcessPoolExecutor(min(len(names), args.jobs or os.cpu_count() or 1),
                                                 mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = {name: pool.submit(prepare, name, pathlib.Path(args.data_dir) / f"tiny_{name}") for name in names}

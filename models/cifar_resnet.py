@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from models import register
-from models.imagenet_cnns import _check_args, _scaler, he_init
+from models.imagenet_cnns import check_args, width_scaler, he_init
 
 
 class BasicBlock(nn.Module):
@@ -48,7 +48,7 @@ class BasicBlock(nn.Module):
 class CifarResNet(nn.Module):
     def __init__(self, num_classes: int, width: float, n: int):
         super().__init__()
-        c = _scaler(width)
+        c = width_scaler(width)
         self.aux_logits = False
         widths = (c(16), c(32), c(64))
         self.stem = nn.Sequential(nn.Conv2d(3, widths[0], 3, 1, 1, bias=False), nn.BatchNorm2d(widths[0]),
@@ -71,11 +71,11 @@ class CifarResNet(nn.Module):
 @register("resnet8_cifar")
 def resnet8_cifar(num_classes: int = 10, width: float = 1.0, aux_logits: bool = False) -> nn.Module:
     """The same family at n = 1 (6n + 2 = 8 layers): section 4.2's design, shallower than its smallest (n = 3)."""
-    _check_args("resnet8_cifar", num_classes, width, aux_logits, has_aux=False)
+    check_args("resnet8_cifar", num_classes, width, aux_logits, has_aux=False)
     return CifarResNet(num_classes, width, n=1)
 
 
 @register("resnet20_cifar")
 def resnet20_cifar(num_classes: int = 10, width: float = 1.0, aux_logits: bool = False) -> nn.Module:
-    _check_args("resnet20_cifar", num_classes, width, aux_logits, has_aux=False)
+    check_args("resnet20_cifar", num_classes, width, aux_logits, has_aux=False)
     return CifarResNet(num_classes, width, n=3)

@@ -75,7 +75,7 @@ INPUT_SIZE = {
 
 # ----------------------------------------------------------------------------- helpers
 
-def _check_args(name: str, num_classes: int, width: float, aux_logits: bool, has_aux: bool):
+def check_args(name: str, num_classes: int, width: float, aux_logits: bool, has_aux: bool):
     if not isinstance(num_classes, int) or num_classes < 1:
         raise UserError(f"model {name}: num_classes must be a positive integer, got {num_classes!r}")
     if not (isinstance(width, (int, float)) and math.isfinite(width) and width > 0):
@@ -84,7 +84,7 @@ def _check_args(name: str, num_classes: int, width: float, aux_logits: bool, has
         raise UserError(f"model {name} has no auxiliary classifiers; set aux_logits=false")
 
 
-def _scaler(width: float):
+def width_scaler(width: float):
     """Channel count at this width: rounded, at least 1."""
     return lambda ch: max(1, int(round(ch * width)))
 
@@ -166,7 +166,7 @@ class AlexNet(nn.Module):
         super().__init__()
         # Grouped convolutions need even channel counts at every width.
         c = lambda ch: 2 * max(1, int(round(ch * width / 2)))  # noqa: E731
-        c1, c2, c3, c4, c5, hidden = c(96), c(256), c(384), c(384), c(256), _scaler(width)(4096)
+        c1, c2, c3, c4, c5, hidden = c(96), c(256), c(384), c(384), c(256), width_scaler(width)(4096)
         self.aux_logits = False
         self.features = nn.Sequential(
             nn.Conv2d(3, c1, 11, stride=4), nn.ReLU(inplace=True), LRN(),
@@ -201,7 +201,7 @@ class AlexNet(nn.Module):
 
 @register("alexnet")
 def alexnet(num_classes: int = 1000, width: float = 1.0, aux_logits: bool = False) -> nn.Module:
-    _check_args("alexnet", num_classes, width, aux_logits, has_aux=False)
+    check_args("alexnet", num_classes, width, aux_logits, has_aux=False)
     return AlexNet(num_classes, width)
 
 
@@ -213,7 +213,7 @@ _VGG_D = [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 51
 class VGG(nn.Module):
     def __init__(self, num_classes: int, width: float, cfg=_VGG_D):
         super().__init__()
-        c = _scaler(width)
+        c = width_scaler(width)
         self.aux_logits = False
         layers, cin = [], 3
         for v in cfg:
@@ -247,7 +247,7 @@ class VGG(nn.Module):
 
 @register("vgg16")
 def vgg16(num_classes: int = 1000, width: float = 1.0, aux_logits: bool = False) -> nn.Module:
-    _check_args("vgg16", num_classes, width, aux_logits, has_aux=False)
+    check_args("vgg16", num_classes, width, aux_logits, has_aux=False)
     return VGG(num_classes, width)
 
 
@@ -298,7 +298,7 @@ _GOOGLENET = {
 class GoogLeNet(nn.Module):
     def __init__(self, num_classes: int, width: float, aux_logits: bool):
         super().__init__()
-        c = _scaler(width)
+        c = width_scaler(width)
         self.aux_logits = aux_logits
         # Caffe pools in ceil mode: 112 -> 56 -> 28 -> 14 -> 7 at 224x224.
         self.stem = nn.Sequential(
@@ -350,7 +350,7 @@ class GoogLeNet(nn.Module):
 
 @register("googlenet")
 def googlenet(num_classes: int = 1000, width: float = 1.0, aux_logits: bool = True) -> nn.Module:
-    _check_args("googlenet", num_classes, width, aux_logits, has_aux=True)
+    check_args("googlenet", num_classes, width, aux_logits, has_aux=True)
     return GoogLeNet(num_classes, width, aux_logits)
 
 
@@ -402,7 +402,7 @@ _BN_INCEPTION = [
 class BNInception(nn.Module):
     def __init__(self, num_classes: int, width: float):
         super().__init__()
-        c = _scaler(width)
+        c = width_scaler(width)
         self.aux_logits = False
         self.stem = nn.Sequential(
             ConvBNReLU(3, c(64), 7, stride=2, padding=3),
@@ -433,7 +433,7 @@ class BNInception(nn.Module):
 
 @register("inception_v2")
 def inception_v2(num_classes: int = 1000, width: float = 1.0, aux_logits: bool = False) -> nn.Module:
-    _check_args("inception_v2", num_classes, width, aux_logits, has_aux=False)
+    check_args("inception_v2", num_classes, width, aux_logits, has_aux=False)
     return BNInception(num_classes, width)
 
 
@@ -561,7 +561,7 @@ class InceptionV3Aux(nn.Module):
 class InceptionV3(nn.Module):
     def __init__(self, num_classes: int, width: float, aux_logits: bool):
         super().__init__()
-        c = _scaler(width)
+        c = width_scaler(width)
         self.aux_logits = aux_logits
         self.stem = nn.Sequential(
             _cbr3(3, c(32), 3, stride=2), _cbr3(c(32), c(32), 3), _cbr3(c(32), c(64), 3, padding=1),
@@ -611,7 +611,7 @@ class InceptionV3(nn.Module):
 
 @register("inception_v3")
 def inception_v3(num_classes: int = 1000, width: float = 1.0, aux_logits: bool = True) -> nn.Module:
-    _check_args("inception_v3", num_classes, width, aux_logits, has_aux=True)
+    check_args("inception_v3", num_classes, width, aux_logits, has_aux=True)
     return InceptionV3(num_classes, width, aux_logits)
 
 
@@ -664,7 +664,7 @@ def he_init(model: nn.Module) -> None:
 class PreActResNet(nn.Module):
     def __init__(self, num_classes: int, width: float, depths=(3, 4, 6, 3)):
         super().__init__()
-        c = _scaler(width)
+        c = width_scaler(width)
         self.aux_logits = False
         self.stem = nn.Sequential(
             nn.Conv2d(3, c(64), 7, 2, 3, bias=False), nn.BatchNorm2d(c(64)), nn.ReLU(inplace=True),
@@ -695,5 +695,5 @@ class PreActResNet(nn.Module):
 
 @register("resnet50_preact")
 def resnet50_preact(num_classes: int = 1000, width: float = 1.0, aux_logits: bool = False) -> nn.Module:
-    _check_args("resnet50_preact", num_classes, width, aux_logits, has_aux=False)
+    check_args("resnet50_preact", num_classes, width, aux_logits, has_aux=False)
     return PreActResNet(num_classes, width)

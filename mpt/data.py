@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import Dataset, Sampler
 
 
-def _mix(*xs: int) -> int:
+def mix_seeds(*xs: int) -> int:
     h = 0x9E3779B97F4A7C15
     for x in xs:
         h = (h ^ (int(x) + 0x9E3779B97F4A7C15 + (h << 6) + (h >> 2))) & 0xFFFFFFFFFFFFFFFF
@@ -43,7 +43,7 @@ class EpochSampler(Sampler[int]):
         self.epoch, self.start = epoch, start
 
     def __iter__(self):
-        g = torch.Generator().manual_seed(_mix(self.seed, self.epoch))
+        g = torch.Generator().manual_seed(mix_seeds(self.seed, self.epoch))
         # None from order(): the default (Task.train_order's), which leaves g untouched
         given = self.order(self.epoch, g) if self.order is not None else None
         if given is not None:
@@ -87,5 +87,5 @@ class SeededDataset(Dataset):
         # is initialised (each queues a lazy call that captures a stack trace) -- a sixth of the real
         # profile's data time -- and would leave a CUDA generator reseeded by the last sample.
         with torch.random.fork_rng(devices=[]):
-            torch.default_generator.manual_seed(_mix(self.seed, self.epoch, i))
+            torch.default_generator.manual_seed(mix_seeds(self.seed, self.epoch, i))
             return self.base[i]

@@ -29,12 +29,12 @@ import torch.nn as nn
 from torch.utils.data import DataLoader
 
 from mpt import precision
-from mpt.data import EpochSampler, SeededDataset, _mix
+from mpt.data import EpochSampler, SeededDataset, mix_seeds
 from mpt.errors import UserError
 from mpt.ranks import distributed_env, loader_workers, pick_device, rank_seed, rng_state, set_rng_state
 from mpt.record import RankZeroRefused, RunRecord
 from mpt.rundir import env_info
-from mpt.signals import STOP, _worker_init
+from mpt.signals import STOP, worker_init
 from mpt.step import EvalContext, TrainStep
 from mpt.task import Task
 
@@ -60,7 +60,7 @@ def loader_options(task: Task, num_workers: int, pin_memory: bool) -> dict:
     # (EpochSampler(with_epoch=True)), never through state set after they started.
     return dict(num_workers=num_workers, pin_memory=pin_memory,
                 generator=torch.Generator().manual_seed(task.cfg.seed), collate_fn=task.collate,
-                worker_init_fn=_worker_init if num_workers > 0 else None, persistent_workers=num_workers > 0)
+                worker_init_fn=worker_init if num_workers > 0 else None, persistent_workers=num_workers > 0)
 
 
 def train_loader_of(task: Task, train_ds, micro: int, options: dict, *, rank: int = 0, world: int = 1,
@@ -368,7 +368,7 @@ class Run:
                       f"has {self.world}: the continuation is not the uninterrupted run's (other data split, new "
                       "random streams)", file=sys.stderr)
             mine = {"rng": None, "task": ranks[0].get("task"), "window": None}
-            torch.manual_seed(_mix(rank_seed(self.cfg.seed, self.rank), sd["step"]))
+            torch.manual_seed(mix_seeds(rank_seed(self.cfg.seed, self.rank), sd["step"]))
         if mine.get("task") is not None:
             self.task.load_state_dict(mine["task"])
         if mine.get("rng") is not None:

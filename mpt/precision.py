@@ -295,7 +295,7 @@ def _both(outer, inner):
         yield
 
 
-def _cast_floats(obj, dtype, keep_dicts: bool = False):
+def cast_floats(obj, dtype, keep_dicts: bool = False):
     """Floating tensors in obj cast to dtype. keep_dicts: mappings (a detector's targets) are left as
     they are -- the model-input cast under BF16, whose 8-bit mantissa would move a 300-px box corner
     by up to a pixel (and torchvision's detectors refuse BF16 boxes; they accept FP16 ones)."""
@@ -304,11 +304,11 @@ def _cast_floats(obj, dtype, keep_dicts: bool = False):
     if isinstance(obj, torch.Tensor):
         return obj.to(dtype) if obj.is_floating_point() and obj.dtype != dtype else obj
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(_cast_floats(o, dtype, keep_dicts) for o in obj))
+        return type(obj)(*(cast_floats(o, dtype, keep_dicts) for o in obj))
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_cast_floats(o, dtype, keep_dicts) for o in obj)
+        return type(obj)(cast_floats(o, dtype, keep_dicts) for o in obj)
     if isinstance(obj, dict):
-        return {k: _cast_floats(v, dtype) for k, v in obj.items()}
+        return {k: cast_floats(v, dtype) for k, v in obj.items()}
     return obj
 
 
@@ -327,19 +327,19 @@ def convert_model(model: nn.Module, dtype: torch.dtype) -> list:
         elif getattr(m, "keep_fp32", False):
             m.float()
             handles.append(m.register_forward_pre_hook(
-                lambda mod, args, kwargs: (_cast_floats(args, torch.float32), _cast_floats(kwargs, torch.float32)),
+                lambda mod, args, kwargs: (cast_floats(args, torch.float32), cast_floats(kwargs, torch.float32)),
                 with_kwargs=True))
         elif isinstance(m, _FP32_COMPUTE) or getattr(m, "fp32_compute", False):
-            handles.append(m.register_forward_pre_hook(lambda mod, args: _cast_floats(args, torch.float32)))
-            handles.append(m.register_forward_hook(lambda mod, args, out: _cast_floats(out, dtype)))
+            handles.append(m.register_forward_pre_hook(lambda mod, args: cast_floats(args, torch.float32)))
+            handles.append(m.register_forward_hook(lambda mod, args, out: cast_floats(out, dtype)))
     # Several named models (a GAN's generator and discriminator) are called one by one, never
     # through their container: each gets the FP16-in / FP32-out boundary.
     keep = dtype == torch.bfloat16
     for m in (model.values() if isinstance(model, nn.ModuleDict) else [model]):
         handles.append(m.register_forward_pre_hook(
-            lambda mod, args, kwargs: (_cast_floats(args, dtype, keep), _cast_floats(kwargs, dtype, keep)),
+            lambda mod, args, kwargs: (cast_floats(args, dtype, keep), cast_floats(kwargs, dtype, keep)),
             with_kwargs=True))
-        handles.append(m.register_forward_hook(lambda mod, args, out: _cast_floats(out, torch.float32)))
+        handles.append(m.register_forward_hook(lambda mod, args, out: cast_floats(out, torch.float32)))
     return handles
 
 

@@ -6,13 +6,13 @@ import os
 
 import torch
 
-from mpt.data import _mix
+from mpt.data import mix_seeds
 from mpt.errors import UserError
 
 
 def rank_seed(seed: int, rank: int) -> int:
     """The seed of rank `rank`'s random stream after model initialisation (rank 0 keeps `seed`)."""
-    return seed if rank == 0 else _mix(seed, rank, 0x52414E4B)
+    return seed if rank == 0 else mix_seeds(seed, rank, 0x52414E4B)
 
 
 def rng_state(device: torch.device) -> dict:

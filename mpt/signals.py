@@ -64,7 +64,7 @@ def install_stop_handlers(signals=STOP_SIGNALS) -> None:
         signal.signal(s, handler)
 
 
-def _worker_init(worker_id: int) -> None:
+def worker_init(worker_id: int) -> None:
     """DataLoader workers get the stop signals meant for the main process: Ctrl-C and a closed
     terminal's SIGHUP reach the whole process group, and SLURM signals every process of a job step
     (USR2 before the time limit, SIGTERM at preemption, requeue and scancel). A worker killed by one

@@ -19,7 +19,7 @@ from mpt import formats, precisions
 from mpt.plots import FP16_MAX, draw_hist, render
 from paper_tables import specs
 from paper_tables.results import Problem, RunResult
-from paper_tables.tables import _variant_key
+from paper_tables.tables import variant_key
 
 MAX_POINTS = 4000  # per curve: keeps the SVGs small; the shape of a training curve survives
 # mpt.numerics' keys first (its "weight"/"act" histograms are of the gradients), then spellings
@@ -142,7 +142,7 @@ def _curves(spec, runs, profile, problems, notes):
     expect = spec.param("expect") or tuple((p, None) for p in spec.precisions)
     for ax, key in zip(axes, keys):
         rs = groups[key]
-        variants = sorted({r.variant for r in rs}, key=_variant_key)
+        variants = sorted({r.variant for r in rs}, key=variant_key)
         for i, v in enumerate(variants):
             color = _color(v[0]) if sum(w[0] == v[0] for w in variants) == 1 else f"C{i}"
             vr = [r for r in rs if r.variant == v]
@@ -347,7 +347,7 @@ def _hist(spec, runs, profile, problems, notes):
 
     def score(key):  # the paper measured FP32 training of its model (sections 3.1, 3.2)
         return (key[2][0] in spec.precisions, _rank(key[0], spec.experiments), _rank(key[1], spec.models),
-                -_variant_key(key[2])[0], str(key))
+                -variant_key(key[2])[0], str(key))
 
     key = max(groups, key=score)
     hist, snaps, steps, zeros, _, _ = _gather_hist(groups[key], role, problems)
@@ -478,7 +478,7 @@ def _loss_scale(spec, runs, profile, problems, notes):
     fig = Figure(figsize=(6.4 * cols, 3.8 * math.ceil(len(exps) / cols)), layout="constrained")
     axes = fig.subplots(math.ceil(len(exps) / cols), cols, squeeze=False).ravel()
     for ax, exp in zip(axes, exps):
-        rs = sorted(by_exp[exp], key=lambda r: (r.model, _variant_key(r.variant), str(r.seed)))
+        rs = sorted(by_exp[exp], key=lambda r: (r.model, variant_key(r.variant), str(r.seed)))
         for r in rs:
             lines = r.lines(problems)
             x, y = _thin(_float_array(lines.train_step), _float_array(lines.train_scale))

@@ -191,7 +191,7 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _variant_key(v):
+def variant_key(v):
     prec, impl, scale, tf32 = v
     rank = specs.PRECISION_ORDER.index(prec) if prec in specs.PRECISION_ORDER else len(specs.PRECISION_ORDER)
     s = (0, float(scale), "") if _is_number(scale) else (1, 0.0, str(scale))
@@ -270,7 +270,7 @@ def build_table(spec: specs.TableSpec, runs: list[RunResult], profile: str,
 
     # Columns from every profile's runs of this experiment, so the paper-profile table and the tiny
     # one have the same columns (a variant with no run in this profile shows as missing).
-    variants = sorted({r.variant for r in runs if r.experiment == spec.experiment}, key=_variant_key)
+    variants = sorted({r.variant for r in runs if r.experiment == spec.experiment}, key=variant_key)
     multi_impl = len({v[1] for v in variants}) > 1
     columns = []
     for pc in paper["columns"]:

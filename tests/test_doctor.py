@@ -292,12 +292,12 @@ def test_repository_models_at_tiny_scale(tmp_path):
     """README "This repository's models at CPU scale" (seed 0 of its three): the weight gradients split as the
     paper's results do -- the Table 1 CNN flushes under the 0.1% tolerance at S = 1, the bigLSTM and SSD more,
     SSD's concentrated in its classification head -- and every recommended recipe's replay is confirmed."""
-    from experiments.__main__ import _prepare
+    from experiments.__main__ import prepare_tiny
 
     reps = {}
     for name, data, extra in [("ilsvrc_cnns", "imagenet", []), ("lm_biglstm", "lm1b", []),
                               ("voc_detection", "voc", ["model=ssd300_vgg16"])]:
-        root = _prepare(data, tmp_path / f"tiny_{data}")
+        root = prepare_tiny(data, tmp_path / f"tiny_{data}")
         reps[name] = examine(load(f"experiment:{name}", [f"task.data_root={root}", *extra], "tiny"))
     weight = {n: r["backward"]["kinds"]["weight"] for n, r in reps.items()}
     flushed = {n: w["overall"]["flushed_s1"] for n, w in weight.items()}

@@ -1,4 +1,4 @@
-"""DataLoader workers and stop signals (mpt.signals._worker_init).
+"""DataLoader workers and stop signals (mpt.signals.worker_init).
 
 SLURM signals every process of a job step, the DataLoader workers too (USR2 before the time limit,
 SIGTERM at preemption / requeue / scancel; tests/test_slurm_cluster.py has the real thing). A worker
@@ -19,14 +19,14 @@ REPO = Path(__file__).resolve().parents[1]
 LOADER = """
 import os, subprocess, sys, time, torch
 from torch.utils.data import DataLoader, Dataset
-from mpt.signals import _worker_init
+from mpt.signals import worker_init
 
 class Slow(Dataset):
     def __len__(self): return 100000
     def __getitem__(self, i): time.sleep(0.005); return torch.tensor([i])
 
-it = iter(DataLoader(Slow(), batch_size=2, num_workers=2, worker_init_fn=_worker_init))
-# Two batches: one from each worker (they take turns), so both have run _worker_init. After one,
+it = iter(DataLoader(Slow(), batch_size=2, num_workers=2, worker_init_fn=worker_init))
+# Two batches: one from each worker (they take turns), so both have run worker_init. After one,
 # the second worker may still be starting on a loaded machine, and a signal then meets torch's handlers.
 next(it), next(it)
 print(*(w.pid for w in it._workers), flush=True)

@@ -48,10 +48,10 @@ def _loop(patient, batches):
 
 
 def measure(name: str, every: int, rounds: int, steps: int, data: pathlib.Path) -> dict:
-    from experiments.__main__ import _prepare
+    from experiments.__main__ import prepare_tiny
 
     ds, extra = MODELS[name]
-    root = _prepare(ds, data / f"tiny_{ds}")
+    root = prepare_tiny(ds, data / f"tiny_{ds}")
     patient = load(f"experiment:{name}", [f"task.data_root={root}", *extra], "tiny", steps=max(steps, 20))
     torch.manual_seed(0)
     # One model, optimizer and batch cycle for all three: blocks differ only in whether a watch is on (the

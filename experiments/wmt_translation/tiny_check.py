@@ -47,7 +47,7 @@ def _at(r, problems, step: int | None):
 
 def summarize(root, step: int | None = None) -> list[str]:
     from paper_tables import figures, results
-    from paper_tables.tables import _variant_key
+    from paper_tables.tables import variant_key
 
     runs, problems = results.collect_dir(root)
     rows = collections.defaultdict(list)
@@ -57,7 +57,7 @@ def summarize(root, step: int | None = None) -> list[str]:
     out = [f"## {root} ({where})",
            "| data | model | variant | n | seeds | train ppl | val ppl | test BLEU | skipped | wall s |",
            "|---|---|---|---|---|---|---|---|---|---|"]
-    for key in sorted(rows, key=lambda k: (k[0], k[1], _variant_key(k[2]))):
+    for key in sorted(rows, key=lambda k: (k[0], k[1], variant_key(k[2]))):
         rs = sorted(rows[key], key=lambda r: str(r.seed))
         got = [(r, *_at(r, problems, step)) for r in rs]
         ok = [g for g in got if g[1] is not None]

@@ -13,7 +13,7 @@ from mpt.config import Config
 from mpt.doctor.targets import STEPS, Patient, call_loss
 from mpt.errors import UserError
 from mpt.memory import ActivationMeter
-from mpt.precision import _cast_floats
+from mpt.precision import cast_floats
 from mpt.numerics import FirstOverflow, Numerics, NumericsObserver, ValueRanges, tensors_in
 from mpt.precisions import FORMATS
 from mpt.ranks import to_device
@@ -134,7 +134,7 @@ def keep_modules_wide(model: torch.nn.Module, names, wide: str, device, precisio
 
         def enter(mod, args, kwargs, ctx=ctx):
             ctx.__enter__()
-            return _cast_floats(args, dtype), _cast_floats(kwargs, dtype)
+            return cast_floats(args, dtype), cast_floats(kwargs, dtype)
 
         def leave(mod, args, out, ctx=ctx):
             ctx.__exit__(None, None, None)  # (a forward hook's return value would replace the output)
