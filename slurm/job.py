@@ -106,27 +106,91 @@ def _requeue(job_id: str) -> str | None:
     return None
 
 
+def _job_identity(on_slurm: bool) -> tuple[str, int, str | None]:
+    """(job id, restarts so far, log file) of this attempt."""
+    if not on_slurm:
+        return f"local:{socket.gethostname()}:{os.getpid()}", 0, os.environ.get("MPT_JOB_LOG")
+    job_id = _slurm_ranks()
+    restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+    log = None
+    try:
+        from submitit import JobEnvironment
+
+        log = str(JobEnvironment().paths.stdout).replace("%j", job_id)
+    except Exception:  # noqa: BLE001 -- only a hint for slurm.status
+        pass
+    return job_id, restarts, log
+
+
+class _Attempt:
+    """This attempt's record in job.json (rank 0 keeps it; other ranks record nothing)."""
+
+    def __init__(self, run_dir: pathlib.Path, rank: int, sigs, backend: str, job_id: str, log):
+        self.run_dir, self.rank, self.sigs = run_dir, rank, sigs
+        self.backend, self.job_id, self.log = backend, job_id, log
+        self.rec: dict | None = None
+        self.before: dict | None = None  # the record as this attempt found it
+        self.ended: list = []  # the attempt's outcome as recorded when the summary said it
+
+    def failed_to_resolve(self, e: Exception) -> None:
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            _write_job_file(self.run_dir, {"backend": self.backend, "job_id": self.job_id, "state": "failed",
+                                           "log": self.log, "error": _one_line(e), "attempts": []})
+
+    def begin(self, cfg, world: int, restarts: int) -> None:
+        from mpt import config
+
+        if self.rank != 0:
+            return
+        per = cfg.train.batch_size / world
+        print(f"[slurm.job] {config.run_name(cfg)} job {self.job_id} attempt {restarts + 1}: {world} rank(s), "
+              f"global batch {cfg.train.batch_size} = {world} x {per:g} per rank", file=sys.stderr, flush=True)
+        self.before = read_job_file(self.run_dir)
+        rec = copy.deepcopy(self.before) if self.before else {"cell_id": config.cell_id(cfg)}
+        rec.setdefault("attempts", [])
+        rec.update(backend=self.backend, job_id=self.job_id, state="running", world_size=world, log=self.log,
+                   error=None)
+        rec["attempts"].append({"job_id": self.job_id, "restart": restarts, "host": socket.gethostname(),
+                                "pid": os.getpid(), "start": now(), "end": None, "outcome": "running"})
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        _write_job_file(self.run_dir, rec)
+        self.rec = rec
+
+    def finish(self, state: str, error: str | None = None, step=None) -> None:
+        if self.rec is None:
+            return
+        self.rec.update(state=state, error=error)
+        self.rec["attempts"][-1].update(end=now(), outcome=state, step=step, signals=self.sigs.received or None)
+        _write_job_file(self.run_dir, self.rec)
+
+    def on_result(self, summary: dict) -> None:
+        # The attempt's record follows the summary at once, not after the run's teardown (wandb's finish,
+        # the loader workers: seconds): a kill then left the attempt "running" for good beside a
+        # "completed" summary. An interrupted attempt may still become "requeued" (run_cell).
+        self.ended.append(summary.get("status"))
+        self.finish(summary.get("status"), summary.get("error"), summary.get("step"))
+
+    def busy(self) -> None:
+        """Another copy of this cell is running (e.g. after submit --force): its record stays."""
+        if self.rank == 0:
+            if self.before is not None:
+                _write_job_file(self.run_dir, self.before)
+            else:
+                (self.run_dir / JOB_FILE).unlink(missing_ok=True)
+
+
 def run_cell(experiment: str, overrides: list[str], run_dir: str, backend: str, max_requeues: int = 100) -> dict:
     """Run (or resume) one cell in this process; the same code for every rank."""
     run_dir = pathlib.Path(run_dir)
     on_slurm = backend == "slurm"
-    if on_slurm:
-        job_id = _slurm_ranks()
-        restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
-        log = None
-        try:
-            from submitit import JobEnvironment
-
-            log = str(JobEnvironment().paths.stdout).replace("%j", job_id)
-        except Exception:  # noqa: BLE001 -- only a hint for slurm.status
-            pass
-    else:
-        job_id, restarts, log = f"local:{socket.gethostname()}:{os.getpid()}", 0, os.environ.get("MPT_JOB_LOG")
+    job_id, restarts, log = _job_identity(on_slurm)
     cpus = os.environ.get("SLURM_CPUS_PER_TASK")
     if cpus:  # before torch is imported: intra-op threads = the cores SLURM gave this task
         os.environ.setdefault("OMP_NUM_THREADS", cpus)
 
-    from mpt import config
+    from mpt import cli, config
+    from mpt.rundir import RunDirBusy
     from mpt.signals import STOP
 
     rank = int(os.environ.get("RANK", "0"))
@@ -136,85 +200,44 @@ def run_cell(experiment: str, overrides: list[str], run_dir: str, backend: str, 
         sigs = _Signals(STOP, (signal.SIGUSR2,), (signal.SIGTERM, *HANGUP))
     else:
         sigs = _Signals(STOP, (), (signal.SIGTERM, signal.SIGINT, *HANGUP))
-
+    attempt = _Attempt(run_dir, rank, sigs, backend, job_id, log)
     try:
         cfg = config.resolve(experiment, overrides)
         if config.run_dir(cfg).resolve() != run_dir.resolve():
             raise RuntimeError(f"cell resolves to {config.run_dir(cfg)} but was submitted as {run_dir}: the "
                                "experiment's config changed since submission; resubmit the grid")
     except Exception as e:
-        if rank == 0:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            _write_job_file(run_dir, {"backend": backend, "job_id": job_id, "state": "failed", "log": log,
-                                      "error": _one_line(e), "attempts": []})
+        attempt.failed_to_resolve(e)
         raise
-    rec = None
-    if rank == 0:
-        per = cfg.train.batch_size / world
-        print(f"[slurm.job] {config.run_name(cfg)} job {job_id} attempt {restarts + 1}: {world} rank(s), "
-              f"global batch {cfg.train.batch_size} = {world} x {per:g} per rank", file=sys.stderr, flush=True)
-        before = read_job_file(run_dir)
-        rec = copy.deepcopy(before) if before else {"cell_id": config.cell_id(cfg)}
-        rec.setdefault("attempts", [])
-        rec.update(backend=backend, job_id=job_id, state="running", world_size=world, log=log, error=None)
-        rec["attempts"].append({"job_id": job_id, "restart": restarts, "host": socket.gethostname(),
-                                "pid": os.getpid(), "start": now(), "end": None, "outcome": "running"})
-        run_dir.mkdir(parents=True, exist_ok=True)
-        _write_job_file(run_dir, rec)
-
-    def finish(state: str, error: str | None = None, step=None) -> None:
-        if rec is None:
-            return
-        rec.update(state=state, error=error)
-        rec["attempts"][-1].update(end=now(), outcome=state, step=step, signals=sigs.received or None)
-        _write_job_file(run_dir, rec)
-
-    ended = []  # the attempt's outcome as recorded when the summary said it
-
-    def on_result(summary: dict) -> None:
-        # The attempt's record follows the summary at once, not after the run's teardown (wandb's finish,
-        # the loader workers: seconds): a kill then left the attempt "running" for good beside a
-        # "completed" summary. An interrupted attempt may still become "requeued" below.
-        ended.append(summary.get("status"))
-        finish(summary.get("status"), summary.get("error"), summary.get("step"))
-
-    from mpt import cli
-    from mpt.rundir import RunDirBusy
-
+    attempt.begin(cfg, world, restarts)
     try:
-        summary = cli.main(experiment, list(overrides), on_result)
+        summary = cli.main(experiment, list(overrides), attempt.on_result)
     except RunDirBusy:
-        # Another copy of this cell is running (e.g. after submit --force): its record stays.
-        if rank == 0:
-            if before is not None:
-                _write_job_file(run_dir, before)
-            else:
-                (run_dir / JOB_FILE).unlink(missing_ok=True)
+        attempt.busy()
         raise
     except Exception as e:
-        finish("failed", _one_line(e))
+        attempt.finish("failed", _one_line(e))
         raise
-    status = summary.get("status")
+    status, step = summary.get("status"), summary.get("step")
     if status != "interrupted":
-        if ended != [status]:  # a result kept from an earlier attempt: the run did not finish in this one
-            finish(status, summary.get("error"), summary.get("step"))
+        if attempt.ended != [status]:  # a result kept from an earlier attempt: the run did not finish in this one
+            attempt.finish(status, summary.get("error"), step)
         return summary
     if sigs.requeue and on_slurm and rank == 0:
         if restarts >= max_requeues:
-            finish("interrupted", f"not requeued: {restarts} restarts >= max_requeues {max_requeues}", summary.get("step"))
+            attempt.finish("interrupted", f"not requeued: {restarts} restarts >= max_requeues {max_requeues}", step)
             return summary
         err = _requeue(os.environ["SLURM_JOB_ID"])
         if err is None:
-            finish("requeued", None, summary.get("step"))
-            print(f"[slurm.job] checkpointed at step {summary.get('step')} and requeued job {job_id}",
-                  file=sys.stderr, flush=True)
+            attempt.finish("requeued", None, step)
+            print(f"[slurm.job] checkpointed at step {step} and requeued job {job_id}", file=sys.stderr, flush=True)
             # Like submitit after a requeue: leave without a result file; SLURM restarts the job.
             raise SystemExit(-1)
         print(f"[slurm.job] {err}", file=sys.stderr, flush=True)
-        finish("interrupted", err, summary.get("step"))
+        attempt.finish("interrupted", err, step)
         return summary
-    if ended != [status]:
-        finish("interrupted", summary.get("error"), summary.get("step"))
+    if attempt.ended != [status]:
+        attempt.finish("interrupted", summary.get("error"), step)
     return summary
 
 

@@ -351,22 +351,7 @@ def run_local(tasks: list[LocalTask], cap: int, started=None, say=print) -> dict
     the cells' weights)."""
     if cap < 1:
         raise UserError(f"--jobs {cap}: run at least one cell at a time")
-    pending = list(tasks)
-    t0, began, total, done_weight = time.monotonic(), {}, sum(t.weight for t in tasks), 0.0
-    running: dict[str, tuple[list[subprocess.Popen | _Forked], list[int]]] = {}
-    results: dict[str, int] = {}
-    free_gpus: list[int] = []
-    if any(t.gpus for t in tasks):
-        import torch
-
-        free_gpus = list(range(torch.cuda.device_count()))
-        if max(t.gpus for t in tasks) > len(free_gpus):
-            raise UserError(f"a run needs {max(t.gpus for t in tasks)} GPU(s); this machine has {len(free_gpus)}")
-    preload = list(dict.fromkeys(m for t in tasks for m in t.preload))
-    fork = bool(preload) and FORKSERVER
-    if fork:  # what the forkserver imports when it starts (the first fork); a running one keeps its own
-        multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
-    exits = pathlib.Path(tempfile.mkdtemp(prefix="mpt-cells-")) if fork else None  # the forked cells' exit codes
+    pool = _LocalPool(tasks, started, say)
     signals: list[int] = []
     old = {}
     if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
@@ -375,94 +360,138 @@ def run_local(tasks: list[LocalTask], cap: int, started=None, say=print) -> dict
             detach_from_closed_terminal(signum)
 
         old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM, *HANGUP)}
-    forwarded = 0  # stop signals sent on to the running cells so far
-    stopping: dict[str, float] = {}  # cells past their timeout -> when they were sent SIGTERM
-    killed: set[str] = set()
     try:
-        while pending or running:
-            while pending and len(running) < cap and not signals and pending[0].gpus <= len(free_gpus):
-                t = pending.pop(0)
-                gpus = [free_gpus.pop(0) for _ in range(t.gpus)]
-                port = str(_free_port())
-                envs = []
-                for r in range(t.world):
-                    env = {**os.environ, **t.env, "RANK": str(r), "WORLD_SIZE": str(t.world),
-                           "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-                    if t.log:
-                        env["MPT_JOB_LOG"] = str(t.log)
-                    if t.gpus:
-                        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
-                    envs.append(env)
-                # Opened here for either start (a log that cannot be appended to is a one-line error); a
-                # forked cell opens it again itself.
-                logf = (os.fdopen(open_no_follow(t.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab") if t.log
-                        else subprocess.DEVNULL)
-                procs = []
-                if fork and t.preload and not t.gpus and t.argv[1:2] == ["-m"]:
-                    try:
-                        for r, env in enumerate(envs):
-                            procs.append(_Forked(t, env, exits / f"{len(began)}-{r}"))
-                    except (EOFError, OSError) as e:  # the server died, e.g. a preloaded module failed at import
-                        for p in procs:
-                            p.send_signal(signal.SIGKILL)
-                        procs, fork = [], False
-                        say(f"the preloaded start failed ({type(e).__name__}: {e}); the cells start as fresh processes")
-                if not procs:
-                    # Own session: a Ctrl-C reaches the cells only as the SIGTERM forwarded below.
-                    procs = [subprocess.Popen(t.argv, env=env, cwd=REPO, stdout=logf, stderr=subprocess.STDOUT,
-                                              start_new_session=True) for env in envs]
-                if t.log:
-                    logf.close()
-                running[t.name] = (procs, gpus)
-                began[t.name] = (time.monotonic(), t)
-                if started is not None:
-                    started(t, procs[0].pid)
-            if len(signals) > forwarded:  # every stop signal, not only the first, reaches every running cell
-                if not forwarded:
-                    say(f"stopping {len(running)} running cell(s) at their next step boundary (checkpoint) ...")
-                for procs, _ in running.values():
-                    for p in procs:
-                        p.send_signal(signal.SIGTERM)
-                forwarded = len(signals)
-            for name in list(running):
-                start, t = began[name]
-                if t.timeout is not None and name not in stopping and time.monotonic() - start > t.timeout:
-                    say(f"  {name}: past --cell-timeout {t.timeout:g} s: stopping it at its next step boundary "
-                        "(checkpoint)")
-                    stopping[name] = time.monotonic()
-                    for p in running[name][0]:
-                        p.send_signal(signal.SIGTERM)
-                elif (name in stopping and name not in killed and time.monotonic() - stopping[name] > KILL_AFTER_S
-                      and any(p.poll() is None for p in running[name][0])):
-                    say(f"  {name}: still running {KILL_AFTER_S:g} s after its timeout's SIGTERM: killed")
-                    killed.add(name)
-                    for p in running[name][0]:
-                        p.send_signal(signal.SIGKILL)
-            for name in list(running):
-                procs, gpus = running[name]
-                if all(p.poll() is not None for p in procs):
-                    results[name] = max((p.returncode for p in procs), key=abs)
-                    free_gpus.extend(gpus)
-                    del running[name]
-                    start, t = began[name]
-                    now_, done_weight = time.monotonic(), done_weight + t.weight
-                    elapsed = now_ - t0
-                    left = elapsed * (total - done_weight) / done_weight if done_weight > 0 else 0.0
-                    why = f", stopped at its --cell-timeout {t.timeout:g} s" if name in stopping else ""
-                    say(f"  [{len(results)}/{len(tasks)}] {name}: {_result(t, results[name])}{why} ({_minutes(now_ - start)}; "
-                        f"{_minutes(elapsed)} elapsed" + (f", ~{_minutes(left)} left)" if len(results) < len(tasks) else ")"))
-            if signals and not running:
+        while pool.pending or pool.running:
+            while (pool.pending and len(pool.running) < cap and not signals
+                   and pool.pending[0].gpus <= len(pool.free_gpus)):
+                pool.start(pool.pending.pop(0))
+            pool.forward(signals)
+            pool.enforce_timeouts()
+            pool.reap()
+            if signals and not pool.running:
                 break
             time.sleep(0.2)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-        if exits is not None:
-            shutil.rmtree(exits, ignore_errors=True)
+        if pool.exits is not None:
+            shutil.rmtree(pool.exits, ignore_errors=True)
     if signals:
-        raise UserError(f"stopped by signal: {len(results)} cell(s) ended, {len(pending)} not started; "
+        raise UserError(f"stopped by signal: {len(pool.results)} cell(s) ended, {len(pool.pending)} not started; "
                         "submit again to resume")
-    return results
+    return pool.results
+
+
+class _LocalPool:
+    """run_local's cells: those not started, those running (their processes and GPUs), their results."""
+
+    def __init__(self, tasks: list[LocalTask], started, say):
+        self.tasks, self.started, self.say = tasks, started, say
+        self.pending = list(tasks)
+        self.t0, self.began, self.total, self.done_weight = time.monotonic(), {}, sum(t.weight for t in tasks), 0.0
+        self.running: dict[str, tuple[list[subprocess.Popen | _Forked], list[int]]] = {}
+        self.results: dict[str, int] = {}
+        self.free_gpus: list[int] = []
+        if any(t.gpus for t in tasks):
+            import torch
+
+            self.free_gpus = list(range(torch.cuda.device_count()))
+            if max(t.gpus for t in tasks) > len(self.free_gpus):
+                raise UserError(f"a run needs {max(t.gpus for t in tasks)} GPU(s); this machine has "
+                                f"{len(self.free_gpus)}")
+        preload = list(dict.fromkeys(m for t in tasks for m in t.preload))
+        self.fork = bool(preload) and FORKSERVER
+        if self.fork:  # what the forkserver imports when it starts (the first fork); a running one keeps its own
+            multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
+        # the forked cells' exit codes
+        self.exits = pathlib.Path(tempfile.mkdtemp(prefix="mpt-cells-")) if self.fork else None
+        self.forwarded = 0  # stop signals sent on to the running cells so far
+        self.stopping: dict[str, float] = {}  # cells past their timeout -> when they were sent SIGTERM
+        self.killed: set[str] = set()
+
+    def start(self, t: LocalTask) -> None:
+        """Start a cell's ranks: forked from the preloaded server where it can, else fresh processes."""
+        gpus = [self.free_gpus.pop(0) for _ in range(t.gpus)]
+        port = str(_free_port())
+        envs = []
+        for r in range(t.world):
+            env = {**os.environ, **t.env, "RANK": str(r), "WORLD_SIZE": str(t.world),
+                   "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+            if t.log:
+                env["MPT_JOB_LOG"] = str(t.log)
+            if t.gpus:
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+            envs.append(env)
+        # Opened here for either start (a log that cannot be appended to is a one-line error); a
+        # forked cell opens it again itself.
+        logf = (os.fdopen(open_no_follow(t.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab") if t.log
+                else subprocess.DEVNULL)
+        procs = []
+        if self.fork and t.preload and not t.gpus and t.argv[1:2] == ["-m"]:
+            try:
+                for r, env in enumerate(envs):
+                    procs.append(_Forked(t, env, self.exits / f"{len(self.began)}-{r}"))
+            except (EOFError, OSError) as e:  # the server died, e.g. a preloaded module failed at import
+                for p in procs:
+                    p.send_signal(signal.SIGKILL)
+                procs, self.fork = [], False
+                self.say(f"the preloaded start failed ({type(e).__name__}: {e}); the cells start as fresh processes")
+        if not procs:
+            # Own session: a Ctrl-C reaches the cells only as the SIGTERM forwarded below.
+            procs = [subprocess.Popen(t.argv, env=env, cwd=REPO, stdout=logf, stderr=subprocess.STDOUT,
+                                      start_new_session=True) for env in envs]
+        if t.log:
+            logf.close()
+        self.running[t.name] = (procs, gpus)
+        self.began[t.name] = (time.monotonic(), t)
+        if self.started is not None:
+            self.started(t, procs[0].pid)
+
+    def forward(self, signals: list[int]) -> None:
+        """Every stop signal, not only the first, reaches every running cell (as SIGTERM)."""
+        if len(signals) > self.forwarded:
+            if not self.forwarded:
+                self.say(f"stopping {len(self.running)} running cell(s) at their next step boundary (checkpoint) ...")
+            for procs, _ in self.running.values():
+                for p in procs:
+                    p.send_signal(signal.SIGTERM)
+            self.forwarded = len(signals)
+
+    def enforce_timeouts(self) -> None:
+        """A cell past its timeout: SIGTERM (a checkpoint at its next step), SIGKILL KILL_AFTER_S later."""
+        for name in list(self.running):
+            start, t = self.began[name]
+            procs = self.running[name][0]
+            if t.timeout is not None and name not in self.stopping and time.monotonic() - start > t.timeout:
+                self.say(f"  {name}: past --cell-timeout {t.timeout:g} s: stopping it at its next step boundary "
+                         "(checkpoint)")
+                self.stopping[name] = time.monotonic()
+                for p in procs:
+                    p.send_signal(signal.SIGTERM)
+            elif (name in self.stopping and name not in self.killed
+                  and time.monotonic() - self.stopping[name] > KILL_AFTER_S and any(p.poll() is None for p in procs)):
+                self.say(f"  {name}: still running {KILL_AFTER_S:g} s after its timeout's SIGTERM: killed")
+                self.killed.add(name)
+                for p in procs:
+                    p.send_signal(signal.SIGKILL)
+
+    def reap(self) -> None:
+        """Cells whose ranks all ended: their result (the worst exit code), their GPUs back, one line each."""
+        for name in list(self.running):
+            procs, gpus = self.running[name]
+            if not all(p.poll() is not None for p in procs):
+                continue
+            self.results[name] = max((p.returncode for p in procs), key=abs)
+            self.free_gpus.extend(gpus)
+            del self.running[name]
+            start, t = self.began[name]
+            now_, self.done_weight = time.monotonic(), self.done_weight + t.weight
+            elapsed = now_ - self.t0
+            left = elapsed * (self.total - self.done_weight) / self.done_weight if self.done_weight > 0 else 0.0
+            why = f", stopped at its --cell-timeout {t.timeout:g} s" if name in self.stopping else ""
+            self.say(f"  [{len(self.results)}/{len(self.tasks)}] {name}: {_result(t, self.results[name])}{why} "
+                     f"({_minutes(now_ - start)}; {_minutes(elapsed)} elapsed"
+                     + (f", ~{_minutes(left)} left)" if len(self.results) < len(self.tasks) else ")"))
 
 
 # ------------------------------------------------------------------------------------------------
