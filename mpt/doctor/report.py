@@ -41,8 +41,21 @@ def _memory_line(runs: dict) -> tuple[str, dict]:
 
 def text_report(rep: dict, max_layers: int = 4) -> list[str]:
     """The one-screen report, as lines (the Markdown file adds tables)."""
-    fw, bw, up, v = rep["forward"], rep["backward"], rep["update"], rep["verdict"]
-    runs = rep["runs"]
+    out = _head_lines(rep) + _forward_lines(rep, max_layers) + _backward_lines(rep) + _update_lines(rep)
+    if rep.get("whatif"):
+        out.append("What-if per format (the first batch's FP32 values rounded to each; fp16 gradients at the best S)")
+        out += table(rep["whatif"])
+    if rep.get("keep_wide"):
+        out += keep_wide_lines(rep["keep_wide"])
+    if rep.get("narrowest"):
+        out += narrowest_lines(rep["narrowest"])
+    mem, _ = _memory_line(rep["runs"])
+    out.append(f"Memory (activations saved for backward, step 1): {mem}")
+    return out + _verdict_lines(rep)
+
+
+def _head_lines(rep: dict) -> list[str]:
+    v, runs = rep["verdict"], rep["runs"]
     out = [f"mpt.doctor {rep['patient']}: {rep['steps']} steps on {rep['device']} in FP32, replayed in FP16 at S = 1"]
     out += [f"  note: {n}" for n in rep["notes"]]
     f32, f16 = runs["fp32"], runs["fp16"]
@@ -52,7 +65,12 @@ def text_report(rep: dict, max_layers: int = 4) -> list[str]:
                + (f"(progress {pct(f16['progress'])} of fp32's)" if not v.get("unjudged") else "(progress: n/a)"))
     if v.get("unjudged"):
         out.append(f"  CANNOT JUDGE PROGRESS: {v['unjudged']}")
-    out.append("Forward pass (FP32 values against FP16's range)")
+    return out
+
+
+def _forward_lines(rep: dict, max_layers: int) -> list[str]:
+    fw = rep["forward"]
+    out = ["Forward pass (FP32 values against FP16's range)"]
     rows = sorted(fw["rows"], key=lambda r: -r["max_abs"])
     if rows:
         r = rows[0]
@@ -70,7 +88,12 @@ def text_report(rep: dict, max_layers: int = 4) -> list[str]:
     under = sorted((r for r in fw["rows"] if r["flushed"] > 0), key=lambda r: -r["flushed"])
     worst = f"at most {pct(under[0]['flushed'])} of a layer's non-zero outputs ({under[0]['label']})" if under else ""
     out.append("  activations flushed to zero in FP16: " + (worst or "none"))
-    out.append("Backward pass (gradients at S = 1; section 3.2)")
+    return out
+
+
+def _backward_lines(rep: dict) -> list[str]:
+    bw = rep["backward"]
+    out = ["Backward pass (gradients at S = 1; section 3.2)"]
     for kind, k in bw["kinds"].items():
         o = k["overall"]
         worst = ", ".join(f"{r['label']} {pct(r['flushed_s1'])}" for r in k["layers"][:3] if r["flushed_s1"] > 0)
@@ -91,24 +114,23 @@ def text_report(rep: dict, max_layers: int = 4) -> list[str]:
                   f"{pow2(bw['s_high'])})")
     out.append(f"  usable S: {usable}; first to overflow as S grows: "
                f"{fo['kind']}-gradient of {fo['label']} (max {fo['max_abs']:.3g}) at S = {pow2(fo['at_scale'])}")
-    out.append("Update (section 3.1: FP16 weights without the FP32 master copy)")
-    out.append(f"  an FP16 weight would lose {pct(up['frac_swamped_mean'])} of the updates "
-               f"(max {pct(up['frac_swamped_max'])} "
-               f"in a step); {pct(up['frac_update_underflow_mean'])} are below 2^-24 outright -> "
-               + ("keep the FP32 master copy (mixed / fp16, not fp16_pure)" if up["master_matters"]
-                  else "the master copy matters little at this learning rate"))
-    if rep.get("whatif"):
-        out.append("What-if per format (the first batch's FP32 values rounded to each; fp16 gradients at the best S)")
-        out += table(rep["whatif"])
-    if rep.get("keep_wide"):
-        out += keep_wide_lines(rep["keep_wide"])
-    if rep.get("narrowest"):
-        out += narrowest_lines(rep["narrowest"])
-    mem, _ = _memory_line(runs)
-    out.append(f"Memory (activations saved for backward, step 1): {mem}")
+    return out
+
+
+def _update_lines(rep: dict) -> list[str]:
+    up = rep["update"]
+    return ["Update (section 3.1: FP16 weights without the FP32 master copy)",
+            f"  an FP16 weight would lose {pct(up['frac_swamped_mean'])} of the updates "
+            f"(max {pct(up['frac_swamped_max'])} "
+            f"in a step); {pct(up['frac_update_underflow_mean'])} are below 2^-24 outright -> "
+            + ("keep the FP32 master copy (mixed / fp16, not fp16_pure)" if up["master_matters"]
+               else "the master copy matters little at this learning rate")]
+
+
+def _verdict_lines(rep: dict) -> list[str]:
+    v, runs = rep["verdict"], rep["runs"]
     cmd = f"precision={v['precision']}" + ("" if v["loss_scale"] == "auto" else f" loss_scale={v['loss_scale']}")
-    out.append(f"Verdict: {cmd}")
-    out.append(f"  because {v['why']}")
+    out = [f"Verdict: {cmd}", f"  because {v['why']}"]
     if v["checked"] is None:
         out.append("  not checked (--no-verify)")
     elif v["confirmed"] is None:
