@@ -296,101 +296,16 @@ def prepare(archive: Path, out: Path, vocab: Path | None = None, force: bool = F
     state = {"source": source.fingerprint, "min_count": min_count,
              "vocab": None if vocab is None else hashlib.sha256(Path(vocab).read_bytes()).hexdigest()
              if Path(vocab).is_file() else str(vocab)}
-    out.mkdir(parents=True, exist_ok=True)
-    part = out / PARTIAL
-    if force:
-        _reset(out, log)
-    elif (part / STATE).is_file():
-        if json.loads((part / STATE).read_text()) != state:
-            log(f"{part} holds work from another archive or vocabulary; starting over")
-            _reset(out, log)
-        else:
-            log(f"resuming the interrupted preparation in {out}")
-    elif any((out / n).exists() for n in ("train", "heldout", VOCAB)):
-        raise UserError(f"{out} already has train/, heldout/ or {VOCAB} that this tool did not finish (no {MARKER}); "
-                        f"choose an empty --out, or pass --force to replace them")
-    part.mkdir(exist_ok=True)
-    sweep_temp_files(out, log)  # temp files of a write killed half-way (kill -9)
-    atomic_write_json(part / STATE, state)
-
+    part = _open_partial(out, state, force, log)
     # Pass 1: the vocabulary.
     vocab_path = part / VOCAB
     if not vocab_path.is_file():
-        if vocab is not None:
-            words = read_vocab_file(Path(vocab))
-            log(f"vocabulary: {len(words):,} words from {vocab}")
-        else:
-            counts: collections.Counter = collections.Counter()
-            sentences = 0
-
-            def counted(split, name, result):
-                nonlocal sentences
-                counts.update(result[0])
-                sentences += result[1]
-                progress.add()
-
-            with worker_pool(workers) as pool, Progress("lm1b counting words", len(TRAIN), "shards") as progress:
-                _map(pool, workers, _count, source.shards(("train",)), counted)
-            log(f"counting words: {sentences:,} sentences in {len(TRAIN)} shards, {time.time() - start:.0f} s")
-            if not counts:
-                raise _redownload(f"the training shards of {source.path} hold no words (all empty)")
-            words = build_vocab(counts, sentences, min_count)
-            log(f"vocabulary: {len(words):,} words seen >= {min_count} times, with {BOS}, {EOS}, {UNK}")
-        write_vocab(vocab_path, words)
+        write_vocab(vocab_path, _vocabulary(source, vocab, workers, min_count, start, log))
     ids_list = load_vocab(vocab_path)
     special = {s: ids_list.index(s) for s in (BOS, EOS, UNK)}
-
     # Pass 2: the token ids, one file per shard, each written atomically (a re-run skips finished ones).
-    stats: dict[str, dict[str, dict]] = {"train": {}, "heldout": {}}
-    for split in stats:
-        (part / split).mkdir(exist_ok=True)
-        for f in (part / split).glob("*.bin.json"):
-            stats[split][f.name[: -len(".bin.json")]] = json.loads(f.read_text())
-
-    def encoded(split, name, result):
-        arr, info = result
-        atomic_write_bytes(part / split / f"{name}.bin", arr.tobytes())
-        atomic_write_json(part / split / f"{name}.bin.json", info)  # after the .bin: marks it complete
-        stats[split][name] = info
-        progress.add()
-
-    todo = ((s, n, d) for s, n, d in source.shards() if n not in stats[s])
-    left = sum(1 for split, (_, names) in SPLITS.items() for n in names if n not in stats[split])
-    if left > 0:
-        with worker_pool(workers, _init_worker, (str(vocab_path),)) as pool, \
-                Progress("lm1b encoding", left, "shards") as progress:
-            if pool is None:
-                _init_worker(str(vocab_path))
-            _map(pool, workers, _encode_worker, todo, encoded)
-        log(f"encoding: {left} shards, {time.time() - start:.0f} s")
-    else:
-        log("encoding: every shard already done")
-
-    # Checks, then the output appears: data first, the marker last. A shard kept from an interrupted
-    # run is read again: edited since, it would carry ids the vocabulary does not have.
-    for split, (folder, names) in SPLITS.items():
-        for n in names:
-            size = (part / split / f"{n}.bin").stat().st_size
-            if size != 4 * stats[split][n]["tokens"]:
-                raise UserError(f"{part / split / n}.bin has {size} bytes, expected {4 * stats[split][n]['tokens']}; "
-                                f"rerun with --force")
-            check_id_file(part / split / f"{n}.bin", "<u4", len(ids_list), "rerun with --force",
-                          stats[split][n]["sha256"])
-    totals = {f"{split}_{k}": sum(s[k] for s in stats[split].values())
-              for split in stats for k in ("sentences", "words", "tokens", "unk")}
-    # An empty release would train on nothing (0 tokens) or measure perplexity over nothing.
-    if totals["train_words"] == 0:
-        raise _redownload(f"the training shards of {source.path} hold no words (all empty)")
-    if stats["heldout"][TEST]["words"] == 0:
-        raise _redownload(f"the test shard {HELDOUT_DIR}/{TEST} of {source.path} holds no words")
-    warnings = []
-    standard = totals["train_sentences"] > _OFFICIAL_ABOVE
-    if standard:
-        if totals["train_sentences"] != OFFICIAL["train_sentences"]:
-            warnings.append(f"{totals['train_sentences']:,} training sentences, the official release has "
-                            f"{OFFICIAL['train_sentences']:,}")
-        if len(ids_list) != OFFICIAL["vocab_size"]:
-            warnings.append(f"vocabulary of {len(ids_list):,} words, the benchmark's has {OFFICIAL['vocab_size']:,}")
+    stats = _encode(source, part, vocab_path, workers, start, log)
+    totals, warnings, standard = _check(source, part, stats, ids_list)
     for w in warnings:
         log(f"warning: {w}")
     for name in (VOCAB, "train", "heldout"):
@@ -418,6 +333,112 @@ def prepare(archive: Path, out: Path, vocab: Path | None = None, force: bool = F
         f"{totals['train_tokens']:,} tokens; test ({TEST}) "
         f"{stats['heldout'][TEST]['tokens']:,} tokens; {time.time() - start:.0f} s")
     return info
+
+
+def _open_partial(out: Path, state: dict, force: bool, log) -> Path:
+    """The work folder of this preparation: started afresh, or an interrupted one of the same inputs resumed."""
+    out.mkdir(parents=True, exist_ok=True)
+    part = out / PARTIAL
+    if force:
+        _reset(out, log)
+    elif (part / STATE).is_file():
+        if json.loads((part / STATE).read_text()) != state:
+            log(f"{part} holds work from another archive or vocabulary; starting over")
+            _reset(out, log)
+        else:
+            log(f"resuming the interrupted preparation in {out}")
+    elif any((out / n).exists() for n in ("train", "heldout", VOCAB)):
+        raise UserError(f"{out} already has train/, heldout/ or {VOCAB} that this tool did not finish (no {MARKER}); "
+                        f"choose an empty --out, or pass --force to replace them")
+    part.mkdir(exist_ok=True)
+    sweep_temp_files(out, log)  # temp files of a write killed half-way (kill -9)
+    atomic_write_json(part / STATE, state)
+    return part
+
+
+def _vocabulary(source: "Source", vocab: Path | None, workers: int, min_count: int, start: float, log) -> list[str]:
+    """The words: a given vocabulary file, or the training shards' words seen >= min_count times."""
+    if vocab is not None:
+        words = read_vocab_file(Path(vocab))
+        log(f"vocabulary: {len(words):,} words from {vocab}")
+        return words
+    counts: collections.Counter = collections.Counter()
+    sentences = 0
+
+    def counted(split, name, result):
+        nonlocal sentences
+        counts.update(result[0])
+        sentences += result[1]
+        progress.add()
+
+    with worker_pool(workers) as pool, Progress("lm1b counting words", len(TRAIN), "shards") as progress:
+        _map(pool, workers, _count, source.shards(("train",)), counted)
+    log(f"counting words: {sentences:,} sentences in {len(TRAIN)} shards, {time.time() - start:.0f} s")
+    if not counts:
+        raise _redownload(f"the training shards of {source.path} hold no words (all empty)")
+    words = build_vocab(counts, sentences, min_count)
+    log(f"vocabulary: {len(words):,} words seen >= {min_count} times, with {BOS}, {EOS}, {UNK}")
+    return words
+
+
+def _encode(source: "Source", part: Path, vocab_path: Path, workers: int, start: float, log) -> dict:
+    """Every shard's token ids written beside its stats (.bin, then .bin.json: the mark of a finished shard);
+    shards finished by an interrupted run are kept. -> {split: {shard: stats}}."""
+    stats: dict[str, dict[str, dict]] = {"train": {}, "heldout": {}}
+    for split in stats:
+        (part / split).mkdir(exist_ok=True)
+        for f in (part / split).glob("*.bin.json"):
+            stats[split][f.name[: -len(".bin.json")]] = json.loads(f.read_text())
+
+    def encoded(split, name, result):
+        arr, info = result
+        atomic_write_bytes(part / split / f"{name}.bin", arr.tobytes())
+        atomic_write_json(part / split / f"{name}.bin.json", info)  # after the .bin: marks it complete
+        stats[split][name] = info
+        progress.add()
+
+    todo = ((s, n, d) for s, n, d in source.shards() if n not in stats[s])
+    left = sum(1 for split, (_, names) in SPLITS.items() for n in names if n not in stats[split])
+    if left > 0:
+        with worker_pool(workers, _init_worker, (str(vocab_path),)) as pool, \
+                Progress("lm1b encoding", left, "shards") as progress:
+            if pool is None:
+                _init_worker(str(vocab_path))
+            _map(pool, workers, _encode_worker, todo, encoded)
+        log(f"encoding: {left} shards, {time.time() - start:.0f} s")
+    else:
+        log("encoding: every shard already done")
+    return stats
+
+
+def _check(source: "Source", part: Path, stats: dict, ids_list: list[str]) -> tuple[dict, list[str], bool]:
+    """Checks before the output appears: each shard's size and ids (a shard kept from an interrupted run is
+    read again: edited since, it would carry ids the vocabulary does not have); no empty release; against the
+    official counts. -> (totals, warnings, whether the release is the standard one)."""
+    for split, (folder, names) in SPLITS.items():
+        for n in names:
+            size = (part / split / f"{n}.bin").stat().st_size
+            if size != 4 * stats[split][n]["tokens"]:
+                raise UserError(f"{part / split / n}.bin has {size} bytes, expected {4 * stats[split][n]['tokens']}; "
+                                f"rerun with --force")
+            check_id_file(part / split / f"{n}.bin", "<u4", len(ids_list), "rerun with --force",
+                          stats[split][n]["sha256"])
+    totals = {f"{split}_{k}": sum(s[k] for s in stats[split].values())
+              for split in stats for k in ("sentences", "words", "tokens", "unk")}
+    # An empty release would train on nothing (0 tokens) or measure perplexity over nothing.
+    if totals["train_words"] == 0:
+        raise _redownload(f"the training shards of {source.path} hold no words (all empty)")
+    if stats["heldout"][TEST]["words"] == 0:
+        raise _redownload(f"the test shard {HELDOUT_DIR}/{TEST} of {source.path} holds no words")
+    warnings = []
+    standard = totals["train_sentences"] > _OFFICIAL_ABOVE
+    if standard:
+        if totals["train_sentences"] != OFFICIAL["train_sentences"]:
+            warnings.append(f"{totals['train_sentences']:,} training sentences, the official release has "
+                            f"{OFFICIAL['train_sentences']:,}")
+        if len(ids_list) != OFFICIAL["vocab_size"]:
+            warnings.append(f"vocabulary of {len(ids_list):,} words, the benchmark's has {OFFICIAL['vocab_size']:,}")
+    return totals, warnings, standard
 
 
 def text_of(ids: np.ndarray, vocab: list[str]) -> list[str]:
