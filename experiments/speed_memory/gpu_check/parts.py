@@ -1,15 +1,5 @@
-"""The first GPU call in one command: what a GPU tells us that the CPU cannot, in one call of at
-most 6 minutes on one H100 or H200 (a time-limited GPU job: the machine's start and a rerun must fit beside it),
-into one results file.
-
-    python -m experiments.gpu_check [--out DIR] [--parts a,b] [--budget 360]
-    python -m experiments.gpu_check --cpu-smoke [--out DIR]      # the same steps, tiny, on the CPU
-
---out defaults to $OUT when that variable is set (a remote runner that returns only that folder), else
-experiments/speed_memory/results.
-
-Parts, most valuable first (each in its own process, with its own time limit; a failure is recorded
-and the others run):
+"""The parts of a call, most valuable first (each runs in its own process, with its own time limit: see
+runner.run_part; a failure is recorded and the others run):
   headline   ResNet-50 (pre-activation) at batch 256: strict FP32, TF32, mixed (autocast), mixed
              (impl=paper), channels_last then NCHW: images/s, step time, peak memory, GPU-busy
              fraction, the speed_memory goals
@@ -29,55 +19,26 @@ and the others run):
   ddp        a 2-rank DDP run (torchrun) when two GPUs are visible; skipped at no cost otherwise (the
              CPU smoke runs it with 2 gloo ranks, so the path is exercised)
 
-Writes <out>/<device>-<date>-gpu_check.json (cpu-<date>-gpu_check-smoke.json for --cpu-smoke), atomically,
-while every part runs (its finished rows every few seconds) and after it: a part killed at its limit,
-a SIGINT/SIGTERM, even a SIGKILL of the whole call keeps what was finished. Prints a summary table.
-Exit status 1 if any part failed, 2 on bad command-line input, 130 when interrupted.
-Imports nothing beyond torch, torchvision, numpy and yaml (a GPU image may lack wandb, submitit, soundfile).
 Every measurement is the repository's own code: the speed/memory benchmark's step
 (experiments/speed_memory/bench.py, i.e. mpt.step.TrainStep) and the engine's run/resume/DDP paths.
+Sizes holds what each part runs at: the paper's on a GPU, tiny ones for the CPU smoke.
 """
 from __future__ import annotations
 
-import argparse
-import collections
 import dataclasses
 import json
 import os
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
-import threading
 import time
 import traceback
 from pathlib import Path
 
-from mpt.errors import UserError, cli, one_line
+from experiments.speed_memory.gpu_check.data import REPO, photo_imagenet, photo_source, tiny_data
+from mpt.errors import UserError
 
-SCHEMA = "gpu_check/1"
+# The parts in the order a call runs them, most valuable first
 PARTS = ("headline", "e2e", "ssd_e2e", "resume", "ds2_worst", "cifar", "models", "ddp")
-RESULTS_DIR = "experiments/speed_memory/results"
-# The whole call's default limit, the environment probe included: 6 minutes. A 15-minute GPU job
-# spends 1-2 on the machine's start; 6 here leaves room for a second call that reruns what failed.
-DEFAULT_CALL_S = 360
-PROBE_S = 60  # importing torch and reading the device: ~10-20 s with CUDA's first initialisation
-# Each part's limit on one H100/H200, in seconds (its process is killed past it; what it finished is
-# kept). Measured on an H200 (results/nvidia-h200-2026-11-27-gpu_check-call*.json): headline 124 s (8
-# rows; the first 65 s, cuDNN's search for FP32 NHWC algorithms), resume 24 s, ds2_worst 101 s (English
-# 68 s, Mandarin 22 s; 80 s cut it), 13 of the 24 models cells in 96 s. An H100 has the same SMs at lower
-# memory bandwidth: ~10-20% more. models gets what is left of the call (its first cells); ddp needs 2 GPUs.
-# 2026-11-28 (results/nvidia-h200-2026-11-28-gpu_check-call*.json): the headline's first 5 rows took 127 s
-# and 150 s cut its last 3; e2e 59 s (its photographs written in ~10 s), ssd_e2e 63 s, cifar 147 s (12 runs,
-# four at a time). A first call of the default parts gets through headline, e2e and ssd_e2e in ~330 s; a
-# second call runs --parts resume,ds2_worst,cifar,models.
-GPU_BUDGET_S = {"headline": 200, "e2e": 120, "ssd_e2e": 100, "resume": 45, "ds2_worst": 120, "cifar": 180,
-                "models": 120, "ddp": 60}
-# The CPU smoke's limits: generous (a loaded 2-core machine), they only catch a hang.
-SMOKE_BUDGET_S = {"headline": 120, "e2e": 150, "ssd_e2e": 150, "cifar": 240, "models": 180, "ds2_worst": 120,
-                  "resume": 120, "ddp": 180}
-SMOKE_CALL_S = PROBE_S + sum(SMOKE_BUDGET_S.values())
 RN = "resnet50_preact"
 TABLE1 = ("alexnet", "vgg16", "googlenet", "inception_v2", "inception_v3", RN)
 TABLE3 = ("english", "mandarin")
@@ -88,6 +49,7 @@ GRAPHED = ("alexnet", "googlenet")
 # run from about 1 to 14 s (LDC2018S14 catalogue entry), 15 s taken to be safe. 100 spectrogram
 # frames a second (10 ms hop, experiments/deepspeech2/task.py), so 3,500 and 1,500 frames.
 DS2_LONGEST_S = {"english": 35.0, "mandarin": 15.0}
+CIFAR_PRECISIONS = ("fp32", "fp16", "mixed", "bf16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +93,8 @@ class Sizes:
 
 
 GPU = Sizes()
+
+
 # 1/32 width, a few images of 80 px (Inception v3's smallest workable input at this width), 64
 # spectrogram frames (the worst case at 1/25 of its length), one timed step: every code path of the GPU
 # run on a CPU core. FP16 recurrent layers are slow on a CPU (the DS2 cells dominate the smoke's time).
@@ -144,7 +108,7 @@ SMOKE = Sizes(headline_width=0.03125, headline_batch=4, headline_size="64", head
 
 
 # ------------------------------------------------------------------------------------------------
-# parts (each runs in its own process: see run_part)
+# parts (each runs in its own process: see runner.run_part)
 
 
 class Ctx:
@@ -221,7 +185,7 @@ def paper_batches() -> dict[str, dict]:
 
     out = {}
     for exp in ("ilsvrc_cnns", "deepspeech2"):
-        folder = Path(__file__).parent / exp
+        folder = REPO / "experiments" / exp
         files = [folder / "grid.yaml"] + sorted(p for p in folder.glob("grid*.yaml") if p.name != "grid.yaml")
         for path in files:
             if "paper" not in (grid.load_spec(path).get("profiles") or {}):
@@ -318,20 +282,6 @@ def part_ds2_worst(ctx: Ctx) -> dict:
     if bad:
         out["status"] = "failed"
         out["error"] = "; ".join(f"{_cell(r)}: {r['status']} {r.get('note') or ''}".strip() for r in bad)
-    return out
-
-
-def tiny_data(work: Path) -> Path:
-    """A tiny ILSVRC (4 classes, 64 training images) through the real generator and the real prep,
-    made once per gpu_check invocation and shared by the parts that train."""
-    from data_prep.imagenet import prepare
-    from data_prep.imagenet.tiny import generate
-
-    out = work / "tiny_imagenet"
-    if not (out / "prepared.json").exists():
-        arch = work / "tiny_archives"
-        generate(arch, classes=4, train_per_class=16, val_per_class=4, size=40)
-        prepare.prepare(arch, out, workers=1, log=lambda *a: None)
     return out
 
 
@@ -435,89 +385,6 @@ def part_ddp(ctx: Ctx) -> dict:
 # end to end: training from JPEG files through the repository's own loaders
 
 
-PHOTO_DIRS = ("data/mate-backgrounds", "/usr/share/backgrounds/mate/nature")  # repo copy first (a GPU image lacks the package)
-
-
-def _photo_source() -> Path:
-    from data_prep.imagenet.real_photos import missing
-
-    root = Path(__file__).resolve().parents[1]
-    for d in PHOTO_DIRS:
-        p = root / d
-        if not missing(p):
-            return p
-    raise UserError(f"the end-to-end parts cut real photographs from Debian's mate-backgrounds: none of "
-                    f"{', '.join(PHOTO_DIRS)} holds its 12 nature photographs (apt-get install mate-backgrounds, "
-                    f"or copy /usr/share/backgrounds/mate/nature to {PHOTO_DIRS[0]} before the call)")
-
-
-def _photo_jpegs(job) -> list[bytes]:
-    """One worker's share of ImageNet-sized photographs: (photo path, count, seed) -> JPEG bytes (quality
-    90), a quarter at 1000x750 and the rest at 500x375 (ILSVRC's typical sizes), each a random 4:3 cut of
-    the photograph (40-100% of its height), portrait for one in five."""
-    import io as _io
-
-    import numpy as np
-    from PIL import Image
-
-    path, n, seed = job
-    rng = np.random.default_rng(seed)
-    out = []
-    with Image.open(path) as src:
-        src = src.convert("RGB")
-        W, H = src.size
-        for _ in range(n):
-            w, h = (1000, 750) if rng.random() < 0.25 else (500, 375)
-            if rng.random() < 0.2:
-                w, h = h, w
-            ch = int(rng.uniform(0.4, 1.0) * min(H, W * h / w))
-            cw = int(ch * w / h)
-            x, y = int(rng.integers(0, W - cw + 1)), int(rng.integers(0, H - ch + 1))
-            buf = _io.BytesIO()
-            src.crop((x, y, x + cw, y + ch)).resize((w, h), Image.BILINEAR).save(buf, "JPEG", quality=90)
-            out.append(buf.getvalue())
-    return out
-
-
-def photo_imagenet(work: Path, train_per_class: int, val_per_class: int, workers: int) -> tuple[Path, float]:
-    """An ILSVRC2012 of real photographs at ImageNet's sizes (class k: mate-backgrounds photograph k),
-    written as the official archives and prepared by data_prep.imagenet, with `workers` processes; made
-    once per call. -> (prepared folder, seconds)."""
-    import multiprocessing as mp
-
-    import numpy as np
-
-    from data_prep.imagenet import prepare
-    from data_prep.imagenet.real_photos import NAMES
-    from data_prep.imagenet.tiny import wnid, write_archives
-
-    out = work / "photo_imagenet"
-    if (out / "prepared.json").exists():
-        return out, 0.0
-    t0 = time.time()
-    src = _photo_source()
-    k = len(NAMES)
-    per = train_per_class + val_per_class
-    chunks = max(1, min(per, -(-per * k // (4 * workers))))  # ~4 jobs a worker
-    jobs = [(str(src / f"{NAMES[c]}.jpg"), len(part), 1000 * c + j)
-            for c in range(k) for j, part in enumerate(np.array_split(np.arange(per), chunks)) if len(part)]
-    with mp.get_context("spawn").Pool(workers) as pool:
-        done = pool.map(_photo_jpegs, jobs)
-    per_class = [[] for _ in range(k)]
-    for (path, _, seed), imgs in zip(jobs, done):
-        per_class[seed // 1000].extend(imgs)
-    rng = np.random.default_rng(0)
-    labels = np.repeat(np.arange(k), val_per_class)[rng.permutation(k * val_per_class)]
-    val = {c: iter(per_class[c][train_per_class:]) for c in range(k)}
-    arch = work / "photo_archives"
-    write_archives(arch, [wnid(c) for c in range(k)], list(range(1, k + 1)), [f"photograph {n}" for n in NAMES],
-                   [per_class[c][:train_per_class] for c in range(k)], [train_per_class] * k, labels,
-                   (next(val[int(c)]) for c in labels), source="experiments.gpu_check")
-    prepare.prepare(arch, out, workers=workers, log=lambda *a: None)
-    shutil.rmtree(arch, ignore_errors=True)
-    return out, round(time.time() - t0, 1)
-
-
 def _failed_runs(out: dict, name) -> dict:
     """The part failed when any of its runs (out["rows"]) did not complete: each named by name(row)."""
     bad = [r for r in out["rows"] if r["status"] != "completed"]
@@ -598,7 +465,7 @@ def part_ssd_e2e(ctx: Ctx) -> dict:
     workers = max(1, loader_workers("auto"))
     t0 = time.time()
     arch, data = ctx.work / "voc_archives", ctx.work / "voc"
-    generate(arch, photos=str(_photo_source()), size=s.ssd_image, trainval=s.ssd_images, test=8)
+    generate(arch, photos=str(photo_source()), size=s.ssd_image, trainval=s.ssd_images, test=8)
     voc_prepare.prepare(arch, data, log=lambda *a: None)
     out = {"cores": cores, "num_workers": workers, "data": {"images": s.ssd_images, "size": s.ssd_image,
            "write_s": round(time.time() - t0, 1), "source": "data_prep.voc.real_photos (mate-backgrounds)"}}
@@ -616,9 +483,6 @@ def part_ssd_e2e(ctx: Ctx) -> dict:
     return out
 
 
-CIFAR_PRECISIONS = ("fp32", "fp16", "mixed", "bf16")
-
-
 def part_cifar(ctx: Ctx) -> dict:
     """The CIFAR-10 `real` recipe (ResNet-8 on the development subset, 32 epochs) on the GPU's tensor
     cores in fp32, fp16 (S = 1), mixed and bf16, one process per run, the four precisions of a seed
@@ -627,8 +491,7 @@ def part_cifar(ctx: Ctx) -> dict:
     from mpt import config
 
     s = ctx.sizes
-    root = Path(__file__).resolve().parents[1]
-    src = next((p for p in (root / "data/cifar10-dev.tar.gz", root.parent / "shared/data/cifar10-dev.tar.gz")
+    src = next((p for p in (REPO / "data/cifar10-dev.tar.gz", REPO.parent / "shared/data/cifar10-dev.tar.gz")
                 if p.is_file()), None)
     if src is None:
         return {"status": "skipped", "note": "no cifar10-dev.tar.gz in data/ or ../shared/data/"}
@@ -646,7 +509,7 @@ def part_cifar(ctx: Ctx) -> dict:
             with open(ctx.work / f"cifar_{prec}_{seed}.log", "w") as log:
                 procs.append((seed, prec, ov, time.time(), subprocess.Popen(
                     [sys.executable, "-m", "experiments.ilsvrc_cnns", *ov], stdout=log, stderr=subprocess.STDOUT,
-                    cwd=root, env={**os.environ, "OMP_NUM_THREADS": str(s.cifar_threads)})))
+                    cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": str(s.cifar_threads)})))
         for seed, prec, ov, t0, p in procs:
             rc = p.wait()
             summ = config.run_dir(config.resolve("ilsvrc_cnns", ov)) / "summary.json"
@@ -673,21 +536,6 @@ PART_FNS = {"env": part_env, "headline": part_headline, "e2e": part_e2e, "ssd_e2
             "models": part_models, "ds2_worst": part_ds2_worst, "resume": part_resume, "ddp": part_ddp}
 
 
-def source_digest(root: Path | None = None) -> str:
-    """sha256 of the repository's Python sources (path and bytes, sorted): names the code that ran where
-    the copy on a remote machine carries no usable git state. `--source-digest` prints it here, to
-    compare with a results file's."""
-    import hashlib
-
-    root = root or Path(__file__).resolve().parents[1]
-    h = hashlib.sha256()
-    for d in ("mpt", "experiments", "models", "data_prep", "slurm", "paper_tables"):
-        for f in sorted((root / d).rglob("*.py")):
-            if "__pycache__" not in f.parts:
-                h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
-    return h.hexdigest()[:16]
-
-
 def _brief(s: dict) -> dict:
     return {k: s.get(k) for k in ("status", "step", "total_steps", "skipped_steps", "final_loss_scale", "metrics",
                                   "throughput", "peak_gpu_mem_bytes", "wall_time_s", "error")}
@@ -707,502 +555,3 @@ def _mib(r: dict) -> str:
     b = r.get("peak_gpu_mem_bytes")
     return f"{b / 2**20:,.0f} MiB" if b else "-"
 
-
-def child_main(part: str, state: Path, smoke: bool, work: Path, selection: dict) -> int:
-    """Run one part in this process; its result (partial ones as it goes) lands in `state`."""
-    from mpt.rundir import atomic_write_json
-
-    def emit(result: dict, **kw) -> None:
-        atomic_write_json(state, {"result": result, **kw})
-
-    partial: dict = {}
-
-    def emit_partial(r: dict) -> None:
-        partial.clear()
-        partial.update(r)
-        emit(r)
-
-    try:
-        ctx = Ctx(smoke, work, emit_partial, **selection)
-        r = PART_FNS[part](ctx)
-        emit(r, status=r.pop("status", "ok"), error=r.pop("error", None), traceback=r.pop("traceback", None),
-             note=r.pop("note", None))
-        return 0
-    except BaseException as e:  # noqa: BLE001 -- the parent records it; the other parts still run
-        emit(dict(partial), status="failed", error=one_line(e), traceback=traceback.format_exc())
-        return 1
-
-
-# ------------------------------------------------------------------------------------------------
-# the parent: one process per part, time limits, the results file, the summary
-
-
-def _read_part(state: Path, seconds: float, timeout: float) -> dict:
-    """What the part's process has written so far, as one record of the results file."""
-    try:
-        got = json.loads(state.read_text())
-    except (OSError, ValueError):
-        got = {}
-    return {"status": got.get("status", "running"), "seconds": round(seconds, 1), "budget_s": round(timeout),
-            "error": got.get("error"), "traceback": got.get("traceback"), "note": got.get("note"),
-            "result": got.get("result") or {}}
-
-
-def run_part(part: str, smoke: bool, work: Path, timeout: float, save=lambda rec: None, every: float = 5.0,
-             selection: list[str] = ()) -> dict:
-    """The part in a child process (a CUDA error or a leak cannot reach the next part; a hang is
-    killed at `timeout`); its output is echoed live, indented. Every `every` seconds what it has
-    finished goes to save(record), so a kill of the whole call loses at most those seconds. selection:
-    the call's --models/--graphed/--e2e-workers arguments, passed on to the part's process."""
-    state = work / f"{part}.state.json"
-    state.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "experiments.gpu_check", "--_part", part, "--_state", str(state),
-           "--_work", str(work), *selection] + (["--cpu-smoke"] if smoke else [])
-    env = dict(os.environ)
-    if smoke:
-        env["CUDA_VISIBLE_DEVICES"] = ""  # the smoke is a CPU run even on a GPU machine
-        # One thread: on a shared CPU, OpenMP threads spin-waiting for busy cores made a step 100x
-        # slower (speed_memory README).
-        env.setdefault("OMP_NUM_THREADS", "1")
-    t0 = time.time()
-    tail: collections.deque = collections.deque(maxlen=60)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            cwd=Path(__file__).resolve().parents[1], start_new_session=True)
-
-    def pump():
-        for line in proc.stdout:
-            tail.append(line.rstrip("\n"))
-            print(f"    {line}", end="", file=sys.stderr, flush=True)
-
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-    timed_out, rc = False, None
-    try:
-        while rc is None:
-            left = timeout - (time.time() - t0)
-            if left <= 0:
-                timed_out = True
-                os.killpg(proc.pid, signal.SIGKILL)  # the part's whole process group (torchrun's ranks too)
-                rc = proc.wait()
-                break
-            try:
-                rc = proc.wait(timeout=min(every, left))
-            except subprocess.TimeoutExpired:
-                save(_read_part(state, time.time() - t0, timeout))
-    except BaseException as e:  # noqa: BLE001 -- SIGINT / SIGTERM of the call: stop the part, keep what it finished
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        rec = _read_part(state, time.time() - t0, timeout)
-        rec.update(status="interrupted", error=f"interrupted ({one_line(e) or type(e).__name__}) while running: "
-                                               f"its finished rows are kept")
-        raise Interrupted(rec) from None
-    reader.join(timeout=5)
-    rec = _read_part(state, time.time() - t0, timeout)
-    if rec["status"] == "running":
-        rec["status"] = "failed"
-    if timed_out:
-        rec.update(status="failed", error=f"timeout: killed after its {timeout:.0f} s budget (what it measured "
-                                          f"until then is kept)", traceback="\n".join(tail))
-    elif rc != 0 and rec["error"] is None:
-        rec.update(status="failed", error=f"the part's process exited with {rc} and left no result",
-                   traceback="\n".join(tail))
-    return rec
-
-
-class Interrupted(Exception):
-    """The call was stopped (SIGINT, SIGTERM) while a part ran; carries that part's record."""
-
-    def __init__(self, record: dict):
-        super().__init__("interrupted")
-        self.record = record
-
-
-def _sigterm(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
-WORK_PREFIX = "gpu_check_"  # the call's temp work folder: <tmp>/gpu_check_XXXXXXXX (tiny data, runs, states)
-
-
-def new_work_folder() -> tuple[Path, int]:
-    """A fresh temp work folder and the descriptor that holds an flock on it while this call lives; first,
-    the folders of calls that are gone are removed. A call killed by SIGKILL (a GPU job's time limit, an OOM kill)
-    runs no cleanup and left its folder -- tiny data and runs -- in the temp folder for good; the kernel
-    drops a dead call's lock, so a folder whose lock can be taken is a leftover."""
-    import fcntl
-
-    for old in Path(tempfile.gettempdir()).glob(f"{WORK_PREFIX}*"):
-        try:
-            if old.is_symlink() or not old.is_dir() or old.stat().st_uid != os.getuid():
-                continue
-            fd = os.open(old, os.O_RDONLY | os.O_DIRECTORY)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            shutil.rmtree(old, ignore_errors=True)
-        except OSError:
-            pass  # a live call's
-        finally:
-            os.close(fd)
-    work = Path(tempfile.mkdtemp(prefix=WORK_PREFIX))
-    fd = os.open(work, os.O_RDONLY | os.O_DIRECTORY)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    return work, fd
-
-
-def remove_work_folder(work: Path, fd: int) -> None:
-    """The call's own work folder, removed with further stop signals ignored: a second SIGTERM in the
-    middle of the removal left the rest of it behind."""
-    old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        shutil.rmtree(work, ignore_errors=True)
-        os.close(fd)
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-
-
-def add_e2e_ratios(res: dict) -> None:
-    """ratio_to_synthetic of each end-to-end row: its images/s over the same call's headline row of the
-    same model, precision and layout (synthetic tensors already on the GPU)."""
-    rows = res["parts"].get("headline", {}).get("result", {}).get("rows", [])
-    for r in res["parts"].get("e2e", {}).get("result", {}).get("rows", []):
-        h = next((x for x in rows if x["precision"] == r["precision"] and x.get("impl") == r["impl"]
-                  and x.get("channels_last") == r["channels_last"] and x.get("throughput")), None)
-        if h and r.get("throughput_steady"):
-            r["ratio_to_synthetic"] = round(r["throughput_steady"] / h["throughput"], 3)
-
-
-def summary_text(res: dict) -> str:
-    """The human table: every part's status and time, then its figures."""
-    P = res["parts"]
-    lines = [f"gpu_check on {res['env'].get('device_name', '?')} ({res['mode']}), {res['date']}", "",
-             f"{'part':10s} {'status':8s} {'seconds':>8s} {'budget':>7s}  error / note"]
-    for name, p in P.items():
-        lines.append(f"{name:10s} {p['status']:8s} {p['seconds']:8.1f} {p['budget_s']:7d}  "
-                     + (p.get("error") or p.get("note") or ""))
-    lines.append(f"{'total':10s} {'':8s} {res['wall_s']:8.1f} {res['budget_s']:7d}")
-    h = P.get("headline", {}).get("result", {})
-    if h.get("rows"):
-        lines += ["", f"headline: {RN}, batch {h['options']['batch']}, width {h['options']['width']}, "
-                      f"size {h['rows'][0]['size']}",
-                  f"  {'precision':20s} {'layout':6s} {'status':8s} {'img/s':>9s} {'ms/step':>9s} {'peak MiB':>9s}"
-                  f" {'GPU busy':>8s} {'speed-up':>8s} {'mem/FP32':>8s}"]
-        for r in h["rows"]:
-            f = (r.get("ratios") or {}).get("vs_fp32") or {}
-            busy = r.get("gpu_busy_fraction")
-            prec = r["precision"] + (f" ({r['impl']})" if r.get("impl") else "")
-            lines.append(f"  {prec:20s} {'NHWC' if r.get('channels_last') else 'NCHW':6s} {r['status']:8s} "
-                         f"{_num(r.get('throughput'), '{:9.0f}')} "
-                         f"{_num((r.get('step_ms') or {}).get('median'), '{:9.1f}')} "
-                         f"{_num((r.get('peak_gpu_mem_bytes') or 0) / 2**20 or None, '{:9,.0f}')} "
-                         f"{_num(busy, '{:8.2f}')} {_num(f.get('speedup'), '{:7.2f}x')} "
-                         f"{_num(f.get('peak_gpu_mem'), '{:8.2f}')}")
-        lines.append(f"  GPU busy: {h['gpu_busy_fraction_is']}")
-        for g in h.get("goals", []):
-            lines.append(f"  goal {g['id']}: {g['target']} -> {g['measured']} [{g['status']}]")
-    worst = ", ".join(f"{m} {s:g} s" for m, s in DS2_LONGEST_S.items())
-    for name, title in (("models", "models, paper batch per GPU (size: pixels, or spectrogram frames)"),
-                        ("ds2_worst", f"DeepSpeech 2, worst paper batch: paper batch per GPU, longest utterances "
-                                      f"({worst}; size in 10 ms frames)")):
-        m = P.get(name, {}).get("result", {})
-        if m.get("rows"):
-            lines += ["", title, f"  {'model':16s} {'precision':26s} {'batch':>5s} {'size':>5s} {'status':7s} "
-                             f"{'ms/step':>9s} {'peak MiB':>9s}"
-                             + ("  fits (reserved / device)" if name == "ds2_worst" else "")]
-            for r in m["rows"]:
-                label = f"{r['precision']} {r.get('impl') or ''}".strip() + (" graphs" if r.get("cuda_graphs") else "")
-                lines.append(f"  {r['model']:16s} {label:26s} "
-                             f"{r['batch']:5d} {r['size']:5d} {r['status']:7s} "
-                             f"{_num((r.get('step_ms') or {}).get('median'), '{:9.1f}')} "
-                             f"{_num((r.get('peak_gpu_mem_bytes') or 0) / 2**20 or None, '{:9,.0f}')}"
-                             + (f"  {r.get('fits')}" + (f" ({r['reserved_of_device']:.0%})" if r.get("reserved_of_device")
-                                                         else "") if name == "ds2_worst" else ""))
-    e = P.get("e2e", {}).get("result", {})
-    if e.get("rows"):
-        lines += ["", f"end to end: {RN} mixed (autocast, NHWC) from JPEG files, loader workers of {e['cores']} "
-                      f"cores; {e['data']['train_images']:,} photographs ({e['data']['sizes']})",
-                  f"  {'decode':6s} {'workers':>7s} {'status':10s} {'img/s':>9s} {'x synthetic':>11s}  per-window img/s"]
-        for r in e["rows"]:
-            lines.append(f"  {r['decode']:6s} {r.get('num_workers', e['num_workers']):7d} {r['status'] or '-':10s} "
-                         f"{_num(r.get('throughput_steady'), '{:9.0f}')} "
-                         f"{_num(r.get('ratio_to_synthetic'), '{:10.2f}x')}  {r.get('windows')}")
-    r = P.get("ssd_e2e", {}).get("result", {}).get("row")
-    if r:
-        lines += ["", f"end to end: SSD300 mixed, batch {r['batch']}: {r['status']}, "
-                      f"{_num(r.get('throughput_steady'), '{:.0f}')} img/s (windows {r.get('windows')})"]
-    c = P.get("cifar", {}).get("result", {})
-    if c.get("rows"):
-        lines += ["", f"CIFAR-10 real recipe on the GPU ({c['epochs']} epochs), top-1 % per seed:"]
-        for prec in CIFAR_PRECISIONS:
-            got = [f"{(r.get('metrics') or {}).get('top1', float('nan')):.1f}" for r in c["rows"] if r["precision"] == prec]
-            lines.append(f"  {prec:6s} {', '.join(got)}")
-    for name in ("resume", "ddp"):
-        r = P.get(name, {}).get("result", {})
-        if name == "resume" and r.get("second"):
-            lines += ["", f"resume: stopped at step {r['first']['step']} ({r['first']['status']}), restarted: "
-                          f"{r['second']['status']} at step {r['second']['step']}, {r['steps_second']} steps trained "
-                          f"after the checkpoint, model on {r['model_device']}"]
-        if name == "ddp" and r.get("summary"):
-            lines += ["", f"ddp: world size {r['world_size']}: {r['summary']['status']} at step {r['summary']['step']}"]
-    return "\n".join(lines)
-
-
-def merge(results: list[dict]) -> dict:
-    """Several calls of one machine (a first call and the rerun of what it cut) as one result: each
-    part from the last call where it ended ok, else from the one that finished the most rows."""
-    def rank(i_rec):
-        i, rec = i_rec
-        return (rec["status"] in ("ok", "skipped"), len((rec.get("result") or {}).get("rows") or []), i)
-
-    out = {"env": results[-1]["env"], "date": results[-1]["date"], "mode": results[-1]["mode"], "parts": {},
-           "calls": [{"command": r["command"], "date": r["date"], "wall_s": r["wall_s"]} for r in results]}
-    for p in PARTS:
-        recs = [(i, r["parts"][p]) for i, r in enumerate(results) if p in r["parts"]]
-        if recs:
-            i, rec = max(recs, key=rank)
-            out["parts"][p] = {**rec, "call": i + 1}
-    return out
-
-
-def markdown(res: dict) -> str:
-    """The tables the README quotes, from one or more results files (merge)."""
-    env, P = res["env"], res["parts"]
-    g = env.get("gpu") or {}
-    lines = [f"# gpu_check on {env.get('device_name')}", "",
-             f"torch {env.get('torch')}, CUDA {env.get('cuda')}, cuDNN {env.get('cudnn')}, driver {env.get('driver')}, "
-             f"{g.get('sm_count', '?')} SMs, {(g.get('total_memory_bytes') or 0) / 2**30:.0f} GiB. Calls:", ""]
-    lines += [f"{i}. `{c['command']}` ({c['date']}, {c['wall_s']} s)" for i, c in enumerate(res["calls"], 1)]
-    lines += ["", "| part | status | from call | seconds | limit |", "|---|---|---|---|---|"]
-    lines += [f"| {p} | {r['status']} | {r['call']} | {r['seconds']} | {r['budget_s']} |" for p, r in P.items()]
-    h = (P.get("headline") or {}).get("result") or {}
-    if h.get("rows"):
-        lines += ["", f"## ResNet-50 (pre-activation), batch {h['options']['batch']}, 224 px, synthetic data", "",
-                  "| precision | layout | images/s | ms/step (median) | peak MiB | GPU busy "
-                  "| vs strict FP32 (same layout) | memory / FP32 |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for r in h["rows"]:
-            f = (r.get("ratios") or {}).get("vs_fp32") or {}
-            lines.append(f"| {r['precision']}{' (' + r['impl'] + ')' if r.get('impl') else ''} | "
-                         f"{'NHWC' if r.get('channels_last') else 'NCHW'} | {_md(r.get('throughput'), '{:,.0f}')} | "
-                         f"{_md((r.get('step_ms') or {}).get('median'), '{:.1f}')} | "
-                         f"{_md((r.get('peak_gpu_mem_bytes') or 0) / 2**20 or None, '{:,.0f}')} | "
-                         f"{_md(r.get('gpu_busy_fraction'), '{:.2f}')} | {_md(f.get('speedup'), '{:.2f}x')} | "
-                         f"{_md(f.get('peak_gpu_mem'), '{:.2f}')} |")
-        lines += ["", "| goal | target | measured | status |", "|---|---|---|---|"]
-        lines += [f"| {x['id']} | {x['target']} | {x['measured']} | {x['status']} |" for x in h.get("goals", [])]
-    for name, title in (("ds2_worst", "DeepSpeech 2 at its worst paper batch (longest utterances: English 35 s, "
-                                      "Mandarin 15 s)"),
-                        ("models", "Every Table 1 and Table 3 model at the paper grid's batch per GPU")):
-        m = (P.get(name) or {}).get("result") or {}
-        if not m.get("rows"):
-            continue
-        lines += ["", f"## {title}", "", "| model | precision | layout | batch | size | status | ms/step | peak MiB |"
-                  + (" reserved / device |" if name == "ds2_worst" else ""),
-                  "|---|---|---|---|---|---|---|---|" + ("---|" if name == "ds2_worst" else "")]
-        for r in m["rows"]:
-            lines.append(f"| {r['model']} | {r['precision']}{' (' + r['impl'] + ')' if r.get('impl') else ''}"
-                         f"{', CUDA graphs' if r.get('cuda_graphs') else ''} | "
-                         f"{'NHWC' if r.get('channels_last') else 'NCHW'} | {r['batch']} | {r['size']} | {r['status']} | "
-                         f"{_md((r.get('step_ms') or {}).get('median'), '{:.1f}')} | "
-                         f"{_md((r.get('peak_gpu_mem_bytes') or 0) / 2**20 or None, '{:,.0f}')} |"
-                         + (f" {_md(r.get('reserved_of_device'), '{:.0%}')} |" if name == "ds2_worst" else ""))
-        if name == "models" and P[name]["status"] != "ok":
-            done = {r["model"] for r in m["rows"]}
-            lines.append(f"\nNot reached in its time limit: {', '.join(x for x in TABLE1 + TABLE3 if x not in done) or '-'}.")
-    r = (P.get("resume") or {}).get("result") or {}
-    if r.get("second"):
-        lines += ["", f"Resume on the device: stopped at step {r['first']['step']} ({r['first']['status']}), restarted: "
-                      f"{r['second']['status']} at step {r['second']['step']}, {r['steps_second']} steps trained after "
-                      f"the checkpoint, model on {r['model_device']}."]
-    if P.get("ddp", {}).get("note"):
-        lines += ["", f"DDP: {P['ddp']['status']}: {P['ddp']['note']}."]
-    return "\n".join(lines) + "\n"
-
-
-def _md(v, fmt: str) -> str:
-    return "-" if v is None else fmt.format(v)
-
-
-def _num(v, fmt: str) -> str:
-    if v is None:
-        return f"{'-':>{len(fmt.format(0.0))}s}"
-    return fmt.format(v)
-
-
-def write_report(paths: list[Path]) -> int:
-    from mpt.rundir import atomic_write_text
-
-    results = []
-    for p in paths:
-        try:
-            r = json.loads(p.read_text())
-        except (OSError, ValueError) as e:
-            raise UserError(f"--report {p}: not a readable results file ({one_line(e)})") from None
-        if r.get("schema") != SCHEMA:
-            raise UserError(f"--report {p}: schema {r.get('schema')!r}, not {SCHEMA} (a gpu_check results file)")
-        results.append(r)
-    md = markdown(merge(results))
-    stem = paths[0].name.removesuffix(".json")
-    stem = stem[: stem.index("-gpu_check") + len("-gpu_check")] if "-gpu_check" in stem else stem
-    dest = paths[0].with_name(stem + ".md")
-    atomic_write_text(dest, md)
-    print(md + f"\nwrote {dest}")
-    return 0
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # bad input is one line and exit 2 (mpt.errors.cli), not argparse's usage block
-        raise UserError(f"{message} (python -m experiments.gpu_check --help)")
-
-
-def _parse(argv):
-    p = _Parser(prog="python -m experiments.gpu_check", description=__doc__.split("\n\n")[0])
-    p.add_argument("--cpu-smoke", action="store_true", help="the same steps at tiny size on the CPU")
-    p.add_argument("--report", nargs="+", metavar="JSON", help="no run: merge these results files (one machine's "
-                   "calls, in order) into Markdown tables, written beside the first as <...>-gpu_check.md")
-    p.add_argument("--out", default=None,
-                   help=f"folder of the results file (default: $OUT when set, else {RESULTS_DIR})")
-    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of: {','.join(PARTS)}")
-    p.add_argument("--budget", type=float, default=None,
-                   help=f"seconds for the whole call, the environment probe included (default {DEFAULT_CALL_S} "
-                        f"on a GPU; the CPU smoke: {SMOKE_CALL_S})")
-    p.add_argument("--limit", default="", help="part=seconds,... : other limits for some parts (a rerun of what "
-                   "a first call cut, e.g. --parts headline --limit headline=240)")
-    p.add_argument("--models", default=",".join(TABLE1 + TABLE3),
-                   help="the models part's models (comma-separated; default: every Table 1 and Table 3 model)")
-    p.add_argument("--graphed", default=",".join(GRAPHED), help="which of them are measured again with CUDA "
-                   f"graphs (comma-separated Table 1 models, or none; default: {','.join(GRAPHED)})")
-    p.add_argument("--e2e-workers", default="auto", help="the e2e part's loader workers, a run of each decode "
-                   "per value (comma-separated counts, or auto: the cores less one; e.g. 15,7,3 for what a node "
-                   "with fewer cores per GPU would feed)")
-    p.add_argument("--source-digest", action="store_true", help="print the digest of this tree's Python "
-                   "sources (as a results file records it) and exit")
-    p.add_argument("--_save_every", type=float, default=5.0, help=argparse.SUPPRESS)  # tests: sooner
-    p.add_argument("--_part", help=argparse.SUPPRESS)
-    p.add_argument("--_state", help=argparse.SUPPRESS)
-    p.add_argument("--_work", help=argparse.SUPPRESS)
-    a = p.parse_args(argv)
-    a.parts = [x.strip() for x in a.parts.split(",") if x.strip()]
-    unknown = [x for x in a.parts if x not in PARTS]
-    if unknown or not a.parts:
-        raise UserError(f"--parts {','.join(unknown) or '(empty)'}: choose from {','.join(PARTS)}")
-    a.limits = {}
-    for item in filter(None, (x.strip() for x in a.limit.split(","))):
-        k, _, v = item.partition("=")
-        try:
-            a.limits[k.strip()] = float(v)
-        except ValueError:
-            a.limits[k.strip()] = -1.0
-        if k.strip() not in PARTS or a.limits[k.strip()] <= 0:
-            raise UserError(f"--limit {item}: write part=seconds with a part of {','.join(PARTS)}, e.g. headline=240")
-    a.models = tuple(x.strip() for x in a.models.split(",") if x.strip())
-    bad = [x for x in a.models if x not in TABLE1 + TABLE3]
-    if bad or not a.models:
-        raise UserError(f"--models {','.join(bad) or '(empty)'}: choose from {','.join(TABLE1 + TABLE3)}")
-    a.graphed = () if a.graphed.strip() == "none" else tuple(x.strip() for x in a.graphed.split(",") if x.strip())
-    bad = [x for x in a.graphed if x not in TABLE1]
-    if bad:
-        raise UserError(f"--graphed {','.join(bad)}: choose Table 1 models from {','.join(TABLE1)}, or none")
-    a.e2e_workers = tuple(x.strip() for x in a.e2e_workers.split(",") if x.strip())
-    if not a.e2e_workers or not all(x == "auto" or (x.isdigit() and int(x) >= 1) for x in a.e2e_workers):
-        raise UserError(f"--e2e-workers {','.join(a.e2e_workers) or '(empty)'}: give counts >= 1 or auto, e.g. 15,7,3")
-    a.selection = ["--models", ",".join(a.models), "--graphed", ",".join(a.graphed) or "none",
-                   "--e2e-workers", ",".join(a.e2e_workers)]
-    if a.budget is not None and a.budget <= 0:
-        raise UserError(f"--budget {a.budget:g}: give a positive number of seconds")
-    return a
-
-
-@cli
-def main(argv=None) -> int:
-    a = _parse(sys.argv[1:] if argv is None else argv)
-    if a._part:  # a child: one part
-        return child_main(a._part, Path(a._state), a.cpu_smoke, Path(a._work),
-                          {"models": a.models, "graphed": a.graphed, "e2e_workers": a.e2e_workers})
-    if a.report:
-        return write_report([Path(x) for x in a.report])
-    if a.source_digest:
-        print(source_digest())
-        return 0
-    from mpt.rundir import atomic_write_json, now
-
-    out = Path(a.out or os.environ.get("OUT") or RESULTS_DIR)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"--out {out}: cannot create it ({e.strerror})") from None
-    budgets = {**(SMOKE_BUDGET_S if a.cpu_smoke else GPU_BUDGET_S), **a.limits}
-    total = a.budget or (SMOKE_CALL_S if a.cpu_smoke else DEFAULT_CALL_S)
-    signal.signal(signal.SIGTERM, _sigterm)  # a runner's stop: the same as Ctrl-C, finished rows kept
-    work, work_fd = new_work_folder()
-    t0 = time.time()  # the whole call's budget, the probe included
-    res, path, failed, current = None, None, [], None
-    try:
-        probe = run_part("env", a.cpu_smoke, work, PROBE_S)  # counted in the budget, but never cut by it
-        if probe["status"] != "ok":
-            if "no CUDA GPU" in (probe["error"] or ""):
-                raise UserError(probe["error"].split(": ", 1)[-1])
-            raise UserError(f"could not read the device: {probe['error']}")
-        env, slug = probe["result"]["env"], probe["result"]["slug"]
-        date = now()
-        path = out / f"{slug}-{date[:10]}-gpu_check{'-smoke' if a.cpu_smoke else ''}.json"
-        res = {"schema": SCHEMA, "command": "python -m experiments.gpu_check " + " ".join(argv or sys.argv[1:]),
-               "mode": "cpu-smoke" if a.cpu_smoke else "gpu", "date": date, "env": env,
-               "source_digest": source_digest(),
-               "sizes": dataclasses.asdict(SMOKE if a.cpu_smoke else GPU), "budget_s": round(total),
-               "part_budgets_s": {p: budgets[p] for p in a.parts}, "models": list(a.models), "graphed": list(a.graphed),
-               "e2e_workers": list(a.e2e_workers), "parts": {}, "wall_s": None, "exit_code": None}
-        print(f"gpu_check on {env['device_name']}: parts {', '.join(a.parts)}; budget {total:.0f} s; -> {path}",
-              file=sys.stderr, flush=True)
-
-        def save(p=None, rec=None):
-            if p is not None:
-                res["parts"][p] = rec
-            add_e2e_ratios(res)
-            res["wall_s"] = round(time.time() - t0, 1)
-            atomic_write_json(path, res)
-
-        for p in a.parts:
-            left = total - (time.time() - t0)
-            if p == "ddp" and not a.cpu_smoke and probe["result"]["env"].get("gpu_count", 0) < 2:
-                # Decided from the probe: no process, no CUDA initialisation, no time spent.
-                n = probe["result"]["env"].get("gpu_count", 0)
-                save(p, {"status": "skipped", "seconds": 0.0, "budget_s": 0, "result": {}, "traceback": None,
-                         "error": None, "note": f"{n} GPU visible; a DDP step needs 2 (run on a 2-GPU machine)"})
-            elif left < 5:
-                save(p, {"status": "failed", "seconds": 0.0, "budget_s": 0, "result": {}, "traceback": None,
-                         "note": None, "error": "not run: the call's time budget was spent"})
-            else:
-                print(f"== {p} (limit {min(budgets[p], left):.0f} s)", file=sys.stderr, flush=True)
-                current = p
-                save(p, run_part(p, a.cpu_smoke, work, min(budgets[p], left), save=lambda rec, p=p: save(p, rec),
-                                 every=a._save_every, selection=a.selection))
-                print(f"== {p}: {res['parts'][p]['status']} in {res['parts'][p]['seconds']:.1f} s"
-                      + (f": {res['parts'][p]['error']}" if res["parts"][p]["error"] else ""), file=sys.stderr, flush=True)
-        failed = [p for p, r in res["parts"].items() if r["status"] == "failed"]
-        res["exit_code"] = 1 if failed else 0
-        save()
-    except (Interrupted, KeyboardInterrupt) as e:
-        if res is None:
-            raise UserError("interrupted before the device was read: nothing measured") from None
-        if isinstance(e, Interrupted):
-            res["parts"][current] = e.record
-        for p in a.parts:
-            res["parts"].setdefault(p, {"status": "failed", "seconds": 0.0, "budget_s": 0, "result": {},
-                                        "traceback": None, "note": None, "error": "not run: the call was interrupted"})
-        res["exit_code"] = 130
-        save()
-        print(summary_text(res))
-        print(f"\ninterrupted; wrote what was finished to {path}", file=sys.stderr)
-        return 130
-    finally:
-        remove_work_folder(work, work_fd)
-    print(summary_text(res))
-    print(f"\nwrote {path} ({res['wall_s']:.0f} s)" + (f"; FAILED: {', '.join(failed)}" if failed else "; every part ok"))
-    return res["exit_code"]
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
