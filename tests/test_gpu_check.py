@@ -1,4 +1,4 @@
-"""`python -m experiments.gpu_check` (a short GPU lease in one call) cannot rot: its --cpu-smoke runs
+"""`python -m experiments.speed_memory.gpu_check` (a short GPU job in one call) cannot rot: its --cpu-smoke runs
 every part at tiny size on the CPU, end to end, through the same code; a part that fails or hangs is
 recorded and the others run; bad input is one line."""
 import json
@@ -10,7 +10,12 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from experiments import gpu_check
+from experiments.speed_memory.gpu_check import runner
+from experiments.speed_memory.gpu_check.cli import main
+from experiments.speed_memory.gpu_check.parts import CIFAR_PRECISIONS, GRAPHED, PARTS, TABLE1, TABLE3
+from experiments.speed_memory.gpu_check.report import SCHEMA, merge
+
+MODULE = "experiments.speed_memory.gpu_check"  # python -m MODULE: the README's command
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -21,7 +26,7 @@ from experiments import gpu_check
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, says, capsys):
     with pytest.raises(SystemExit) as e:
-        gpu_check.main(argv)
+        main(argv)
     err = capsys.readouterr().err
     assert e.value.code == 2 and says in err and err.count("\n") == 1
 
@@ -55,9 +60,9 @@ def test_cpu_smoke_runs_every_part(tmp_path):
     every file under $OUT (at most 8: what such a runner brings back), within the call's budget."""
     out = tmp_path / "out"
     out.mkdir()
-    results = REPO / gpu_check.RESULTS_DIR
+    results = REPO / runner.RESULTS_DIR
     before = sorted(results.iterdir()) if results.exists() else []
-    r = subprocess.run([sys.executable, "-m", "experiments.gpu_check", "--cpu-smoke"], cwd=REPO,
+    r = subprocess.run([sys.executable, "-m", MODULE, "--cpu-smoke"], cwd=REPO,
                        env=_blocking_env(tmp_path, OUT=str(out)), capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "blocked for the test" not in r.stdout + r.stderr
@@ -65,14 +70,14 @@ def test_cpu_smoke_runs_every_part(tmp_path):
     assert len(files) <= 8 and [p.name for p in files if p.name.endswith("gpu_check-smoke.json")], files
     assert (sorted(results.iterdir()) if results.exists() else []) == before  # nothing in the repository
     res = json.loads(next(out.glob("cpu-*-gpu_check-smoke.json")).read_text())
-    assert res["schema"] == gpu_check.SCHEMA and res["mode"] == "cpu-smoke" and res["exit_code"] == 0
-    assert res["wall_s"] <= res["budget_s"] == gpu_check.SMOKE_CALL_S
+    assert res["schema"] == SCHEMA and res["mode"] == "cpu-smoke" and res["exit_code"] == 0
+    assert res["wall_s"] <= res["budget_s"] == runner.SMOKE_CALL_S
     parts = res["parts"]
-    assert list(parts) == list(gpu_check.PARTS)
+    assert list(parts) == list(PARTS)
     # cifar reads the development subset from data/ or ../shared/data and is skipped where neither has it
     has_cifar = any(p.is_file() for p in (REPO / "data/cifar10-dev.tar.gz", REPO.parent / "shared/data/cifar10-dev.tar.gz"))
     assert {p: v["status"] for p, v in parts.items()} == {p: "ok" if p != "cifar" or has_cifar else "skipped"
-                                                          for p in gpu_check.PARTS}, {p: v["error"] for p, v in parts.items()}
+                                                          for p in PARTS}, {p: v["error"] for p, v in parts.items()}
 
     head = parts["headline"]["result"]["rows"]
     # channels_last (the CNNs' layout on CUDA) first, then NCHW; each with the four precisions
@@ -85,11 +90,11 @@ def test_cpu_smoke_runs_every_part(tmp_path):
 
     models = parts["models"]["result"]["rows"]
     assert {(x["model"], x["precision"]) for x in models} == {
-        (m, p) for m in gpu_check.TABLE1 + gpu_check.TABLE3 for p in ("fp32", "mixed", "fp16_storage")}
+        (m, p) for m in TABLE1 + TABLE3 for p in ("fp32", "mixed", "fp16_storage")}
     assert all(x["status"] == "ok" and x["step_ms"]["median"] > 0 for x in models if not x["cuda_graphs"])
     # CUDA-graph rows beside the eager ones: a GPU mode, skipped here with a note
     graphed = [(x["model"], x["precision"], x["impl"]) for x in models if x["cuda_graphs"]]
-    assert graphed == [(m, p, i) for m in gpu_check.GRAPHED
+    assert graphed == [(m, p, i) for m in GRAPHED
                        for p, i in (("fp32", None), ("mixed", "autocast"), ("fp16_storage", "paper"))]
     assert all(x["status"] == "skipped" and "GPU mode" in x["note"] for x in models if x["cuda_graphs"])
     # The paper grids' batch per GPU (what the GPU run uses): global batch over 8 GPUs.
@@ -114,7 +119,7 @@ def test_cpu_smoke_runs_every_part(tmp_path):
     assert parts["ssd_e2e"]["result"]["row"]["status"] == "completed"
     cifar = parts["cifar"]["result"]
     if has_cifar:
-        assert sorted(x["precision"] for x in cifar["rows"]) == sorted(gpu_check.CIFAR_PRECISIONS)
+        assert sorted(x["precision"] for x in cifar["rows"]) == sorted(CIFAR_PRECISIONS)
         assert all(x["status"] == "completed" for x in cifar["rows"])
 
     ddp = parts["ddp"]["result"]
@@ -128,7 +133,7 @@ def test_a_part_past_its_budget_is_killed_and_recorded(tmp_path):
     env_before = dict(os.environ)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:  # the models part takes ~10 s here idle (each cell is written to the state file as it ends)
-        rec = gpu_check.run_part("models", True, tmp_path, timeout=3)
+        rec = runner.run_part("models", True, tmp_path, timeout=3)
     finally:
         os.environ.clear()
         os.environ.update(env_before)
@@ -139,7 +144,7 @@ def test_a_part_past_its_budget_is_killed_and_recorded(tmp_path):
 
 @pytest.mark.heavy
 def test_a_spent_budget_fails_the_command_with_a_results_file(tmp_path, capsys):
-    assert gpu_check.main(["--cpu-smoke", "--out", str(tmp_path), "--parts", "resume", "--budget", "1"]) == 1
+    assert main(["--cpu-smoke", "--out", str(tmp_path), "--parts", "resume", "--budget", "1"]) == 1
     res = json.loads(next(tmp_path.glob("*-gpu_check-smoke.json")).read_text())
     assert res["parts"]["resume"]["status"] == "failed" and "budget was spent" in res["parts"]["resume"]["error"]
     assert res["exit_code"] == 1 and "FAILED: resume" in capsys.readouterr().out
@@ -153,7 +158,7 @@ def test_an_interrupted_call_keeps_the_finished_rows(tmp_path):
     import time
 
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "experiments.gpu_check", "--cpu-smoke", "--parts", "models,resume",
+    proc = subprocess.Popen([sys.executable, "-m", MODULE, "--cpu-smoke", "--parts", "models,resume",
                              "--_save_every", "0.3"], cwd=REPO, env=_blocking_env(tmp_path, OUT=str(out)),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     rows, t0 = [], time.time()
@@ -184,7 +189,7 @@ def test_an_interrupted_call_keeps_the_finished_rows(tmp_path):
 
 @pytest.mark.heavy
 def test_a_killed_calls_work_folder_is_removed_by_the_next_call(tmp_path):
-    """kill -9 of a call (a lease ending) left its temp work folder -- tiny data, runs -- for good; the
+    """kill -9 of a call (a GPU job's time limit) left its temp work folder -- tiny data, runs -- for good; the
     next call removes the folders of calls that are gone (their flock is free), never a live one's."""
     import signal
     import time
@@ -197,7 +202,7 @@ def test_a_killed_calls_work_folder_is_removed_by_the_next_call(tmp_path):
                                " fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(120)", str(live)],
                               stdout=subprocess.PIPE, text=True)
     env = _blocking_env(tmp_path, TMPDIR=str(tmp), OUT=str(tmp_path / "out"))
-    proc = subprocess.Popen([sys.executable, "-m", "experiments.gpu_check", "--cpu-smoke", "--parts", "models"],
+    proc = subprocess.Popen([sys.executable, "-m", MODULE, "--cpu-smoke", "--parts", "models"],
                             cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         assert holder.stdout.readline().strip() == "held"
@@ -210,7 +215,7 @@ def test_a_killed_calls_work_folder_is_removed_by_the_next_call(tmp_path):
         left = [d for d in tmp.glob("gpu_check_*") if d != live]
         assert len(left) == 1, left  # what a killed call leaves
         _kill_processes_naming(left[0])  # its part runs on in its own session: it must not write there again
-        r = subprocess.run([sys.executable, "-m", "experiments.gpu_check", "--cpu-smoke", "--parts", "resume",
+        r = subprocess.run([sys.executable, "-m", MODULE, "--cpu-smoke", "--parts", "resume",
                             "--budget", "1"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
         assert r.returncode == 1, r.stderr[-2000:]  # the budget is spent after the probe: a quick call
         assert sorted(tmp.glob("gpu_check_*")) == [live]
@@ -239,10 +244,10 @@ def _kill_processes_naming(path) -> None:
 def test_ddp_on_one_gpu_costs_nothing(tmp_path, monkeypatch):
     """On a GPU call the probe's GPU count decides ddp: with one GPU no process is started."""
     started = []
-    monkeypatch.setattr(gpu_check, "run_part", lambda part, *a, **k: started.append(part) or {
+    monkeypatch.setattr(runner, "run_part", lambda part, *a, **k: started.append(part) or {
         "status": "ok", "seconds": 0.1, "budget_s": 60, "error": None, "traceback": None, "note": None,
         "result": {"env": {"device_name": "GPU", "gpu_count": 1}, "slug": "gpu"}})
-    assert gpu_check.main(["--out", str(tmp_path), "--parts", "ddp"]) == 0
+    assert main(["--out", str(tmp_path), "--parts", "ddp"]) == 0
     assert started == ["env"]
     res = json.loads(next(tmp_path.glob("gpu-*-gpu_check.json")).read_text())
     assert res["parts"]["ddp"]["status"] == "skipped" and res["parts"]["ddp"]["seconds"] == 0.0
@@ -250,10 +255,10 @@ def test_ddp_on_one_gpu_costs_nothing(tmp_path, monkeypatch):
 
 def test_out_defaults_to_the_out_variable(tmp_path, monkeypatch):
     monkeypatch.setenv("OUT", str(tmp_path / "remote_out"))
-    monkeypatch.setattr(gpu_check, "run_part", lambda part, *a, **k: {
+    monkeypatch.setattr(runner, "run_part", lambda part, *a, **k: {
         "status": "ok", "seconds": 0.1, "budget_s": 60, "error": None, "traceback": None, "note": None,
         "result": {"env": {"device_name": "GPU", "gpu_count": 1}, "slug": "gpu"}})
-    assert gpu_check.main(["--parts", "ddp"]) == 0
+    assert main(["--parts", "ddp"]) == 0
     assert [p.name.endswith("-gpu_check.json") for p in (tmp_path / "remote_out").iterdir()] == [True]
 
 
@@ -269,12 +274,12 @@ def test_a_call_runs_its_parts_in_order_each_within_its_limit(tmp_path, monkeypa
         return {"status": "ok", "seconds": 0.1, "budget_s": round(limit), "error": None, "traceback": None, "note": None,
                 "result": result}
 
-    monkeypatch.setattr(gpu_check, "run_part", run_part)
-    assert gpu_check.main(["--out", str(tmp_path), "--budget", "150", "--limit", "headline=240,e2e=30"]) == 0
+    monkeypatch.setattr(runner, "run_part", run_part)
+    assert main(["--out", str(tmp_path), "--budget", "150", "--limit", "headline=240,e2e=30"]) == 0
     assert [p for p, _ in started][:4] == ["env", "headline", "e2e", "ssd_e2e"]
-    assert [p for p, _ in started[1:]] == [p for p in gpu_check.PARTS if p != "ddp"]
+    assert [p for p, _ in started[1:]] == [p for p in PARTS if p != "ddp"]
     for part, limit in started[1:]:
-        own = {"headline": 240, "e2e": 30}.get(part, gpu_check.GPU_BUDGET_S[part])
+        own = {"headline": 240, "e2e": 30}.get(part, runner.GPU_BUDGET_S[part])
         assert min(own, 150) - 10 < limit <= min(own, 150), (part, limit)  # the call's 150 s caps headline
     res = json.loads(next(tmp_path.glob("gpu-*-gpu_check.json")).read_text())
     assert res["budget_s"] == 150 and res["part_budgets_s"]["e2e"] == 30 and res["parts"]["ddp"]["status"] == "skipped"
@@ -285,17 +290,17 @@ def test_report_merges_a_machines_calls(tmp_path):
     ds2_worst from the rerun, resume from the first), the cut models part with the rows it finished."""
     import shutil
 
-    src = REPO / gpu_check.RESULTS_DIR
+    src = REPO / runner.RESULTS_DIR
     calls = [shutil.copy(src / f"nvidia-h200-2026-11-27-gpu_check-call{i}.json", tmp_path) for i in (1, 2)]
-    res = gpu_check.merge([json.loads(open(c).read()) for c in calls])
+    res = merge([json.loads(open(c).read()) for c in calls])
     assert {p: (r["call"], r["status"]) for p, r in res["parts"].items()} == {
         "headline": (2, "ok"), "resume": (1, "ok"), "ds2_worst": (2, "ok"), "models": (1, "failed"),
         "ddp": (1, "skipped")}
-    assert gpu_check.main(["--report", *map(str, calls)]) == 0
+    assert main(["--report", *map(str, calls)]) == 0
     md = (tmp_path / "nvidia-h200-2026-11-27-gpu_check.md").read_text()
     assert "| mixed (paper) | NHWC | 6,018 |" in md and "Not reached in its time limit: resnet50_preact" in md
     bad = tmp_path / "x.json"
     bad.write_text("{}")
     with pytest.raises(SystemExit) as e:
-        gpu_check.main(["--report", str(bad)])
+        main(["--report", str(bad)])
     assert e.value.code == 2

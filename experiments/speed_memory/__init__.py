@@ -16,8 +16,6 @@ from __future__ import annotations
 import shlex
 import sys
 
-import torch
-
 DEFAULTS = {
     "models": "all", "precisions": "fp32,tf32,fp16,mixed,bf16,fp16_pure", "impls": "autocast,paper",
     "batch": 256, "size": "auto", "width": 1.0, "steps": 20, "warmup": 5, "device": "auto",
@@ -59,6 +57,9 @@ def _check(o: dict) -> None:
 
 
 def main(overrides: list[str]) -> dict:
+    # torch here, not at the top: the package's gpu_check parent process imports none (its parts do)
+    import torch
+
     from experiments.speed_memory import bench, engine_overhead, report
     from mpt.config import parse_options
     from mpt.ranks import pick_device
