@@ -345,8 +345,8 @@ def test_the_doctor_takes_the_translation_task_and_its_plateau_schedule_is_the_s
     sched = PlateauLR(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), lambda u: 1.0, 0.5, 1)
     from mpt.step import TrainStep
 
-    step = TrainStep(lambda ctx, mb: ({"loss": torch.tensor(float(mb[0]))}, 1), torch.nn.Linear(1, 1),
-                     {"main": sched.optimizer}, _NoRecipe(), scheds={"main": sched})
+    step = TrainStep(None, torch.nn.Linear(1, 1), {"main": sched.optimizer}, _NoRecipe(), scheds={"main": sched},
+                     body=lambda ctx, mb: ({"loss": torch.tensor(float(mb[0]))}, 1))
     for loss in (1.0, 1.0, 1.0, 2.0):  # the fourth window's mean above the three before it: decay
         step([loss])
     assert sched.multiplier == 0.5 and sched.history == [1.0, 1.0, 2.0]

@@ -319,8 +319,33 @@ def prepare(archives: Path, out: Path, corpora: list[str] | None = None, vocab: 
     raw, text = part / "raw", part / "text"
     raw.mkdir(exist_ok=True)
     text.mkdir(exist_ok=True)
+    counts = _pair_corpora(archives, chosen, state, raw, text, log)
+    counts["dev"], counts["test"] = _dev_and_test(archives, state, raw, text)
+    sps, sizes, dtype = _subwords(chosen, counts, state, part, text, vocab, spm_sentences, log)
+    tokens = _write_ids(chosen, counts, state, part, text, out, sps, dtype)
+    pairs = {"train": sum(counts[c]["pairs"] for c in chosen), "dev": counts["dev"]["pairs"],
+             "test": counts["test"]["pairs"]}
+    for split, n in pairs.items():  # the count check of what was written against what was read
+        for lang in (SRC, TGT):
+            got = np.fromfile(out / f"{split}.{lang}.idx", dtype=np.int64).size - 1
+            if got != n:
+                raise RuntimeError(f"wrote {got} {split}.{lang} sentences, expected {n}")
+    info = {"dataset": "wmt15-fren", "src": SRC, "tgt": TGT, "corpora": chosen,
+            "missing_corpora": [c for c in CORPORA if c not in chosen], "counts": counts, "pairs": pairs,
+            "tokens": tokens, "vocab": sizes, "vocab_requested": vocab, "dtype": np.dtype(dtype).name,
+            "special_ids": {"pad": PAD, "bos": BOS, "eos": EOS, "unk": UNK},
+            "spm_digest": {lang: sampled_digest(out / f"spm.{lang}.model") for lang in (SRC, TGT)},
+            "archives": sources, "seconds": round(time.time() - t0, 1),
+            "prepared_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    atomic_write_json(marker, info)
+    shutil.rmtree(part, ignore_errors=True)
+    log(f"prepared WMT15 {SRC}-{TGT} in {out}: {pairs['train']:,} training pairs from {', '.join(chosen)}, "
+        f"dev {pairs['dev']:,}, test {pairs['test']:,}; vocabularies {sizes}")
+    return info
 
-    # 1. each training corpus: extract its two members, keep aligned non-empty pairs
+
+def _pair_corpora(archives: Path, chosen: list[str], state, raw: Path, text: Path, log) -> dict:
+    """1. each training corpus: extract its two members, keep aligned non-empty pairs (resumable)."""
     counts = {}
     for c in chosen:
         k = CORPORA[c]
@@ -339,8 +364,11 @@ def prepare(archives: Path, out: Path, corpora: list[str] | None = None, vocab: 
         if got["pairs"] == 0:  # it would be listed in the marker's corpora but add nothing
             raise UserError(_fetch(f"{k.archive} holds no sentence pair ({got['lines']:,} lines, every one "
                                    f"with an empty side); or leave {c} out with --corpora"))
+    return counts
 
-    # 2. dev (plain text) and test (SGML)
+
+def _dev_and_test(archives: Path, state, raw: Path, text: Path) -> tuple[dict, dict]:
+    """2. dev (plain text) and test (SGML): their counts."""
     if state.get("dev") is None:
         files = {lang: raw / f"{DEV.stem}.{lang}" for lang in (SRC, TGT)}
         extract(archives / DEV.archive, {p.name: p for p in files.values()})
@@ -359,9 +387,11 @@ def prepare(archives: Path, out: Path, corpora: list[str] | None = None, vocab: 
         for lang, lines in ((SRC, src), (TGT, tgt)):
             atomic_write(text / f"test.{lang}", lambda f, lines=lines: f.write("".join(s + "\n" for s in lines).encode()))
         state.set("test", {"lines": len(src), "pairs": len(src), "dropped_empty": 0})
-    counts["dev"], counts["test"] = state.get("dev"), state.get("test")
+    return state.get("dev"), state.get("test")
 
-    # 3. one SentencePiece model per language, trained on the training text
+
+def _subwords(chosen, counts, state, part: Path, text: Path, vocab: int, spm_sentences: int, log):
+    """3. one SentencePiece model per language, trained on the training text -> (processors, sizes, id dtype)."""
     import sentencepiece as spm
 
     for lang in (SRC, TGT):
@@ -374,8 +404,12 @@ def prepare(archives: Path, out: Path, corpora: list[str] | None = None, vocab: 
     sps = {lang: spm.SentencePieceProcessor(model_file=str(part / f"spm.{lang}.model")) for lang in (SRC, TGT)}
     sizes = {lang: sps[lang].get_piece_size() for lang in (SRC, TGT)}
     dtype = np.uint16 if max(sizes.values()) <= 65536 else np.uint32
+    return sps, sizes, dtype
 
-    # 4. ids: each corpus on its own (resumable), then the training set as their concatenation
+
+def _write_ids(chosen, counts, state, part: Path, text: Path, out: Path, sps, dtype) -> dict:
+    """4. ids: each corpus on its own (resumable), then the training set as their concatenation, written to
+    `out` with dev, test, their text and the subword models -> tokens per split and language."""
     ids = part / "ids"
     ids.mkdir(exist_ok=True)
     todo = [(name, lang) for name in chosen + ["dev", "test"] for lang in (SRC, TGT)
@@ -405,22 +439,4 @@ def prepare(archives: Path, out: Path, corpora: list[str] | None = None, vocab: 
             shutil.copyfile(text / f"{split}.{lang}", out / f"{split}.{lang}.txt")
             tokens[f"{split}.{lang}"] = int(np.fromfile(out / f"{split}.{lang}.idx", dtype=np.int64)[-1])
         shutil.copyfile(part / f"spm.{lang}.model", out / f"spm.{lang}.model")
-    pairs = {"train": sum(counts[c]["pairs"] for c in chosen), "dev": counts["dev"]["pairs"],
-             "test": counts["test"]["pairs"]}
-    for split, n in pairs.items():  # the count check of what was written against what was read
-        for lang in (SRC, TGT):
-            got = np.fromfile(out / f"{split}.{lang}.idx", dtype=np.int64).size - 1
-            if got != n:
-                raise RuntimeError(f"wrote {got} {split}.{lang} sentences, expected {n}")
-    info = {"dataset": "wmt15-fren", "src": SRC, "tgt": TGT, "corpora": chosen,
-            "missing_corpora": [c for c in CORPORA if c not in chosen], "counts": counts, "pairs": pairs,
-            "tokens": tokens, "vocab": sizes, "vocab_requested": vocab, "dtype": np.dtype(dtype).name,
-            "special_ids": {"pad": PAD, "bos": BOS, "eos": EOS, "unk": UNK},
-            "spm_digest": {lang: sampled_digest(out / f"spm.{lang}.model") for lang in (SRC, TGT)},
-            "archives": sources, "seconds": round(time.time() - t0, 1),
-            "prepared_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-    atomic_write_json(marker, info)
-    shutil.rmtree(part, ignore_errors=True)
-    log(f"prepared WMT15 {SRC}-{TGT} in {out}: {pairs['train']:,} training pairs from {', '.join(chosen)}, "
-        f"dev {pairs['dev']:,}, test {pairs['test']:,}; vocabularies {sizes}")
-    return info
+    return tokens
