@@ -1,4 +1,4 @@
-"""The command line every data_prep command shares (data_prep.common): prep_command and
+"""The command line every data_prep command shares (data_prep.command): prep_command and
 generator_command parse alike, a mistake is one line, and a complete output is skipped unless --force."""
 from pathlib import Path
 
@@ -6,7 +6,7 @@ import pytest
 
 
 def test_data_prep_commands_share_one_command_line(tmp_path, capsys):
-    from data_prep.common import prep_command
+    from data_prep.command import prep_command
 
     got = {}
     main = prep_command("x", "test", lambda src, out, **kw: got.update(src=src, out=out, **kw) or got,
@@ -21,7 +21,7 @@ def test_data_prep_commands_share_one_command_line(tmp_path, capsys):
 
 
 def test_generators_share_one_command_line(capsys):
-    from data_prep.common import generator_command
+    from data_prep.command import generator_command
     from mpt.errors import UserError
 
     calls = []
@@ -45,7 +45,7 @@ def test_generators_share_one_command_line(capsys):
 
 
 def test_already_prepared_skips_only_a_complete_output(tmp_path):
-    from data_prep.common import MARKER, already_prepared
+    from data_prep.prepared import MARKER, already_prepared
     from mpt.errors import UserError
 
     logs = []

@@ -302,7 +302,7 @@ def test_digits_prepare_like_imagenet_with_every_label_right(tmp_path):
 
 @pytest.mark.parametrize("name", ["/etc/x", "../x", "a/../../x", "a\\b", ""])
 def test_unsafe_archive_names_are_refused(name):
-    from data_prep.common import safe_name, safe_relpath
+    from data_prep.archives import safe_name, safe_relpath
     from mpt.errors import UserError
     with pytest.raises(UserError, match="unsafe member"):
         safe_relpath(name, "member", "x.tar")

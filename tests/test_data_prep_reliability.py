@@ -151,7 +151,7 @@ def test_same_archives_give_the_same_bytes_and_fingerprint(name, sources, clean,
 
 # ------------------------------------------------------------------ progress of a long step
 
-# One progress line of data_prep.common.Progress: "<what>: <done>[/<total> (<n>%)], <rate>/s, <t> elapsed[, ~<t> left]"
+# One progress line of data_prep.progress.Progress: "<what>: <done>[/<total> (<n>%)], <rate>/s, <t> elapsed[, ~<t> left]"
 PROGRESS_LINE = re.compile(r"^.+: [\d,.]+( [kMG]?B)?(/[\d,.]+( [kMG]?B)?)?( [a-z]+)?( \(\d+%\))?, "
                            r"[\d,.]+( [kMG]?B| [a-z]+)?/s, [\dhms]+ elapsed(, ~[\dhms]+ left)?$")
 
@@ -178,7 +178,7 @@ class _Terminal(io.StringIO):
 
 
 def test_progress_redraws_one_line_on_a_terminal_prints_lines_in_a_log_and_nothing_when_quick(monkeypatch):
-    from data_prep.common import Progress
+    from data_prep.progress import Progress
 
     monkeypatch.setenv("DATA_PREP_PROGRESS", "1e-9")
     tty, log = _Terminal(), io.StringIO()
@@ -530,7 +530,7 @@ def _aishell_release(d, samples):
     import soundfile as sf
 
     from data_prep.aishell.prepare import ARCHIVE, ROOT, TRANSCRIPT
-    from data_prep.common import add_member, tar_gz_writer
+    from data_prep.archives import add_member, tar_gz_writer
 
     wav = io.BytesIO()
     sf.write(wav, samples, 16_000, format="WAV", subtype="FLOAT")

@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_a_prepared_json_missing_its_keys_is_one_line(tmp_path):
-    from data_prep.common import read_prepared
+    from data_prep.prepared import read_prepared
 
     (tmp_path / "prepared.json").write_text(json.dumps({"dataset": "ILSVRC2012"}))
     info = read_prepared(tmp_path, "rerun the prep with --force")

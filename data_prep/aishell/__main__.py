@@ -1,7 +1,7 @@
 """python -m data_prep.aishell --archives DIR --out DIR [--force]"""
 from __future__ import annotations
 
-from ..common import prep_command
+from ..command import prep_command
 from .prepare import ARCHIVE, prepare
 
 main = prep_command(

@@ -1,7 +1,7 @@
 """python -m data_prep.celeba --archives DIR --out DIR [--force]"""
 from __future__ import annotations
 
-from ..common import prep_command
+from ..command import prep_command
 from .prepare import ATTR, PARTITION, ZIP, prepare
 
 main = prep_command(

@@ -29,7 +29,9 @@ import zipfile
 import zlib
 from pathlib import Path
 
-from data_prep.common import MARKER, Progress, already_prepared, decode_image, safe_relpath, sweep_temp_files
+from data_prep.archives import decode_image, safe_relpath
+from data_prep.prepared import MARKER, already_prepared, sweep_temp_files
+from data_prep.progress import Progress
 from mpt.errors import UserError
 from mpt.rundir import atomic_write_bytes, atomic_write_json, sampled_digest
 

@@ -26,7 +26,7 @@ from PIL import Image
 
 from mpt.errors import UserError
 
-from ..common import generator_command
+from ..command import generator_command
 from ..imagenet import real_photos
 from .dataset import CROP_BOX
 from .prepare import ATTR, PARTITION, ZIP

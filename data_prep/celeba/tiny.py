@@ -22,7 +22,7 @@ from PIL import Image, ImageDraw, ImageFilter
 from mpt.errors import UserError
 from mpt.rundir import atomic_write_bytes, atomic_write_text
 
-from ..common import generator_command
+from ..command import generator_command
 from .prepare import ATTR, FOLDER, PARTITION, ZIP
 
 W, H = 178, 218

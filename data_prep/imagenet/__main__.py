@@ -1,7 +1,7 @@
 """python -m data_prep.imagenet --archives DIR --out DIR [--force] [--workers N]"""
 from __future__ import annotations
 
-from ..common import prep_command
+from ..command import prep_command
 from .prepare import ARCHIVES, prepare
 
 main = prep_command(

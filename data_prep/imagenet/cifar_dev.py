@@ -34,7 +34,7 @@ import numpy as np
 from mpt.config import REPO
 from mpt.errors import UserError
 
-from ..common import generator_command
+from ..command import generator_command
 from .tiny import wnid, write_archives
 
 SOURCE = "data_prep.imagenet.cifar_dev"

@@ -18,7 +18,7 @@ from torchvision.datasets import ImageFolder
 
 from mpt.errors import UserError
 
-from ..common import read_prepared
+from ..prepared import read_prepared
 from .prepare import CLASSES, MARKER
 
 SPLITS = ("train", "val")

@@ -23,7 +23,7 @@ from PIL import Image
 
 from mpt.errors import UserError
 
-from ..common import generator_command
+from ..command import generator_command
 from .tiny import jpeg, wnid, write_archives
 
 SOURCE = "data_prep.imagenet.digits"

@@ -176,7 +176,7 @@ def decode_for(data: bytes, p: Plan, h: int, w: int) -> tuple[torch.Tensor, tupl
     greyscale JPEGs come out as RGB either way."""
     from torchvision.transforms.functional import pil_to_tensor
 
-    from data_prep.common import rgb_tensor
+    from data_prep.archives import rgb_tensor
 
     f = dct_factor(p, h, w)
     if f >= 2:
@@ -261,7 +261,7 @@ def decode_on_device(batch: EncodedBatch, device: torch.device) -> torch.Tensor:
 
 
 def _host_decode(data: torch.Tensor, where: tuple[str, str]) -> torch.Tensor:
-    from data_prep.common import rgb_tensor
+    from data_prep.archives import rgb_tensor
 
     from .dataset import damaged
 

@@ -30,8 +30,9 @@ import time
 import zlib
 from pathlib import Path, PurePosixPath
 
-from data_prep.common import (MARKER, Progress, already_prepared, decode_image, safe_name, safe_relpath,
-                              sweep_temp_files)
+from data_prep.archives import decode_image, safe_name, safe_relpath
+from data_prep.prepared import MARKER, already_prepared, sweep_temp_files
+from data_prep.progress import Progress
 from mpt.errors import UserError
 from mpt.rundir import sampled_digest, atomic_write_json
 
@@ -232,7 +233,7 @@ def _write_members(tar: tarfile.TarFile, folder: Path, wnid: str, archive: Path)
 
 
 def _copy_image(src, dest: Path, what: str, archive: Path) -> None:
-    """Write one image member to dest once it decodes in full (data_prep.common.decode_image): a damaged
+    """Write one image member to dest once it decodes in full (data_prep.archives.decode_image): a damaged
     JPEG copied as is failed only when training reached it, possibly hours in."""
     data = src.read()
     decode_image(data, what, f"{archive.name} is damaged: re-download it from https://image-net.org")

@@ -32,7 +32,7 @@ from PIL import Image
 from mpt.errors import UserError
 from mpt.rundir import atomic_write
 
-from ..common import generator_command
+from ..command import generator_command
 from .prepare import DEVKIT, TRAIN_TAR, VAL_TAR
 
 MTIME = 1_325_376_000  # 2012-01-01: a fixed time in every archive header makes the output reproducible

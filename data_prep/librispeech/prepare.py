@@ -30,7 +30,9 @@ import time
 import zlib
 from pathlib import Path
 
-from data_prep.common import MARKER, Progress, already_prepared, safe_name, safe_relpath, sweep_temp_files
+from data_prep.archives import safe_name, safe_relpath
+from data_prep.prepared import MARKER, already_prepared, sweep_temp_files
+from data_prep.progress import Progress
 from data_prep.speech import SAMPLE_RATE, decode, write_manifest
 from mpt.errors import UserError
 from mpt.rundir import atomic_write_bytes, atomic_write_json, sampled_digest

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from data_prep.common import add_member, generator_command, tar_gz_writer
+from data_prep.archives import add_member, tar_gz_writer
+from data_prep.command import generator_command
 from data_prep.speech import encode, espeak
 from mpt.errors import UserError
 from mpt.rundir import atomic_write_bytes

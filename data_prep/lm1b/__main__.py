@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..common import prep_command
+from ..command import prep_command
 from .prepare import ARCHIVE, MIN_COUNT, URL, prepare
 
 

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from data_prep.common import check_id_file, read_prepared
+from data_prep.prepared import check_id_file, read_prepared
 from mpt.errors import UserError
 
 from .prepare import BOS, EOS, MARKER, UNK, VOCAB, load_vocab

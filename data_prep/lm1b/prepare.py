@@ -44,7 +44,10 @@ from pathlib import Path
 
 import numpy as np
 
-from data_prep.common import MARKER, Progress, already_prepared, check_id_file, safe_relpath, sweep_temp_files, worker_pool
+from data_prep.archives import safe_relpath
+from data_prep.prepared import MARKER, already_prepared, check_id_file, sweep_temp_files
+from data_prep.progress import Progress
+from data_prep.workers import worker_pool
 from mpt.errors import UserError
 from mpt.rundir import atomic_write_bytes, atomic_write_json
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 
-from ..common import generator_command
+from ..command import generator_command
 from .prepare import HELDOUT, TRAIN
 from .tiny import write_release
 

@@ -26,7 +26,7 @@ import numpy as np
 from mpt.errors import UserError
 from mpt.rundir import atomic_write_bytes
 
-from ..common import generator_command
+from ..command import generator_command
 from .prepare import ARCHIVE, HELDOUT, HELDOUT_DIR, TOP, TRAIN, TRAIN_DIR
 
 MTIME = 1_325_376_000  # fixed archive times: reproducible bytes

@@ -17,7 +17,8 @@ from torchvision import tv_tensors
 
 from mpt.errors import UserError
 
-from ..common import read_prepared, rgb_tensor
+from ..archives import rgb_tensor
+from ..prepared import read_prepared
 from .prepare import MARKER, check_box, parse_annotation
 
 
@@ -31,7 +32,7 @@ def read_marker(root) -> dict:
 
 def read_rgb(path: str) -> torch.Tensor:
     """A JPEG as uint8 3 x H x W in HWC memory (channels last, what uint8 resizing is fast on):
-    data_prep.common.rgb_tensor, the same pixels as PIL's in about 2/3 of its time (VOC-sized photographs)."""
+    data_prep.archives.rgb_tensor, the same pixels as PIL's in about 2/3 of its time (VOC-sized photographs)."""
     return rgb_tensor(Path(path).read_bytes())
 
 

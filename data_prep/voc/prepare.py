@@ -14,7 +14,7 @@ loader (dataset.py). Only the detection parts are unpacked (JPEGImages, Annotati
 segmentation masks and the layout/action lists are not needed for Table 2.
 
 Checks: each archive opens as a tar and is read to its end (a truncated download fails), member
-paths stay inside OUT (data_prep.common.safe_relpath), every id of ImageSets/Main/<split>.txt has a
+paths stay inside OUT (data_prep.archives.safe_relpath), every id of ImageSets/Main/<split>.txt has a
 JPEG that decodes whole (a damaged body fails here, not in training) and a well-formed annotation
 (root <annotation>, each <object> with a plain <name>, a numeric <bndbox> with xmin <= xmax and
 ymin <= ymax, <difficult> 0/1) whose every box covers at least a pixel of the decoded image (a box
@@ -33,7 +33,9 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from data_prep.common import MARKER, Progress, already_prepared, decode_image, safe_name, safe_relpath, sweep_temp_files
+from data_prep.archives import decode_image, safe_name, safe_relpath
+from data_prep.prepared import MARKER, already_prepared, sweep_temp_files
+from data_prep.progress import Progress
 from mpt.errors import UserError
 from mpt.rundir import atomic_write_bytes, atomic_write_json, sampled_digest
 

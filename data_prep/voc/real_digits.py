@@ -21,7 +21,7 @@ from PIL import Image
 
 from mpt.errors import UserError
 
-from ..common import generator_command
+from ..command import generator_command
 from .prepare import ARCHIVES
 from .tiny import finish_object, place, write_release
 

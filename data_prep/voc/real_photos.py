@@ -25,7 +25,7 @@ from PIL import Image
 
 from mpt.errors import UserError
 
-from ..common import generator_command
+from ..command import generator_command
 from ..imagenet.real_photos import NAMES, PHOTOS, load
 from .prepare import ARCHIVES
 from .tiny import finish_object, place, write_release

@@ -23,7 +23,7 @@ from PIL import Image, ImageDraw
 from mpt.errors import UserError
 from mpt.rundir import atomic_write_bytes
 
-from ..common import generator_command
+from ..command import generator_command
 from .prepare import ARCHIVES
 
 CLASSES = ("circle", "square", "triangle")

@@ -5,7 +5,7 @@ import argparse
 
 from mpt.errors import UserError
 
-from ..common import prep_command
+from ..command import prep_command
 from .prepare import CORPORA, SPM_SENTENCES, URL, VOCAB, prepare
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data_prep.common import check_id_file, read_prepared
+from data_prep.prepared import check_id_file, read_prepared
 from mpt.errors import UserError
 from mpt.rundir import sampled_digest
 

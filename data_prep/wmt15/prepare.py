@@ -11,7 +11,7 @@ fairseq's prepare-wmt14en2fr.sh and the TensorFlow translate.py tutorial read th
     dev.tgz                             dev/newstest2013.{en,fr}              (validation: translate.py's dev set)
     test-full.tgz                       test-full/newstest2014-fren-src.en.sgm, -ref.fr.sgm (test, SGML)
 
-A member is found by its file name (any folder above it, checked by data_prep.common.safe_relpath).
+A member is found by its file name (any folder above it, checked by data_prep.archives.safe_relpath).
 A subset of the training corpora is allowed (--corpora, default: every corpus whose archive is there);
 the dev and test archives are required.
 
@@ -55,7 +55,9 @@ from pathlib import Path, PurePosixPath
 
 import numpy as np
 
-from data_prep.common import MARKER, Progress, already_prepared, safe_relpath, sweep_temp_files
+from data_prep.archives import safe_relpath
+from data_prep.prepared import MARKER, already_prepared, sweep_temp_files
+from data_prep.progress import Progress
 from mpt.errors import UserError
 from mpt.rundir import atomic_write, atomic_write_json, sampled_digest
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from mpt.errors import UserError
 
-from ..common import generator_command
+from ..command import generator_command
 from .tiny import write_release
 
 LOCALE_DIR = "/usr/share/locale"

@@ -23,7 +23,7 @@ import numpy as np
 from mpt.errors import UserError
 from mpt.rundir import atomic_write_bytes
 
-from ..common import generator_command
+from ..command import generator_command
 from .prepare import CORPORA, DEV, SRC, TEST_ARCHIVE, TEST_FILES, TGT
 
 # (English singular, English plural, French singular, French plural, gender)
