@@ -11,7 +11,7 @@ from mpt import cli, formats, precision, precisions
 from mpt import config as C
 from mpt.config import Config, FP8Cfg, FmtCfg
 from mpt.errors import UserError
-from mpt.fp8 import FP8Math, FP8State, block_quantize, round_to
+from mpt.fp8 import FP8State, block_quantize, round_to
 
 NOWHERE = "task.data_root=/nonexistent"
 
