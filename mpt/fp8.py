@@ -28,7 +28,9 @@ the gradient of its output sequence is), dot products without a weight (attentio
 With fp8.ends=bf16 the model's ends compute on BF16 operands, found from its dataflow at its first
 forward (FP8State.find_ends): every layer that reads the model's input without another layer before it,
 and every layer whose output reaches no other layer (a classifier, each of a detector's prediction
-convolutions).
+convolutions). A recipe's keep_last (mpt.formats.FormatRecipe) keeps the last of the layers in the order of
+that probe's calls in BF16 too (FP8State.kept_last); its bf16_tail puts every product on BF16 operands for the
+last steps (FP8State.wide, set per iteration by mpt.precision.BF16Tail).
 """
 from __future__ import annotations
 
