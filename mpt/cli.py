@@ -8,7 +8,7 @@ from __future__ import annotations
 import signal
 import sys
 
-from mpt import config
+from mpt import config, precisions
 from mpt.engine import run
 from mpt.errors import UserError, cli
 from mpt.rundir import FINAL
@@ -67,6 +67,8 @@ def cli_main(experiment: str | config.Experiment, argv: list[str] | None = None)
         # What a grid cell will do, before it does it (the same resolution as a run).
         cfg = cli(config.resolve)(experiment, argv)
         print(config.dump_yaml(cfg), end="")
+        for line in precisions.format_lines(cfg):
+            print(f"# {line}")
         print(f"# run directory: {config.run_dir(cfg)}")
         return
     cli_run(lambda: main(experiment, argv), where=lambda: config.run_dir(config.resolve(experiment, argv)))

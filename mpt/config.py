@@ -137,6 +137,39 @@ class FP8Cfg:
     ends: str = "bf16"  # bf16: first and last weight-bearing layer of each model in BF16 | fp8: every layer
 
 
+PRESET = "preset"  # a fmt.* key left to the precision's preset (mpt.formats.RECIPES)
+
+
+@dataclass
+class RoleFmtCfg:
+    # One tensor role's format (mpt.formats.TensorFormat's fields); `preset`: the precision's own.
+    element: str = PRESET  # e4m3 | e5m2 | e2m1 | fp16 | bf16 | any row of mpt.formats.ELEMENTS; none: drop an own operand
+    granularity: str = PRESET  # tensor | row | tile128 | block128x128 | mx32 | nvfp4_16 | block16x16
+    scale_rounding: str = PRESET  # exact | pow2 | floor | rceil | e4m3
+    rounding: str = PRESET  # nearest | stochastic
+    hadamard: typing.Literal["preset", True, False] = PRESET  # the 16x16 random Hadamard transform
+
+
+@dataclass
+class FmtCfg:
+    # The format recipe of a simulated-format precision (fp8, fp8_rowwise, ..., nvfp4: mpt.formats), field by
+    # field; every key at `preset` trains the precision's preset as it is. mpt.precisions.format_recipe
+    # resolves them; an impossible combination is a one-line error there.
+    x: RoleFmtCfg = field(default_factory=RoleFmtCfg)  # the input activations
+    w: RoleFmtCfg = field(default_factory=RoleFmtCfg)  # the weights
+    g: RoleFmtCfg = field(default_factory=RoleFmtCfg)  # the gradient arriving at each product's output
+    # The backward products' own operands (FormatRecipe): the weight for the data gradient, and x and g for
+    # the weight gradient under wgrad=own; a field set here starts from the preset's (or from w, x, g).
+    w_dgrad: RoleFmtCfg = field(default_factory=RoleFmtCfg)
+    x_wgrad: RoleFmtCfg = field(default_factory=RoleFmtCfg)
+    g_wgrad: RoleFmtCfg = field(default_factory=RoleFmtCfg)
+    wgrad: str = PRESET  # shared | high | own
+    accumulate: str = PRESET  # fp32 | an element format (linear layers only)
+    # The last fraction of the weight-bearing layers kept in BF16; the last fraction of the steps in BF16.
+    keep_last: float | typing.Literal["preset"] = PRESET
+    bf16_tail: float | typing.Literal["preset"] = PRESET
+
+
 @dataclass
 class WandbCfg:
     mode: typing.Literal["auto", "online", "offline", "disabled"] = infra("auto")  # auto: online with WANDB_API_KEY
@@ -164,6 +197,7 @@ class Config:
     # nearest | stochastic (seeded, checkpointed) | kahan (a compensation buffer per weight)
     rounding: str = "nearest"
     fp8: FP8Cfg = field(default_factory=FP8Cfg)
+    fmt: FmtCfg = field(default_factory=FmtCfg)  # the simulated formats' recipe, field by field (beyond the paper)
     tf32: bool = False  # off by default so FP32 baselines are strict
     # NHWC activations and weights: on CUDA the tensor cores' convolutions read them directly (no
     # transposes). A speed setting, not part of a run's identity; auto = on for the image CNNs
@@ -748,7 +782,8 @@ def _flat(d: dict, prefix: str = "") -> dict:
 # Keys added after runs were stored, with the value that reproduces those runs: at that value a key is
 # left out of the content id (the runs keep their ids and directories) and a stored config without it
 # is the same run. Another value is another run.
-_ADDED_KEYS = {"half_math": "auto", "rounding": "nearest", "fp8": dataclasses.asdict(FP8Cfg())}
+_ADDED_KEYS = {"half_math": "auto", "rounding": "nearest", "fp8": dataclasses.asdict(FP8Cfg()),
+               "fmt": dataclasses.asdict(FmtCfg())}
 # The same for keys inside a section (a dotted path; the section of experiments that have the key).
 _ADDED_NESTED_KEYS = {"task.decode": "cpu"}
 # Keys that became infrastructure (speed settings) after runs were stored, with the value those runs'

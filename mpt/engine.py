@@ -215,6 +215,7 @@ class Run:
         # (SeededDataset), not here.
         if self.rank > 0:
             torch.manual_seed(rank_seed(cfg.seed, self.rank))
+        self.observers += list(recipe.observers(self.total_steps))  # first: what the recipe runs, the others see
         if cfg.numerics.sqnr_every > 0:
             from mpt.numerics import FidelityObserver
 

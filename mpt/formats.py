@@ -20,9 +20,14 @@ activation (x), its weight (w) and the gradient arriving at its output (g):
                shared scale, E4M3 elements; the scale rounded up ("RCEIL", arXiv 2506.08027) where the
                spec's FLOOR can push a block's largest value past E4M3's 448.
     nvfp4      NVIDIA's NVFP4 recipe (arXiv 2509.25149) as Transformer Engine's NVFP4BlockScaling runs
-               it: E2M1 elements in 16-element blocks with an E4M3 block scale and an FP32 per-tensor
-               scale; gradients rounded stochastically; a 16x16 random Hadamard transform on the
-               weight-gradient product's operands only, along the batch.
+               it by default: E2M1 elements in 16-element blocks with an E4M3 block scale and an FP32
+               per-tensor scale, weights in 2-D 16x16 blocks; gradients rounded stochastically; a 16x16
+               random Hadamard transform on the weight-gradient product's operands only, along the batch.
+    nvfp4_paper  the NVFP4 pretraining paper's recipe (arXiv 2509.25149): nvfp4, with the last 15% of the
+               weight-bearing layers kept in BF16 (keep_last) and BF16 for the last 18% of the steps
+               (bf16_tail).
+
+Every field of a recipe is a config key too (fmt.*, mpt.precisions.format_recipe): unset, the preset's.
 
 A block runs along the tensor's reduction axis in the forward product (a linear layer's input
 features, a convolution's input channels; mpt.fp8._AXES). By default the backward products read the
@@ -157,8 +162,11 @@ def element_names() -> tuple[str, ...]:
 
 # tensor: one scale per tensor; row: one per row along the reduction axis; tile128: 1x128 tiles
 # along it; block128x128: 128x128 blocks of the 2-D view (rows x reduction axis); mx32: OCP MX
-# 32-element blocks; nvfp4_16: 16-element blocks with E4M3 scales under an FP32 per-tensor scale.
-GRANULARITIES = ("tensor", "row", "tile128", "block128x128", "mx32", "nvfp4_16")
+# 32-element blocks; nvfp4_16: 16-element blocks with E4M3 scales under an FP32 per-tensor scale;
+# block16x16: 16x16 blocks of the 2-D view (Transformer Engine's NVFP4 weights, with E4M3 scales).
+GRANULARITIES = ("tensor", "row", "tile128", "block128x128", "mx32", "nvfp4_16", "block16x16")
+# The 2-D granularities: rows of a block (the rest of the view's leading axes: a layer's outputs).
+BLOCK_ROWS = {"block128x128": 128, "block16x16": 16}
 # exact: FP32 scale = format max / amax; pow2: that rounded down to a power of 2; floor: OCP MX's
 # shared exponent floor(log2 amax) - emax(element); rceil: 2^ceil(log2(amax / format max)) (never
 # overflows); e4m3: NVFP4's block scale, amax / format max rounded to E4M3.
@@ -183,8 +191,12 @@ class TensorFormat:
         _one_of("scale granularity", self.granularity, GRANULARITIES)
         _one_of("scale rounding", self.scale_rounding, SCALE_ROUNDINGS)
         _one_of("rounding", self.rounding, ROUNDINGS)
-        if (self.granularity == "nvfp4_16") != (self.scale_rounding == "e4m3"):
-            raise ValueError("nvfp4_16 blocks and E4M3 scales go together (arXiv 2509.25149)")
+        if self.granularity == "nvfp4_16" and self.scale_rounding != "e4m3":
+            raise ValueError("nvfp4_16 blocks have E4M3 scales under an FP32 tensor scale: scale_rounding e4m3 "
+                             "(arXiv 2509.25149)")
+        if self.scale_rounding == "e4m3" and (self.block or 0) != 16:
+            raise ValueError("E4M3 block scales (NVFP4's) are for 16-element blocks: granularity nvfp4_16 or "
+                             "block16x16")
         if self.hadamard and (self.block or 1) % 16:
             raise ValueError("the random Hadamard transform is 16x16: blocks of a multiple of 16 elements")
         if self.granularity == "mx32" and self.scale_rounding not in ("floor", "rceil"):
@@ -193,7 +205,7 @@ class TensorFormat:
     @property
     def block(self) -> int | None:
         """Elements per block along the reduction axis (None: the whole axis or the whole tensor)."""
-        return {"tile128": 128, "block128x128": 128, "mx32": 32, "nvfp4_16": 16}.get(self.granularity)
+        return {"tile128": 128, "block128x128": 128, "mx32": 32, "nvfp4_16": 16, "block16x16": 16}.get(self.granularity)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,9 +238,21 @@ class FormatRecipe:
     wgrad: str = "shared"
     x_wgrad: TensorFormat | None = None
     g_wgrad: TensorFormat | None = None
+    # The fraction of the model's weight-bearing layers, the last in the order of its first forward, whose
+    # products run on BF16 operands (mpt.fp8.FP8State: found with fp8.ends' probe; the count rounded to the
+    # nearest, at least 0), beside fp8.ends' first and last layers: the NVFP4 paper's "selective
+    # high-precision layers", mostly its last ones.
+    keep_last: float = 0.0
+    # The fraction of training's steps, the last ones, whose products all run on BF16 operands: the NVFP4
+    # paper's switch to higher precision for the end of training. A function of the step
+    # (mpt.precision.BF16Tail), so a resumed run switches where the uninterrupted one does.
+    bf16_tail: float = 0.0
 
     def __post_init__(self):
         _one_of("scaling", self.scaling, SCALINGS)
+        for key in ("keep_last", "bf16_tail"):
+            if not 0.0 <= getattr(self, key) < 1.0:
+                raise ValueError(f"{key}={getattr(self, key)} is a fraction: at least 0 and below 1")
         _one_of("accumulation", self.accumulate, ("fp32", *element_names()))
         _one_of("weight-gradient operands", self.wgrad, WGRADS)
         if self.split and self.accumulate != "fp32":
@@ -271,11 +295,19 @@ _TILE = TensorFormat("e4m3", "tile128", "pow2")
 _MX = TensorFormat("e4m3", "mx32", "rceil")
 _NV = TensorFormat("e2m1", "nvfp4_16", "e4m3")
 _NV_SR = dataclasses.replace(_NV, rounding="stochastic")
+_NV_2D = TensorFormat("e2m1", "block16x16", "e4m3")
 
 # torchao.float8's rowwise recipes (Float8LinearConfig.from_recipe_name): E4M3 for every operand, one
 # power-of-2 scale per row along the reduction axis; with_gw_hp keeps the weight-gradient product in high
 # precision and gives the data-gradient product a per-tensor weight.
 _ROW = TensorFormat("e4m3", "row", "pow2")
+
+# Transformer Engine's NVFP4BlockScaling at its defaults: weights in 2-D 16x16 blocks (its fp4_quant_fwd_weight:
+# fp4_2d_quantization unless disable_2d_quantization), stochastic rounding on gradients only, the 16x16 random
+# Hadamard transform only on the weight-gradient product's operands (x and g along the batch; its docs: "used only
+# for wgrad GEMM"), so that product reads x and g quantised again there.
+_NVFP4 = FormatRecipe("nvfp4", x=_NV, w=_NV_2D, g=_NV_SR, wgrad="own", x_wgrad=dataclasses.replace(_NV, hadamard=True),
+                      g_wgrad=dataclasses.replace(_NV_SR, hadamard=True))
 
 RECIPES: dict[str, FormatRecipe] = {r.name: r for r in (
     # The scaling of precision=fp8 is its config key fp8.scaling (delayed by default).
@@ -285,9 +317,8 @@ RECIPES: dict[str, FormatRecipe] = {r.name: r for r in (
                  wgrad="high"),
     FormatRecipe("fp8_block", x=_TILE, w=TensorFormat("e4m3", "block128x128", "pow2"), g=_TILE),
     FormatRecipe("mxfp8", x=_MX, w=_MX, g=_MX),
-    # Transformer Engine's NVFP4BlockScaling: stochastic rounding on gradients only, the 16x16 random Hadamard
-    # transform only on the weight-gradient product's operands (x and g along the batch; its docs: "used
-    # only for wgrad GEMM"), so that product reads x and g quantised again there.
-    FormatRecipe("nvfp4", x=_NV, w=_NV, g=_NV_SR, wgrad="own", x_wgrad=dataclasses.replace(_NV, hadamard=True),
-                 g_wgrad=dataclasses.replace(_NV_SR, hadamard=True)),
+    _NVFP4,
+    # The NVFP4 pretraining paper (arXiv 2509.25149): the same formats; ~15% of the layers, mostly the last, in
+    # BF16; BF16 for the last ~18% of training.
+    dataclasses.replace(_NVFP4, name="nvfp4_paper", keep_last=0.15, bf16_tail=0.18),
 )}

@@ -28,11 +28,14 @@ the gradient of its output sequence is), dot products without a weight (attentio
 With fp8.ends=bf16 the model's ends compute on BF16 operands, found from its dataflow at its first
 forward (FP8State.find_ends): every layer that reads the model's input without another layer before it,
 and every layer whose output reaches no other layer (a classifier, each of a detector's prediction
-convolutions).
+convolutions). A recipe's keep_last (mpt.formats.FormatRecipe) keeps the last of the layers in the order of
+that probe's calls in BF16 too (FP8State.kept_last); its bf16_tail puts every product on BF16 operands for the
+last steps (FP8State.wide, set per iteration by mpt.precision.BF16Tail).
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import random
 
@@ -220,7 +223,9 @@ def block_quantize(t: torch.Tensor, f: formats.TensorFormat, axis: int = -1,
     returned in FP32 at t's magnitude. Computed on the view [before axis, axis, after axis] of t, so no
     transposed copy is made; the axis is padded with zeros only where it is longer than a block and not
     a whole number of them (a zero changes no block's amax), and a block longer than the axis is the
-    whole axis. Per-tensor exact scales take FP8State.quantizer's path."""
+    whole axis. A 2-D block (block128x128, block16x16) spans as many rows of the leading axes (a weight's
+    outputs) as it spans along the axis, fewer where there are fewer. Per-tensor exact scales take
+    FP8State.quantizer's path."""
     x = t.float()
     shape = x.shape
     if x.dim() == 0:
@@ -234,7 +239,8 @@ def block_quantize(t: torch.Tensor, f: formats.TensorFormat, axis: int = -1,
     if f.hadamard:
         pad = -k % 16 if b < 16 or pad else pad
         b = max(b, 16)
-    rb = min(128, pre) if f.granularity == "block128x128" else pre
+    rows = formats.BLOCK_ROWS.get(f.granularity)  # a 2-D block's rows (None: 1-D blocks)
+    rb = min(rows, pre) if rows else pre
     rpad = -pre % rb
     if pad or rpad:
         v = F.pad(v, (0, 0, 0, pad, 0, rpad))
@@ -248,13 +254,13 @@ def block_quantize(t: torch.Tensor, f: formats.TensorFormat, axis: int = -1,
                          _hadamard16(v.device) * down).reshape(v.shape)
     if f.granularity == "tensor":
         blocks, dims = v, (0, 1, 2)
-    elif f.granularity == "block128x128":  # 2-D blocks: 128 rows (outputs) x 128 along the axis
+    elif rows:  # 2-D blocks: 128 (or 16) rows (outputs) x as many along the axis
         blocks, dims = v.reshape(v.shape[0] // rb, rb, kk // b, b, post), (1, 3)
     else:
         blocks, dims = v.reshape(v.shape[0], kk // b, b, post), (2,)
     absval = blocks.abs()
     amax = absval.amax(dim=dims, keepdim=True)  # nan or inf where the block holds one: a nan block (block_scale)
-    if f.granularity == "nvfp4_16":
+    if f.scale_rounding == "e4m3":  # NVFP4's two levels, in 16-element or 16x16 blocks
         q = _nvfp4(blocks, amax, f.element, generator)
     else:
         s = block_scale(amax, f.element, f.scale_rounding)
@@ -471,8 +477,12 @@ class FP8State:
         self._gens: dict[str, torch.Generator] = {}  # stochastic rounding, one per device
         self._models: list = []  # (top-level model, its layers) awaiting find_ends
         self.probing = False  # find_ends is running the model: FP8Math quantises nothing meanwhile
-        self.ends: set[str] = set()  # the layers found kept in BF16 (fp8.ends=bf16), in the checkpoint
+        self.ends: set[str] = set()  # the layers found kept in BF16 (fp8.ends=bf16, keep_last), in the checkpoint
         self._resumed_ends: list | None | bool = False  # a checkpoint's ends (None: written before they were kept)
+        self._ends_mode = "bf16"  # register's `ends`
+        # Every product on BF16 operands: the recipe's BF16 tail (FormatRecipe.bf16_tail), set before each
+        # iteration from the step (mpt.precision.BF16Tail).
+        self.wide = False
 
     def register(self, model: nn.Module, ends: str = "bf16") -> None:
         """Find the weight-bearing layers: every module owning a parameter of 2 or more dimensions.
@@ -482,7 +492,7 @@ class FP8State:
         read from the model's dataflow at its first call (find_ends), since registration order says
         nothing about it (a detector's prediction convolutions are registered among its other layers,
         a classifier may be registered before the layers feeding it)."""
-        self.sites, self._models = {}, []
+        self.sites, self._models, self._ends_mode = {}, [], ends
         tops = list(model.items()) if isinstance(model, nn.ModuleDict) else [("", model)]
         for prefix, top in tops:
             layers, skip = [], ()
@@ -503,7 +513,7 @@ class FP8State:
             for full, _, ws in layers:
                 for w in ws or ():
                     self.sites.setdefault(id(w), (full, False))
-            if ends == "bf16" and layers:
+            if (ends == "bf16" or self.recipe.keep_last > 0) and layers:
                 entry = [top, layers, None]
                 entry[2] = top.register_forward_pre_hook(
                     lambda mod, args, kwargs, entry=entry: self._probe(entry, args, kwargs), with_kwargs=True)
@@ -522,8 +532,9 @@ class FP8State:
         rng = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
                random.getstate())
         self.probing = True
+        order: list[str] = []
         try:
-            ends = self.find_ends(top, layers, args, kwargs)
+            found = self.find_ends(top, layers, args, kwargs, order)
         finally:
             self.probing = False
             with torch.no_grad():
@@ -533,6 +544,7 @@ class FP8State:
             if rng[1] is not None:
                 torch.cuda.set_rng_state_all(rng[1])
             random.setstate(rng[2])
+        ends = (found if self._ends_mode == "bf16" else set()) | self.kept_last(layers, order)
         for name, _, ws in layers:
             for w in ws or ():
                 if name in ends:
@@ -554,13 +566,22 @@ class FP8State:
                             f"{sorted(ends)}: resuming would mix two recipes in one run; finish it with the code "
                             f"that began it, or start it again in another out_dir")
 
+    def kept_last(self, layers, order: list[str]) -> set[str]:
+        """The last FormatRecipe.keep_last of the weight-bearing layers (lookups and keep_fp32 modules are not
+        counted) in the order of their first call, `order` (find_ends'); the count rounded to the nearest."""
+        weighted = {name for name, _, ws in layers if ws}
+        seq = [n for n in order if n in weighted]
+        k = math.floor(self.recipe.keep_last * len(seq) + 0.5)
+        return set(seq[len(seq) - k:]) if k else set()
+
     @staticmethod
-    def find_ends(top: nn.Module, layers, args=(), kwargs=None) -> set[str]:
+    def find_ends(top: nn.Module, layers, args=(), kwargs=None, order: list | None = None) -> set[str]:
         """The names of the model's end layers, from one forward on (args, kwargs) with autograd's graph
         as the dataflow: a first layer reads the model's input with no layer upstream of it; a last
         layer's output reaches no other layer's input (the FP8 paper's "first and last layers", arXiv
         2209.05433 section 4: the embedding and the classifier, every prediction convolution of a
-        detection head). `layers`: (name, module, weights) as register lists them."""
+        detection head). `layers`: (name, module, weights) as register lists them. `order`: a list given is
+        filled with the layers' names in the order of their first call."""
         made: dict = {}  # grad_fn of a layer's output -> the layer
         called, upstream_of_some = set(), set()
         firsts = set()
@@ -583,6 +604,8 @@ class FP8State:
             def hook(mod, a, kw):
                 ups = upstream(float_tensors(list(a) + list(kw.values()), []))
                 (upstream_of_some.update(ups) if ups else firsts.add(name))
+                if order is not None and name not in called:
+                    order.append(name)
                 called.add(name)
             return hook
 
@@ -668,6 +691,18 @@ class FP8State:
                 else:  # made during the passes: the next use seeds it afresh, as it would have
                     del self._gens[k]
 
+    def _check_resumed_recipe(self, was: dict | None) -> None:
+        """A resumed run must train on the recipe its checkpoint's steps trained on: a preset changed in the
+        code, or a fmt.* key whose default changed, would otherwise mix two recipes under one run id. A
+        checkpoint written before the recipe was recorded is not checked."""
+        now = dataclasses.asdict(self.recipe)
+        if was is None or was == now:
+            return
+        key = next(k for k in now if was.get(k) != now[k])
+        raise UserError(f"this run's checkpoint trained with format recipe {key}={was.get(key)} but this code and config "
+                        f"give {key}={now[key]}: resuming would mix two recipes in one run; finish it with the code "
+                        f"that began it, or start it again in another out_dir")
+
     def update(self) -> None:
         """Delayed scaling, once per iteration: push this iteration's amax, recompute the scales."""
         if self.scaling != "delayed":
@@ -684,7 +719,8 @@ class FP8State:
 
     def state_dict(self) -> dict:
         sd = {"history": {k: v.clone() for k, v in self.history.items()},
-              "scale": {k: v.clone() for k, v in self.scale.items()}, "ends": sorted(self.ends)}
+              "scale": {k: v.clone() for k, v in self.scale.items()}, "ends": sorted(self.ends),
+              "recipe": dataclasses.asdict(self.recipe)}
         if self._gens:
             sd["rng"] = {k: g.get_state() for k, g in self._gens.items()}
         return sd
@@ -692,6 +728,7 @@ class FP8State:
     def load_state_dict(self, sd: dict, device=None) -> None:
         """`device`: where the model is. A checkpoint is read onto the CPU; scales left there would cost
         a host-device copy at every quantisation (~160 a ResNet-50 step) after a resume on CUDA."""
+        self._check_resumed_recipe(sd.get("recipe"))
         self.history = {k: v.to(device).clone() for k, v in sd["history"].items()}
         self.scale = {k: v.to(device).clone() for k, v in sd["scale"].items()}
         self._resumed_ends = sd.get("ends")
@@ -739,6 +776,7 @@ class FP8Math(TorchFunctionMode):
             return func(*args, **kwargs)
         layer, keep16 = sites[id(weights[0])]
         st = self.state
+        keep16 = keep16 or st.wide
         # Only training passes feed the delayed scales (autograd Functions run their forward without
         # grad, so the decision is taken here); the backward's gradient is training's by definition.
         record = torch.is_grad_enabled()

@@ -20,6 +20,7 @@ CPU), mpt.fp8, mpt.rounding and mpt.loss_scaler.
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Iterable
 
 import torch
@@ -36,6 +37,7 @@ from mpt.numerics import first_nonfinite
 from mpt.precisions import (HALF_COMPUTE, HALF_MATHS, IMPLS, PRECISIONS, ROUNDINGS,  # noqa: F401
                             check, parse_loss_scale)
 from mpt.rounding import kahan_round_, stochastic_round
+from mpt.step import Observer
 
 # Norm layers keep FP32 parameters and statistics; their kernels read FP16 input with FP32
 # parameters and reduce in FP32 (section 3.3), so no FP32 copy of the activation is made or saved.
@@ -147,6 +149,11 @@ class Recipe:
         step() and update(), so there is nothing to keep here; FP8 keeps its recorded amaxes and its
         stochastic-rounding generators."""
         return contextlib.nullcontext()
+
+    def observers(self, total_steps: int) -> tuple:
+        """Hooks the training loop runs around each iteration for this recipe (mpt.step.Observer), for a run of
+        total_steps iterations: a schedule of the recipe's own (FP8's BF16 tail). None by default."""
+        return ()
 
     # -- per iteration --
     @property
@@ -665,20 +672,28 @@ class FP8(Recipe):
     name = "fp8"
     graphable = False  # each forward records amaxes on the host side (FP8State)
 
-    def __init__(self, device, f8, impl: str = "autocast", name: str = "fp8", seed: int = 0):
+    def __init__(self, device, f8, impl: str = "autocast", name: str = "fp8", seed: int = 0,
+                 fmt: formats.FormatRecipe | None = None):
         super().__init__(device)
         self.impl, self.name = impl, name
         self.ends = f8.ends
-        # The precision's formats (mpt.formats): precision=fp8 takes its scaling from fp8.scaling; the
-        # block-scaled ones scale from each block now.
-        fmt = formats.RECIPES[name]
-        if name == "fp8":
-            fmt = fmt.with_scaling(f8.scaling)
+        # The precision's formats (mpt.formats), as the config's fmt.* keys leave them
+        # (precisions.format_recipe): precision=fp8 takes its scaling from fp8.scaling; the block-scaled
+        # ones scale from each block now.
+        if fmt is None:
+            fmt = formats.RECIPES[name]
+            if name == "fp8":
+                fmt = fmt.with_scaling(f8.scaling)
         self.state = FP8State(fmt.scaling, f8.amax_history_len, f8.amax_compute_algo, f8.margin, fmt, seed)
 
     @classmethod
     def from_config(cls, cfg, device):
-        return cls(device, cfg.fp8, cfg.impl, cfg.precision, cfg.seed)
+        return cls(device, cfg.fp8, cfg.impl, cfg.precision, cfg.seed, precisions.format_recipe(cfg))
+
+    def observers(self, total_steps: int) -> tuple:
+        """The recipe's BF16 tail (FormatRecipe.bf16_tail), where it has one: BF16Tail over total_steps."""
+        tail = self.state.recipe.bf16_tail
+        return (BF16Tail(self.state, total_steps - math.floor(tail * total_steps + 0.5)),) if tail > 0 else ()
 
     def prepare(self, model, optimizers):
         self.state.register(model, self.ends)
@@ -708,6 +723,19 @@ class FP8(Recipe):
     def load_state_dict(self, sd):
         super().load_state_dict(sd)
         self.state.load_state_dict(sd["fp8"], self.device)
+
+
+class BF16Tail(Observer):
+    """The end of training on BF16 operands (FormatRecipe.bf16_tail; the NVFP4 paper's switch to higher
+    precision for the last ~18% of its tokens): before each iteration, every product of the format recipe
+    runs on BF16 operands from iteration `switch_at` on (0-based). A function of the iteration alone, which a
+    checkpoint restores, so a resumed run switches where the uninterrupted one does."""
+
+    def __init__(self, state: FP8State, switch_at: int):
+        self.state, self.switch_at = state, int(switch_at)
+
+    def begin(self, step, micro_batches) -> None:
+        self.state.wide = step.iteration >= self.switch_at
 
 
 # The recipe each row of mpt/precisions.py names (Precision.recipe, one of precisions.RECIPE_KINDS): a

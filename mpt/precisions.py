@@ -208,6 +208,20 @@ TABLE: tuple[Precision, ...] = (
         refuses_scale="precision=nvfp4 scales each block on its own; loss_scale={value} is not used: "
                       "leave it at auto"),
     Precision(
+        "nvfp4_paper", "The NVFP4 pretraining paper's recipe (arXiv 2509.25149): nvfp4's formats (2-D 16x16 weight "
+        "blocks, stochastic rounding on gradients, the random Hadamard transform on the weight-gradient operands), "
+        "the last 15% of the weight-bearing layers in BF16 (fmt.keep_last) and BF16 operands for the last 18% of "
+        "the steps (fmt.bf16_tail); FP32 accumulation and master weights; simulated (mpt.formats).",
+        storage="float32", compute="float4", master=True, loss_scaling=False, auto_loss_scale=None,
+        impls=(), recipe="formats", beyond_paper=True,
+        columns=(_beyond("nvfp4_paper", "NVFP4, the NVFP4 paper's recipe (last 15% of layers and last 18% of steps "
+                         "in BF16), BF16 first/last layers", "darkred"),
+                 _beyond("nvfp4_paper_all", "NVFP4, the NVFP4 paper's recipe (last 15% of layers and last 18% of "
+                         "steps in BF16)")),
+        cost_goal=3.0,
+        refuses_scale="precision=nvfp4_paper scales each block on its own; loss_scale={value} is not used: "
+                      "leave it at auto"),
+    Precision(
         "bf16_pure", "BF16 weights updated directly, no FP32 master copy: fp16_pure's scheme in BF16 "
         "(Zamirai et al. 2020, \"Revisiting BFloat16 Training\"), the update rounded by `rounding`.",
         storage="bfloat16", compute="bfloat16", master=False, loss_scaling=False, auto_loss_scale=None,
@@ -285,6 +299,95 @@ def recipe_of(precision: str) -> str:
     return row.recipe
 
 
+# ------------------------------------------------------------------------------------------------
+# a precision's format recipe, with the config's fmt.* keys
+
+_ROLE_BASE = {"x": "x", "w": "w", "g": "g", "w_dgrad": "w", "x_wgrad": "x", "g_wgrad": "g"}
+_PRESET = "preset"
+
+
+def _set_keys(fmt_cfg) -> list[str]:
+    """The fmt.* keys a config sets (not at `preset`), as key=value, in the section's order."""
+    out = []
+    for f in dataclasses.fields(fmt_cfg):
+        v = getattr(fmt_cfg, f.name)
+        if dataclasses.is_dataclass(v):
+            out += [f"fmt.{f.name}.{k.name}={_show(getattr(v, k.name))}" for k in dataclasses.fields(v)
+                    if getattr(v, k.name) != _PRESET]
+        elif v != _PRESET:
+            out.append(f"fmt.{f.name}={_show(v)}")
+    return out
+
+
+def _show(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def format_recipe(cfg) -> formats.FormatRecipe | None:
+    """The FormatRecipe a simulated-format precision trains with: its preset (mpt.formats.RECIPES; precision=fp8
+    with fp8.scaling's scaling) with every fmt.* key that is not `preset` put in place. A key set on a precision
+    that is not a simulated format, or a combination the formats refuse (FormatRecipe's and TensorFormat's own
+    checks), is a one-line UserError naming the keys and the fix. Without keys set, the preset itself; None
+    for a precision that is not a simulated format."""
+    fc = getattr(cfg, "fmt", None)
+    keys = _set_keys(fc) if fc is not None else []
+    if BY_NAME[cfg.precision].recipe != "formats":
+        if keys:
+            raise UserError(f"{keys[0]} sets the format recipe of a simulated-format precision ({', '.join(FORMATS)}); "
+                            f"precision={cfg.precision} has none: leave fmt.* at preset")
+        return None
+    recipe = formats.RECIPES[cfg.precision]
+    if cfg.precision == "fp8":  # its scaling is fp8.scaling's
+        recipe = recipe.with_scaling(getattr(getattr(cfg, "fp8", None), "scaling", recipe.scaling))
+    if not keys:
+        return recipe
+    where = f"precision={cfg.precision} {' '.join(keys)}"
+    changes: dict = {}
+    for role, base in _ROLE_BASE.items():
+        rc = getattr(fc, role)
+        given = {k.name: getattr(rc, k.name) for k in dataclasses.fields(rc) if getattr(rc, k.name) != _PRESET}
+        if not given:
+            continue
+        if role != base and given.get("element") == "none":  # an own operand dropped: the forward's is read
+            if len(given) > 1:
+                raise UserError(f"fmt.{role}.element=none drops that operand's own format; leave the other "
+                                f"fmt.{role}.* keys at preset ({where})")
+            changes[role] = None
+            continue
+        start = getattr(recipe, role) or getattr(recipe, base)
+        try:
+            changes[role] = dataclasses.replace(start, **given)
+        except ValueError as e:
+            raise UserError(f"fmt.{role}: {e} ({where})") from None
+    for key in ("wgrad", "accumulate", "keep_last", "bf16_tail"):
+        if getattr(fc, key) != _PRESET:
+            changes[key] = getattr(fc, key)
+    if changes.get("wgrad", "own") != "own":  # x_wgrad and g_wgrad are wgrad=own's; dropped with it unless set
+        changes.update({r: changes.get(r) for r in ("x_wgrad", "g_wgrad")})
+    try:
+        return dataclasses.replace(recipe, **changes)
+    except ValueError as e:
+        fix = "; or set fp8.scaling=current" if "delayed" in str(e) else ""
+        raise UserError(f"fmt: {e}{fix} ({where})") from None
+
+
+def format_lines(cfg) -> list[str]:
+    """The format recipe a config trains with, field by field under the fmt.* keys that set them (--print-config
+    shows it); [] for a precision that is not a simulated format."""
+    r = format_recipe(cfg)
+    if r is None:
+        return []
+    out = [f"format recipe of precision={cfg.precision}, as it trains (each fmt.* key at preset takes its value here):"]
+    for role in _ROLE_BASE:
+        f = getattr(r, role)
+        own = f is None and role in ("x_wgrad", "g_wgrad") and r.wgrad == "own"
+        out.append(f"  fmt.{role}: " + ("none" + (f" (as fmt.{_ROLE_BASE[role]})" if own else "") if f is None else
+                                         " ".join(f"{k}={_show(v)}" for k, v in dataclasses.asdict(f).items())))
+    out.append(f"  fmt.wgrad={r.wgrad} fmt.accumulate={r.accumulate} fmt.keep_last={r.keep_last} "
+               f"fmt.bf16_tail={r.bf16_tail} scaling={r.scaling}")
+    return out
+
+
 def _or(names) -> str:
     names = list(names)
     return ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else names[0]
@@ -321,7 +424,7 @@ def parse_loss_scale(value: str, precision: str):
 
 
 def check(cfg) -> None:
-    """The precision keys of a config (precision, impl, half_math, loss_scale, rounding, fp8.*, scaler.*)."""
+    """The precision keys of a config (precision, impl, half_math, loss_scale, rounding, fp8.*, fmt.*, scaler.*)."""
     if cfg.precision not in PRECISIONS:
         raise UserError(f"unknown precision {cfg.precision!r}; choose one of: {', '.join(PRECISIONS)}")
     recipe_of(cfg.precision)
@@ -354,6 +457,7 @@ def check(cfg) -> None:
                                 f"fp8.* keys only fp8.ends applies; leave the others at their defaults")
         elif cfg.precision != "fp8" and type(f8)() != f8:
             raise UserError(f"fp8.* keys do nothing for precision={cfg.precision}; leave them at their defaults")
+    format_recipe(cfg)  # the fmt.* keys: a combination the formats refuse is an error now, not at the first step
     s = cfg.scaler
     if not (s.init_scale > 0 and s.growth_factor > 1 and 0 < s.backoff_factor < 1 and s.growth_interval >= 1):
         raise UserError("scaler needs init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1, growth_interval >= 1")

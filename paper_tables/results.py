@@ -201,8 +201,23 @@ def run_precision(precision: str, cfg: dict) -> str:
     """A run's column: its precision, except where a key makes it another recipe -- fp8_<scaling>
     (fp8.ends=bf16, the FP8 paper's 16-bit first/last layers) or fp8_<scaling>_all (every layer FP8),
     <format>_all for a block-scaled format (fp8_block, mxfp8, nvfp4) with fp8.ends=fp8,
-    and <precision>_<rounding> for weights without a master copy rounded other than to nearest."""
+    and <precision>_<rounding> for weights without a master copy rounded other than to nearest; a format
+    recipe changed by fmt.* keys is that name followed by the keys ("nvfp4 fmt.g.rounding=nearest"): another
+    recipe, never the preset's column."""
     cfg = cfg if isinstance(cfg, dict) else {}
+    fmt = cfg.get("fmt") if isinstance(cfg.get("fmt"), dict) else {}
+    keys = [f"fmt.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in _flat(fmt).items() if v != "preset"]
+    return " ".join([_run_precision(precision, cfg), *keys])
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def _run_precision(precision: str, cfg: dict) -> str:
     row = precisions.BY_NAME.get(precision)
     f8 = cfg.get("fp8") if isinstance(cfg.get("fp8"), dict) else {}
     if precision == "fp8":

@@ -150,9 +150,10 @@ def test_every_simulated_precision_is_a_row_rounded_by_its_recipe(tmp_path, monk
     monkeypatch.syspath_prepend(str(tmp_path))
     patient = load("outlier_mod:patient")
     w = whatif(patient)["formats"]
-    # every one by default but a preset that rounds x, w and g as an earlier one does (its backward differs)
-    assert set(precisions.FORMATS) - set(w) == {"fp8_rowwise_gw_hp"}
-    w.update(whatif(patient, formats=("fp8_rowwise_gw_hp",))["formats"])
+    # every one by default but a preset that rounds x, w and g as an earlier one does (its backward differs, or
+    # the layers and steps it keeps in BF16)
+    assert set(precisions.FORMATS) - set(w) == {"fp8_rowwise_gw_hp", "nvfp4_paper"}
+    w.update(whatif(patient, formats=("fp8_rowwise_gw_hp", "nvfp4_paper"))["formats"])
     assert w["fp8"]["roles"]["activation grads"].startswith("e5m2") and w["fp8"]["roles"]["weights"].startswith("e4m3")
     assert "mx32 blocks" in w["mxfp8"]["roles"]["weights"] and "stochastic" in w["nvfp4"]["roles"]["activation grads"]
     assert "Hadamard-16" in w["nvfp4"]["roles"]["activation grads, weight-gradient product"]  # described, not counted
@@ -258,7 +259,8 @@ def test_formats_finds_the_narrowest_format_that_trains_as_fp32(tmp_path, monkey
     from mpt.doctor.__main__ import main
     from mpt.doctor.narrowest import bits, order
 
-    assert order()[0] == "nvfp4" and bits("nvfp4") == 4 and all(bits(n) == 8 for n in order()[1:])
+    assert order()[:2] == ["nvfp4", "nvfp4_paper"] and bits("nvfp4") == bits("nvfp4_paper") == 4
+    assert all(bits(n) == 8 for n in order()[2:])
     (tmp_path / "deep_mod.py").write_text(DEEP)
     monkeypatch.syspath_prepend(str(tmp_path))
     n = main(["deep_mod:patient", "--formats", "--out", str(tmp_path / "out")])["narrowest"]

@@ -642,7 +642,7 @@ def test_formats_are_typed_and_unknown_values_are_errors():
         formats.TensorFormat("e4m3", "mx32", "exact")
     with pytest.raises(ValueError, match="delayed"):
         formats.FormatRecipe("x", *(_fmt(),) * 3, scaling="delayed")
-    assert set(formats.RECIPES) == {"fp8", "fp8_rowwise", "fp8_rowwise_gw_hp", "fp8_block", "mxfp8", "nvfp4"}
+    assert set(formats.RECIPES) == {"fp8", "fp8_rowwise", "fp8_rowwise_gw_hp", "fp8_block", "mxfp8", "nvfp4", "nvfp4_paper"}
 
 
 # ------------------------------------------------------------------------------------------------

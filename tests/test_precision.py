@@ -599,9 +599,10 @@ def test_every_row_names_a_recipe_that_exists():
     assert {p.name: precisions.recipe_of(p.name) for p in precisions.TABLE} == {
         "fp32": "FP32", "tf32": "FP32", "fp16": "impl", "mixed": "impl", "bf16": "impl", "fp16_pure": "NoMasterCopy",
         "fp16_storage": "FP16Storage", "fp8": "formats", "fp8_rowwise": "formats", "fp8_rowwise_gw_hp": "formats",
-        "fp8_block": "formats", "mxfp8": "formats", "nvfp4": "formats", "bf16_pure": "NoMasterCopy"}
-    assert precisions.FORMATS == ("fp8", "fp8_rowwise", "fp8_rowwise_gw_hp", "fp8_block", "mxfp8", "nvfp4")
-    assert precisions.BLOCK_SCALED == ("fp8_rowwise", "fp8_rowwise_gw_hp", "fp8_block", "mxfp8", "nvfp4")
+        "fp8_block": "formats", "mxfp8": "formats", "nvfp4": "formats", "nvfp4_paper": "formats",
+        "bf16_pure": "NoMasterCopy"}
+    assert precisions.FORMATS == ("fp8", "fp8_rowwise", "fp8_rowwise_gw_hp", "fp8_block", "mxfp8", "nvfp4", "nvfp4_paper")
+    assert precisions.BLOCK_SCALED == ("fp8_rowwise", "fp8_rowwise_gw_hp", "fp8_block", "mxfp8", "nvfp4", "nvfp4_paper")
 
 
 def test_config_and_paper_tables_import_no_torch():
