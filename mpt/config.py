@@ -825,6 +825,10 @@ def cell_id(cfg: Config) -> str:
         if isinstance(d, dict) and d.get(leaf) == default:
             del d[leaf]
     ident.update(_NOW_INFRA_KEYS)
+    from mpt import formats, precisions
+
+    if ident["precision"] in precisions.FORMATS:  # what the simulated quantisers compute is part of what ran
+        ident["quantisers"] = formats.QUANTISERS
     blob = json.dumps(ident, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 
