@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (re-ex
 from torch.utils._pytree import tree_flatten  # noqa: F401  (re-exported)
 
 # TorchDispatchMode: a context whose __torch_dispatch__ sees every aten op run inside it, with its
-# arguments and results -- how the doctor's watch() records each op's range (mpt/doctor/watch.py).
+# arguments and results -- how the doctor traces each op (mpt/doctor/trace.py).
 # tree_flatten(x)[0]: the leaves of nested lists, tuples and dicts, in order (an op's args and results).
 
 # The base of every layer that keeps running statistics (BatchNorm1d/2d/3d, SyncBatchNorm, the

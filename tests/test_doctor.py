@@ -21,7 +21,7 @@ from mpt.doctor.verdict import confirm
 from mpt.doctor.report import write
 from mpt.doctor.targets import load
 from mpt.errors import UserError, cli
-from mpt.numerics import ValueRanges
+from mpt.doctor.probes import ValueRanges
 from toy_mlp import config
 
 pytestmark = pytest.mark.usefixtures("one_thread")

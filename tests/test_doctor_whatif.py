@@ -7,7 +7,7 @@ import torch
 
 from mpt.doctor.targets import load
 from mpt.doctor.whatif import SATURATES, measure, quantize, whatif
-from mpt.numerics import FORMATS
+from mpt.bands import FORMATS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

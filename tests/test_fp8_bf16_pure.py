@@ -374,7 +374,7 @@ def test_resume_is_bit_identical(tmp_path, monkeypatch, kw):
 
 
 def test_fp8_bands_by_hand():
-    from mpt.numerics import FORMATS, format_bands
+    from mpt.bands import FORMATS, format_bands
 
     e4 = torch.tensor([0.0, 2**-11, 2**-10, 1.5 * 2**-10, 2**-6 - 2**-10, 448.0, 464.0, 465.0, float("inf")])
     assert format_bands(e4, "e4m3") == {"zero": 1, "underflow": 2, "subnormal": 1, "normal": 3, "overflow": 2,
@@ -396,7 +396,7 @@ def test_fp8_bands_by_hand():
 
 
 def test_bf16_swamping_by_hand():
-    from mpt.numerics import swamping_fraction
+    from mpt.bands import swamping_fraction
 
     w = torch.ones(5)
     u = torch.tensor([2**-9, 2**-8, -(2**-9), -1.5 * 2**-9, 2**-7])

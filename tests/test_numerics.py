@@ -1,4 +1,4 @@
-"""FP16 numerics instrumentation (mpt/numerics.py): exact band edges, exponent histograms, the
+"""FP16 numerics instrumentation (mpt/bands.py, mpt/numerics.py): exact band edges, exponent histograms, the
 loss-scale advisor, swamping (section 3.1) and sampling a tiny model's gradients (Figure 3)."""
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from mpt import bands as B
 from mpt import numerics as N
 from mpt.errors import UserError
 
@@ -19,9 +20,9 @@ def below(x: float, dtype=torch.float32) -> float:
 
 
 def test_constants():
-    assert N.FP16_MIN_SUBNORMAL == torch.finfo(torch.float16).smallest_normal * 2.0**-10 == 2.0**-24
-    assert N.FP16_MIN_NORMAL == torch.finfo(torch.float16).smallest_normal == 2.0**-14
-    assert N.FP16_MAX == torch.finfo(torch.float16).max == 65504.0
+    assert B.FP16_MIN_SUBNORMAL == torch.finfo(torch.float16).smallest_normal * 2.0**-10 == 2.0**-24
+    assert B.FP16_MIN_NORMAL == torch.finfo(torch.float16).smallest_normal == 2.0**-14
+    assert B.FP16_MAX == torch.finfo(torch.float16).max == 65504.0
 
 
 def above(x: float, dtype=torch.float64) -> float:
@@ -38,7 +39,7 @@ def test_bands_follow_fp16_rounding_at_the_edges():
         2.0**-14 - 2.0**-25, 2.0**-14, -1.5, 65504.0, 65519.0, below(65520.0, f64),  # normal
         65520.0, -1e6, math.inf, -math.inf, math.nan,                    # overflow (3 non-finite)
     ]
-    bands = N.fp16_bands(torch.tensor(values, dtype=f64))
+    bands = B.fp16_bands(torch.tensor(values, dtype=f64))
     assert bands == {"zero": 2, "underflow": 4, "subnormal": 4, "normal": 6, "overflow": 5,
                      "nonfinite": 3, "total": len(values)}
     # The issue's two cases, and the thresholds against torch's own (single) FP32 -> FP16 rounding.
@@ -51,29 +52,29 @@ def test_bands_follow_fp16_rounding_at_the_edges():
     expected = {"zero": 0, "underflow": int((h == 0).sum()), "subnormal": int(((h > 0) & (h < 2.0**-14)).sum()),
                 "normal": int(((h >= 2.0**-14) & torch.isfinite(h)).sum()), "overflow": int(torch.isinf(h).sum()),
                 "nonfinite": 0, "total": x.numel()}
-    assert N.fp16_bands(x) == expected
+    assert B.fp16_bands(x) == expected
     # FP16 input: the representable edges themselves.
     h = torch.tensor([2.0**-24, 2.0**-14, below(2.0**-14, torch.float16), 65504.0, math.inf], dtype=torch.float16)
-    assert N.fp16_bands(h) == {"zero": 0, "underflow": 0, "subnormal": 2, "normal": 2, "overflow": 1,
+    assert B.fp16_bands(h) == {"zero": 0, "underflow": 0, "subnormal": 2, "normal": 2, "overflow": 1,
                                "nonfinite": 1, "total": 5}
 
 
 def test_scale_moves_bands_without_underflowing_the_measurement():
     t = torch.tensor([2.0**-26])
-    assert N.fp16_bands(t, scale=1)["underflow"] == 1
-    assert N.fp16_bands(t, scale=4)["subnormal"] == 1  # 2^-24
-    assert N.fp16_bands(t, scale=2**12)["normal"] == 1  # 2^-14
-    assert N.fp16_bands(torch.tensor([1.0]), scale=2**16)["overflow"] == 1  # 65536 > 65504
+    assert B.fp16_bands(t, scale=1)["underflow"] == 1
+    assert B.fp16_bands(t, scale=4)["subnormal"] == 1  # 2^-24
+    assert B.fp16_bands(t, scale=2**12)["normal"] == 1  # 2^-14
+    assert B.fp16_bands(torch.tensor([1.0]), scale=2**16)["overflow"] == 1  # 65536 > 65504
     # An FP32 subnormal times a small scale would vanish in FP32; FP64 keeps it non-zero.
-    assert N.fp16_bands(torch.tensor([2.0**-140]), scale=2.0**-20)["underflow"] == 1
+    assert B.fp16_bands(torch.tensor([2.0**-140]), scale=2.0**-20)["underflow"] == 1
     with pytest.raises(ValueError):
-        N.fp16_bands(t, scale=0)
+        B.fp16_bands(t, scale=0)
 
 
 def test_exponent_histogram_known_tensor():
     values = [1.0, 1.5, -0.75, 2.0**-24, 3 * 2.0**-25, below(2.0**-24), 65504.0,
               2.0**-45, 2.0**20, 0.0, math.inf, math.nan]
-    hist = N.exponent_histogram(torch.tensor(values), lo=-40, hi=16)
+    hist = B.exponent_histogram(torch.tensor(values), lo=-40, hi=16)
     assert hist.dtype == torch.int64 and hist.shape == (57,)
     expected = torch.zeros(57, dtype=torch.int64)
     for exponent, n in {0: 2, -1: 1, -24: 2, -25: 1, 15: 1, -40: 1, 16: 1}.items():
@@ -82,8 +83,8 @@ def test_exponent_histogram_known_tensor():
     assert hist.sum() == 9  # the non-zero finite values
     # Same values stored in FP16 / FP64 bin identically where representable.
     h = torch.tensor([1.0, 2.0**-24, 2.0**-14, 65504.0, 0.0], dtype=torch.float16)
-    assert N.exponent_histogram(h, lo=-30, hi=20).nonzero().flatten().tolist() == [-24 + 30, -14 + 30, 0 + 30, 15 + 30]
-    assert N.exponent_histogram(torch.tensor([2.0**-1074], dtype=torch.float64), lo=-1074, hi=0)[0] == 1
+    assert B.exponent_histogram(h, lo=-30, hi=20).nonzero().flatten().tolist() == [-24 + 30, -14 + 30, 0 + 30, 15 + 30]
+    assert B.exponent_histogram(torch.tensor([2.0**-1074], dtype=torch.float64), lo=-1074, hi=0)[0] == 1
 
 
 @pytest.mark.parametrize(
@@ -99,35 +100,35 @@ def test_exponent_histogram_known_tensor():
     ],
 )
 def test_advise_loss_scale(max_abs, margin, expected):
-    s = N.advise_loss_scale(max_abs, margin)
+    s = B.advise_loss_scale(max_abs, margin)
     assert s == expected
     if 0 < max_abs and s < 2.0**24:
         assert s * max_abs * margin < 65504 <= 2 * s * max_abs * margin
 
 
 def test_advise_loss_scale_nonfinite_and_cap():
-    assert N.advise_loss_scale(math.inf) is None
-    assert N.advise_loss_scale(math.nan) is None
-    assert N.advise_loss_scale(1e-30, max_scale=1024) == 1024
+    assert B.advise_loss_scale(math.inf) is None
+    assert B.advise_loss_scale(math.nan) is None
+    assert B.advise_loss_scale(1e-30, max_scale=1024) == 1024
     with pytest.raises(ValueError):
-        N.advise_loss_scale(-1.0)
+        B.advise_loss_scale(-1.0)
 
 
 def test_swamping_fraction():
     f64 = torch.float64  # 5 + 2^-30 needs FP64 master weights to be representable
     before = [torch.tensor([4096.0, 1024.0]), torch.tensor([[1.0, 5.0]], dtype=f64)]
     after = [torch.tensor([4097.0, 1025.0]), torch.tensor([[1.0, 5.0 + 2.0**-30]], dtype=f64)]
-    s = N.swamping_fraction(before, after)
+    s = B.swamping_fraction(before, after)
     # 4096 + 1: 1 < 2^-11 * 4096 = 2, and FP16 rounds 4097 to 4096 (ulp 4): lost;
     # 1024 + 1 = 1025 kept; 5 + 2^-30 lost.
     assert s["total"] == 4 and s["changed"] == 3 and s["swamped"] == 2 and s["swamped_2048"] == 2
     assert s["frac_swamped"] == pytest.approx(2 / 3) and s["frac_swamped_all"] == pytest.approx(2 / 4)
     assert s["update_underflow"] == 1  # 2^-30 rounds to zero in FP16
     assert s["swamped_measured"] is False
-    empty = N.swamping_fraction([torch.ones(3)], [torch.ones(3)])
+    empty = B.swamping_fraction([torch.ones(3)], [torch.ones(3)])
     assert empty["changed"] == 0 and empty["frac_swamped"] == 0.0
     with pytest.raises(ValueError):
-        N.swamping_fraction([torch.ones(3)], [])
+        B.swamping_fraction([torch.ones(3)], [])
 
 
 def test_swamping_exact_count_is_the_headline_2048_rule_overcounts():
@@ -136,7 +137,7 @@ def test_swamping_exact_count_is_the_headline_2048_rule_overcounts():
     g = torch.Generator().manual_seed(0)
     w = (torch.rand(100_000, generator=g) + 0.5).half().float()  # FP16 weights in [0.5, 1.5]
     u = w * torch.exp2(torch.empty_like(w).uniform_(-13, -10, generator=g)) * (torch.randint(0, 2, w.shape, generator=g) * 2 - 1)
-    s = N.swamping_fraction([w], [w + u])
+    s = B.swamping_fraction([w], [w + u])
     actual = int(((w + u).half() == w.half()).sum())  # what FP16 addition does (FP32 sum, one rounding)
     assert s["swamped"] == actual
     assert s["swamped_2048"] > 1.2 * s["swamped"]  # the rule counts updates FP16 keeps
@@ -146,23 +147,23 @@ def test_swamping_exact_count_is_the_headline_2048_rule_overcounts():
              -1.5 * 2.0**-12: (False, True)}
     for up, (lost, rule) in cases.items():
         one = torch.ones(1, dtype=torch.float64)
-        s = N.swamping_fraction([one], [one + up])
+        s = B.swamping_fraction([one], [one + up])
         assert (s["changed"], s["swamped"], s["swamped_2048"]) == (1, int(lost), int(rule)), up
     # Measured: given the weights received, the loss is read from them.
     before, intended, received = torch.tensor([1.0, 1.0]), torch.tensor([1.0 + 2.0**-12, 1.5]), torch.tensor([1.0, 1.5])
-    m = N.swamping_fraction([before], [intended], [received])
+    m = B.swamping_fraction([before], [intended], [received])
     assert m["swamped_measured"] is True and m["changed"] == 2 and m["swamped"] == 1
 
 
 def test_first_nonfinite():
     ok = torch.ones(3)
-    assert N.first_nonfinite([("a", ok), ("b", None), ("c", torch.tensor([1.0, math.nan])),
+    assert B.first_nonfinite([("a", ok), ("b", None), ("c", torch.tensor([1.0, math.nan])),
                               ("d", torch.tensor([math.inf]))]) == "c"
-    assert N.first_nonfinite([("a", ok), ("b", None)]) is None
+    assert B.first_nonfinite([("a", ok), ("b", None)]) is None
     model = nn.Linear(2, 2)
     model.weight.grad = torch.zeros(2, 2)
     model.bias.grad = torch.tensor([0.0, -math.inf])
-    assert N.first_nonfinite(model.named_parameters()) == "bias"
+    assert B.first_nonfinite(model.named_parameters()) == "bias"
 
 
 def _mlp(inplace: bool) -> nn.Module:
@@ -187,7 +188,7 @@ def test_numerics_records_activation_and_weight_gradients(inplace):
     stats = _sample(model, scale=8.0)
     assert "numerics/error" not in stats
     json.dumps(stats, allow_nan=False)  # ready for metrics.jsonl
-    assert stats["numerics/hist_lo"] == N.HIST_LO == -64 and stats["numerics/hist_hi"] == N.HIST_HI == 16
+    assert stats["numerics/hist_lo"] == B.HIST_LO == -64 and stats["numerics/hist_hi"] == B.HIST_HI == 16
     assert stats["numerics/loss_scale"] == 8.0
     # Activation gradients: outputs of 0 (5x3), 1 (5x3), 2 (5x2).
     for name, n in {"0": 15, "1": 15, "2": 10, "overall": 40}.items():
@@ -195,13 +196,13 @@ def test_numerics_records_activation_and_weight_gradients(inplace):
         assert stats[key + "count"] == n
         zeros = round(stats[key + "frac_zero"] * n)
         assert sum(stats[key + "hist"]) == n - zeros - stats[key + "nonfinite"]
-        assert sum(stats[key + f"frac_{b}"] for b in N.BANDS) == pytest.approx(1.0)
+        assert sum(stats[key + f"frac_{b}"] for b in B.BANDS) == pytest.approx(1.0)
     # d(sum)/d(output) = 1: stored as 8, histogrammed as the true gradient (exponent 0).
-    assert stats["numerics/act/2/hist"][0 - N.HIST_LO] == 10 and stats["numerics/act/2/max_abs"] == 1.0
+    assert stats["numerics/act/2/hist"][0 - B.HIST_LO] == 10 and stats["numerics/act/2/max_abs"] == 1.0
     # Weight gradients per layer equal a direct measurement of .grad / S.
     for layer in ("0", "2"):
         grads = [p.grad / 8.0 for n, p in model.named_parameters() if n.startswith(layer + ".")]
-        direct = sum(N.exponent_histogram(g) for g in grads)
+        direct = sum(B.exponent_histogram(g) for g in grads)
         assert stats[f"numerics/weight/{layer}/hist"] == direct.tolist()
         assert stats[f"numerics/weight/{layer}/count"] == sum(g.numel() for g in grads)
     assert stats["numerics/weight/overall/count"] == sum(p.numel() for p in model.parameters())
@@ -254,7 +255,7 @@ def test_inplace_residual_block_and_fp16_model():
     num.begin(0)
     (half(torch.randn(4, 8).half()).float().sum() * 2.0**10).backward()
     stats = num.end(half.named_parameters(), 2.0**10)
-    assert stats["numerics/act/2/hist"][0 - N.HIST_LO] == 4 and stats["numerics/act/2/frac_normal"] == 1.0
+    assert stats["numerics/act/2/hist"][0 - B.HIST_LO] == 4 and stats["numerics/act/2/frac_normal"] == 1.0
     assert stats["numerics/weight/overall/nonfinite"] == 0
     # S = 2^20 overflows FP16 (2^20 > 65504): every stored output gradient is inf.
     num.begin(1)
@@ -276,7 +277,7 @@ def test_bands_are_taken_at_the_loss_scale():
     (model(torch.ones(1, 3)) * 2.0**-26 * 2.0**12).sum().backward()  # same loss, scaled by S = 2^12
     stats = num.end(model.named_parameters(), 2.0**12)
     assert stats["numerics/act/root/frac_normal"] == 1.0
-    assert stats["numerics/act/root/hist"][-26 - N.HIST_LO] == 1  # histogram still of the true value
+    assert stats["numerics/act/root/hist"][-26 - B.HIST_LO] == 1  # histogram still of the true value
 
 
 def test_overflow_makes_advice_none():
@@ -342,7 +343,7 @@ def test_histogram_range_default_and_validation():
     from mpt.config import Config, validate
 
     c = Config()
-    assert (c.numerics.hist_lo, c.numerics.hist_hi) == (N.HIST_LO, N.HIST_HI) and N.HIST_LO <= -60
+    assert (c.numerics.hist_lo, c.numerics.hist_hi) == (B.HIST_LO, B.HIST_HI) and B.HIST_LO <= -60
     c.numerics.hist_lo = 20
     with pytest.raises(UserError, match="numerics.hist_lo=20 must be <="):
         validate(c)

@@ -14,10 +14,10 @@ TARGET is one of:
 
 What it does, through the one recipe and step code every run uses (mpt.precision, mpt.step.TrainStep):
   1. trains a copy of the model for --steps steps in FP32 with every measurement on (mpt.numerics:
-     gradient exponent histograms per layer, section 3.1's swamping, ValueRanges for the forward pass;
+     gradient exponent histograms per layer, section 3.1's swamping; probes.ValueRanges for the forward pass;
      mpt.memory.ActivationMeter for the bytes saved for backward);
   2. replays the same steps from the same weights and random stream in FP16 without loss scaling
-     (precision=fp16, S = 1), watching for the first operation that makes inf/nan (FirstOverflow);
+     (precision=fp16, S = 1), watching for the first operation that makes inf/nan (trace.first_overflow);
   3. decides a verdict from the measurements: fp16 as it is, fp16 + a static S (which), fp16 + dynamic S,
      or bf16 / layers kept in FP32 -- and replays the same steps once more in the recipe it recommends,
      so the verdict says whether that recipe then trains (skipped steps, progress against FP32);
@@ -45,7 +45,12 @@ The package, in the order of an examination:
   report.py       the one-screen text, report.md, report.json and histograms.png
   __main__.py     the command line
   examples.py     toys whose answers are known (the tests' and the README's patients)
+  probes.py       ValueRanges: where forward activations and weights fall in FP16's range, per layer
+  trace.py        every operation of a step with the module running it: the first-inf finder of the FP16 replay
+                  (first_overflow) and of watch()
   watch.py        watch(model, every=10, ...): a user's own training loop watched (the first non-finite value's
                   producer, each module's run-up, setup mistakes); not part of an examination
+  module_sample.py  watch()'s module-level sample (the min and max of each module's values and gradients)
+  setup_checks.py   watch()'s checks of the loop's setup (loss scaling, the schedule, checkpoints)
 """
 from mpt.doctor.watch import watch  # noqa: F401 -- `with mpt.doctor.watch(model) as w:`

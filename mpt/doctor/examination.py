@@ -9,6 +9,7 @@ import time
 import torch
 import torch.nn as nn
 
+from mpt.bands import FP16_MAX, HIST_HI, HIST_LO
 from mpt.doctor.replay import diverges, fp32_gain, progress, tail_steps, train, untrained_losses
 from mpt.doctor.targets import STEPS, LossError, Patient
 from mpt.doctor.verdict import MARGIN, TOLERANCE, analyse, confirm, label
@@ -16,7 +17,6 @@ from mpt.doctor.keep_wide import search
 from mpt.doctor.narrowest import find
 from mpt.doctor.whatif import whatif
 from mpt.errors import UserError, one_line
-from mpt.numerics import FP16_MAX, HIST_HI, HIST_LO
 
 
 def examine(patient: Patient, steps: int = STEPS, device="cpu", tol: float = TOLERANCE, margin: float = MARGIN,

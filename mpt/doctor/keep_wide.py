@@ -1,6 +1,6 @@
 """The smallest set of modules to keep wide (FP32, or BF16) for a model to train in a narrower precision: from
 the precision asked for, modules are promoted one at a time, in the order of what they lose -- the module whose
-operation first made inf/nan in the FP16 replay (mpt.numerics.FirstOverflow: an overflow inside a module shows
+operation first made inf/nan in the FP16 replay (mpt.doctor.trace.first_overflow: an overflow inside a module shows
 only there), then the what-if's ranking for the format (whatif.py) -- each set checked by a replay, until the
 replay's progress and its output's SQNR against FP32 are within tolerance. The last replay is the check."""
 from __future__ import annotations

@@ -9,12 +9,15 @@ import math
 import torch
 
 from mpt import precision as recipes
+from mpt.bands import tensors_in
 from mpt.config import Config
+from mpt.doctor.probes import ValueRanges
 from mpt.doctor.targets import STEPS, Patient, call_loss
+from mpt.doctor.trace import Trace, first_overflow
 from mpt.errors import UserError
 from mpt.memory import ActivationMeter
 from mpt.precision import cast_floats
-from mpt.numerics import FirstOverflow, Numerics, NumericsObserver, ValueRanges, tensors_in
+from mpt.numerics import Numerics, NumericsObserver
 from mpt.precisions import FORMATS
 from mpt.ranks import to_device
 from mpt.step import TrainStep
@@ -155,7 +158,7 @@ def train(patient: Patient, precision: str, loss_scale: str = "auto", steps: int
     recipes as every run) and measure: losses, skipped steps, forward value ranges per layer, and with
     `numerics` the gradient histograms and swamping of every step (mpt.numerics.Numerics, as the engine
     samples them) and the initial weights' ranges; with `watch`, the first operation whose FP16/BF16 result is
-    inf/nan from finite inputs (mpt.numerics.FirstOverflow). `keep_wide`: modules (names) computed in `wide`
+    inf/nan from finite inputs (mpt.doctor.trace.first_overflow). `keep_wide`: modules (names) computed in `wide`
     (fp32 or bf16) inside the recipe (keep_wide.py). The model's output at the last step's forward is kept
     ("last_output": every replay starts from the same weights and reads the same batches in the same order, so
     outputs compare; and a recipe with delayed scales computes with its amax history by then). `meter`: measure only the
@@ -183,7 +186,7 @@ def train(patient: Patient, precision: str, loss_scale: str = "auto", steps: int
         for pname, p in model.named_parameters():
             weights.add(pname.rpartition(".")[0] or "root", p)
     activation_meter = ActivationMeter(model) if meter else None
-    watch = FirstOverflow(model) if watch else None
+    first_inf = None  # with `watch`: each step traced until it is found
     loss_fn = patient.loss_fn()
     # The engine's iteration (mpt.step.TrainStep), numerics sampled as a run samples them: the true
     # gradients of every step, then the update's fate (3.1).
@@ -192,10 +195,12 @@ def train(patient: Patient, precision: str, loss_scale: str = "auto", steps: int
     torch.manual_seed(patient.seed)  # the same steps: dropout masks and sampled negatives too
     losses, samples, skipped = [], [], 0
     for i in range(steps):
-        with forward.recording(model) if observe else contextlib.nullcontext(), \
-                watch.watching(i) if watch else contextlib.nullcontext():
+        trace = Trace(model, inputs=True) if watch and first_inf is None else None
+        with forward.recording(model) if observe else contextlib.nullcontext(), trace or contextlib.nullcontext():
             logs, _ = train_step([patient.batches[i % len(patient.batches)]],
                                  meter=activation_meter if i == 0 else None)
+        if trace is not None:
+            first_inf = first_overflow(trace, i)
         losses.append(float(logs["loss"]))
         skipped += not train_step.applied["main"]
         if numerics:
@@ -208,6 +213,6 @@ def train(patient: Patient, precision: str, loss_scale: str = "auto", steps: int
             "nonfinite_losses": sum(not math.isfinite(v) for v in losses), "forward": forward.summary(),
             "weights": weights.summary(), "numerics": samples,
             "memory": activation_meter.breakdown() if meter else None,
-            "first_inf": watch.first if watch else None,
+            "first_inf": first_inf,
             "types": {name or "root": type(m).__name__ for name, m in model.named_modules()}}
 

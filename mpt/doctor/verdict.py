@@ -6,9 +6,9 @@ from __future__ import annotations
 import math
 import re
 
+from mpt.bands import FP16_ROUNDS_TO_INF, HIST_LO, advise_loss_scale
 from mpt.config import Config
 from mpt.doctor.replay import progress, unjudged
-from mpt.numerics import FP16_ROUNDS_TO_INF, HIST_LO, advise_loss_scale
 
 TOLERANCE = 1e-3  # a share of non-zero values flushed to zero that we call negligible
 MARGIN = 2.0  # headroom of the advised static S: S x max|gradient| x MARGIN < 65504 (section 3.2)

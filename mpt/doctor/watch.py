@@ -28,158 +28,28 @@ From the samples:
     module-level record shows. Weights already non-finite cannot be traced (a GradScaler keeps them finite by
     skipping the update);
   - a non-finite loss or a skipped update between samples makes the next steps traced until it is seen;
-  - setup mistakes (one line each, said once): FP16 compute without loss scaling (no GradScaler, a disabled
-    one, or its scale at 1), the scheduler stepped on a step the scaler skipped, a checkpoint without the
-    scaler's state (check_checkpoint).
-    A scale that fell from above 1 to 1 or below is no setup mistake but gradients overflowing at every scale
-    the GradScaler tried: "k of n steps skipped; S fell from 2^16 to 2^-4".
-Module attribution of traced operations in backward follows torch.utils.module_tracker: a module's backward
-begins when the gradients of its outputs are ready and ends when those of its inputs (and weights) are.
+  - setup mistakes (one line each, said once: mpt.doctor.setup_checks).
+The module-level sample is mpt.doctor.module_sample's, the trace mpt.doctor.trace's (the examination's replay
+finds its first overflow with the same tracer).
 """
 from __future__ import annotations
 
 import collections
-import functools
 import math
 import sys
 from typing import Callable
 
 import torch
 import torch.nn as nn
-from torch.autograd.graph import register_multi_grad_hook
 
+from mpt.bands import hook_targets
+from mpt.doctor.module_sample import ModuleSample
+from mpt.doctor.setup_checks import SETUP, SetupChecks
+from mpt.doctor.trace import OUTSIDE, Trace, module_labels
 from mpt.errors import UserError
-from mpt.numerics import hook_targets, tensors_in
-from mpt.torch_private import TorchDispatchMode, in_backward, scaler_scale_tensor, tree_flatten
+from mpt.torch_private import scaler_scale_tensor
 
-OUTSIDE = "(outside the model)"  # the loss and whatever else the step computes from the model's outputs
 RUN_UP = 8  # samples of each module's largest |value| kept
-SETUP = ("fp16_unscaled", "schedule", "checkpoint", "order")  # findings that are mistakes in the loop's setup
-_LOW = (torch.float16,)  # FP16 compute: the format whose gradients need a loss scale (BF16 does not)
-
-
-_MAKES_VALUES: dict = {}
-
-
-def _makes_values(func) -> bool:
-    """Does the operation compute new values? Not a view or detach (the values of its input), nor an
-    allocation (empty memory: whatever bits it holds, possibly nan)."""
-    got = _MAKES_VALUES.get(func)
-    if got is None:
-        name = func.overloadpacket.__name__
-        view = any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
-        got = _MAKES_VALUES[func] = not (view or "empty" in name or name in ("detach", "lift_fresh", "alias"))
-    return got
-
-
-class _Ops(TorchDispatchMode):
-    """One sampled step: for each operation of a training forward (grad mode on) or of the backward, the
-    module running it and the largest |value| of its floating results, kept on the device."""
-
-    def __init__(self, current: Callable[[], str]):
-        super().__init__()
-        self.current = current
-        self.names: list[tuple[str, str, str]] = []  # (module, "forward" | "backward", op)
-        self.values: list[torch.Tensor] = []  # min and max of each result, in turn (0-dim, on the device)
-        self.fp16 = False
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        backward = in_backward()
-        if not (backward or torch.is_grad_enabled()) or not _makes_values(func):
-            return out  # the optimizer, evaluation: not the step's forward or backward; views, allocations
-        module = self.current()
-        if module == OUTSIDE and not backward and not any(a.requires_grad for a in _flat((args, kwargs))):
-            return out  # outside the model, the loss's graph only (not a GradScaler's own bookkeeping)
-        for t in _flat(out):
-            if t.is_floating_point() and t.numel():
-                self.fp16 |= t.dtype in _LOW
-                # min and max in one pass (inf/nan propagate into them); |value| is taken on the host. On a
-                # CPU this is ~20x faster than linalg.vector_norm(t, inf).
-                self.names.append((module, "backward" if backward else "forward", str(func.overloadpacket)))
-                self.values += torch.aminmax(t.detach())
-        return out
-
-
-def _flat(obj):
-    """The tensors in an operation's arguments or results (tensors, lists/tuples of them, kwargs)."""
-    return tensors_in(obj, max_depth=3)
-
-
-class _Modules:
-    """One sampled step at module granularity: the min and max of each module's inputs and outputs (forward)
-    and of the gradients of its outputs, inputs and weights (backward), on the device, in execution order.
-    `plan`: (module, its label, leaf?, in place?, its own trainable weights) for each hooked module."""
-
-    def __init__(self, plan: list):
-        self.names: list[tuple[str, str, str]] = []  # (module, "forward" | "backward", what)
-        self.values: list[torch.Tensor] = []  # min and max of each record, in turn (0-dim, on the device)
-        self.grads: list[int | None] = []  # per backward record, its gradient's group (one tensor, several records)
-        self.fp16 = False
-        self._seen: dict = {}  # (id, version) -> tensor: a value already recorded in this forward pass
-        self._last: tuple | None = None  # (gradient, its min and max, its group): one gradient, several records
-        self._handles = []
-        self._open = True
-        for m, label, leaf, inplace, weights in plan:
-            if not leaf:  # its inputs recorded before its children's records
-                self._handles.append(m.register_forward_pre_hook(functools.partial(self._pre, label)))
-            self._handles.append(m.register_forward_hook(functools.partial(self._post, label, leaf, inplace)))
-            for p in weights:
-                self._handles.append(p.register_hook(functools.partial(self._bwd, label, "weight gradient")))
-
-    def close(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles, self._seen, self._last, self._open = [], {}, None, False
-
-    def _fwd(self, label: str, what: str, t: torch.Tensor, always: bool = False) -> None:
-        """Record a forward value's min and max, each value once (a module's input is its producer's output)."""
-        if not (t.is_floating_point() and t.numel()):
-            return
-        key = (id(t), t._version)  # the version: an in-place change is a new value
-        if key in self._seen and not always:
-            return
-        self._seen[key] = t  # held for the pass (most are saved for backward anyway): ids stay unique
-        self.fp16 |= t.dtype in _LOW
-        self.names.append((label, "forward", what))
-        self.grads.append(None)
-        self.values += torch.aminmax(t.detach())
-
-    def _bwd(self, label: str, what: str, g: torch.Tensor) -> None:
-        """Record a gradient's min and max; the hooks of one tensor fire together: measured once, one group."""
-        if not self._open or not g.is_floating_point() or not g.numel():
-            return  # (a hook on an activation kept past its step: no handle is kept to remove it)
-        self.names.append((label, "backward", what))
-        last = self._last
-        if last is not None and last[0] is g:
-            self.grads.append(last[2])
-            self.values += last[1]
-            return
-        mm = torch.aminmax(g.detach())
-        self.values += mm
-        self.grads.append(len(self.names))
-        self._last = (g, mm, len(self.names))  # held, so that no other tensor takes its id meanwhile
-
-    def _pre(self, label: str, mod, args) -> None:
-        if torch.is_grad_enabled():
-            for t in _flat(args):
-                self._fwd(label, "input", t)
-
-    def _post(self, label: str, leaf: bool, inplace: bool, mod, args, out) -> None:
-        if not torch.is_grad_enabled():
-            return
-        ins = [] if inplace else list(_flat(args))
-        if leaf:
-            for t in ins:  # a leaf: its inputs are as they came in
-                self._fwd(label, "input", t)
-        # Hooks on activations go with them (no handle kept: removing ~1000 handles cost more than the hooks).
-        for t in _flat(out):
-            self._fwd(label, "output", t, always=inplace)
-            if t.requires_grad:
-                t.register_hook(functools.partial(self._bwd, label, "output gradient"))
-        for t in ins:  # (an in-place module's input is its output)
-            if t.requires_grad and not t.is_leaf:
-                t.register_hook(functools.partial(self._bwd, label, "input gradient"))
 
 
 class Watch:
@@ -210,46 +80,30 @@ class Watch:
         self.run_up_to_first: dict[str, list] = {}
         self.samples = 0  # sampled steps, traced ones included
         self.traced = 0
-        self._names = {m: f"{n or 'root'} ({type(m).__name__})" for n, m in model.named_modules()}
-        self._depth = {m: (n.count(".") + 1 if n else 0) for n, m in model.named_modules()}
-        self._rec: _Ops | _Modules | None = None  # this step's sample, when it is one
-        # Leaf modules and those owning weights (mpt.numerics.hook_targets): a container's input and output
+        self._names = module_labels(model)
+        self._rec: Trace | ModuleSample | None = None  # this step's sample, when it is one
+        # Leaf modules and those owning weights (mpt.bands.hook_targets): a container's input and output
         # are its first and last child's.
         self._plan = [(m, self._names[m], next(m.children(), None) is None, bool(getattr(m, "inplace", False)),
                        [p for p in m.parameters(recurse=False) if p.requires_grad]) for _, m in hook_targets(model)]
         self._params = [(self._names[_owner(model, n)], p) for n, p in model.named_parameters() if p.numel()]
         self._parent = {self._names[m]: self._names[model.get_submodule(n.rpartition(".")[0])]
                         for n, m in model.named_modules() if n}
-        self._handles: list = []
-        self._active: list[nn.Module] = []  # modules whose forward or backward is running, in entry order
-        self._reset_queued = False
         self._bad: torch.Tensor | None = None  # a non-finite loss since the last sample (device)
         self._chase = 0  # steps left to sample one after another, chasing a non-finite value seen between samples
         self._chase_from = 0  # the first step that could have made it
-        self._opt_steps = 0
-        self._opt_steps_before = 0
-        self._sched_before = None
-        self._handles_opt = None
-        self.skipped = 0  # updates the GradScaler skipped (counted where the optimizer is given)
-        self._scale0: float | None = None  # the GradScaler's scale as the loop began
+        self.setup = SetupChecks(optimizer, scaler, scheduler, self._find)
 
     # -- the user's calls ----------------------------------------------------------------------------------
     def __enter__(self) -> "Watch":
-        if self.optimizer is not None:
-            self._handles_opt = self.optimizer.register_step_post_hook(self._count_step)
-        self._opt_steps_before = self._opt_steps
-        self._sched_before = self._sched_epoch()
-        if self.scaler is not None and self.scaler.is_enabled():
-            self._scale0 = float(self.scaler.get_scale())  # (one host read, once)
+        self.setup.attach()
         self._begin()
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop()
         self._rec = None
-        if self._handles_opt is not None:
-            self._handles_opt.remove()
-            self._handles_opt = None
+        self.setup.detach()
 
     def step(self, loss: torch.Tensor | None = None) -> None:
         """End the step (call it last in the iteration, after the optimizer's and the scheduler's step): read
@@ -258,20 +112,13 @@ class Watch:
         if loss is not None and isinstance(loss, torch.Tensor):
             flag = ~torch.isfinite(loss.detach()).all()
             self._bad = flag if self._bad is None else self._bad | flag
-        stepped = self._opt_steps != self._opt_steps_before
-        self.skipped += self.optimizer is not None and self.scaler is not None and self.scaler.is_enabled() \
-            and not stepped
-        self._check_schedule(stepped)
+        stepped = self.setup.updated(self.step_count)
         if self._rec is not None:
             self._read()
         elif self.optimizer is not None and self.scaler is not None and not stepped and self.first is None \
-                and self._opt_steps > 0:
+                and self.setup.opt_steps > 0:
             self._start_chase(self.step_count)  # the scaler skipped an update between samples: find what overflowed
-        if self.optimizer is not None and self.step_count == 0 and not stepped and \
-                (self.scaler is None or not self.scaler.is_enabled()):  # (a scaler may skip step 0: not told apart)
-            self._find("order", "the optimizer given to watch() did not step before w.step() in the first step: "
-                                "call w.step() last in the iteration, and give watch() the optimizer the loop steps")
-        self._opt_steps_before = self._opt_steps
+        self.setup.step_ended(self.step_count, stepped)
         self.step_count += 1
         self._begin()
 
@@ -279,18 +126,7 @@ class Watch:
         """Does the dict the loop saves hold the GradScaler's state? Without it a resumed run restarts S at
         init_scale and skips steps while it backs off again (dynamic) or loses the scale it found. Returns
         True when it is there (or there is no enabled scaler)."""
-        if not isinstance(checkpoint, dict):
-            raise UserError(f"check_checkpoint: got a {type(checkpoint).__name__}; give the dict passed to "
-                            f"torch.save")
-        if self.scaler is None or not self.scaler.is_enabled():
-            return True
-        keys = set(self.scaler.state_dict())
-        if _holds(checkpoint, keys):
-            return True
-        self._find("checkpoint", f"the checkpoint dict (keys {', '.join(map(str, list(checkpoint)[:6]))}) has no "
-                                 f"GradScaler state: a resumed run restarts the loss scale at its initial value; save "
-                                 f"scaler.state_dict() in it and call scaler.load_state_dict() on resume")
-        return False
+        return self.setup.check_checkpoint(checkpoint)
 
     def report(self) -> list[str]:
         """The findings, the first non-finite value with its module's run-up, and the modules with the largest
@@ -299,8 +135,8 @@ class Watch:
                f"traced; largest |value| per module, gradients as the loop holds them (x the loss scale)"]
         if self.scaler is not None and self.scaler.is_enabled() and self.step_count:
             now = float(self.scaler.get_scale())
-            if now <= 1.0 and self._fell(now):  # the counts as the loop ended (and a fall after the last sample)
-                self.findings["scale_fell"] = self._fell(now, self.step_count)
+            if now <= 1.0 and self.setup.fell(now):  # the counts as the loop ended (and a fall after the last sample)
+                self.findings["scale_fell"] = self.setup.fell(now, self.step_count)
         out += [f"{'SETUP' if kind in SETUP else 'NOTE'}: {line}" for kind, line in self.findings.items()]
         run_up = self.run_up
         if self.first:
@@ -312,16 +148,6 @@ class Watch:
             out.append(f"  largest |value| in {m}: {self._run_up_line(m, run_up)}")
         return out
 
-    def _fell(self, scale: float, steps: int | None = None) -> str | None:
-        """The line for a GradScaler scale that fell from above 1 to `scale` <= 1 (None: it did not fall): the
-        gradients overflowed at every scale it tried -- not a scale set to 1 by mistake."""
-        if self._scale0 is None or self._scale0 <= 1.0 or scale >= self._scale0:
-            return None
-        skipped = f"{self.skipped} of {steps} steps skipped; " if self.optimizer is not None and steps else ""
-        return (f"{skipped}S fell from {_pow2(self._scale0)} to {_pow2(scale)}: the gradients overflow FP16 (inf/nan) "
-                f"at every scale the GradScaler tried -- find what makes them (the first non-finite value), or "
-                f"use BF16")
-
     # -- sampling ------------------------------------------------------------------------------------------
     def _begin(self) -> None:
         trace = self._chase or self.step_count % self.trace_every == 0
@@ -332,32 +158,46 @@ class Watch:
         # (their min and max: no copy of the weights is made)
         self._weights = [(label, torch.aminmax(p.detach())) for label, p in self._params]
         if not trace:
-            self._rec = _Modules(self._plan)
+            self._rec = ModuleSample(self._plan)
             return
         # Tracing: every operation, attributed to the innermost running module (forward and backward).
-        self._active = []
-        self._rec = _Ops(self._current)
-        for m in self.model.modules():
-            self._handles.append(m.register_forward_pre_hook(self._enter))
-            self._handles.append(m.register_forward_hook(self._leave))
+        self._rec = Trace(self.model, self._names)
         self._rec.__enter__()
 
     def _stop(self) -> None:
-        if isinstance(self._rec, _Ops):
+        if isinstance(self._rec, Trace):
             self._rec.__exit__(None, None, None)
         elif self._rec is not None:
             self._rec.close()
-        for h in self._handles:
-            h.remove()
-        self._handles = []
 
     def _read(self) -> None:
         rec = self._rec
         self._stop()
         self._rec = None
         self.samples += 1
-        traced = isinstance(rec, _Ops)
+        traced = isinstance(rec, Trace)
         self.traced += traced
+        weights, values, tail = self._transfer(rec)
+        step = self.step_count
+        self._bad, bad_loss = None, bool(tail[0])
+        per: dict[str, list[float]] = {}
+        for (module, phase, what), v in zip(rec.names, values):
+            if module != OUTSIDE and what != "input":
+                fb = per.setdefault(module, [0.0, 0.0])
+                i = phase == "backward"
+                fb[i] = v if math.isnan(v) else fb[i] if math.isnan(fb[i]) else max(fb[i], v)  # nan, inf win
+        for module, (f, b) in per.items():
+            self.run_up.setdefault(module, collections.deque(maxlen=RUN_UP)).append((step, f, b))
+        bad_w = next((name for (name, _), v in zip(self._weights, weights) if not math.isfinite(v)), None)
+        i = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
+        bad = None if i is None else (rec.names[self._first_of(rec, i)], values[i])
+        self._look(step, traced, bad_w, bad, bad_loss)
+        if rec.fp16:
+            self.setup.check_fp16(step, tail[1] if len(tail) > 1 else None)
+
+    def _transfer(self, rec) -> tuple[list[float], list[float], list[float]]:
+        """The sample on the host: the largest |value| of each weight as the step began and of each record, then
+        the non-finite-loss flag and the GradScaler's scale."""
         extra = [self._bad if self._bad is not None else torch.zeros((), dtype=torch.bool)]
         if self.scaler is not None and self.scaler.is_enabled():
             scale = scaler_scale_tensor(self.scaler)
@@ -374,20 +214,10 @@ class Watch:
                  torch.stack([t.to(dev, torch.float32) for t in extra])]
         flat = torch.cat([x for x in parts if x is not None]).tolist()  # the one host transfer
         nw, no = len(self._weights), len(rec.names)
-        weights, values, tail = flat[:nw], flat[nw:nw + no], flat[nw + no:]
-        step = self.step_count
-        self._bad, bad_loss = None, bool(tail[0])
-        per: dict[str, list[float]] = {}
-        for (module, phase, what), v in zip(rec.names, values):
-            if module != OUTSIDE and what != "input":
-                fb = per.setdefault(module, [0.0, 0.0])
-                i = phase == "backward"
-                fb[i] = v if math.isnan(v) else fb[i] if math.isnan(fb[i]) else max(fb[i], v)  # nan, inf win
-        for module, (f, b) in per.items():
-            self.run_up.setdefault(module, collections.deque(maxlen=RUN_UP)).append((step, f, b))
-        bad_w = next((name for (name, _), v in zip(self._weights, weights) if not math.isfinite(v)), None)
-        i = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
-        bad = None if i is None else (rec.names[self._first_of(rec, i)], values[i])
+        return flat[:nw], flat[nw:nw + no], flat[nw + no:]
+
+    def _look(self, step: int, traced: bool, bad_w: str | None, bad: tuple | None, bad_loss: bool) -> None:
+        """What the sample says of the first non-finite value: it is found, named by a trace, or chased."""
         if self.first is None:
             if bad_w is not None:
                 self._event({"step": step, "module": bad_w, "phase": "before the step", "what": "its weights",
@@ -413,18 +243,6 @@ class Watch:
                              "phase": phase, "op": op})
             else:
                 self._countdown(step, f"at step {self.first['step']}")
-        if rec.fp16:
-            scale = tail[1] if len(tail) > 1 else None
-            if self.scaler is None or not self.scaler.is_enabled():
-                what = "no GradScaler given to watch()" if self.scaler is None else "the GradScaler is disabled"
-                self._find("fp16_unscaled", f"FP16 compute with {what}: gradients below 2^-24 flush to zero "
-                                            f"(section 3.2); use torch.amp.GradScaler() (enabled) or BF16")
-            elif scale is not None and scale <= 1.0 and self._fell(scale):
-                self._find("scale_fell", self._fell(scale, step + 1))
-            elif scale is not None and scale <= 1.0:
-                self._find("fp16_unscaled", f"FP16 compute with the GradScaler's scale at {scale:g} (step {step}): "
-                                            f"it does not scale the gradients; create it with the default "
-                                            f"init_scale (2^16) and let it move, or use BF16")
 
     @staticmethod
     def _first_of(rec, i: int) -> int:
@@ -478,69 +296,10 @@ class Watch:
             return ", ".join(f"step {s} fwd {f:.3g} bwd {b:.3g}" for s, f, b in rows) or "not sampled"
         return f"not sampled before step {self.first['step']}"
 
-    # -- which module is running ---------------------------------------------------------------------------
-    def _current(self) -> str:
-        # The innermost: the deepest running module (a child and its parent end on the same output tensor,
-        # so their backward hooks fire together), the latest entered among equals.
-        if not self._active:
-            return OUTSIDE
-        return self._names[max(reversed(self._active), key=self._depth.__getitem__)]
-
-    def _enter(self, mod, args) -> None:
-        self._active.append(mod)
-
-    def _leave(self, mod, args, out) -> None:
-        if mod in self._active:
-            self._active.remove(mod)
-        if not torch.is_grad_enabled():
-            return
-        # Backward: the module's gradients begin when its outputs' are ready, end when its inputs' (and its own
-        # parameters') are.
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        ins = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        ins += [p for p in mod.parameters(recurse=False) if p.requires_grad]  # a first layer's: its input has none
-        if outs:
-            self._handles.append(register_multi_grad_hook(outs, lambda grads: self._backward_enter(mod)))
-        if ins and outs:
-            self._handles.append(register_multi_grad_hook(ins, lambda grads: mod in self._active
-                                                          and self._active.remove(mod)))
-
-    def _backward_enter(self, mod) -> None:
-        if not self._reset_queued:
-            # At the end of this backward nothing is running any more (a module whose exit never fired: its
-            # inputs and parameters need no gradient); torch.utils.module_tracker resets the same way.
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
-            self._reset_queued = True
-        self._active.append(mod)
-
-    def _backward_done(self) -> None:
-        self._active, self._reset_queued = [], False
-
-    # -- setup checks --------------------------------------------------------------------------------------
-    def _count_step(self, opt, args, kwargs) -> None:
-        self._opt_steps += 1
-
-    def _sched_epoch(self):
-        return getattr(self.scheduler, "last_epoch", None)
-
-    def _check_schedule(self, stepped: bool) -> None:
-        now = self._sched_epoch()
-        if self.optimizer is not None and self.scheduler is not None and now != self._sched_before and not stepped:
-            self._find("schedule", f"step {self.step_count}: the scheduler stepped though the optimizer did not (the "
-                                   f"GradScaler skipped the update for inf/nan): the schedule runs ahead of the "
-                                   f"updates; step it only when the update was applied (scaler.get_scale() did not "
-                                   f"drop in scaler.update())")
-        self._sched_before = now
-
     def _find(self, kind: str, line: str) -> None:
         if kind not in self.findings:
             self.findings[kind] = line
             self.log(line)
-
-
-def _pow2(s: float) -> str:
-    k = math.log2(s) if s > 0 else math.nan
-    return f"2^{round(k)}" if k == round(k) else f"{s:g}"
 
 
 def _event(e: dict) -> str:
@@ -562,17 +321,6 @@ def _traced(e: dict) -> str:
 
 def _owner(model: nn.Module, pname: str) -> nn.Module:
     return model.get_submodule(pname.rpartition(".")[0])
-
-
-def _holds(obj, keys: set, depth: int = 0) -> bool:
-    """Somewhere in the (nested) checkpoint, a dict with every key of the scaler's state."""
-    if isinstance(obj, dict):
-        if keys <= set(obj):
-            return True
-        return depth < 4 and any(_holds(v, keys, depth + 1) for v in obj.values())
-    if isinstance(obj, (list, tuple)) and depth < 4:
-        return any(_holds(v, keys, depth + 1) for v in obj)
-    return False
 
 
 def watch(model: nn.Module, every: int = 10, optimizer=None, scaler=None, scheduler=None, log=None,

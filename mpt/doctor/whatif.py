@@ -1,6 +1,6 @@
-"""What each number format would do to this model, from one FP32 pass: for every module (mpt.numerics.hook_targets)
+"""What each number format would do to this model, from one FP32 pass: for every module (mpt.bands.hook_targets)
 its forward outputs, weights, output gradients and weight gradients are rounded to each format of
-mpt.numerics.FORMATS, in FP64, and compared with themselves: the share of non-zero values flushed to zero, the
+mpt.bands.FORMATS, in FP64, and compared with themselves: the share of non-zero values flushed to zero, the
 share above the format's largest value (inf, or saturated where the format's casts saturate), and the SQNR
 (signal over rounding noise, dB). Nothing is trained: the question is what storing these very values would lose.
 
@@ -18,10 +18,10 @@ import math
 
 import torch
 
+from mpt.bands import FORMATS, hook_targets, tensors_in
 from mpt.doctor.targets import Patient, call_loss
 from mpt.doctor.verdict import pct
 from mpt.fp8 import FP8Math, FP8State
-from mpt.numerics import FORMATS, tensors_in, hook_targets
 from mpt.ranks import to_device
 
 KINDS = ("activations", "weights", "activation grads", "weight grads")
@@ -141,7 +141,7 @@ def collect(patient: Patient, device="cpu", batches: int = 1) -> tuple[dict, dic
 def whatif(patient: Patient, device="cpu", formats: tuple[str, ...] | None = None) -> dict:
     """Per format: per (module, kind) and per kind overall, the shares flushed and overflowed and the SQNR; for
     fp16 the loss scale of the sweep that loses least; the modules ranked by what they lose; a verdict.
-    `formats`: element formats (mpt.numerics.FORMATS) and simulated precisions of the table (their recipes,
+    `formats`: element formats (mpt.bands.FORMATS) and simulated precisions of the table (their recipes,
     recipe_rows); default every one of both. Formats ranked by what they lose (report.json's "whatif")."""
     from mpt.precisions import FORMATS as RECIPE_ROWS
 
