@@ -30,12 +30,10 @@ from mpt import formats, precisions
 from mpt import torch_private as TP
 from mpt.bands import first_nonfinite
 from mpt.errors import UserError
-from mpt.fp8 import FP8Math, FP8State, fp8_quantize  # noqa: F401 -- also imported from here
-from mpt.half_math import (FP32Copies, FP32Math, HalfMath, cpu_has_fast_bf16, half_math_info,  # noqa: F401
-                           resolve_half_math)
+from mpt.fp8 import FP8Math, FP8State
+from mpt.half_math import FP32Copies, FP32Math, HalfMath, resolve_half_math
 from mpt.loss_scaler import LossScaler
-from mpt.precisions import (HALF_COMPUTE, HALF_MATHS, IMPLS, PRECISIONS, ROUNDINGS,  # noqa: F401
-                            check, parse_loss_scale)
+from mpt.precisions import HALF_COMPUTE, check, parse_loss_scale
 from mpt.rounding import kahan_round_, stochastic_round
 from mpt.step import Observer
 

@@ -321,6 +321,7 @@ def env_info(device, world_size: int = 1, cfg=None) -> dict:
     import torchvision
 
     from mpt import precision
+    from mpt.half_math import half_math_info
 
     commit, dirty = git_info()
     cuda = device.type == "cuda"
@@ -338,7 +339,7 @@ def env_info(device, world_size: int = 1, cfg=None) -> dict:
         "hostname": socket.gethostname(),
         "world_size": world_size,
         "date": now(),
-        "half_math": precision.half_math_info(device),
+        "half_math": half_math_info(device),
         **({"half_math_used": precision.half_math_used(cfg, device)} if cfg is not None else {}),
     }
 

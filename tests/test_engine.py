@@ -14,7 +14,7 @@ from conftest import REPO, check_run_dir, run_interrupted, tiny_overrides
 from experiments.ilsvrc_cnns import main as ilsvrc
 from toy_gan import run_task
 from mpt import config as C
-from mpt import precision
+from mpt import precision, precisions
 from mpt.config import Config
 from models.imagenet_cnns import INPUT_SIZE
 from mpt.memory import SavedTensorBytes
@@ -158,8 +158,8 @@ def test_activation_bytes_exact():
 @pytest.mark.parametrize("name", sorted(INPUT_SIZE))
 def test_every_model_every_precision_forward_backward(name):
     x, y = torch.randn(2, 3, 80, 80), torch.tensor([0, 1])
-    for prec in precision.PRECISIONS:
-        for impl in precision.IMPLS:
+    for prec in precisions.PRECISIONS:
+        for impl in precisions.IMPLS:
             if prec in ("fp16_pure", "fp16_storage") and impl == "autocast":
                 continue  # the same recipe as impl=paper
             torch.manual_seed(0)

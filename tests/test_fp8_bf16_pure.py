@@ -9,11 +9,12 @@ import torch.nn as nn
 
 from toy_gan import run_task
 from mpt import config as C
-from mpt import precision
+from mpt import precision, precisions
 from mpt.config import Config, FP8Cfg
 from mpt.formats import ELEMENTS
 from mpt.errors import UserError
-from mpt.precision import FP8State, fp8_quantize, kahan_round_, stochastic_round
+from mpt.fp8 import FP8State, fp8_quantize
+from mpt.rounding import kahan_round_, stochastic_round
 
 torch.set_num_threads(1)
 
@@ -287,7 +288,7 @@ def test_bad_combinations_are_one_line_errors(kw, msg):
     for k, v in kw.items():
         C.set_key(c, k, v)
     with pytest.raises(UserError, match=msg):
-        precision.check(c)
+        precisions.check(c)
 
 
 # Run names of cells as earlier versions of the code named them (each new key -- half_math, rounding,
@@ -318,7 +319,7 @@ def test_new_keys_are_other_runs_and_old_stored_configs_the_same_run():
     old = C._strip_infra(Config(precision="mixed"))
     del old["rounding"], old["fp8"]
     assert C.config_difference(old, Config(precision="mixed")) is None
-    assert len({C.cell_id(Config(precision="bf16_pure", rounding=r)) for r in precision.ROUNDINGS}) == 3
+    assert len({C.cell_id(Config(precision="bf16_pure", rounding=r)) for r in precisions.ROUNDINGS}) == 3
     a, b = Config(precision="fp8"), Config(precision="fp8")
     b.fp8.scaling = "current"
     assert C.cell_id(a) != C.cell_id(b)
@@ -388,7 +389,7 @@ def test_fp8_bands_by_hand():
     # the bands agree with the casts themselves
     x = torch.logspace(-14, 17, 4001, base=2.0)
     for fmt, over in (("e4m3", x > 464), ("e5m2", x >= 61440)):  # max + half its ulp: ties go down / up
-        q = precision.fp8_quantize(x, fmt)
+        q = fp8_quantize(x, fmt)
         b = format_bands(x, fmt)
         assert b["underflow"] == int((q == 0).sum())
         assert b["overflow"] == int(over.sum()) > 0

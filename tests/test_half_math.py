@@ -13,10 +13,10 @@ import torch.nn.functional as F
 
 from toy_gan import run_task
 from mpt import config as C
-from mpt import precision
+from mpt import precision, precisions
 from mpt.config import Config
 from mpt.errors import UserError
-from mpt.precision import HalfMath
+from mpt.half_math import HalfMath, cpu_has_fast_bf16, resolve_half_math
 
 torch.set_num_threads(1)
 
@@ -35,15 +35,15 @@ def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def test_half_math_key_is_checked_and_resolved():
     with pytest.raises(UserError, match="unknown half_math 'fast'; choose one of: auto, emulated, native"):
-        precision.check(Config(precision="fp16", half_math="fast"))
+        precisions.check(Config(precision="fp16", half_math="fast"))
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
-    assert precision.resolve_half_math("auto", torch.float16, cpu) == "emulated"
-    assert precision.resolve_half_math("native", torch.float16, cpu) == "native"
-    assert precision.resolve_half_math("emulated", torch.float32, cpu) == "none"
-    fast, basis = precision.cpu_has_fast_bf16()
-    assert precision.resolve_half_math("auto", torch.bfloat16, cpu) == ("native" if fast else "emulated") and basis
-    for setting in precision.HALF_MATHS:  # a GPU always runs its own kernels
-        assert precision.resolve_half_math(setting, torch.float16, gpu) == "device"
+    assert resolve_half_math("auto", torch.float16, cpu) == "emulated"
+    assert resolve_half_math("native", torch.float16, cpu) == "native"
+    assert resolve_half_math("emulated", torch.float32, cpu) == "none"
+    fast, basis = cpu_has_fast_bf16()
+    assert resolve_half_math("auto", torch.bfloat16, cpu) == ("native" if fast else "emulated") and basis
+    for setting in precisions.HALF_MATHS:  # a GPU always runs its own kernels
+        assert resolve_half_math(setting, torch.float16, gpu) == "device"
         assert precision.half_math_used(Config(precision="mixed", half_math=setting), gpu) == "device"
     assert precision.half_math_used(Config(precision="fp16_storage", half_math="native"), cpu) == "emulated"
     for prec, impl in [("fp16", "autocast"), ("mixed", "paper"), ("fp16_pure", "paper")]:
@@ -57,7 +57,7 @@ def test_half_math_is_part_of_the_run_identity():
     the same run); emulated and native are other runs. What auto picked is in env.json."""
     from mpt.rundir import env_info
 
-    ids = {hm: C.cell_id(Config(precision="mixed", half_math=hm)) for hm in precision.HALF_MATHS}
+    ids = {hm: C.cell_id(Config(precision="mixed", half_math=hm)) for hm in precisions.HALF_MATHS}
     assert len(set(ids.values())) == 3
     old = C._strip_infra(Config(precision="mixed"))
     del old["half_math"]

@@ -22,7 +22,7 @@ from data_prep.lm1b.tiny import generate
 from experiments.lm_biglstm import main as lm_main
 from experiments.lm_biglstm.task import Task, TaskCfg
 from models.lm import FULL, Softmax, expected_count, log_uniform_prob, parameter_count, sample_log_uniform
-from mpt import precision
+from mpt import precision, precisions
 from mpt.config import Config, OptimCfg
 from mpt.data import EpochSampler
 from mpt.errors import UserError
@@ -83,8 +83,8 @@ def test_tiny_forward_backward_every_precision():
     x, y = torch.randint(0, 60, (3, 4)), torch.randint(0, 60, (3, 4))
     mask = torch.ones(3, 4, dtype=torch.bool)
     mask[0, 1] = False
-    for prec in precision.PRECISIONS:
-        for impl in precision.IMPLS:
+    for prec in precisions.PRECISIONS:
+        for impl in precisions.IMPLS:
             if prec in ("fp16_pure", "fp16_storage") and impl == "autocast":
                 continue  # the same recipe as impl=paper
             m = tiny_model()

@@ -9,9 +9,10 @@ from toy_gan import run_task
 from mpt import precision, precisions
 from mpt.config import Config
 from mpt.errors import UserError
+from mpt.half_math import FP32Copies
 
 torch.set_num_threads(1)
-ALL = [(p, i) for p in precision.PRECISIONS for i in precision.IMPLS]
+ALL = [(p, i) for p in precisions.PRECISIONS for i in precisions.IMPLS]
 
 
 def cfg_of(prec="fp32", impl="autocast", loss_scale="auto", half_math="auto", **scaler):
@@ -101,14 +102,14 @@ def _big_weight_step(prec, impl, scale="auto"):
     return r.weights_of(opt)[0].item()  # the master, or fp16_pure's FP16 weight
 
 
-@pytest.mark.parametrize("impl", precision.IMPLS)
+@pytest.mark.parametrize("impl", precisions.IMPLS)
 def test_update_swamped_without_master_copy_kept_with_it(impl):
     assert _big_weight_step("fp16_pure", impl) == 4096.0  # 4095 rounds back to 4096 in FP16
     assert _big_weight_step("fp16", impl) == 4095.0  # the FP32 master keeps it
     assert _big_weight_step("mixed", impl, 8) == 4095.0
 
 
-@pytest.mark.parametrize("impl", precision.IMPLS)
+@pytest.mark.parametrize("impl", precisions.IMPLS)
 def test_tiny_gradient_flushed_at_s1_survives_with_scaling(impl):
     def grad(prec, scale):
         m = nn.Linear(1, 1, bias=False)
@@ -147,7 +148,7 @@ def test_real_model_gradients_underflow_at_s1_not_with_scale():
     assert torch.allclose(gs, g32, rtol=0.05, atol=tiny * 1e-3)
 
 
-@pytest.mark.parametrize("impl", precision.IMPLS)
+@pytest.mark.parametrize("impl", precisions.IMPLS)
 @pytest.mark.parametrize("scale", ["dynamic", "128"])
 def test_overflow_skips_step_and_reports_culprit(impl, scale):
     x, y = data()
@@ -170,7 +171,7 @@ def test_overflow_skips_step_and_reports_culprit(impl, scale):
     assert r.loss_scale == (s0 / 2 if scale == "dynamic" else s0)
 
 
-@pytest.mark.parametrize("impl", precision.IMPLS)
+@pytest.mark.parametrize("impl", precisions.IMPLS)
 @pytest.mark.parametrize("scale", ["dynamic", "128"])
 def test_one_host_read_per_step_and_training_goes_on_after_a_skip(impl, scale, monkeypatch):
     """A clean step reads the device once (the skip decision the engine needs on the host; GradScaler
@@ -202,7 +203,7 @@ def test_one_host_read_per_step_and_training_goes_on_after_a_skip(impl, scale, m
     assert r.skipped_steps == 1 and r.last_overflow == "5.weight"
 
 
-@pytest.mark.parametrize("impl", precision.IMPLS)
+@pytest.mark.parametrize("impl", precisions.IMPLS)
 def test_dynamic_scale_grows_after_interval(impl):
     x, y = data()
     m = tiny_net()
@@ -215,7 +216,7 @@ def test_dynamic_scale_grows_after_interval(impl):
     assert r.loss_scale == 128.0
 
 
-@pytest.mark.parametrize("impl", precision.IMPLS)
+@pytest.mark.parametrize("impl", precisions.IMPLS)
 def test_clipping_sees_unscaled_gradients(impl):
     x, y = data()
     ref, m = tiny_net(), tiny_net()
@@ -246,7 +247,7 @@ def test_accumulation_equals_big_batch_fp32():
         assert torch.allclose(pa, pb, atol=1e-6)
 
 
-@pytest.mark.parametrize("impl", precision.IMPLS)
+@pytest.mark.parametrize("impl", precisions.IMPLS)
 def test_checkpoint_round_trip_continues_bit_identically(impl):
     x, y = data()
     m = tiny_net()
@@ -464,7 +465,7 @@ def test_ddp_paper_masters_follow_rank0(tmp_path):
 # FP16 storage, FP32 math (DeepSpeech 2, section 4.3)
 
 
-@pytest.mark.parametrize("impl", precision.IMPLS)
+@pytest.mark.parametrize("impl", precisions.IMPLS)
 def test_fp16_storage_stores_fp16_and_computes_fp32(impl):
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 3))
@@ -512,9 +513,9 @@ def test_fp16_storage_differs_from_fp16_math():
 
 
 def test_fp16_storage_loss_scale_and_validation():
-    assert precision.parse_loss_scale("auto", "fp16_storage") is None
-    assert precision.parse_loss_scale("dynamic", "fp16_storage") == "dynamic"
-    assert precision.parse_loss_scale("128", "fp16_storage") == 128.0
+    assert precisions.parse_loss_scale("auto", "fp16_storage") is None
+    assert precisions.parse_loss_scale("dynamic", "fp16_storage") == "dynamic"
+    assert precisions.parse_loss_scale("128", "fp16_storage") == 128.0
     from mpt.config import validate
 
     validate(cfg_of("fp16_storage", "paper", "dynamic"))
@@ -575,7 +576,7 @@ def test_fp16_pure_matches_by_hand_ablation():
 def test_each_row_of_the_precision_table_says_what_its_recipe_does(row):
     """mpt/precisions.py against the recipes built from it: what the model is stored in, whether the
     trained weights are FP32, the dtype of an activation, what loss_scale=auto gives."""
-    for impl in precision.IMPLS:
+    for impl in precisions.IMPLS:
         torch.manual_seed(0)
         net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3))
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
@@ -691,7 +692,7 @@ def test_kept_fp32_weight_copies_change_no_bit(prec, impl):
 def test_fp32_copies_follow_their_weights_and_go_with_them():
     """A copy is w.float() at the weight's current version and is dropped with its weight; anything
     but a parameter is cast afresh each time."""
-    copies = precision.FP32Copies()
+    copies = FP32Copies()
     w = nn.Parameter(torch.randn(4, 3).half())
     up = copies.get(w)
     assert up.dtype == torch.float32 and torch.equal(up, w.float()) and copies.get(w) is up

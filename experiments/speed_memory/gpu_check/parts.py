@@ -209,7 +209,7 @@ def part_models(ctx: Ctx) -> dict:
     (GRAPHED) again with their forward/backward replayed from CUDA graphs (cuda_graphs=true,
     mpt.graphs), beside their eager rows; on a CPU those rows are skipped with a note."""
     from experiments.speed_memory import report
-    from mpt.precision import HALF_COMPUTE
+    from mpt.precisions import HALF_COMPUTE
 
     s = ctx.sizes
     pb = paper_batches()
@@ -242,7 +242,7 @@ def part_models(ctx: Ctx) -> dict:
 def _graphs_exact(m: str, o: dict, ctx: Ctx) -> list[dict]:
     """CUDA graphs against eager, bit for bit (bench.graphs_exactness), in each graphed cell's layout."""
     from experiments.speed_memory import bench
-    from mpt.precision import HALF_COMPUTE
+    from mpt.precisions import HALF_COMPUTE
 
     rows = []
     for prec, impl in (("fp32", None), ("mixed", "autocast"), ("fp16_storage", "paper")):
