@@ -129,7 +129,7 @@ def main(argv=None) -> None:
         futures = {name: pool.submit(prepare, name, pathlib.Path(args.data_dir) / f"tiny_{name}") for name in names}
         data = {name: f.result() for name, f in futures.items()}
     print(f"[demo] data ready in {time.time() - t0:.0f} s")
-    from slurm import submit
+    from slurm import local, submit
 
     subs = [submit.prepare([f"experiments/{grid}", "--profile", "tiny", "--backend", "local",
                             "--set", f"out_dir={args.runs}", f"task.data_root={data[d]}", *args.extra, *only])
@@ -137,7 +137,7 @@ def main(argv=None) -> None:
     t1 = time.time()
     failed = None
     try:
-        submit.run_locally(subs, args.jobs)
+        local.run_locally(subs, args.jobs)
     except SystemExit as e:  # some cells failed: the tables still show the others, and mark those
         failed = e
     print(f"[demo] {sum(len(s.todo) for s in subs)} runs in {time.time() - t1:.0f} s")

@@ -68,14 +68,14 @@ class CifarResNet(nn.Module):
         return self.fc(torch.flatten(self.pool(x), 1))
 
 
-@register("resnet8_cifar")
+@register("resnet8_cifar", batch_norm=True)
 def resnet8_cifar(num_classes: int = 10, width: float = 1.0, aux_logits: bool = False) -> nn.Module:
     """The same family at n = 1 (6n + 2 = 8 layers): section 4.2's design, shallower than its smallest (n = 3)."""
     check_args("resnet8_cifar", num_classes, width, aux_logits, has_aux=False)
     return CifarResNet(num_classes, width, n=1)
 
 
-@register("resnet20_cifar")
+@register("resnet20_cifar", batch_norm=True)
 def resnet20_cifar(num_classes: int = 10, width: float = 1.0, aux_logits: bool = False) -> nn.Module:
     check_args("resnet20_cifar", num_classes, width, aux_logits, has_aux=False)
     return CifarResNet(num_classes, width, n=3)

@@ -83,7 +83,7 @@ class Discriminator(nn.Module):
         return self.head(self.features(x)).view(-1)
 
 
-@register("dcgan")
+@register("dcgan", batch_norm=True)
 def dcgan(size: int = 128, width: float = 1.0) -> nn.ModuleDict:
     """Both networks by name, as the engine's named models."""
     return nn.ModuleDict({"generator": Generator(size, width), "discriminator": Discriminator(size, width)})

@@ -158,11 +158,11 @@ def _build(name: str, vocab: int | None, width: float, n_freq: int, conv_channel
                        conv_channels=conv_channels or max(4, round(CONV_CHANNELS * width)), n_freq=n_freq)
 
 
-@register("english")
+@register("english", batch_norm=True)
 def english(vocab: int | None = None, width: float = 1.0, n_freq: int = N_FREQ, conv_channels: int = 0) -> DeepSpeech2:
     return _build("english", vocab, width, n_freq, conv_channels)
 
 
-@register("mandarin")
+@register("mandarin", batch_norm=True)
 def mandarin(vocab: int | None = None, width: float = 1.0, n_freq: int = N_FREQ, conv_channels: int = 0) -> DeepSpeech2:
     return _build("mandarin", vocab, width, n_freq, conv_channels)

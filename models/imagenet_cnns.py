@@ -431,7 +431,7 @@ class BNInception(nn.Module):
         return self.fc(torch.flatten(self.pool(x), 1))
 
 
-@register("inception_v2")
+@register("inception_v2", batch_norm=True)
 def inception_v2(num_classes: int = 1000, width: float = 1.0, aux_logits: bool = False) -> nn.Module:
     check_args("inception_v2", num_classes, width, aux_logits, has_aux=False)
     return BNInception(num_classes, width)
@@ -609,7 +609,7 @@ class InceptionV3(nn.Module):
         return _aux_output(self, logits, aux)
 
 
-@register("inception_v3")
+@register("inception_v3", batch_norm=True)
 def inception_v3(num_classes: int = 1000, width: float = 1.0, aux_logits: bool = True) -> nn.Module:
     check_args("inception_v3", num_classes, width, aux_logits, has_aux=True)
     return InceptionV3(num_classes, width, aux_logits)
@@ -693,7 +693,7 @@ class PreActResNet(nn.Module):
         return self.fc(torch.flatten(self.pool(x), 1))
 
 
-@register("resnet50_preact")
+@register("resnet50_preact", batch_norm=True)
 def resnet50_preact(num_classes: int = 1000, width: float = 1.0, aux_logits: bool = False) -> nn.Module:
     check_args("resnet50_preact", num_classes, width, aux_logits, has_aux=False)
     return PreActResNet(num_classes, width)

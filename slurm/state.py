@@ -16,8 +16,12 @@ import shutil
 import socket
 import subprocess
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from mpt.rundir import FINAL, open_no_follow, read_json, read_rank_failures
+
+if TYPE_CHECKING:
+    from slurm.grid import Cell
 
 MANIFEST = "submissions.jsonl"
 _RUNNING = {"RUNNING", "COMPLETING", "CONFIGURING", "STAGE_OUT", "SIGNALING"}
@@ -38,6 +42,20 @@ def append_manifest(exp_dir, record: dict) -> pathlib.Path:
         os.write(fd, line)
     finally:
         os.close(fd)
+    return path
+
+
+def record_submission(record: dict, pairs: list[tuple[Cell, str]]) -> pathlib.Path | None:
+    """Append a submission (`record`, and its cells with their job ids) to the manifest of each
+    experiment directory it touched; the path of the last one written."""
+    by_dir: dict[pathlib.Path, list] = {}
+    for c, jid in pairs:
+        by_dir.setdefault(c.run_dir.parent, []).append(
+            {"cell_id": c.cell_id, "run_name": c.run_name, "run_dir": str(c.run_dir), "job_id": jid,
+             "overrides": c.overrides})
+    path = None
+    for d, cells in by_dir.items():
+        path = append_manifest(d, {**record, "cells": cells})
     return path
 
 

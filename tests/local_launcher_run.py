@@ -8,7 +8,7 @@ import pathlib
 import sys
 
 from mpt.errors import cli
-from slurm import submit
+from slurm import local
 
 
 def main(argv):
@@ -16,11 +16,11 @@ def main(argv):
     tasks = []
     for spec in specs:
         name, code, *mode = spec.split(":")
-        tasks.append(submit.LocalTask(
+        tasks.append(local.LocalTask(
             name, [sys.executable, "-m", "local_cell_probe", str(out / f"{name}.json"), code, *mode],
             env={"PROBE_VAR": name, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.environ.get("PYTHONPATH", "")},
             log=out / f"{name}.log", preload=("torch",)))
-    results = submit.run_local(tasks, cap, started=lambda t, pid: print(f"started {t.name} {pid}", flush=True),
+    results = local.run_local(tasks, cap, started=lambda t, pid: print(f"started {t.name} {pid}", flush=True),
                                say=lambda line: print(line, flush=True))
     print(json.dumps(results), flush=True)
 

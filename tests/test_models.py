@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models import build, names
+from models import build, has_batch_norm, names
 from models.imagenet_cnns import AUX_WEIGHTS, INPUT_SIZE, LRN, _same_max_pool
 from mpt.errors import UserError
 
@@ -44,6 +44,15 @@ def test_registry_has_all_six():
     assert set(MODELS) <= set(names())
     assert set(INPUT_SIZE) == set(MODELS)
     assert AUX_WEIGHTS == {"googlenet": 0.3, "inception_v3": 0.3}  # both prototxts: loss_weight 0.3
+
+
+@pytest.mark.parametrize("name", names())
+def test_registry_says_which_models_have_batch_norm(name):
+    """The registry's batch_norm flag (what the launcher's plan reads instead of building the model) is
+    what the built model has, for every registered model."""
+    bn = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm)
+    assert has_batch_norm(name) == any(isinstance(m, bn) for m in build(name, width=1 / 64).modules())
+    assert not has_batch_norm(f"{name}_not_registered")
 
 
 @pytest.mark.parametrize("name", MODELS)

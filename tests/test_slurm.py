@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from mpt.errors import UserError
-from slurm import clusters, grid as G, state, status, submit
+from slurm import clusters, grid as G, local, state, status, submit
 
 REPO = Path(__file__).resolve().parents[1]
 GRID = REPO / "experiments" / "ilsvrc_cnns" / "grid.yaml"
@@ -310,7 +310,7 @@ def test_sbatch_message_is_one_line():
 
     e = FailedJobError("sbatch: error: invalid partition specified: nope\n"
                        "sbatch: error: Batch job submission failed: Invalid partition name specified")
-    assert submit._sbatch_message(e) == ("invalid partition specified: nope; "
+    assert submit.sbatch_message(e) == ("invalid partition specified: nope; "
                                          "Batch job submission failed: Invalid partition name specified")
 
 
@@ -321,9 +321,9 @@ def test_sbatch_message_is_one_line():
 def test_local_backend_never_exceeds_its_cap(tmp_path):
     script = ("import sys, time, pathlib; d = pathlib.Path(sys.argv[1]); t0 = time.time(); time.sleep(1.5); "
               "d.write_text(f'{t0} {time.time()}')")
-    tasks = [submit.LocalTask(f"t{i}", [sys.executable, "-c", script, str(tmp_path / f"t{i}")]) for i in range(6)]
+    tasks = [local.LocalTask(f"t{i}", [sys.executable, "-c", script, str(tmp_path / f"t{i}")]) for i in range(6)]
     started = []
-    results = submit.run_local(tasks, cap=3, started=lambda t, pid: started.append(t.name), say=lambda *a: None)
+    results = local.run_local(tasks, cap=3, started=lambda t, pid: started.append(t.name), say=lambda *a: None)
     assert results == {f"t{i}": 0 for i in range(6)} and len(started) == 6
     spans = [tuple(map(float, (tmp_path / f"t{i}").read_text().split())) for i in range(6)]
     events = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans], key=lambda e: (e[0], e[1]))
@@ -340,10 +340,10 @@ def test_local_backend_says_k_of_n_with_each_result_and_the_time_left(tmp_path):
     script = ("import sys, json, pathlib; d = pathlib.Path(sys.argv[1]); d.mkdir(); (d / 'summary.json').write_text("
               "json.dumps({'status': 'completed', 'primary_metric': 'top1', 'metrics': {'top1': float(sys.argv[2])}})); "
               "sys.exit(int(sys.argv[3]))")
-    tasks = [submit.LocalTask(f"t{i}", [sys.executable, "-c", script, str(tmp_path / f"t{i}"), str(10 * i), str(int(i == 2))],
+    tasks = [local.LocalTask(f"t{i}", [sys.executable, "-c", script, str(tmp_path / f"t{i}"), str(10 * i), str(int(i == 2))],
                               run_dir=tmp_path / f"t{i}") for i in range(3)]
     lines = []
-    results = submit.run_local(tasks, cap=1, say=lines.append)
+    results = local.run_local(tasks, cap=1, say=lines.append)
     assert results == {"t0": 0, "t1": 0, "t2": 1}
     assert [ln.split(":")[0].strip() for ln in lines] == ["[1/3] t0", "[2/3] t1", "[3/3] t2"], lines
     assert "completed, top1 10 (" in lines[1] and "elapsed, ~" in lines[1] and "left)" in lines[1]
@@ -358,10 +358,10 @@ def test_grid_manifest_and_local_logs_are_not_appended_through_a_symlink(tmp_pat
     with pytest.raises(UserError, match="submissions.jsonl is a symbolic link"):
         state.append_manifest(tmp_path / "exp", {"cells": []})
     (tmp_path / "cell.log").symlink_to(target)
-    for task in (submit.LocalTask("t", [sys.executable, "-c", "print('hello')"], log=tmp_path / "cell.log"),
+    for task in (local.LocalTask("t", [sys.executable, "-c", "print('hello')"], log=tmp_path / "cell.log"),
                  _probe(tmp_path, "cell", "0", preload=("torch",))):  # fresh and forked
         with pytest.raises(UserError, match="cell.log is a symbolic link"):
-            submit.run_local([task], cap=1, say=lambda *a: None)
+            local.run_local([task], cap=1, say=lambda *a: None)
     assert target.read_text() == "keep me\n"
 
 
@@ -375,9 +375,9 @@ def test_zero_threads_or_jobs_is_one_line(flag, capsys):
 
 def test_default_cap_from_cores_and_threads():
     n = os.cpu_count()
-    assert submit.default_cap(1, 1, 0) == n
-    assert submit.default_cap(n, 1, 0) == 1
-    assert submit.default_cap(4 * n, 2, 0) == 1
+    assert local.default_cap(1, 1, 0) == n
+    assert local.default_cap(n, 1, 0) == 1
+    assert local.default_cap(4 * n, 2, 0) == 1
 
 
 @pytest.mark.heavy
@@ -580,7 +580,7 @@ PROBE_THREADS = 2 if os.environ.get("OMP_NUM_THREADS") == "1" else 1
 
 
 def _probe(tmp_path, name, code, *extra, preload=()):
-    return submit.LocalTask(name, [sys.executable, "-m", "local_cell_probe", str(tmp_path / f"{name}.json"), code, *extra],
+    return local.LocalTask(name, [sys.executable, "-m", "local_cell_probe", str(tmp_path / f"{name}.json"), code, *extra],
                             env={"PROBE_VAR": name, "OMP_NUM_THREADS": str(PROBE_THREADS), "PYTHONPATH": str(REPO / "tests")},
                             log=tmp_path / f"{name}.log", preload=preload)
 
@@ -592,7 +592,7 @@ def test_a_cell_forked_from_the_preloaded_server_runs_as_a_fresh_process_would(t
     tasks = [_probe(tmp_path, f"{kind}{code}", code, preload=pre)
              for kind, pre in (("fresh", ()), ("forked", ("torch",))) for code in ("0", "2", "raise")]
     pids = {}
-    results = submit.run_local(tasks, cap=2, started=lambda t, pid: pids.setdefault(t.name, pid), say=lambda *a: None)
+    results = local.run_local(tasks, cap=2, started=lambda t, pid: pids.setdefault(t.name, pid), say=lambda *a: None)
     assert results == {"fresh0": 0, "fresh2": 2, "freshraise": 1, "forked0": 0, "forked2": 2, "forkedraise": 1}
     for kind in ("fresh", "forked"):
         for code in ("0", "2", "raise"):
@@ -628,7 +628,7 @@ def test_a_stop_signal_reaches_a_forked_cell(tmp_path):
 
     threading.Thread(target=stop_when_started, daemon=True).start()
     with pytest.raises(UserError, match="stopped by signal: 1 cell"):
-        submit.run_local(tasks, cap=1, say=lambda *a: None)
+        local.run_local(tasks, cap=1, say=lambda *a: None)
     assert (tmp_path / "waits.json.sigterm").exists() and not (tmp_path / "never.json").exists()
 
 
@@ -639,9 +639,9 @@ def test_a_failed_preloaded_start_falls_back_to_fresh_processes(tmp_path, monkey
     def dead_server(*a, **k):
         raise EOFError("unexpected EOF")
 
-    monkeypatch.setattr(submit, "_Forked", dead_server)
+    monkeypatch.setattr(local, "Forked", dead_server)
     lines = []
-    results = submit.run_local([_probe(tmp_path, f"p{i}", "0", preload=("torch",)) for i in range(2)], cap=1,
+    results = local.run_local([_probe(tmp_path, f"p{i}", "0", preload=("torch",)) for i in range(2)], cap=1,
                                say=lines.append)
     assert results == {"p0": 0, "p1": 0}
     assert lines[0].startswith("the preloaded start failed (EOFError: unexpected EOF)") and len(lines) == 3, lines
@@ -732,7 +732,7 @@ def test_cell_timeout_stops_a_cell_and_kills_a_hung_one(tmp_path, monkeypatch):
     """--cell-timeout: past it a cell gets SIGTERM, as on a stop signal (it checkpoints and exits 3, said
     in its line); one that still runs KILL_AFTER_S later (here a leaked non-daemon thread keeps it alive
     after its SIGTERM) is killed. Fresh and forked alike."""
-    monkeypatch.setattr(submit, "KILL_AFTER_S", 4.0)
+    monkeypatch.setattr(local, "KILL_AFTER_S", 4.0)
     tasks = [_probe(tmp_path, f"{mode}{kind}", "0", mode, preload=pre) for mode in ("wait", "thread")
              for kind, pre in (("fresh", ()), ("forked", ("torch",)))]
     for t in tasks:
@@ -740,7 +740,7 @@ def test_cell_timeout_stops_a_cell_and_kills_a_hung_one(tmp_path, monkeypatch):
         # importing torch on a loaded 2-core machine took over 6 s (and died of the SIGTERM, -15).
         t.timeout = TIMEOUT
     lines = []
-    results = submit.run_local(tasks, cap=4, say=lines.append)
+    results = local.run_local(tasks, cap=4, say=lines.append)
     assert results == {"waitfresh": 3, "waitforked": 3, "threadfresh": -9, "threadforked": -9}, lines
     for t in tasks:
         assert (tmp_path / f"{t.name}.json.sigterm").exists()
