@@ -32,7 +32,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-from mpt.config import REPO
+from mpt import REPO
 from mpt.errors import UserError, cli
 from mpt.rundir import atomic_write_text, open_no_follow
 from mpt.signals import HANGUP, detach_from_closed_terminal
