@@ -494,8 +494,8 @@ def test_wrong_typed_value_in_an_experiments_config_yaml_names_file_and_key(tmp_
     where.mkdir(parents=True)
     # dcgan registered with the copy of its config.yaml (named relative to REPO in the messages)
     monkeypatch.setitem(registry.EXPERIMENTS, "dcgan", dataclasses.replace(registry.get_experiment("dcgan"),
-                                                                     config_yaml=where / "config.yaml"))
-    monkeypatch.setattr(C, "REPO", tmp_path)
+                                                                           config_yaml=where / "config.yaml"))
+    monkeypatch.setattr(registry, "REPO", tmp_path)
 
     def broken(edit):
         data = json.loads(json.dumps(spec))
