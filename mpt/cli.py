@@ -8,17 +8,17 @@ from __future__ import annotations
 import signal
 import sys
 
-from mpt import config, precisions
+from mpt import config, identity, precisions, registry
 from mpt.engine import run
 from mpt.errors import UserError, cli
 from mpt.rundir import FINAL
 from mpt.signals import STOP, install_stop_handlers
 
 
-def main(experiment: str | config.Experiment, overrides: list[str], on_result=None) -> dict:
-    """One run of `experiment` (registered, mpt.config.register; or its name) with the overrides
+def main(experiment: str | registry.Experiment, overrides: list[str], on_result=None) -> dict:
+    """One run of `experiment` (registered, mpt.registry.register; or its name) with the overrides
     (on_result: mpt.engine.run's)."""
-    exp = config.get_experiment(experiment)
+    exp = registry.get_experiment(experiment)
     cfg = config.resolve(exp, overrides)
     return run(cfg, exp.task(cfg), on_result)
 
@@ -48,12 +48,12 @@ def split_options(argv: list[str]) -> tuple[set[str], list[str]]:
     return opts, [a for a in argv if not a.startswith("-")]
 
 
-def cli_main(experiment: str | config.Experiment, argv: list[str] | None = None) -> None:
+def cli_main(experiment: str | registry.Experiment, argv: list[str] | None = None) -> None:
     """`python -m <the experiment's package> key=value ...` (an experiment's __main__ hands itself here);
     options may come before, between or after the key=value words."""
     opts, argv = cli(split_options)(sys.argv[1:] if argv is None else argv)
     if opts & {"-h", "--help"}:
-        exp = cli(config.get_experiment)(experiment)
+        exp = cli(registry.get_experiment)(experiment)
         prog = exp.task.__module__.rpartition(".")[0] or exp.task.__module__
         print(f"usage: python -m {prog} [--print-config] [key=value ...]\n"
               f"e.g.   python -m {prog} profile=tiny precision=mixed\n"
@@ -69,9 +69,9 @@ def cli_main(experiment: str | config.Experiment, argv: list[str] | None = None)
         print(config.dump_yaml(cfg), end="")
         for line in precisions.format_lines(cfg):
             print(f"# {line}")
-        print(f"# run directory: {config.run_dir(cfg)}")
+        print(f"# run directory: {identity.run_dir(cfg)}")
         return
-    cli_run(lambda: main(experiment, argv), where=lambda: config.run_dir(config.resolve(experiment, argv)))
+    cli_run(lambda: main(experiment, argv), where=lambda: identity.run_dir(config.resolve(experiment, argv)))
 
 
 def cli_run(start, where=None) -> None:

@@ -174,7 +174,7 @@ SCALE_ROUNDINGS = ("exact", "pow2", "floor", "rceil", "e4m3")
 ROUNDINGS = ("nearest", "stochastic")
 SCALINGS = ("delayed", "current")
 # The version of what the simulated quantisers compute, part of every simulated-format run's id
-# (mpt.config.cell_id): raised when a preset or a quantiser changes its numbers, so that a run of the earlier
+# (mpt.identity.cell_id): raised when a preset or a quantiser changes its numbers, so that a run of the earlier
 # version -- its checkpoint and its result -- is a different run, never resumed into or merged with a run of
 # this one. 2: scales as torchao computes them, non-finite groups and NVFP4's zero-scale blocks as torchao,
 # bias gradients from the unrounded output gradient, NVFP4's Hadamard on the weight-gradient operands and its

@@ -4,7 +4,7 @@ it back at resume. Every file is written atomically (mpt.rundir); only rank 0 wr
 own failure record.
 
     <out_dir>/<experiment>/<model>-<precision>-s<seed>-<cell id>/
-        config.yaml      the resolved config (the run's identity: mpt.config.cell_id)
+        config.yaml      the resolved config (the run's identity: mpt.identity.cell_id)
         env.json         what produced it: code version, libraries, device, math flags
         metrics.jsonl    one line per log step, evaluation and numerics sample
         summary.json     status, progress, final metrics (rewritten as the run goes)
@@ -24,7 +24,8 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from mpt import config
+from mpt import config, identity
+from mpt.config_parse import safe_load
 from mpt.errors import UserError, one_line
 from mpt.ranks import to_cpu
 from mpt.rundir import (FINAL, RANK_FAILURE, RunLock, append_jsonl, atomic_torch_save, atomic_write_bytes,
@@ -35,9 +36,9 @@ from mpt.rundir import (FINAL, RANK_FAILURE, RunLock, append_jsonl, atomic_torch
 class RunRecord:
     def __init__(self, cfg, task, rank: int, world: int):
         self.cfg, self.rank, self.world, self.main = cfg, rank, world, rank == 0
-        self.dir = config.run_dir(cfg)
-        self.name = config.run_name(cfg)
-        self.cell = config.cell_id(cfg)
+        self.dir = identity.run_dir(cfg)
+        self.name = identity.run_name(cfg)
+        self.cell = identity.cell_id(cfg)
         self.created = time.time()
         self.lock: RunLock | None = None  # held by rank 0 from claim() to release()
         self.prev_summary: dict | None = None  # the summary an earlier invocation left (read under the lock)
@@ -59,10 +60,10 @@ class RunRecord:
         if not path.is_file():
             return
         try:
-            stored = config.safe_load(path.read_text())
+            stored = safe_load(path.read_text())
         except (OSError, yaml.YAMLError):
             stored = None
-        diff = config.config_difference(stored, self.cfg) if isinstance(stored, dict) else "config.yaml unreadable"
+        diff = identity.config_difference(stored, self.cfg) if isinstance(stored, dict) else "config.yaml unreadable"
         if diff:
             raise UserError(f"run directory {self.dir} holds another config ({diff}); use another out_dir "
                             "or delete that directory to start over")

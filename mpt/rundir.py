@@ -17,7 +17,7 @@ import socket
 import subprocess
 import tempfile
 
-from mpt.config import REPO  # mpt.config does not import torch
+from mpt import REPO
 from mpt.errors import UserError
 
 # What a write can fail with that the user fixes (errno -> what it is, the fix): the storage itself
@@ -49,6 +49,30 @@ def storage_error(e: BaseException, path) -> UserError | None:
             return UserError(f"{what}: {path}; {fix}")
         e = e.__cause__ or e.__context__
     return None
+
+
+def check_path_length(key: str, value, longest) -> None:
+    """A one-line UserError when `longest` (the longest path a run makes from the value of `key`) is
+    longer than the file system allows (ENAMETOOLONG): a name over NAME_MAX bytes or a path over
+    PATH_MAX, the limits of the deepest folder of it that exists (255 and 4096 on Linux)."""
+    path = os.path.abspath(longest)
+    base = path
+    while not os.path.isdir(base) and os.path.dirname(base) != base:
+        base = os.path.dirname(base)
+    try:
+        name_max, path_max = os.pathconf(base, "PC_NAME_MAX"), os.pathconf(base, "PC_PATH_MAX")
+    except (OSError, ValueError):
+        name_max, path_max = 255, 4096
+    long_name = max((len(p.encode()) for p in path.split(os.sep)), default=0)
+    if long_name > name_max:
+        why = f"a name in it has {long_name:,} bytes, the file system allows {name_max}"
+    elif len(path.encode()) >= path_max:
+        why = f"a path under it has {len(path.encode()):,} bytes, the file system allows {path_max - 1}"
+    else:
+        return
+    v = str(value)
+    shown = v if len(v) <= 60 else f"{v[:40]}...{v[-15:]} ({len(v):,} characters)"
+    raise UserError(f"{key}={shown} is too long ({why}); choose a shorter {key}")
 
 
 def open_no_follow(path, flags: int, mode: int = 0o666) -> int:
@@ -346,7 +370,7 @@ def env_info(device, world_size: int = 1, cfg=None) -> dict:
 
 def sampled_digest(path, chunk: int = 1 << 20) -> str:
     """sha256 of a file's size, first and last MiB: tells two source archives apart (for a dataset's
-    identity, mpt.config.data_fingerprint) in milliseconds, where hashing 150 GB would take minutes."""
+    identity, mpt.prepared.data_fingerprint) in milliseconds, where hashing 150 GB would take minutes."""
     import hashlib
 
     path = pathlib.Path(path)

@@ -90,7 +90,7 @@ def load(name: str) -> Cluster:
         known = sorted(p.stem for p in (HERE / "clusters").glob("*.yaml"))
         raise UserError(f"cluster profile {name!r} not found ({path}); choose one of: {', '.join(known)} "
                         "or give a path to a YAML file")
-    from mpt.config import safe_load, yaml_error
+    from mpt.config_parse import safe_load, yaml_error
 
     try:
         d = safe_load(path.read_text(encoding="utf-8")) or {}

@@ -22,7 +22,7 @@ import functools
 import json
 import pathlib
 
-from mpt.config import REPO
+from mpt import REPO
 
 RESULTS = REPO / "experiments" / "speed_memory" / "results"
 
@@ -74,11 +74,11 @@ def gpu_rate(cfg, gpu: str, world: int, folder=None) -> tuple[float, str] | None
     GPU named `gpu`, or None."""
     import torch
 
-    from mpt import config, precision
+    from mpt import precision, registry
 
     per_gpu = cfg.train.batch_size // max(world, 1) // max(cfg.train.accum_steps, 1)
     try:
-        cnn = config.get_experiment(cfg.experiment).task.channels_last
+        cnn = registry.get_experiment(cfg.experiment).task.channels_last
     except Exception:  # noqa: BLE001 -- an unregistered experiment: no layout preference
         cnn = False
     nhwc = precision.channels_last_pays(cfg, torch.device("cuda"), cnn)

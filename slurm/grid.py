@@ -23,8 +23,8 @@ resources (what one run needs; where it runs is the cluster profile's business, 
     hours    estimated wall-clock hours per run, a number or {model: hours, default: hours};
              only used for --dry-run's GPU-hour estimate
 
-Each cell is one run: its id is mpt.config.cell_id of the resolved config (infrastructure keys such
-as out_dir or data paths excluded) and its run directory is mpt.config.run_dir.
+Each cell is one run: its id is mpt.identity.cell_id of the resolved config (infrastructure keys such
+as out_dir or data paths excluded) and its run directory is mpt.identity.run_dir.
 """
 from __future__ import annotations
 
@@ -153,7 +153,7 @@ def load_spec(path) -> dict:
     path = pathlib.Path(path)
     if not path.is_file():
         raise UserError(f"grid file {path} not found; grids live in experiments/<name>/grid.yaml")
-    from mpt.config import safe_load, yaml_error
+    from mpt.config_parse import safe_load, yaml_error
 
     try:
         spec = safe_load(path.read_text(encoding="utf-8")) or {}
@@ -180,7 +180,7 @@ def load(path, profile: str, extra: list[str] = (), only: list[str] = ()) -> Gri
     (the command's --only; several values of one key are alternatives, different keys must all match).
     Relative out_dir values are made absolute here so that jobs, wherever they start, write where
     slurm.status looks."""
-    from mpt import config
+    from mpt import config, identity
 
     path = pathlib.Path(path)
     spec = load_spec(path)
@@ -233,9 +233,9 @@ def load(path, profile: str, extra: list[str] = (), only: list[str] = ()) -> Gri
             overrides.append(f"out_dir={cfg.out_dir}")
         if filters and not _matches(cfg, point, filters):
             continue
-        cid = config.cell_id(cfg)
+        cid = identity.cell_id(cfg)
         cell = Cell(grid.experiment, {k: fmt_value(v) for k, v in point.items()}, overrides, cfg, cid,
-                    config.run_name(cfg), config.run_dir(cfg))
+                    identity.run_name(cfg), identity.run_dir(cfg))
         if cid in seen:  # e.g. an axis over an infrastructure key: same run twice
             raise UserError(f"{path} profile {profile}: cells {seen[cid].label!r} and {cell.label!r} resolve to the "
                             f"same run {cell.run_name}; an axis varies only infrastructure keys")

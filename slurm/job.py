@@ -139,15 +139,15 @@ class _Attempt:
                                            "log": self.log, "error": _one_line(e), "attempts": []})
 
     def begin(self, cfg, world: int, restarts: int) -> None:
-        from mpt import config
+        from mpt import identity
 
         if self.rank != 0:
             return
         per = cfg.train.batch_size / world
-        print(f"[slurm.job] {config.run_name(cfg)} job {self.job_id} attempt {restarts + 1}: {world} rank(s), "
+        print(f"[slurm.job] {identity.run_name(cfg)} job {self.job_id} attempt {restarts + 1}: {world} rank(s), "
               f"global batch {cfg.train.batch_size} = {world} x {per:g} per rank", file=sys.stderr, flush=True)
         self.before = read_job_file(self.run_dir)
-        rec = copy.deepcopy(self.before) if self.before else {"cell_id": config.cell_id(cfg)}
+        rec = copy.deepcopy(self.before) if self.before else {"cell_id": identity.cell_id(cfg)}
         rec.setdefault("attempts", [])
         rec.update(backend=self.backend, job_id=self.job_id, state="running", world_size=world, log=self.log,
                    error=None)
@@ -189,7 +189,7 @@ def run_cell(experiment: str, overrides: list[str], run_dir: str, backend: str, 
     if cpus:  # before torch is imported: intra-op threads = the cores SLURM gave this task
         os.environ.setdefault("OMP_NUM_THREADS", cpus)
 
-    from mpt import cli, config
+    from mpt import cli, config, identity
     from mpt.rundir import RunDirBusy
     from mpt.signals import STOP
 
@@ -203,8 +203,8 @@ def run_cell(experiment: str, overrides: list[str], run_dir: str, backend: str, 
     attempt = _Attempt(run_dir, rank, sigs, backend, job_id, log)
     try:
         cfg = config.resolve(experiment, overrides)
-        if config.run_dir(cfg).resolve() != run_dir.resolve():
-            raise RuntimeError(f"cell resolves to {config.run_dir(cfg)} but was submitted as {run_dir}: the "
+        if identity.run_dir(cfg).resolve() != run_dir.resolve():
+            raise RuntimeError(f"cell resolves to {identity.run_dir(cfg)} but was submitted as {run_dir}: the "
                                "experiment's config changed since submission; resubmit the grid")
     except Exception as e:
         attempt.failed_to_resolve(e)

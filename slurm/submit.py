@@ -20,7 +20,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from mpt.config import REPO
+from mpt import REPO
 from mpt.errors import UserError, cli
 from slurm import clusters, plan
 from slurm.grid import Cell, Grid, load as load_grid, nodes_and_tasks

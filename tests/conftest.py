@@ -198,11 +198,11 @@ def model_from_checkpoint(experiment: str, args):
 
     import torch
 
-    from mpt import config
+    from mpt import config, identity
 
     cfg = config.resolve(experiment, args)
     task = importlib.import_module(f"experiments.{experiment}.task").Task(cfg)
     _, val = task.datasets()
     model = task.build_model()
-    model.load_state_dict(torch.load(config.run_dir(cfg) / "checkpoint.pt", weights_only=True)["model"])
+    model.load_state_dict(torch.load(identity.run_dir(cfg) / "checkpoint.pt", weights_only=True)["model"])
     return cfg, task, val, model.eval()

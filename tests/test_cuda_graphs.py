@@ -188,6 +188,7 @@ def test_refused_for_tasks_without_a_static_step():
 
 def test_config_refusals_and_identity():
     from mpt import config as C
+    from mpt import identity
 
     over = ["model=alexnet", "profile=tiny", "train.cuda_graphs=true"]
     with pytest.raises(UserError, match="train.accum_steps"):
@@ -197,7 +198,7 @@ def test_config_refusals_and_identity():
     # A speed setting: the same run with and without graphs
     on = C.resolve("ilsvrc_cnns", over)
     off = C.resolve("ilsvrc_cnns", over[:2])
-    assert on.train.cuda_graphs and C.cell_id(on) == C.cell_id(off)
+    assert on.train.cuda_graphs and identity.cell_id(on) == identity.cell_id(off)
 
 
 @pytest.mark.parametrize("model", ["alexnet", "googlenet"])

@@ -18,7 +18,7 @@ import pytest
 
 from conftest import REPO, mount_tmpfs
 from data_prep.speech import have_espeak
-from mpt import config as C
+from mpt import prepared
 from mpt.errors import UserError
 
 PREPS = ("imagenet", "voc", "librispeech", "aishell", "wmt15", "lm1b", "celeba")
@@ -105,13 +105,13 @@ def contents(out) -> dict[str, bytes]:
     """Every file under out, by relative path; the marker without its volatile keys (when, how long)."""
     files = {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
     marker = json.loads(files.pop("prepared.json"))
-    files["prepared.json"] = json.dumps({k: v for k, v in marker.items() if k not in C._MARKER_VOLATILE},
+    files["prepared.json"] = json.dumps({k: v for k, v in marker.items() if k not in prepared.MARKER_VOLATILE},
                                         sort_keys=True).encode()
     return files
 
 
 def fingerprint(out) -> str:
-    return C.data_fingerprint(out, ("classes.json", "vocab.txt"))  # the files the experiments' tasks name
+    return prepared.data_fingerprint(out, ("classes.json", "vocab.txt"))  # the files the experiments' tasks name
 
 
 def temp_files(out) -> list[str]:

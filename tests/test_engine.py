@@ -14,6 +14,7 @@ from conftest import REPO, check_run_dir, run_interrupted, tiny_overrides
 from experiments.ilsvrc_cnns import main as ilsvrc
 from toy_gan import run_task
 from mpt import config as C
+from mpt import identity
 from mpt import precision, precisions
 from mpt.config import Config
 from models.imagenet_cnns import INPUT_SIZE
@@ -108,7 +109,7 @@ def test_wandb_offline_run_readable_by_wandb(tiny_imagenet, tmp_path):
     assert w["state"] == "finished" and w["config"]["model"] == "alexnet"
     assert w["summary"]["final/top1"] == pytest.approx(s["metrics"]["top1"])
     assert w["summary"]["skipped_steps"] == 0 and "loss" in w["summary"]
-    assert w["run_id"] == C.cell_id(C.resolve("ilsvrc_cnns", tiny_overrides(tiny_imagenet, tmp_path)
+    assert w["run_id"] == identity.cell_id(C.resolve("ilsvrc_cnns", tiny_overrides(tiny_imagenet, tmp_path)
                                               + ["model=alexnet", "train.max_steps=4"]))[:32]
 
 

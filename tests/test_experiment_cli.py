@@ -7,6 +7,7 @@ import yaml
 
 from mpt import cli
 from mpt import config as C
+from mpt import identity, registry
 from mpt.task import Task
 
 
@@ -25,7 +26,7 @@ def experiment(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("cli")
     (tmp_path / "config.yaml").write_text(f"base: {{device: cpu, out_dir: {tmp_path}, wandb: {{mode: disabled}}}}\n"
                                           "models: {linear: {}}\n")
-    return C.register("cli_options_anywhere", _Regression, _NoKeys, tmp_path / "config.yaml")
+    return registry.register("cli_options_anywhere", _Regression, _NoKeys, tmp_path / "config.yaml")
 
 
 @pytest.mark.parametrize("argv", [["--print-config", "model=linear", "seed=3"],
@@ -36,7 +37,7 @@ def test_print_config_anywhere_on_the_command_line(experiment, capsys, argv):
     out = capsys.readouterr().out
     cfg = C.resolve(experiment, ["model=linear", "seed=3"])
     assert yaml.safe_load(out) == C.to_dict(cfg) and cfg.seed == 3
-    assert out.endswith(f"# run directory: {C.run_dir(cfg)}\n") and not C.run_dir(cfg).exists()
+    assert out.endswith(f"# run directory: {identity.run_dir(cfg)}\n") and not identity.run_dir(cfg).exists()
 
 
 @pytest.mark.parametrize("argv", [["-h"], ["model=linear", "--help"]])

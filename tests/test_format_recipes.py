@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from mpt import cli, formats, precision, precisions
 from mpt import config as C
+from mpt import identity
 from mpt.config import Config, FP8Cfg, FmtCfg
 from mpt.errors import UserError
 from mpt.fp8 import FP8State, block_quantize, round_to
@@ -117,20 +118,20 @@ def test_impossible_combinations_are_one_line_errors_at_resolve_time(over, msg):
 
 
 def test_run_ids_are_unchanged_with_every_key_at_preset():
-    """fmt.* at preset is left out of the content id (config._ADDED_KEYS): every run stored before the keys
+    """fmt.* at preset is left out of the content id (mpt.identity.added_keys): every run stored before the keys
     existed keeps its id and directory (tests/test_fp8_bf16_pure.py's KNOWN_RUN_NAMES pins real ones); a stored
     config without fmt is the same run; a key set is another run, named by config_difference."""
     for prec in ("fp32", "mixed", "fp8", "nvfp4"):
         a = Config(precision=prec)
-        stored = C._strip_infra(a)
+        stored = identity.strip_infra(a)
         del stored["fmt"]  # a config.yaml written before the keys existed
         explicit = Config(precision=prec, fmt=FmtCfg())
         explicit.fmt.x.element = "preset"
-        assert C.cell_id(explicit) == C.cell_id(a)
-        assert C.config_difference(stored, a) is None
+        assert identity.cell_id(explicit) == identity.cell_id(a)
+        assert identity.config_difference(stored, a) is None
     a, b = Config(precision="nvfp4"), _cfg("nvfp4", g__rounding="nearest")
-    assert C.cell_id(a) != C.cell_id(b)
-    assert C.config_difference(C._strip_infra(a), b) == "fmt.g.rounding: 'preset' stored, 'nearest' now"
+    assert identity.cell_id(a) != identity.cell_id(b)
+    assert identity.config_difference(identity.strip_infra(a), b) == "fmt.g.rounding: 'preset' stored, 'nearest' now"
     # a key set to the preset's own value is still a key set: another cell, the same recipe
     same = _cfg("nvfp4", g__rounding="stochastic")
     assert precisions.format_recipe(same) == formats.RECIPES["nvfp4"]

@@ -9,6 +9,7 @@ import torch.nn as nn
 
 from toy_gan import run_task
 from mpt import config as C
+from mpt import config_parse, identity
 from mpt import precision, precisions
 from mpt.config import Config, FP8Cfg
 from mpt.formats import ELEMENTS
@@ -286,7 +287,7 @@ def test_rounding_state_is_in_the_recipe_state():
 def test_bad_combinations_are_one_line_errors(kw, msg):
     c = Config()
     for k, v in kw.items():
-        C.set_key(c, k, v)
+        config_parse.set_key(c, k, v)
     with pytest.raises(UserError, match=msg):
         precisions.check(c)
 
@@ -312,20 +313,20 @@ KNOWN_RUN_NAMES = [
 
 @pytest.mark.parametrize("experiment, overrides, name", KNOWN_RUN_NAMES)
 def test_existing_runs_keep_their_names(experiment, overrides, name):
-    assert C.run_name(C.resolve(experiment, overrides + ["task.data_root=/nonexistent"])) == name
+    assert identity.run_name(C.resolve(experiment, overrides + ["task.data_root=/nonexistent"])) == name
 
 
 def test_new_keys_are_other_runs_and_old_stored_configs_the_same_run():
     """A stored config without rounding and fp8.* (written before they existed) is the same run; other
     values of them are other runs."""
-    old = C._strip_infra(Config(precision="mixed"))
+    old = identity.strip_infra(Config(precision="mixed"))
     del old["rounding"], old["fp8"]
-    assert C.config_difference(old, Config(precision="mixed")) is None
-    assert len({C.cell_id(Config(precision="bf16_pure", rounding=r)) for r in precisions.ROUNDINGS}) == 3
+    assert identity.config_difference(old, Config(precision="mixed")) is None
+    assert len({identity.cell_id(Config(precision="bf16_pure", rounding=r)) for r in precisions.ROUNDINGS}) == 3
     a, b = Config(precision="fp8"), Config(precision="fp8")
     b.fp8.scaling = "current"
-    assert C.cell_id(a) != C.cell_id(b)
-    assert "fp8.scaling" in C.config_difference(C._strip_infra(a), b)
+    assert identity.cell_id(a) != identity.cell_id(b)
+    assert "fp8.scaling" in identity.config_difference(identity.strip_infra(a), b)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -502,5 +503,6 @@ def test_task_decode_at_its_default_keeps_the_name_and_gpu_is_another_run():
     """task.decode (the ILSVRC loader's JPEG decoder) came after runs were stored: at cpu, the runs keep
     their names; decode=gpu (other decoder, other pixels within rounding) is another run."""
     base = ["profile=tiny", "precision=mixed", "task.data_root=/nonexistent"]
-    assert C.run_name(C.resolve("ilsvrc_cnns", base)) == C.run_name(C.resolve("ilsvrc_cnns", base + ["task.decode=cpu"]))
-    assert C.run_name(C.resolve("ilsvrc_cnns", base + ["task.decode=gpu"])) != C.run_name(C.resolve("ilsvrc_cnns", base))
+    name = identity.run_name(C.resolve("ilsvrc_cnns", base))
+    assert name == identity.run_name(C.resolve("ilsvrc_cnns", base + ["task.decode=cpu"]))
+    assert identity.run_name(C.resolve("ilsvrc_cnns", base + ["task.decode=gpu"])) != name

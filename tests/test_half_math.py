@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from toy_gan import run_task
 from mpt import config as C
+from mpt import identity
 from mpt import precision, precisions
 from mpt.config import Config
 from mpt.errors import UserError
@@ -57,12 +58,12 @@ def test_half_math_is_part_of_the_run_identity():
     the same run); emulated and native are other runs. What auto picked is in env.json."""
     from mpt.rundir import env_info
 
-    ids = {hm: C.cell_id(Config(precision="mixed", half_math=hm)) for hm in precisions.HALF_MATHS}
+    ids = {hm: identity.cell_id(Config(precision="mixed", half_math=hm)) for hm in precisions.HALF_MATHS}
     assert len(set(ids.values())) == 3
-    old = C._strip_infra(Config(precision="mixed"))
+    old = identity.strip_infra(Config(precision="mixed"))
     del old["half_math"]
-    assert C.config_difference(old, Config(precision="mixed")) is None
-    assert "half_math" in C.config_difference(old, Config(precision="mixed", half_math="native"))
+    assert identity.config_difference(old, Config(precision="mixed")) is None
+    assert "half_math" in identity.config_difference(old, Config(precision="mixed", half_math="native"))
     env = env_info(torch.device("cpu"), 1, Config(precision="mixed", half_math="native"))
     assert env["half_math_used"] == "native" and env["half_math"]["auto_float16"] == "emulated"
     assert "bf16_basis" in env["half_math"] and json.dumps(env)

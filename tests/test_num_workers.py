@@ -8,6 +8,7 @@ import pytest
 
 from conftest import tiny_overrides
 from mpt import config as C
+from mpt import config_parse, identity, registry
 from mpt.errors import UserError
 from mpt.ranks import loader_workers, usable_cpus
 
@@ -73,7 +74,7 @@ def test_bad_value_is_one_line_naming_the_key(bad, says):
 
 def test_paper_profiles_default_to_auto_and_cpu_profiles_keep_theirs():
     for exp in EXPERIMENTS:
-        models = C.load_experiment_yaml(C.get_experiment(exp).config_yaml)["models"]
+        models = config_parse.load_experiment_yaml(registry.get_experiment(exp).config_yaml)["models"]
         for m in models:
             assert C.resolve(exp, [f"model={m}"]).train.num_workers == "auto", (exp, m)
             assert C.resolve(exp, [f"model={m}", "profile=tiny"]).train.num_workers == 0, (exp, m)
@@ -82,7 +83,7 @@ def test_paper_profiles_default_to_auto_and_cpu_profiles_keep_theirs():
 def test_auto_is_a_speed_setting_not_an_identity():
     """The same cell with any worker count is the same run (one directory on every cluster); the
     config keeps `auto` as written, so a cell resolved on a login node does not carry its core count."""
-    runs = {C.run_dir(C.resolve("ilsvrc_cnns", [f"train.num_workers={v}"])) for v in ("auto", 0, 7)}
+    runs = {identity.run_dir(C.resolve("ilsvrc_cnns", [f"train.num_workers={v}"])) for v in ("auto", 0, 7)}
     assert len(runs) == 1
 
 
@@ -95,6 +96,6 @@ def test_env_json_records_the_count_a_run_used(tiny_imagenet, tmp_path, cores):
                           "train.eval_max_batches=1", "train.num_workers=auto")
     s = ilsvrc(over)
     assert s["status"] == "completed"
-    run = C.run_dir(C.resolve("ilsvrc_cnns", over))
+    run = identity.run_dir(C.resolve("ilsvrc_cnns", over))
     assert json.loads((run / "env.json").read_text())["num_workers"] == 1
     assert "num_workers: auto" in (run / "config.yaml").read_text()

@@ -36,6 +36,7 @@ import torch
 
 from conftest import REPO
 from mpt import config as C
+from mpt import identity
 from mpt import cli
 from slurm import grid as G
 
@@ -132,7 +133,7 @@ def cpu_overrides(cell: G.Cell, data_root, out_dir, backbone=None) -> list[str]:
 
 
 def changed_keys(a, b) -> set[str]:
-    fa, fb = C._flat(C.to_dict(a)), C._flat(C.to_dict(b))
+    fa, fb = identity.flatten(C.to_dict(a)), identity.flatten(C.to_dict(b))
     return {k for k in fa.keys() | fb.keys() if fa.get(k) != fb.get(k)}
 
 
@@ -352,7 +353,7 @@ def test_paper_profile_starts(case, request, tmp_path):
         print(f"\n{case_id(case)}: {time.time() - t0:.1f} s")
         assert s["status"] == "completed", s.get("error")
         assert s["step"] == STEPS and s["primary_metric"] in s["metrics"], s
-        lines = [json.loads(x) for x in (C.run_dir(cfg) / "metrics.jsonl").read_text().splitlines()]
+        lines = [json.loads(x) for x in (identity.run_dir(cfg) / "metrics.jsonl").read_text().splitlines()]
         losses = [x["loss"] for x in lines if x["kind"] == "train"]
         assert len(losses) == STEPS and all(math.isfinite(v) for v in losses), losses
     finally:

@@ -23,6 +23,7 @@ import torch
 from conftest import REPO, run_interrupted
 from conftest import mount_tmpfs as _mount_tmpfs
 from mpt import config as C
+from mpt import config_parse, identity, registry
 from mpt import cli, engine
 from mpt.record import RunRecord
 from mpt.errors import UserError, one_line
@@ -419,7 +420,7 @@ def test_config_yaml_syntax_error_is_one_line(tmp_path, monkeypatch):
     (tmp_path / "broken").mkdir(parents=True)
     (tmp_path / "broken" / "config.yaml").write_text("base:\n  optim: {lr: 0.1\nmodels: x\n")
     with pytest.raises(UserError, match=r"config.yaml is not valid YAML: .* at line \d+, column \d+; fix that line"):
-        C.load_experiment_yaml(tmp_path / "broken" / "config.yaml")
+        config_parse.load_experiment_yaml(tmp_path / "broken" / "config.yaml")
 
 
 # bad input that reached a data loader or the file system as a traceback is one line
@@ -492,9 +493,9 @@ def test_wrong_typed_value_in_an_experiments_config_yaml_names_file_and_key(tmp_
     where = tmp_path / "experiments" / "dcgan"
     where.mkdir(parents=True)
     # dcgan registered with the copy of its config.yaml (named relative to REPO in the messages)
-    monkeypatch.setitem(C._EXPERIMENTS, "dcgan", dataclasses.replace(C.get_experiment("dcgan"),
-                                                                     config_yaml=where / "config.yaml"))
-    monkeypatch.setattr(C, "REPO", tmp_path)
+    monkeypatch.setitem(registry.EXPERIMENTS, "dcgan", dataclasses.replace(registry.get_experiment("dcgan"),
+                                                                           config_yaml=where / "config.yaml"))
+    monkeypatch.setattr(registry, "REPO", tmp_path)
 
     def broken(edit):
         data = json.loads(json.dumps(spec))
@@ -566,12 +567,12 @@ class _Failing(torch.utils.data.Dataset):
 
 # 9. equal values, equal cells
 def test_equal_loss_scales_are_one_cell(tmp_path):
-    ids = {C.cell_id(C.resolve("dcgan", ["profile=tiny", "precision=mixed", f"loss_scale={v}"]))
+    ids = {identity.cell_id(C.resolve("dcgan", ["profile=tiny", "precision=mixed", f"loss_scale={v}"]))
            for v in ("8", "8.0", "8e0", "'8'")}
     assert len(ids) == 1
     assert C.resolve("dcgan", ["precision=mixed", "loss_scale=8.0"]).loss_scale == "8"
     hand = config(tmp_path, precision="mixed", loss_scale="8.0")
-    assert C.cell_id(hand) == C.cell_id(config(tmp_path, precision="mixed", loss_scale="8"))
+    assert identity.cell_id(hand) == identity.cell_id(config(tmp_path, precision="mixed", loss_scale="8"))
     from slurm import grid as G
 
     g = tmp_path / "grid.yaml"
@@ -589,15 +590,15 @@ def test_spellings_of_one_recipe_are_one_cell(tmp_path):
 
     for prec, spelt in (("mixed", "dynamic"), ("mixed", "DYNAMIC"), ("fp32", "1"), ("fp16", "1.0"), ("bf16", "1")):
         a, b = cell(prec, "auto"), cell(prec, spelt)
-        assert b.loss_scale == "auto" and C.cell_id(a) == C.cell_id(b), (prec, spelt)
-    assert C.cell_id(cell("mixed", "auto")) == C.cell_id(C.resolve("dcgan", ["profile=tiny", "precision=mixed"]))
-    assert C.cell_id(cell("fp16_pure", "1")) != C.cell_id(cell("fp16_pure", "auto"))
-    assert C.cell_id(cell("fp16_pure", "dynamic")) != C.cell_id(cell("fp16_pure", "auto"))
-    assert C.cell_id(cell("mixed", "1")) != C.cell_id(cell("mixed", "auto"))
+        assert b.loss_scale == "auto" and identity.cell_id(a) == identity.cell_id(b), (prec, spelt)
+    assert identity.cell_id(cell("mixed", "auto")) == identity.cell_id(C.resolve("dcgan", ["profile=tiny", "precision=mixed"]))
+    assert identity.cell_id(cell("fp16_pure", "1")) != identity.cell_id(cell("fp16_pure", "auto"))
+    assert identity.cell_id(cell("fp16_pure", "dynamic")) != identity.cell_id(cell("fp16_pure", "auto"))
+    assert identity.cell_id(cell("mixed", "1")) != identity.cell_id(cell("mixed", "auto"))
     # a hand-built config (tests, tools) gets the resolved config's id, and its stored config the same run
     hand = config(tmp_path, precision="mixed", loss_scale="dynamic")
-    assert C.cell_id(hand) == C.cell_id(config(tmp_path, precision="mixed", loss_scale="auto"))
-    assert C.config_difference(C._strip_infra(hand), config(tmp_path, precision="mixed")) is None
+    assert identity.cell_id(hand) == identity.cell_id(config(tmp_path, precision="mixed", loss_scale="auto"))
+    assert identity.config_difference(identity.strip_infra(hand), config(tmp_path, precision="mixed")) is None
     from slurm import grid as G
 
     g = tmp_path / "grid.yaml"

@@ -10,6 +10,7 @@ from data_prep.imagenet import prepare as prep
 from data_prep.imagenet.tiny import generate
 from experiments.ilsvrc_cnns import main as ilsvrc
 from mpt import config as C
+from mpt import identity, prepared
 from mpt.errors import UserError
 
 SHORT = ("model=resnet50_preact", "train.max_steps=2", "train.eval_max_batches=1")
@@ -32,12 +33,12 @@ def test_same_config_on_two_datasets_is_two_runs(tiny_imagenet, second_imagenet,
     b = C.resolve("ilsvrc_cnns", tiny_overrides(second_imagenet, tmp_path, *SHORT))
     assert a.data_fingerprint not in ("", "none", "unprepared")
     assert a.data_fingerprint != b.data_fingerprint
-    assert C.run_dir(a) != C.run_dir(b)
+    assert identity.run_dir(a) != identity.run_dir(b)
     sa = ilsvrc(tiny_overrides(tiny_imagenet, tmp_path, *SHORT))
     sb = ilsvrc(tiny_overrides(second_imagenet, tmp_path, *SHORT))
     assert sa["status"] == sb["status"] == "completed"
     assert sa["run_name"] != sb["run_name"]
-    assert (C.run_dir(a) / "summary.json").is_file() and (C.run_dir(b) / "summary.json").is_file()
+    assert (identity.run_dir(a) / "summary.json").is_file() and (identity.run_dir(b) / "summary.json").is_file()
 
 
 def test_fingerprint_ignores_the_path(tiny_imagenet, tmp_path):
@@ -46,8 +47,8 @@ def test_fingerprint_ignores_the_path(tiny_imagenet, tmp_path):
     shutil.copytree(tiny_imagenet, moved)
     a = C.resolve("ilsvrc_cnns", tiny_overrides(tiny_imagenet, tmp_path, *SHORT))
     b = C.resolve("ilsvrc_cnns", tiny_overrides(moved, tmp_path, *SHORT))
-    assert C.cell_id(a) == C.cell_id(b)
-    assert C.data_fingerprint(tmp_path / "nothing") == "unprepared"
+    assert identity.cell_id(a) == identity.cell_id(b)
+    assert prepared.data_fingerprint(tmp_path / "nothing") == "unprepared"
 
 
 def test_fingerprint_cannot_be_set(tiny_imagenet, tmp_path):
@@ -60,7 +61,7 @@ def test_resume_with_another_config_is_refused_and_the_run_untouched(tiny_imagen
     over = tiny_overrides(tiny_imagenet, tmp_path, *SHORT)
     s = ilsvrc(over)
     assert s["status"] == "completed"
-    d = C.run_dir(C.resolve("ilsvrc_cnns", over))
+    d = identity.run_dir(C.resolve("ilsvrc_cnns", over))
     # What a run directory made by another config (or another dataset) looks like to this one.
     cfg_text = (d / "config.yaml").read_text().replace("data_fingerprint: ", "data_fingerprint: x", 1)
     (d / "config.yaml").write_text(cfg_text)
@@ -76,7 +77,7 @@ def test_a_failed_start_keeps_a_completed_result(tiny_imagenet, tmp_path):
     """Re-running a completed cell with a broken infrastructure key must not mark it failed."""
     over = tiny_overrides(tiny_imagenet, tmp_path, *SHORT)
     assert ilsvrc(over)["status"] == "completed"
-    d = C.run_dir(C.resolve("ilsvrc_cnns", over))
+    d = identity.run_dir(C.resolve("ilsvrc_cnns", over))
     summary = (d / "summary.json").read_bytes()
     # Another data_root with the same prepared content: same run; its images are gone.
     broken = tmp_path / "broken" / "imagenet"
@@ -102,8 +103,8 @@ def test_print_config_shows_the_cell_and_runs_nothing(tiny_imagenet, tmp_path):
     assert r.returncode == 0, r.stderr
     shown = yaml.safe_load(r.stdout)
     cfg = C.resolve("ilsvrc_cnns", over)
-    assert shown == C.to_dict(cfg) and f"# run directory: {C.run_dir(cfg)}" in r.stdout
-    assert not C.run_dir(cfg).exists()
+    assert shown == C.to_dict(cfg) and f"# run directory: {identity.run_dir(cfg)}" in r.stdout
+    assert not identity.run_dir(cfg).exists()
     bad = subprocess.run([sys.executable, "-m", "experiments.ilsvrc_cnns", "--print-config", "bogus=1"],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.startswith("error: unknown config key 'bogus'")
@@ -141,8 +142,8 @@ def test_channels_last_is_a_speed_setting_not_an_identity(tiny_imagenet, tmp_pat
     """channels_last (auto | true | false) changes the layout, not the numbers a run means: every value
     names the same run directory; what a run used is in env.json; another value is a one-line error."""
     over = tiny_overrides(tiny_imagenet, tmp_path, *SHORT)
-    dirs = {C.run_dir(C.resolve("ilsvrc_cnns", [*over, f"channels_last={v}"])) for v in ("auto", "true", "false")}
-    assert len(dirs) == 1 and dirs == {C.run_dir(C.resolve("ilsvrc_cnns", over))}
+    dirs = {identity.run_dir(C.resolve("ilsvrc_cnns", [*over, f"channels_last={v}"])) for v in ("auto", "true", "false")}
+    assert len(dirs) == 1 and dirs == {identity.run_dir(C.resolve("ilsvrc_cnns", over))}
     with pytest.raises(UserError, match="expects one of auto, true, false"):
         C.resolve("ilsvrc_cnns", [*over, "channels_last=maybe"])
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from mpt import config as C
+from mpt import config_parse
 from mpt.config import Config, SchedCfg
 from mpt.errors import UserError
 from mpt.optim import lr_factor
@@ -52,7 +52,7 @@ def test_unknown_schedule_and_removed_keys_are_one_line_errors():
     with pytest.raises(UserError, match="exponential"):
         lr_factor(SchedCfg(name="linear"), 0.0, 1.0)
     with pytest.raises(UserError, match="unknown config key 'sched.min_lr' \\(command line\\)"):
-        C.set_key(Config(), "sched.min_lr", 0.001, where="command line")
+        config_parse.set_key(Config(), "sched.min_lr", 0.001, where="command line")
 
 
 def test_a_workload_can_register_its_own_schedule(monkeypatch):

@@ -139,16 +139,16 @@ def test_bad_grid_files_are_one_line_errors(tmp_path, text, match):
 
 
 def test_every_config_yaml_refuses_a_repeated_key_but_keeps_merge_keys():
-    """mpt.config.safe_load reads experiments' config.yaml, overrides, grids and cluster profiles."""
+    """mpt.config_parse.safe_load reads experiments' config.yaml, overrides, grids and cluster profiles."""
     import yaml
 
-    from mpt import config
+    from mpt import config_parse
 
     with pytest.raises(yaml.YAMLError, match="duplicate key 'lr'"):
-        config.safe_load("optim:\n  lr: 0.1\n  lr: 0.2\n")
+        config_parse.safe_load("optim:\n  lr: 0.1\n  lr: 0.2\n")
     base = "base: &b {lr: 0.1, wd: 0}\nrun:\n  <<: *b\n  lr: 0.2\n"
-    assert config.safe_load(base)["run"] == {"lr": 0.2, "wd": 0}
-    assert config.parse_overrides(["task.buckets=[[1, 2]]"]) == [("task.buckets", [[1, 2]])]
+    assert config_parse.safe_load(base)["run"] == {"lr": 0.2, "wd": 0}
+    assert config_parse.parse_overrides(["task.buckets=[[1, 2]]"]) == [("task.buckets", [[1, 2]])]
 
 
 def test_unknown_profile_and_missing_grid(tmp_path):

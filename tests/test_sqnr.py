@@ -14,6 +14,7 @@ from torch.utils.data import TensorDataset
 import toy_gan
 import toy_mlp
 from mpt import config as C
+from mpt import identity
 from mpt import engine
 from mpt.errors import UserError
 from mpt.task import Task
@@ -79,7 +80,7 @@ def _lines(d):
 def _run(task_cls, cfg):
     s = engine.run(cfg, task_cls(cfg))
     assert s["status"] == "completed", s
-    return s, C.run_dir(cfg)
+    return s, identity.run_dir(cfg)
 
 
 def _same(a, b, where="") -> None:
@@ -182,11 +183,11 @@ def test_sqnr_key_keeps_run_ids_and_refuses_narrow_weights(tmp_path):
     """Off (the default), the key leaves a run's id as it was before the key existed; on, it is another
     run. A precision that stores the weights in FP16/BF16 has no FP32 weights to compare against."""
     cfg = toy_mlp.config(tmp_path, precision="fp8")
-    ident = C._strip_infra(cfg)
+    ident = identity.strip_infra(cfg)
     assert "sqnr_every" not in ident["numerics"]
-    before = C.cell_id(cfg)
+    before = identity.cell_id(cfg)
     cfg.numerics.sqnr_every = 5
-    assert C.cell_id(cfg) != before
+    assert identity.cell_id(cfg) != before
     C.validate(cfg)
     for prec, impl in (("fp16_pure", "paper"), ("bf16_pure", "paper"), ("mixed", "paper")):
         bad = toy_mlp.config(tmp_path, precision=prec, impl=impl)

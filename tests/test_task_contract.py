@@ -104,6 +104,7 @@ def test_an_experiment_of_its_own_registers_and_runs_outside_the_repository(tmp_
 
     from mpt import cli
     from mpt import config as C
+    from mpt import registry
     from mpt.errors import UserError
 
     scope: dict = {}
@@ -117,8 +118,8 @@ def test_an_experiment_of_its_own_registers_and_runs_outside_the_repository(tmp_
         "base: {model: linear, device: cpu, out_dir: %s, optim: {lr: 0.05}, wandb: {mode: disabled},\n"
         "       train: {batch_size: 16, max_steps: 20, num_workers: 0, progress: false}}\n"
         "models: {linear: {}}\n" % (tmp_path / "runs"))
-    exp = C.register("regression_of_its_own", scope["Regression"], RegressionCfg, tmp_path / "config.yaml")
-    assert C.get_experiment("regression_of_its_own") is exp
+    exp = registry.register("regression_of_its_own", scope["Regression"], RegressionCfg, tmp_path / "config.yaml")
+    assert registry.get_experiment("regression_of_its_own") is exp
     with pytest.raises(UserError, match="unknown config key 'task.nosie'.*task.noise"):
         C.resolve("regression_of_its_own", ["task.nosie=1"])
     s = cli.main("regression_of_its_own", [])
@@ -133,7 +134,7 @@ class _NoKeys:
 
 def test_a_task_registered_again_with_another_config_is_refused(tmp_path):
     """The same Task registered twice under one name replaced its config.yaml without a word."""
-    from mpt import config as C
+    from mpt import registry
 
     class Twice(Task):
         def loss(self, model, batch):
@@ -142,17 +143,18 @@ def test_a_task_registered_again_with_another_config_is_refused(tmp_path):
     a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
     for f in (a, b):
         f.write_text("models: {m: {}}\n")
-    exp = C.register("registered_twice", Twice, _NoKeys, a)
-    assert C.register("registered_twice", Twice, _NoKeys, a).config_yaml == exp.config_yaml  # the same again: fine
+    exp = registry.register("registered_twice", Twice, _NoKeys, a)
+    assert registry.register("registered_twice", Twice, _NoKeys, a).config_yaml == exp.config_yaml  # the same again: fine
     with pytest.raises(ValueError, match=r"'registered_twice' \(.*Twice\) is already registered with .*a\.yaml"):
-        C.register("registered_twice", Twice, _NoKeys, b)
-    assert C.get_experiment("registered_twice").config_yaml == a.resolve()
+        registry.register("registered_twice", Twice, _NoKeys, b)
+    assert registry.get_experiment("registered_twice").config_yaml == a.resolve()
 
 
 @pytest.mark.parametrize("text,why", [("", "it is empty"), ("base: {device: cpu}\n", "it has no models: section")])
 def test_a_config_yaml_without_models_says_so(tmp_path, text, why):
     """An empty config.yaml said "unknown model ''; choose one of:" and an empty list."""
     from mpt import config as C
+    from mpt import registry
     from mpt.errors import UserError
 
     class NoModels(Task):
@@ -161,6 +163,6 @@ def test_a_config_yaml_without_models_says_so(tmp_path, text, why):
 
     (tmp_path / "config.yaml").write_text(text)
     name = f"no_models_{len(text)}"
-    C.register(name, NoModels, _NoKeys, tmp_path / "config.yaml")
+    registry.register(name, NoModels, _NoKeys, tmp_path / "config.yaml")
     with pytest.raises(UserError, match=f"config.yaml defines no models \\({why}\\); give it a models: mapping"):
         C.resolve(name, [])

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from toy_gan import run_task
-from mpt import config as C
+from mpt import identity
 from mpt import precision
 from mpt.config import Config
 from mpt.task import Task as BaseTask
@@ -128,7 +128,7 @@ def test_engine_benchmark_and_memory_estimate_train_like_a_plain_loop(monkeypatc
         ref(x[:4]).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
-    trained = torch.load(C.run_dir(cfg) / "checkpoint.pt", weights_only=True)["model"]
+    trained = torch.load(identity.run_dir(cfg) / "checkpoint.pt", weights_only=True)["model"]
     assert s["status"] == "completed" and s["step"] == 3
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(trained[k], v, rtol=1e-6, atol=1e-7)

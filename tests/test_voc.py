@@ -661,9 +661,10 @@ def reference_map(args: list[str], root, n: int) -> tuple[float, int]:
 
     from experiments.voc_detection.task import Task
     from mpt import config as C
+    from mpt import identity
 
     cfg = C.resolve("voc_detection", args)
-    checkpoint = C.run_dir(cfg) / "checkpoint.pt"
+    checkpoint = identity.run_dir(cfg) / "checkpoint.pt"
     task = Task(cfg)  # the class count from the prepared data
     model = task.build_model()
     model.load_state_dict(torch.load(checkpoint, weights_only=True)["model"])

@@ -31,7 +31,7 @@ from pathlib import Path, PurePosixPath
 
 import numpy as np
 
-from mpt.config import REPO
+from mpt import REPO
 from mpt.errors import UserError
 
 from ..command import generator_command

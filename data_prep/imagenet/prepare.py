@@ -459,7 +459,7 @@ def prepare(archives_dir: Path, out: Path, force: bool = False, workers: int = 8
         "train_images": sum(train.values()),
         "val_images": sum(val.values()),
         "archives": sizes,
-        # what the run identity (mpt.config.data_fingerprint) tells datasets apart by
+        # what the run identity (mpt.prepared.data_fingerprint) tells datasets apart by
         "archive_digests": {n: sampled_digest(p) for n, p in archives.items()},
         "prepared_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "seconds": round(time.time() - start, 1),

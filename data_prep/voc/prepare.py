@@ -7,7 +7,7 @@ Input (--archives DIR), as distributed on the VOC pages (host.robots.ox.ac.uk/pa
 Output (--out OUT):
     OUT/VOCdevkit/VOC2007/{JPEGImages,Annotations,ImageSets/Main}/...   and the same for VOC2012
     OUT/prepared.json   completion marker: per set its image/object/difficult counts, the class list,
-                        each archive's size and sampled digest (mpt.config.data_fingerprint reads it)
+                        each archive's size and sampled digest (mpt.prepared.data_fingerprint reads it)
 
 torchvision.datasets.VOCDetection(OUT, year="2007", image_set="test") reads this tree; so does our
 loader (dataset.py). Only the detection parts are unpacked (JPEGImages, Annotations, ImageSets/Main):

@@ -1,6 +1,6 @@
 """Figure 6: DCGAN on CelebA faces, FP32 next to mixed precision (paper section 4.6)."""
 from experiments.dcgan.task import Task, TaskCfg
-from mpt.config import register
+from mpt.registry import register
 
 EXPERIMENT = register("dcgan", Task, TaskCfg)  # config.yaml beside task.py
 

@@ -61,7 +61,7 @@ def main(overrides: list[str]) -> dict:
     import torch
 
     from experiments.speed_memory import bench, engine_overhead, report
-    from mpt.config import parse_options
+    from mpt.config_parse import parse_options
     from mpt.ranks import pick_device
     from mpt.rundir import now
 

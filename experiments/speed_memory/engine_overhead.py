@@ -37,7 +37,7 @@ import torch
 from experiments.speed_memory.bench import WORKLOADS, build_cell, sync, time_steps
 from mpt import config, precisions
 from mpt import engine
-from mpt.config import parse_options
+from mpt.config_parse import parse_options
 from mpt.optim import build_optimizer
 from mpt.ranks import pick_device
 from mpt.errors import UserError, cli

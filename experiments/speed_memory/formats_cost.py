@@ -26,7 +26,7 @@ DEFAULTS = {"models": "resnet50_preact", "width": 0.25, "batch": 16, "size": 96,
 
 def main(overrides: list[str]) -> dict:
     from experiments.speed_memory import DEFAULTS as BENCH, bench
-    from mpt.config import parse_options
+    from mpt.config_parse import parse_options
     from mpt.ranks import pick_device
     from mpt.rundir import atomic_write_text, now
 

@@ -86,7 +86,7 @@ def time_loader(sampler, loader, micro: int, samples: int, warmup: int) -> dict:
 
 def measure(experiment: str, overrides: list[str], workers: int | None = None, samples: int = 1024) -> dict:
     """The result of one benchmark (what the JSON holds)."""
-    from mpt import config
+    from mpt import config, registry
     from mpt.engine import loader_options, train_loader_of
     from mpt.errors import UserError
     from mpt.ranks import loader_workers, usable_cpus
@@ -97,7 +97,7 @@ def measure(experiment: str, overrides: list[str], workers: int | None = None, s
     if workers is not None and workers < 1:
         raise UserError(f"--workers {workers}: give at least one worker (leave it out for auto: this process's "
                         f"cores less one)")
-    exp = config.get_experiment(experiment)
+    exp = registry.get_experiment(experiment)
     cfg = config.resolve(exp, overrides)  # as python -m experiments.<name> resolves it
     task = exp.task(cfg)  # reads its facts from the prepared data (a missing set: one line naming the prep)
     t = cfg.train

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from mpt.config import parse_options
+from mpt.config_parse import parse_options
 from mpt.doctor.targets import load
 from mpt.doctor.watch import watch
 from mpt.errors import UserError, cli

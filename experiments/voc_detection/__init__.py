@@ -1,6 +1,6 @@
 """Table 2: PASCAL VOC detection with SSD300 and Faster R-CNN (VGG-16), paper section 4.2."""
 from experiments.voc_detection.task import Task, TaskCfg
-from mpt.config import register
+from mpt.registry import register
 
 EXPERIMENT = register("voc_detection", Task, TaskCfg)  # config.yaml beside task.py
 

@@ -232,10 +232,10 @@ def _from_task(task: Task, name: str, steps: int) -> Patient:
 
 
 def _from_experiment(name: str, overrides: list[str], profile: str | None, steps: int) -> Patient:
-    from mpt import config
+    from mpt import config, registry
 
     args = ([f"profile={profile}"] if profile else []) + overrides
     cfg = config.resolve(name, args)
     label = f"experiment:{name} ({cfg.model}, profile {cfg.profile})"
-    return _from_task(config.get_experiment(name).task(cfg), label, steps)
+    return _from_task(registry.get_experiment(name).task(cfg), label, steps)
 

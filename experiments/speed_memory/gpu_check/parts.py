@@ -300,7 +300,7 @@ def part_resume(ctx: Ctx) -> dict:
     stops it: checkpoint at the step boundary, status "interrupted"), then the same command again,
     which must load that checkpoint (model, FP32 masters, optimizer, scaler, RNG) and finish."""
     from experiments.ilsvrc_cnns.task import Task
-    from mpt import config
+    from mpt import config, identity
     from mpt import engine
 
     s = ctx.sizes
@@ -328,7 +328,7 @@ def part_resume(ctx: Ctx) -> dict:
         first = engine.run(cfg, first_task)
     finally:
         engine.STOP.clear()
-    out = {"run_dir": str(config.run_dir(cfg)), "first": _brief(first), "steps_first": first_task.steps}
+    out = {"run_dir": str(identity.run_dir(cfg)), "first": _brief(first), "steps_first": first_task.steps}
     ctx.emit(out)
     if first["status"] != "interrupted" or first["step"] != s.stop_after:
         raise RuntimeError(f"the first run should stop at step {s.stop_after} with a checkpoint; it ended "
@@ -355,7 +355,7 @@ def part_resume(ctx: Ctx) -> dict:
 def part_ddp(ctx: Ctx) -> dict:
     """Two DDP ranks through torchrun running the experiment command itself (the engine's DDP path:
     NCCL on GPUs, gloo for the CPU smoke), a few steps of the tiny profile in mixed precision."""
-    from mpt import config
+    from mpt import config, identity
 
     # On CUDA each rank takes cuda:<local rank>; with fewer than 2 GPUs the parent skips this part from the
     # probe's GPU count, without starting it.
@@ -366,7 +366,7 @@ def part_ddp(ctx: Ctx) -> dict:
     print("$ " + " ".join(cmd), file=sys.stderr, flush=True)
     r = subprocess.run(cmd, capture_output=True, text=True)
     cfg = config.resolve("ilsvrc_cnns", ov)
-    d = config.run_dir(cfg)
+    d = identity.run_dir(cfg)
     summ = json.loads((d / "summary.json").read_text()) if (d / "summary.json").exists() else None
     env = json.loads((d / "env.json").read_text()) if (d / "env.json").exists() else {}
     out = {"command": " ".join(cmd[1:]), "returncode": r.returncode, "summary": _brief(summ) if summ else None,
@@ -405,12 +405,12 @@ def _timed_run_keys(ctx: Ctx, folder: str) -> list[str]:
 def _engine_run(experiment: str, overrides: list[str], skip_windows: int) -> dict:
     """One ordinary run (mpt.cli.main) -> its brief summary plus the throughput of each log window
     (metrics.jsonl) and their median after the first `skip_windows` (cuDNN's search, the workers' start)."""
-    from mpt import config
+    from mpt import config, identity
     from mpt.cli import main
 
     s = main(experiment, overrides)
     cfg = config.resolve(experiment, overrides)
-    lines = [json.loads(x) for x in (config.run_dir(cfg) / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    lines = [json.loads(x) for x in (identity.run_dir(cfg) / "metrics.jsonl").read_text().splitlines() if x.strip()]
     windows = [ln["throughput"] for ln in lines if ln.get("kind") == "train" and ln.get("throughput")]
     steady = windows[skip_windows:] or windows
     out = _brief(s)
@@ -488,7 +488,7 @@ def part_cifar(ctx: Ctx) -> dict:
     cores in fp32, fp16 (S = 1), mixed and bf16, one process per run, the four precisions of a seed
     side by side: top-1 to set beside the CPU emulation's (experiments/ilsvrc_cnns/config.yaml)."""
     from data_prep.imagenet import cifar_dev, prepare
-    from mpt import config
+    from mpt import config, identity
 
     s = ctx.sizes
     src = next((p for p in (REPO / "data/cifar10-dev.tar.gz", REPO.parent / "shared/data/cifar10-dev.tar.gz")
@@ -512,7 +512,7 @@ def part_cifar(ctx: Ctx) -> dict:
                     cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": str(s.cifar_threads)})))
         for seed, prec, ov, t0, p in procs:
             rc = p.wait()
-            summ = config.run_dir(config.resolve("ilsvrc_cnns", ov)) / "summary.json"
+            summ = identity.run_dir(config.resolve("ilsvrc_cnns", ov)) / "summary.json"
             s_ = json.loads(summ.read_text()) if summ.is_file() else {"status": f"exit {rc}"}
             row = {"precision": prec, "seed": seed, **_brief(s_), "seconds": round(time.time() - t0, 1)}
             out["rows"].append(row)
