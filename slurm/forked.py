@@ -18,7 +18,7 @@ import threading
 import time
 import traceback
 
-from mpt.config import REPO
+from mpt import REPO
 from mpt.rundir import atomic_write_text, open_no_follow
 from mpt.signals import HANGUP
 

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from mpt.config import REPO
+from mpt import REPO
 from mpt.errors import UserError
 from mpt.rundir import open_no_follow
 from mpt.signals import HANGUP, detach_from_closed_terminal
