@@ -88,6 +88,20 @@ class Precision:
         return "fp32" if self.tf32 else self.name
 
 
+def _simulated(name: str, doc: str, label: str, color: str, *, compute: str = "float8", cost_goal: float,
+               per: str = "each block", all_label: str | None = None) -> Precision:
+    """A simulated low-precision format's row: FP32 storage and master weights around its recipe of
+    mpt.formats (recipe="formats", a FormatRecipe of the same name), no loss scale (its own scales replace
+    it), and two columns: the first and last layers in BF16 (fp8.ends=bf16) and every layer quantised."""
+    return Precision(
+        name, doc, storage="float32", compute=compute, master=True, loss_scaling=False, auto_loss_scale=None,
+        impls=(), recipe="formats", beyond_paper=True,
+        columns=(_beyond(name, f"{label}, BF16 first/last layers", color),
+                 _beyond(f"{name}_all", all_label or f"{label}, every layer")),
+        cost_goal=cost_goal,
+        refuses_scale=f"precision={name} scales {per} on its own; loss_scale={{value}} is not used: leave it at auto")
+
+
 TABLE: tuple[Precision, ...] = (
     Precision(
         "fp32", "Everything FP32: the paper's baseline (TF32 is a separate switch, off by default).",
@@ -148,79 +162,42 @@ TABLE: tuple[Precision, ...] = (
         cost_goal=2.0,  # FP8 family 2x, NVFP4 3x (stochastic rounding and the Hadamard on top)
         refuses_scale="precision=fp8 scales each tensor on its own (fp8.scaling); loss_scale={value} "
                       "is not used: leave it at auto"),
-    Precision(
+    _simulated(
         "fp8_rowwise", "torchao.float8's rowwise recipe (Float8LinearConfig.from_recipe_name('rowwise')): E4M3 "
         "operands for every weight-bearing dot product, one power-of-2 scale per row along the reduction axis "
         "for activations, weights and output gradients; FP32 accumulation and master weights; simulated "
         "(mpt.formats).",
-        storage="float32", compute="float8", master=True, loss_scaling=False, auto_loss_scale=None,
-        impls=(), recipe="formats", beyond_paper=True,
-        columns=(_beyond("fp8_rowwise", "row-wise FP8 (torchao), BF16 first/last layers", "darkorange"),
-                 _beyond("fp8_rowwise_all", "row-wise FP8 (torchao), every layer")),
-        cost_goal=2.0,
-        refuses_scale="precision=fp8_rowwise scales each row on its own; loss_scale={value} is not used: "
-                      "leave it at auto"),
-    Precision(
+        "row-wise FP8 (torchao)", "darkorange", cost_goal=2.0, per="each row"),
+    _simulated(
         "fp8_rowwise_gw_hp", "torchao.float8's rowwise_with_gw_hp recipe: fp8_rowwise's forward, the data "
         "gradient from the row-wise E4M3 output gradient and a per-tensor E4M3 weight, the weight gradient "
         "from the unquantised input and output gradient (high precision); simulated (mpt.formats).",
-        storage="float32", compute="float8", master=True, loss_scaling=False, auto_loss_scale=None,
-        impls=(), recipe="formats", beyond_paper=True,
-        columns=(_beyond("fp8_rowwise_gw_hp", "row-wise FP8, weight gradient in high precision (torchao), "
-                         "BF16 first/last layers", "goldenrod"),
-                 _beyond("fp8_rowwise_gw_hp_all", "row-wise FP8, weight gradient in high precision (torchao), "
-                         "every layer")),
-        cost_goal=2.0,
-        refuses_scale="precision=fp8_rowwise_gw_hp scales each row on its own; loss_scale={value} is not used: "
-                      "leave it at auto"),
-    Precision(
+        "row-wise FP8, weight gradient in high precision (torchao)", "goldenrod", cost_goal=2.0, per="each row"),
+    _simulated(
         "fp8_block", "DeepSeek-V3's fine-grained FP8 (arXiv 2412.19437, section 3.3): E4M3 operands for every "
         "weight-bearing dot product, activations and gradients scaled per 1x128 tile, weights per 128x128 "
         "block, power-of-2 scales; FP32 accumulation and master weights; simulated (mpt.formats).",
-        storage="float32", compute="float8", master=True, loss_scaling=False, auto_loss_scale=None,
-        impls=(), recipe="formats", beyond_paper=True,
-        columns=(_beyond("fp8_block", "block-scaled FP8 (1x128 / 128x128), BF16 first/last layers", "peru"),
-                 _beyond("fp8_block_all", "block-scaled FP8 (1x128 / 128x128), every layer")),
-        cost_goal=2.0,
-        refuses_scale="precision=fp8_block scales each block on its own; loss_scale={value} is not used: "
-                      "leave it at auto"),
-    Precision(
+        "block-scaled FP8 (1x128 / 128x128)", "peru", cost_goal=2.0),
+    _simulated(
         "mxfp8", "OCP Microscaling MXFP8 (arXiv 2310.10537): E4M3 operands in 32-element blocks, each with a "
         "power-of-2 (E8M0) scale rounded up so that no block overflows (RCEIL, arXiv 2506.08027); FP32 "
         "accumulation and master weights; simulated (mpt.formats).",
-        storage="float32", compute="float8", master=True, loss_scaling=False, auto_loss_scale=None,
-        impls=(), recipe="formats", beyond_paper=True,
-        columns=(_beyond("mxfp8", "MXFP8 (32-element E8M0 blocks), BF16 first/last layers", "teal"),
-                 _beyond("mxfp8_all", "MXFP8 (32-element E8M0 blocks), every layer")),
-        cost_goal=2.0,
-        refuses_scale="precision=mxfp8 scales each block on its own; loss_scale={value} is not used: "
-                      "leave it at auto"),
-    Precision(
+        "MXFP8 (32-element E8M0 blocks)", "teal", cost_goal=2.0),
+    _simulated(
         "nvfp4", "NVFP4 (arXiv 2509.25149; Transformer Engine's NVFP4BlockScaling): E2M1 operands in 16-element "
         "blocks with E4M3 scales under an FP32 per-tensor scale; gradients rounded stochastically; a 16x16 random "
         "Hadamard transform on the weight-gradient product's operands; FP32 accumulation and master weights; "
         "simulated (mpt.formats).",
-        storage="float32", compute="float4", master=True, loss_scaling=False, auto_loss_scale=None,
-        impls=(), recipe="formats", beyond_paper=True,
-        columns=(_beyond("nvfp4", "NVFP4 (16-element E4M3-scaled blocks), BF16 first/last layers", "crimson"),
-                 _beyond("nvfp4_all", "NVFP4 (16-element E4M3-scaled blocks), every layer")),
-        cost_goal=3.0,
-        refuses_scale="precision=nvfp4 scales each block on its own; loss_scale={value} is not used: "
-                      "leave it at auto"),
-    Precision(
+        "NVFP4 (16-element E4M3-scaled blocks)", "crimson", compute="float4", cost_goal=3.0),
+    _simulated(
         "nvfp4_paper", "The NVFP4 pretraining paper's recipe (arXiv 2509.25149): nvfp4's formats (2-D 16x16 weight "
         "blocks, stochastic rounding on gradients, the random Hadamard transform on the weight-gradient operands), "
         "the last 15% of the weight-bearing layers in BF16 (fmt.keep_last) and BF16 operands for the last 18% of "
         "the steps (fmt.bf16_tail); FP32 accumulation and master weights; simulated (mpt.formats).",
-        storage="float32", compute="float4", master=True, loss_scaling=False, auto_loss_scale=None,
-        impls=(), recipe="formats", beyond_paper=True,
-        columns=(_beyond("nvfp4_paper", "NVFP4, the NVFP4 paper's recipe (last 15% of layers and last 18% of steps "
-                         "in BF16), BF16 first/last layers", "darkred"),
-                 _beyond("nvfp4_paper_all", "NVFP4, the NVFP4 paper's recipe (last 15% of layers and last 18% of "
-                         "steps in BF16)")),
-        cost_goal=3.0,
-        refuses_scale="precision=nvfp4_paper scales each block on its own; loss_scale={value} is not used: "
-                      "leave it at auto"),
+        "NVFP4, the NVFP4 paper's recipe (last 15% of layers and last 18% of steps in BF16)", "darkred",
+        compute="float4", cost_goal=3.0,
+        # its kept last layers stay in BF16 with fp8.ends=fp8 too: that column is not "every layer"
+        all_label="NVFP4, the NVFP4 paper's recipe (last 15% of layers and last 18% of steps in BF16)"),
     Precision(
         "bf16_pure", "BF16 weights updated directly, no FP32 master copy: fp16_pure's scheme in BF16 "
         "(Zamirai et al. 2020, \"Revisiting BFloat16 Training\"), the update rounded by `rounding`.",

@@ -328,23 +328,29 @@ def torchao():
 def test_fp8_tensorwise_and_rowwise_match_torchao(torchao, granularity, pow2):
     """torchao.float8's scale (float8_utils.tensor_to_scale) and saturated cast against ours: bit-exact (the
     scale one correctly rounded division, as torchao's FP64 quotient rounded to FP32 is)."""
+    for role, t in _linear_tensors().items():
+        for fmt in ("e4m3", "e5m2"):
+            ref, ours = _torchao_and_ours_fp8(t, fmt, granularity, pow2, "l:" + role)
+            assert torch.equal(ref, ours), (role, fmt, sqnr_db(ref, ours))
+
+
+def _torchao_and_ours_fp8(t, fmt: str, granularity: str, pow2: bool, key: str):
+    """t through torchao.float8's scale (tensor_to_scale) and saturated cast, and through ours: per-tensor
+    exact scales by FP8State's current scaling (slot `key`), any other by block_quantize."""
     from torchao.float8.config import ScalingGranularity
     from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
 
     from mpt.fp8 import FP8State
 
-    for role, t in _linear_tensors().items():
-        for fmt, dtype in (("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2)):
-            kw = dict(round_scales_to_power_of_2=pow2)
-            if granularity == "row":
-                kw.update(scaling_granularity=ScalingGranularity.AXISWISE, axiswise_dim=-1)
-            s = tensor_to_scale(t, dtype, **kw)
-            ref = to_fp8_saturated(t * s, dtype).float() / s
-            if granularity == "tensor" and not pow2:
-                ours = FP8State("current").quantizer("l:" + role, fmt)(t)
-            else:
-                ours = block_quantize(t, _fmt(fmt, granularity, "pow2" if pow2 else "exact"))
-            assert torch.equal(ref, ours), (role, fmt, sqnr_db(ref, ours))
+    dtype = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[fmt]
+    kw = dict(round_scales_to_power_of_2=pow2)
+    if granularity == "row":
+        kw.update(scaling_granularity=ScalingGranularity.AXISWISE, axiswise_dim=-1)
+    s = tensor_to_scale(t, dtype, **kw)
+    ref = to_fp8_saturated(t * s, dtype).float() / s
+    if granularity == "tensor" and not pow2:
+        return ref, FP8State("current").quantizer(key, fmt)(t)
+    return ref, block_quantize(t, _fmt(fmt, granularity, "pow2" if pow2 else "exact"))
 
 
 def _layer_grads(layer, x0, grad, autocast=contextlib.nullcontext):
@@ -527,23 +533,12 @@ def test_a_non_finite_value_makes_its_scale_group_nan_as_torchao_does(torchao, b
     takes its per-tensor scale from max |x|: the whole tensor. Ours the same, bit for bit in every other
     element: per-tensor current scaling (FP8State), rows and NVFP4 blocks (block_quantize). Before, a
     per-tensor inf saturated silently and a nan marked one element."""
-    from torchao.float8.config import ScalingGranularity
-    from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
-
     t = _linear_tensors()["x"].clone()
     t[5, 17] = bad
-    for fmt, dtype in (("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2)):
+    for fmt in ("e4m3", "e5m2"):
         for pow2 in (False, True):
             for granularity in ("tensor", "row"):
-                kw = dict(round_scales_to_power_of_2=pow2)
-                if granularity == "row":
-                    kw.update(scaling_granularity=ScalingGranularity.AXISWISE, axiswise_dim=-1)
-                s = tensor_to_scale(t, dtype, **kw)
-                ref = to_fp8_saturated(t * s, dtype).float() / s
-                if granularity == "tensor" and not pow2:
-                    ours = FP8State("current").quantizer("l:x", fmt)(t)
-                else:
-                    ours = block_quantize(t, _fmt(fmt, granularity, "pow2" if pow2 else "exact"))
+                ref, ours = _torchao_and_ours_fp8(t, fmt, granularity, pow2, "l:x")
                 nan_rows = ref.isnan().all(1)
                 assert nan_rows.sum() == (64 if granularity == "tensor" else 1), (fmt, granularity)
                 assert _same(ref, ours), (fmt, pow2, granularity)
