@@ -34,16 +34,8 @@ def search(patient: Patient, precision: str, fp32: dict, untrained: list[float],
     candidates = list(dict.fromkeys(m for m in order if m))  # de-duplicated, in order
     trials = []
     for k in range(0, min(MAX_KEPT, len(candidates)) + 1):
-        kept = candidates[:k]
-        r = train(patient, precision, steps=steps, device=device, numerics=False, keep_wide=tuple(kept), wide=wide)
-        p = progress(r["losses"], fp32["losses"], untrained)
-        # At the trial's last step, on the batch FP32's last step read: the recipe as trained (delayed scales
-        # from their history, not step 1's unit scales), against FP32 as trained.
-        sq = sqnr_db(fp32["last_output"], r["last_output"])
-        ok = r["nonfinite_losses"] == 0 and p is not None and p >= CONFIRM and sq >= OUTPUT_SQNR
-        trials.append({"kept": kept, "progress": p, "output_sqnr_db": sq, "nonfinite_losses": r["nonfinite_losses"],
-                       "skipped": r["skipped"], "ok": ok})
-        if ok:
+        trials.append(trial(patient, precision, fp32, untrained, steps, device, candidates[:k], wide))
+        if trials[-1]["ok"]:
             break
     found = trials[-1]["ok"]
     for t in trials:  # "big (Linear)", as the rest of the report names modules
@@ -51,6 +43,20 @@ def search(patient: Patient, precision: str, fp32: dict, untrained: list[float],
     return {"precision": precision, "wide": wide, "format": fmt, "candidates": candidates, "trials": trials,
             "kept": trials[-1]["kept"] if found else None, "tolerance": {"progress": CONFIRM, "output_sqnr_db":
                                                                          OUTPUT_SQNR}}
+
+
+def trial(patient: Patient, precision: str, fp32: dict, untrained: list[float], steps: int, device,
+          kept: list[str] = (), wide: str = "fp32") -> dict:
+    """One replay of `precision` with the modules `kept` in `wide`, judged against FP32's: it passes with no
+    non-finite loss, >= CONFIRM of FP32's progress and its output within OUTPUT_SQNR of FP32's."""
+    r = train(patient, precision, steps=steps, device=device, numerics=False, keep_wide=tuple(kept), wide=wide)
+    p = progress(r["losses"], fp32["losses"], untrained)
+    # At the trial's last step, on the batch FP32's last step read: the recipe as trained (delayed scales
+    # from their history, not step 1's unit scales), against FP32 as trained.
+    sq = sqnr_db(fp32["last_output"], r["last_output"])
+    ok = r["nonfinite_losses"] == 0 and p is not None and p >= CONFIRM and sq >= OUTPUT_SQNR
+    return {"kept": list(kept), "progress": p, "output_sqnr_db": sq, "nonfinite_losses": r["nonfinite_losses"],
+            "skipped": r["skipped"], "ok": ok}
 
 
 def lines(kw: dict) -> list[str]:

@@ -7,11 +7,9 @@ format that a set of kept modules makes train is the answer, with that set. Ever
 from __future__ import annotations
 
 from mpt import formats, precisions
-from mpt.doctor.keep_wide import OUTPUT_SQNR, search
-from mpt.doctor.replay import progress, train
+from mpt.doctor.keep_wide import OUTPUT_SQNR, search, trial
 from mpt.doctor.targets import Patient
 from mpt.doctor.verdict import CONFIRM, pct
-from mpt.numerics import sqnr_db
 
 
 def bits(name: str) -> int:
@@ -29,13 +27,10 @@ def find(patient: Patient, fp32: dict, untrained: list[float], whatif: dict, fir
     "narrowest")."""
     tried = []
     for name in order():
-        r = train(patient, name, steps=steps, device=device, numerics=False)
-        p = progress(r["losses"], fp32["losses"], untrained)
-        sq = sqnr_db(fp32["last_output"], r["last_output"])
-        ok = r["nonfinite_losses"] == 0 and p is not None and p >= CONFIRM and sq >= OUTPUT_SQNR
-        tried.append({"precision": name, "bits": bits(name), "kept": [], "progress": p, "output_sqnr_db": sq,
-                      "nonfinite_losses": r["nonfinite_losses"], "ok": ok})
-        if ok:
+        t = trial(patient, name, fp32, untrained, steps, device)
+        tried.append({"precision": name, "bits": bits(name), **{k: t[k] for k in
+                      ("kept", "progress", "output_sqnr_db", "nonfinite_losses", "ok")}})
+        if t["ok"]:
             return {"precision": name, "kept": [], "tried": tried}
     for name in order():  # none as it is: the narrowest that a few modules kept wide make train
         kw = search(patient, name, fp32, untrained, whatif, first_inf, steps, device, wide)

@@ -20,7 +20,7 @@ import torch
 
 from mpt.bands import FORMATS, hook_targets, tensors_in
 from mpt.doctor.targets import Patient, call_loss
-from mpt.doctor.verdict import pct
+from mpt.doctor.verdict import label, pct
 from mpt.fp8 import FP8Math, FP8State
 from mpt.ranks import to_device
 
@@ -237,16 +237,10 @@ def recipe_rows(patient: Patient, device, names, labels: dict) -> dict:
             r["roles"]["weight-gradient product"] = "unquantised operands (high precision)"
         r["blocks"] = _block_summary(acc)
         r["block_scaled"] = recipe.block_scaled
-        r["verdict"] = _verdict(name, r, {**labels, **{m: _label(model, m) for m in r["modules"]}})
+        types = {n or "root": type(m).__name__ for n, m in model.named_modules()}  # FP8State's layer names
+        r["verdict"] = _verdict(name, r, {**labels, **{m: label(m, types) for m in r["modules"]}})
         out[name] = r
     return out
-
-
-def _label(model, layer: str) -> str:
-    try:
-        return f"{layer} ({type(model.get_submodule('' if layer == 'root' else layer)).__name__})"
-    except AttributeError:
-        return layer
 
 
 def _describe(f) -> str:
