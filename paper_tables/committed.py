@@ -1,0 +1,243 @@
+"""Results committed beside the experiments, and the README tables made from them.
+
+A results file (experiments/<name>/results/<name>.jsonl) holds one JSON line per run: what the run was
+(experiment, model, the table's precision column, impl, loss scale, TF32, the grid keys that set its cell,
+seed, profile, data), what it gave (status, primary metric and every metric, steps, skipped steps, wall
+time), where (the machine) and how (the command or grid that made it, the code version and torch from the
+run's env.json). `python -m paper_tables export` writes one from run directories; nothing else writes them.
+
+A README shows such a file as a table between two markers:
+
+    <!-- paper_tables: results/demo.jsonl -->
+    (generated)
+    <!-- /paper_tables -->
+
+the path relative to the Markdown file. `python -m paper_tables readme` rewrites every block from its file
+(mean ± sample std over seeds, the per-seed values, Δ against the model's FP32 with the 2-standard-error
+test: paper_tables.tables.Cell), and tests/test_paper_tables_readme.py fails when a committed block differs
+from what its file gives."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+import re
+import shlex
+
+from mpt.errors import UserError
+from mpt.rundir import atomic_write_bytes
+from paper_tables import results, specs, tables
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+# The Markdown files `readme` looks through when it is given none.
+DOC_GLOBS = ("README.md", "docs/*.md", "experiments/*/README.md", "paper_tables/README.md")
+# `metric=NAME` picks a metric other than the runs' primary one (translation: bleu beside perplexity).
+BLOCK = re.compile(r"(<!-- paper_tables: (?P<src>[^\s>]+)(?: metric=(?P<metric>\w+))? -->\n)(?P<body>.*?)"
+                   r"(<!-- /paper_tables -->)", re.S)
+HIGHER_IS_BETTER = ("top1", "top5", "mAP", "map", "bleu")  # for a metric that is not the runs' primary one
+# Overrides a grid gives every cell that say where and how a run logs, not what it computes.
+NOT_THE_CELL = ("out_dir", "wandb.", "train.progress", "profile", "model", "precision", "seed")
+
+
+# ----------------------------------------------------------------------------- export
+def _submissions(exp_dir: pathlib.Path) -> dict:
+    """run name -> (command, grid, the cell's overrides) from slurm.submit's submissions.jsonl."""
+    out = {}
+    path = exp_dir / "submissions.jsonl"
+    if not path.is_file():
+        return out
+    for raw in path.read_text(encoding="utf-8").splitlines():
+        try:
+            sub = json.loads(raw)
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(sub, dict):
+            continue
+        cmd = shlex.join(["python", "-m", "slurm.submit", *map(str, sub.get("argv") or [])])
+        for cell in sub.get("cells") or []:
+            keys = [o for o in cell.get("overrides") or [] if not o.split("=")[0].startswith(NOT_THE_CELL)]
+            out[cell.get("run_name")] = (cmd, sub.get("grid"), sorted(set(keys)))
+    return out
+
+
+def record(r: results.RunResult, machine: str | None, subs: dict) -> dict:
+    """One run as a results line (the keys in the module docstring)."""
+    summary = json.loads((r.run_dir / "summary.json").read_text(encoding="utf-8")) if r.run_dir else {}
+    cmd, grid, keys = subs.get(r.name, (None, None, []))
+    env = r.env
+    return {
+        "experiment": r.experiment, "model": r.model, "precision": r.precision, "impl": r.impl,
+        "loss_scale": r.loss_scale, "tf32": r.tf32, "config": keys, "seed": r.seed, "profile": r.profile,
+        "data": r.data_name, "data_fingerprint": r.data, "status": r.status,
+        "primary_metric": summary.get("primary_metric"), "higher_is_better": summary.get("higher_is_better"),
+        "metrics": r.metrics, "step": r.step, "total_steps": r.total_steps, "skipped_steps": r.skipped_steps,
+        "wall_time_s": summary.get("wall_time_s"),
+        "machine": machine or env.get("device_name"), "device": env.get("device_name"),
+        "world_size": env.get("world_size"), "command": cmd,
+        "grid": grid, "run_name": r.name,
+        "code": {"git_commit": env.get("git_commit"), "git_dirty": env.get("git_dirty"), "torch": env.get("torch"),
+                 "date": env.get("date")},
+    }
+
+
+def export(runs_dir, out, *, experiment: str | None = None, machine: str | None = None) -> list[dict]:
+    """Every run under runs_dir (of `experiment`, if given) as a results file at `out`, one line per run
+    in a stable order; returns the lines. Runs paper_tables would skip are listed on the way."""
+    runs, problems = results.collect_dir(runs_dir)
+    runs = [r for r in runs if experiment is None or r.experiment == experiment]
+    if not runs:
+        raise UserError(f"--runs {runs_dir}: no run" + (f" of experiment {experiment}" if experiment else "")
+                        + " to export; pass the folder that holds <experiment>/<run>/summary.json")
+    subs: dict = {}
+    for exp_dir in {r.run_dir.parent for r in runs if r.run_dir is not None}:
+        subs.update(_submissions(exp_dir))
+    lines = sorted((record(r, machine, subs) for r in runs),
+                   key=lambda d: (d["experiment"], d["model"], d["precision"], str(d["config"]), repr(d["seed"])))
+    out = pathlib.Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(out, "".join(json.dumps(d, sort_keys=True) + "\n" for d in lines).encode())
+    for p in problems:
+        print(f"  skipped: {p}")
+    return lines
+
+
+# ----------------------------------------------------------------------------- read back
+def load(path) -> list[dict]:
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: no such results file; write it with `python -m paper_tables export --runs RUNS "
+                        f"--out {path}`")
+    out = []
+    for n, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        try:
+            d = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path}:{n}: not JSON ({e.msg}); re-export the file") from None
+        missing = [k for k in ("experiment", "model", "precision", "seed", "status", "metrics") if k not in d]
+        if missing:
+            raise UserError(f"{path}:{n}: missing {', '.join(missing)}; re-export the file")
+        out.append(d)
+    return out
+
+
+# ----------------------------------------------------------------------------- one table
+@dataclasses.dataclass
+class Row:
+    model: str
+    column: str  # the precision column, with the cell's other keys
+    variant: tuple
+    cell: tables.Cell
+    seeds: list = dataclasses.field(default_factory=list)  # (seed, value or status)
+    skipped: list = dataclasses.field(default_factory=list)
+    wall: list = dataclasses.field(default_factory=list)
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _spec(experiment: str) -> specs.TableSpec | None:
+    return next((s for s in specs.TABLES if s.experiment == experiment), None)
+
+
+def _column(d: dict) -> str:
+    # The column names what changes the computation; the data, the sampling and the recorded fields
+    # (impl, loss scale) are said elsewhere.
+    keys = [k for k in d.get("config") or [] if not k.startswith(("task.data_root", "numerics.", "impl=", "loss_scale="))]
+    scale = d.get("loss_scale")
+    return " ".join([d["precision"], *([f"S={scale}"] if scale not in (None, 1) else []),
+                     *([f"impl={d['impl']}"] if d.get("impl") == "paper" and d["precision"] != "fp32" else []),
+                     *keys])
+
+
+def rows_of(lines: list[dict], metric: str | None = None) -> tuple[list[Row], str, bool, int]:
+    """Rows (model, column) in the paper tables' order with their cells of `metric` (default: the runs'
+    primary metric); the metric; higher is better; decimals."""
+    primary = next((d["primary_metric"] for d in lines if d.get("primary_metric")), None)
+    spec = _spec(lines[0]["experiment"]) if lines else None
+    primary = primary or (spec.metric[0] if spec else "loss")
+    metric = metric or primary
+    hib = next((d["higher_is_better"] for d in lines if d.get("higher_is_better") is not None),
+               spec.higher_is_better if spec else False) if metric == primary else metric in HIGHER_IS_BETTER
+    decimals = spec.decimals if spec else 2
+    by: dict = {}
+    for d in sorted(lines, key=lambda d: repr(d["seed"])):
+        key = (d["model"], _column(d))
+        variant = (d["precision"], d.get("impl"), d.get("loss_scale"), bool(d.get("tf32")))
+        row = by.setdefault(key, Row(d["model"], key[1], variant, tables.Cell(decimals, comparable=False)))
+        value = d["metrics"].get(metric) if isinstance(d["metrics"], dict) else None
+        if d["status"] == "completed" and _finite(value):
+            row.cell.values.append(float(value))
+            row.seeds.append((d["seed"], f"{value:.{decimals}f}"))
+        else:
+            row.cell.others["no_metric" if d["status"] == "completed" else d["status"]] += 1
+            row.seeds.append((d["seed"], d["status"]))
+        row.skipped.append(d.get("skipped_steps") or 0)
+        if _finite(d.get("wall_time_s")):
+            row.wall.append(d["wall_time_s"])
+    rows = sorted(by.values(), key=lambda r: (r.model, tables.variant_key(r.variant), r.column))
+    for r in rows:  # Δ against the same model's FP32 (tables.Cell.vs_ref_text)
+        ref = next((x for x in rows if x.model == r.model and x.variant[0] == "fp32" and not x.variant[3]), None)
+        if ref is not None and ref is not r:
+            r.cell.ref = ref.cell
+    return rows, metric, hib, decimals
+
+
+def to_markdown(lines: list[dict], link: str, metric: str | None = None) -> str:
+    """The table of one results file, and the line that says where it comes from (no commit or date:
+    those are in the file)."""
+    if not lines:
+        return f"[{link}]({link}) holds no runs.\n"
+    rows, metric, hib, _ = rows_of(lines, metric)
+    out = [f"| model | precision | {metric} ({'higher' if hib else 'lower'} is better) | per seed | Δ vs FP32 "
+           "| skipped steps | wall s per run |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        delta = r.cell.diff_text() if r.cell.ref is not None else ""
+        per_seed = ", ".join(f"{s}: {v}" for s, v in r.seeds)
+        wall = f"{sum(r.wall) / len(r.wall):.0f}" if r.wall else "—"
+        out.append(f"| {r.model} | {r.column} | {r.cell.ours_text()} | {per_seed} | {delta} | "
+                   f"{', '.join(map(str, r.skipped))} | {wall} |")
+    profiles = sorted({str(d.get("profile")) for d in lines})
+    machines = sorted({str(d.get("machine")) for d in lines})
+    data = sorted({str(d.get("data")) for d in lines if d.get("data")})
+    commands = sorted({str(d["command"]) for d in lines if d.get("command")})
+    out += ["", f"Generated by `python -m paper_tables readme` from [{link}]({link}) ({len(lines)} runs; profile "
+            f"{', '.join(profiles)}; data {', '.join(data) or 'not recorded'}; machine {', '.join(machines)}; "
+            "mean ± sample std over seeds, Δ with the 2-standard-error test; the code version of each run is "
+            "in the file). " + ("Made by " + "; ".join(f"`{c}`" for c in commands) + "." if commands else
+                                     "The command that made them is not recorded.")]
+    return "\n".join(out) + "\n"
+
+
+# ----------------------------------------------------------------------------- README blocks
+def render(text: str, base: pathlib.Path) -> str:
+    """text with every paper_tables block regenerated from its results file (a path relative to base)."""
+    def one(m: re.Match) -> str:
+        src = m.group("src")
+        return m.group(1) + to_markdown(load(base / src), src, m.group("metric")) + m.group(5)
+    return BLOCK.sub(one, text)
+
+
+def doc_files(root: pathlib.Path = REPO) -> list[pathlib.Path]:
+    """The Markdown files that hold a block."""
+    paths = sorted({p for g in DOC_GLOBS for p in root.glob(g)})
+    return [p for p in paths if BLOCK.search(p.read_text(encoding="utf-8"))]
+
+
+def stale(paths: list[pathlib.Path]) -> list[pathlib.Path]:
+    return [p for p in paths if render(t := p.read_text(encoding="utf-8"), p.parent) != t]
+
+
+def rewrite(paths: list[pathlib.Path]) -> list[pathlib.Path]:
+    """Regenerate the blocks of each file; returns the files that changed."""
+    changed = []
+    for p in paths:
+        text = p.read_text(encoding="utf-8")
+        new = render(text, p.parent)
+        if new != text:
+            atomic_write_bytes(p, new.encode("utf-8"))
+            changed.append(p)
+    return changed
+
+

@@ -1,0 +1,83 @@
+"""Committed results files and the README tables generated from them (paper_tables/committed.py): every
+committed block is what its file gives, an export keeps what a table needs, a block is rewritten from its
+file, and a stale one is found."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_paper_tables import write_run
+
+from mpt.errors import UserError
+from paper_tables import __main__ as cli_main
+from paper_tables import committed
+
+TOP1 = {"fp32": [70.0, 72.0, 74.0], "mixed": [71.0, 73.0, 75.0]}
+
+
+def test_committed_readme_blocks_are_current():
+    """Every paper_tables block of the repository's Markdown equals what its results file gives: edit the
+    file (python -m paper_tables export), then run `python -m paper_tables readme`."""
+    files = committed.doc_files()
+    assert files, "no README holds a paper_tables block"
+    assert committed.stale(files) == [], "run `python -m paper_tables readme`"
+
+
+@pytest.fixture
+def exported(tmp_path):
+    for precision, values in TOP1.items():
+        for seed, v in enumerate(values):
+            write_run(tmp_path / "runs", "ilsvrc_cnns", "resnet50_preact", precision, seed, profile="tiny",
+                      metrics={"top1": v, "top5": 99.0})
+    write_run(tmp_path / "runs", "ilsvrc_cnns", "alexnet", "fp32", 0, profile="tiny", status="diverged")
+    out = tmp_path / "exp" / "results" / "demo.jsonl"
+    assert cli_main.main(["export", "--runs", str(tmp_path / "runs"), "--out", str(out), "--machine", "Test CPU"]) == 0
+    return out
+
+
+def test_export_writes_one_line_per_run_with_what_a_table_needs(exported):
+    lines = [json.loads(x) for x in exported.read_text().splitlines()]
+    assert len(lines) == 7
+    mixed0 = next(d for d in lines if d["precision"] == "mixed" and d["seed"] == 0)
+    assert mixed0["metrics"]["top1"] == 71.0 and mixed0["status"] == "completed"
+    assert mixed0["machine"] == "Test CPU" and mixed0["code"]["git_commit"] == "0123456789abcdef"
+    assert mixed0["loss_scale"] == "dynamic" and mixed0["profile"] == "tiny" and mixed0["wall_time_s"] == 1.0
+    assert {d["status"] for d in lines} == {"completed", "diverged"}
+
+
+def test_readme_block_is_rewritten_from_its_file_and_a_stale_one_is_found(exported):
+    readme = exported.parent.parent / "README.md"
+    readme.write_text("# x\n\ntyped text stays\n\n<!-- paper_tables: results/demo.jsonl -->\nold numbers\n"
+                      "<!-- /paper_tables -->\n\nafter\n")
+    assert committed.stale([readme]) == [readme]
+    assert cli_main.main(["readme", "--check", str(readme)]) == 1
+    assert cli_main.main(["readme", str(readme)]) == 0
+    text = readme.read_text()
+    assert "old numbers" not in text and text.startswith("# x\n\ntyped text stays\n") and text.endswith("\n\nafter\n")
+    assert committed.stale([readme]) == [] and cli_main.main(["readme", "--check", str(readme)]) == 0
+    row = {line.split(" | ")[1]: line for line in text.splitlines() if line.startswith("| resnet50_preact")}
+    # mean ± sample std over seeds 0-2, each seed's value, and Δ against FP32 (+1.00, well inside 2 SE)
+    assert "72.00 ± 2.00 (n=3)" in row["fp32"] and "0: 70.00, 1: 72.00, 2: 74.00" in row["fp32"]
+    assert "73.00 ± 2.00 (n=3)" in row["mixed S=dynamic"] and "+1.00 vs FP32 (within seed noise)" in row["mixed S=dynamic"]
+    assert "| alexnet | fp32 | diverged | 0: diverged |" in text
+    assert "Test CPU" in text and "0123456789abcdef" not in text  # the commit stays in the file
+
+
+def test_another_metric_and_a_changed_file(exported):
+    readme = exported.parent.parent / "README.md"
+    readme.write_text("<!-- paper_tables: results/demo.jsonl metric=top5 -->\n<!-- /paper_tables -->\n")
+    committed.rewrite([readme])
+    assert "top5 (higher is better)" in readme.read_text() and "99.00 ± 0.00 (n=3)" in readme.read_text()
+    lines = exported.read_text().splitlines()
+    exported.write_text("\n".join(lines[:-1]) + "\n")  # a run fewer: the block no longer matches
+    assert committed.stale([readme]) == [readme]
+
+
+def test_bad_input_is_one_line(tmp_path, capsys):
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- paper_tables: results/none.jsonl -->\n<!-- /paper_tables -->\n")
+    with pytest.raises(UserError, match="no such results file"):
+        committed.rewrite([readme])
+    with pytest.raises(SystemExit) as e:
+        cli_main.main(["export", "--runs", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x.jsonl")])
+    assert e.value.code == 2 and "--runs" in capsys.readouterr().err
