@@ -14,7 +14,11 @@ its Task.train_step is the step's body, gets a StepContext, a view of the TrainS
 ctx.step(name) per optimizer. The loop calls the step; the step calls the update, the update the recipe,
 the recipe the optimizer.
 Observers (numerics sampling, a memory probe) hook in around each optimizer update instead of living
-inside it. EvalContext is what Task.evaluate sees.
+inside it. The activation-memory meter is an argument of the call, not an Observer: it must wrap exactly
+micro-batch 0's forward and backward in the default body (later micro-batches reuse freed storage), every
+autocast region of a task's own body but not its ctx.backward (whose loss-scale multiply saves the scale),
+and force an eager pass under CUDA graphs -- scopes no hook around an update gives.
+EvalContext is what Task.evaluate sees.
 
 Names: an *iteration* is one TrainStep call (all micro-batches, every optimizer, one scale update);
 an *update* is one optimizer's unscale/skip/clip/step/schedule."""
