@@ -359,6 +359,7 @@ def env_info(device, world_size: int = 1, cfg=None) -> dict:
         "cudnn": torch.backends.cudnn.version() if cuda else None,
         "device_name": (torch.cuda.get_device_name(device) if cuda
                         else f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"),
+        "cpu": f"{cpu_model()}, {os.cpu_count()} cores",  # the host's CPU by name: CPU timings differ 2-3x by model
         **precision.backend_flags(),
         "hostname": socket.gethostname(),
         "world_size": world_size,
@@ -366,6 +367,17 @@ def env_info(device, world_size: int = 1, cfg=None) -> dict:
         "half_math": half_math_info(device),
         **({"half_math_used": precision.half_math_used(cfg, device)} if cfg is not None else {}),
     }
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo's, as lscpu shows it), else what platform knows."""
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
 
 
 def sampled_digest(path, chunk: int = 1 << 20) -> str:

@@ -73,7 +73,9 @@ def record(r: results.RunResult, machine: str | None, subs: dict) -> dict:
         "primary_metric": summary.get("primary_metric"), "higher_is_better": summary.get("higher_is_better"),
         "metrics": r.metrics, "step": r.step, "total_steps": r.total_steps, "skipped_steps": r.skipped_steps,
         "wall_time_s": summary.get("wall_time_s"),
-        "machine": machine or env.get("device_name"), "device": env.get("device_name"),
+        # The machine: --machine, else the GPU's name or the CPU's model (env.json's "cpu", newer runs).
+        "machine": machine or (env.get("device_name") if env.get("cuda") else env.get("cpu")) or env.get("device_name"),
+        "device": env.get("device_name"),
         "world_size": env.get("world_size"), "command": cmd,
         "grid": grid, "run_name": r.name,
         "code": {"git_commit": env.get("git_commit"), "git_dirty": env.get("git_dirty"), "torch": env.get("torch"),

@@ -24,7 +24,6 @@ import gc
 import math
 import os
 import pathlib
-import platform
 import re
 import shlex
 import sys
@@ -32,19 +31,10 @@ import time
 
 import torch
 
+from mpt.rundir import cpu_model
+
 SCHEMA = "speed_memory_loader/1"
 OUT = "experiments/speed_memory/results"
-
-
-def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo's, as lscpu shows it), else what platform knows."""
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown CPU"
 
 
 def slug(text: str) -> str:
