@@ -244,3 +244,48 @@ def test_bad_arguments_are_one_line_errors():
         watch(lambda x: x)
     with pytest.raises(UserError, match="give the dict passed to torch.save"):
         watch(nn.Linear(1, 1), scaler=torch.amp.GradScaler("cpu")).check_checkpoint([1])
+
+
+def test_module_sample_stacked_records_equal_each_tensors_min_and_max(monkeypatch):
+    """The module-level sample stacks its records FOLD at a time and puts one hook on each gradient however many
+    modules record it: each record still holds the min and max of its own tensor, as one hook per record taking
+    the tensor's min and max on its own sees it (an in-place ReLU included: the Linear's output before it)."""
+    from mpt.doctor import module_sample
+    from mpt.doctor.trace import module_labels
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+    labels = module_labels(model)
+    x = torch.randn(5, 4)
+    ref: dict = {}  # (module, phase, what) -> min and max, taken tensor by tensor
+
+    def keep(key, t):
+        ref.setdefault(key, []).append(torch.aminmax(t.detach()))
+
+    def fwd(mod, args, out):
+        label = labels[mod]
+        for what, t in [("input", a) for a in args if not getattr(mod, "inplace", False)] + [("output", out)]:
+            keep((label, "forward", what), t)
+            if t.requires_grad and not (what == "input" and t.is_leaf):
+                t.register_hook(lambda g, k=(label, "backward", f"{what} gradient"): keep(k, g))
+
+    for m in model:
+        m.register_forward_hook(fwd)
+        for p in m.parameters():
+            p.register_hook(lambda g, k=(labels[m], "backward", "weight gradient"): keep(k, g))
+    monkeypatch.setattr(module_sample, "FOLD", 3)  # several stacks and a remainder
+    w = watch(model)
+    rec = module_sample.ModuleSample(w._plan)
+    model(x.requires_grad_()).square().sum().backward()
+    rec.close()
+    assert len(rec.values) > 2
+    got = torch.cat(rec.values).view(-1, 2)
+    assert len(got) == len(rec.names) >= 20
+    seen: dict = {}
+    for name, (lo, hi) in zip(rec.names, got):
+        i = seen[name] = seen.get(name, -1) + 1  # the i-th record of that name: its i-th tensor
+        want = ref[name][i]
+        assert (lo.item(), hi.item()) == (want.min.item(), want.max.item()), name
+    # Every tensor the reference hooks saw is recorded, the inputs of modules after the first once (as the
+    # output of the module before).
+    assert {k for k in ref if k[2] != "input"} <= set(seen)

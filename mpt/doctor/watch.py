@@ -153,16 +153,20 @@ class Watch:
         trace = self._chase or self.step_count % self.trace_every == 0
         if not (trace or self.step_count % self.every == 0):
             return
+        self._weights = []
+        if not trace:  # (the weights taken as the step's forward begins)
+            self._rec = ModuleSample(self._plan, on_start=self._take_weights)
+            return
+        self._take_weights()
+        # Tracing: every operation, attributed to the innermost running module (forward and backward).
+        self._rec = Trace(self.model, self._names)
+        self._rec.__enter__()
+
+    def _take_weights(self) -> None:
         # The weights as the step starts: a value made non-finite by an earlier, unsampled step is not
         # blamed on the first operation that reads it.
         # (their min and max: no copy of the weights is made)
         self._weights = [(label, torch.aminmax(p.detach())) for label, p in self._params]
-        if not trace:
-            self._rec = ModuleSample(self._plan)
-            return
-        # Tracing: every operation, attributed to the innermost running module (forward and backward).
-        self._rec = Trace(self.model, self._names)
-        self._rec.__enter__()
 
     def _stop(self) -> None:
         if isinstance(self._rec, Trace):
@@ -205,8 +209,9 @@ class Watch:
         # max |x| of each record from its min and max, on the device (nan wins), then one host transfer.
         dev = (rec.values or [pair[0] for _, pair in self._weights] or [torch.zeros(())])[0].device
         f32 = torch.float32
-        mm = torch.stack([v if v.dtype == f32 and v.device == dev else v.to(dev, f32) for v in rec.values]
-                         ).view(-1, 2) if rec.values else None
+        # (a module-level sample's values come stacked, FOLD records a tensor; a trace's one by one)
+        mm = torch.cat([(v if v.dtype == f32 and v.device == dev else v.to(dev, f32)).reshape(-1)
+                        for v in rec.values]).view(-1, 2) if rec.values else None
         wm = torch.stack([v.to(dev, f32) for _, pair in self._weights for v in pair]).view(-1, 2) \
             if self._weights else None
         parts = [torch.maximum(-wm[:, 0], wm[:, 1]) if wm is not None else None,
