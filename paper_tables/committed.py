@@ -210,7 +210,7 @@ def table(lines: list[dict], metric: str | None = None) -> tuple[list[str], bool
     # Two columns only where the lines have them: Δ against the preset (fmt.* switches), the gradients' SQNR.
     presets, sqnr = any(r.vs_preset for r in rows), any(r.sqnr for r in rows)
     head = ["model", "precision", f"{metric} ({'higher' if hib else 'lower'} is better)", "per seed", "Δ vs FP32",
-            *(["Δ vs preset"] if presets else []), *(["grad SQNR dB"] if sqnr else []), "skipped steps",
+            *(["Δ vs preset"] if presets else []), *(["grad SQNR dB (seeds' range)"] if sqnr else []), "skipped steps",
             "wall s per run"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -218,10 +218,17 @@ def table(lines: list[dict], metric: str | None = None) -> tuple[list[str], bool
         per_seed = ", ".join(f"{s}: {v}" for s, v in r.seeds)
         wall = f"{sum(r.wall) / len(r.wall):.0f}" if r.wall else "—"
         extra = ([r.vs_preset.diff_text() if r.vs_preset else ""] if presets else []) + \
-            ([f"{statistics.median(r.sqnr):.1f}" if r.sqnr else ""] if sqnr else [])
+            ([_sqnr_text(r.sqnr)] if sqnr else [])
         out.append("| " + " | ".join([r.model, r.column, r.cell.ours_text(), per_seed, delta, *extra,
                                       ", ".join(map(str, r.skipped)), wall]) + " |")
     return out, sqnr
+
+
+def _sqnr_text(dbs: list) -> str:
+    """The median over seeds, and their range: how far apart two cells' SQNR must be to be more than seed noise."""
+    if not dbs:
+        return ""
+    return f"{statistics.median(dbs):.1f}" + (f" ({min(dbs):.1f}-{max(dbs):.1f})" if len(dbs) > 1 else "")
 
 
 SQNR_NOTE = ("grad SQNR: the gradients' SQNR against FP32 on the same weights and batch (numerics.sqnr_every), the "
