@@ -3,7 +3,12 @@ formats of its successors, beside FP32 and the paper's own mixed precision. Each
 its own metric (the spec of its table in specs.TABLES); Δ is against the row's FP32 cell, within seed noise
 or not (tables.Cell.vs_ref_text), since the paper has no numbers for these formats. A cell whose runs
 measured how far their gradients are from FP32's (numerics.sqnr_every) also shows that SQNR, the formats'
-numerics apart from the metric."""
+numerics apart from the metric.
+
+Under it, a format recipe's switches (grid_switches.yaml): where runs flipped fmt.* keys of a preset
+("nvfp4 fmt.w.granularity=nvfp4_16"), each such model gets a table of its own -- FP32, the presets, and one
+row per recipe labelled by the keys that differ from its preset, with Δ against FP32 and against the preset
+and the SQNR -- the committed results' table (paper_tables.committed.table) of the same runs."""
 from __future__ import annotations
 
 import csv
@@ -14,7 +19,7 @@ import math
 import statistics
 
 from mpt import precisions
-from paper_tables import results, specs, tables
+from paper_tables import committed, results, specs, tables
 
 
 
@@ -32,15 +37,7 @@ COLUMNS = (("fp32", "FP32"), ("mp", "the paper's MP"),
            *((p.columns[0].name, _header(p.columns[0])) for p in precisions.TABLE if p.beyond_paper))
 
 
-SQNR_KEY = "numerics/sqnr/grad_median"  # per sampled step: the median over parameters (mpt.numerics.sqnr_summary)
-
-
-def run_sqnr(run, problems: list) -> float | None:
-    """A run's gradient SQNR against FP32 in dB: the median over its sampled steps (numerics.sqnr_every)
-    of each step's median over parameters; None when it measured none. FP32's own is infinite."""
-    vals = [v for line in run.lines(problems).numerics
-            if (v := results._num(line.get(SQNR_KEY))) is not None and not math.isnan(v)]
-    return statistics.median(vals) if vals else None
+SQNR_KEY, run_sqnr = results.SQNR_KEY, results.run_sqnr
 
 
 @dataclasses.dataclass
@@ -50,6 +47,7 @@ class BeyondTable:
     cells: dict  # (spec id, model, column id) -> tables.Cell
     n_runs: int
     sqnr: dict = dataclasses.field(default_factory=dict)  # (spec id, model, column id) -> [each run's SQNR]
+    switches: list = dataclasses.field(default_factory=list)  # (table spec, model, results lines: switches())
 
     def sqnr_db(self, key) -> float | None:
         """The cell's gradient SQNR: the median over its runs that measured one (run_sqnr)."""
@@ -77,7 +75,7 @@ def column_of(run, spec: specs.TableSpec) -> str | None:
 
 
 def build(runs: list, profile: str, problems: list) -> BeyondTable:
-    rows, cells, n, sqnr = [], {}, 0, {}
+    rows, cells, n, sqnr, switches = [], {}, 0, {}, []
     for spec in specs.TABLES:
         mine = [r for r in runs if r.experiment == spec.experiment and r.profile == profile]
         for row in spec.paper["rows"]:
@@ -96,7 +94,17 @@ def build(runs: list, profile: str, problems: list) -> BeyondTable:
                 db = run_sqnr(r, problems)
                 if db is not None:
                     sqnr.setdefault(key, []).append(db)
-    return BeyondTable(profile, rows, cells, n, sqnr)
+        for model in sorted({r.model for r in mine if " fmt." in r.precision}):
+            switches.append((spec, model, [committed.record(r, None, {}) for r in mine
+                                           if r.model == model and _in_switches(r)]))
+    return BeyondTable(profile, rows, cells, n, sqnr, switches)
+
+
+def _in_switches(run) -> bool:
+    """A run of a model's switches table: FP32 (no TF32), or a simulated format's preset or switched recipe."""
+    prec = run.precision.split()[0]  # the column: fp8_delayed, nvfp4_all (fp8.ends=fp8), ...
+    return (prec == "fp32" and not run.tf32) or prec.removesuffix("_all") in precisions.GROUPS["formats"] \
+        or prec.startswith("fp8_")
 
 
 def _metric(spec) -> str:
@@ -130,6 +138,12 @@ def to_markdown(t: BeyondTable) -> str:
             line += [_ours(t, key)] if c == "fp32" else [_ours(t, key), t.cells[key].diff_text()]
         out.append("| " + " | ".join(tables._md(x) for x in line) + " |")
     out += ["", f"{t.n_runs} run(s) behind this table.", ""]
+    for spec, model, lines in t.switches:
+        body, sqnr = committed.table(lines)
+        out += [f"## {model}: a format recipe's switches, one at a time", "",
+                f"{spec.experiment}, {model}: FP32, the presets, and each preset with the fmt.* keys of its column "
+                "flipped (grid_switches.yaml); Δ vs preset: against the column without those keys"
+                + (f"; {committed.SQNR_NOTE}" if sqnr else "") + ".", "", *body, ""]
     return "\n".join(out)
 
 
@@ -162,5 +176,9 @@ def to_html(t: BeyondTable) -> str:
             out.append(f'<td class="ours {e(cell.status)}">{e(_ours(t, (spec.id, model, c)))}</td>'
                        + ("" if c == "fp32" else f"<td>{e(cell.diff_text())}</td>"))
         out.append("</tr>")
-    out.append("</table></section>")
+    out.append("</table>")
+    for _, model, lines in t.switches:  # the Markdown table as preformatted text: one renderer for both
+        out.append(f"<h4>{e(model)}: a format recipe's switches, one at a time</h4>"
+                   f"<pre>{e(chr(10).join(committed.table(lines)[0]))}</pre>")
+    out.append("</section>")
     return "\n".join(out)

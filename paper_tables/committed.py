@@ -3,8 +3,9 @@
 A results file (experiments/<name>/results/<name>.jsonl) holds one JSON line per run: what the run was
 (experiment, model, the table's precision column, impl, loss scale, TF32, the grid keys that set its cell,
 seed, profile, data), what it gave (status, primary metric and every metric, steps, skipped steps, wall
-time), where (the machine) and how (the command or grid that made it, the code version and torch from the
-run's env.json). `python -m paper_tables export` writes one from run directories; nothing else writes them.
+time, the gradients' SQNR against FP32 where the run sampled it), where (the machine) and how (the command
+or grid that made it, the code version and torch from the run's env.json). `python -m paper_tables export`
+writes one from run directories; nothing else writes them.
 
 A README shows such a file as a table between two markers:
 
@@ -14,7 +15,8 @@ A README shows such a file as a table between two markers:
 
 the path relative to the Markdown file. `python -m paper_tables readme` rewrites every block from its file
 (mean ± sample std over seeds, the per-seed values, Δ against the model's FP32 with the 2-standard-error
-test: paper_tables.tables.Cell), and tests/test_paper_tables_readme.py fails when a committed block differs
+test: paper_tables.tables.Cell; a recipe with fmt.* switches flipped also against its preset, and the
+SQNR where the runs measured it), and tests/test_paper_tables_readme.py fails when a committed block differs
 from what its file gives."""
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import math
 import pathlib
 import re
 import shlex
+import statistics
 
 from mpt.errors import UserError
 from mpt.rundir import atomic_write_bytes
@@ -66,6 +69,7 @@ def record(r: results.RunResult, machine: str | None, subs: dict) -> dict:
     summary = json.loads((r.run_dir / "summary.json").read_text(encoding="utf-8")) if r.run_dir else {}
     cmd, grid, keys = subs.get(r.name, (None, None, []))
     env = r.env
+    sqnr = results.run_sqnr(r, [])  # an unreadable history is listed by export's collect_dir already
     return {
         "experiment": r.experiment, "model": r.model, "precision": r.precision, "impl": r.impl,
         "loss_scale": r.loss_scale, "tf32": r.tf32, "config": keys, "seed": r.seed, "profile": r.profile,
@@ -73,6 +77,8 @@ def record(r: results.RunResult, machine: str | None, subs: dict) -> dict:
         "primary_metric": summary.get("primary_metric"), "higher_is_better": summary.get("higher_is_better"),
         "metrics": r.metrics, "step": r.step, "total_steps": r.total_steps, "skipped_steps": r.skipped_steps,
         "wall_time_s": summary.get("wall_time_s"),
+        # The gradients' SQNR against FP32 in dB (numerics.sqnr_every; results.run_sqnr), None unmeasured.
+        "sqnr_db": None if sqnr is None or not math.isfinite(sqnr) else round(sqnr, 3),
         # The machine: --machine, else the GPU's name or the CPU's model (env.json's "cpu", newer runs).
         "machine": machine or (env.get("device_name") if env.get("cuda") else env.get("cpu")) or env.get("device_name"),
         "device": env.get("device_name"),
@@ -131,6 +137,8 @@ class Row:
     variant: tuple
     cell: tables.Cell
     seeds: list = dataclasses.field(default_factory=list)  # (seed, value or status)
+    sqnr: list = dataclasses.field(default_factory=list)  # each run's gradient SQNR in dB, where measured
+    vs_preset: tables.Cell | None = None  # a recipe with fmt.* switches: the same values against its preset's
     skipped: list = dataclasses.field(default_factory=list)
     wall: list = dataclasses.field(default_factory=list)
 
@@ -146,7 +154,9 @@ def _spec(experiment: str) -> specs.TableSpec | None:
 def _column(d: dict) -> str:
     # The column names what changes the computation; the data, the sampling and the recorded fields
     # (impl, loss scale) are said elsewhere.
-    keys = [k for k in d.get("config") or [] if not k.startswith(("task.data_root", "numerics.", "impl=", "loss_scale="))]
+    # fmt.* keys are in the precision column already (results.run_precision).
+    keys = [k for k in d.get("config") or [] if not k.startswith(("task.data_root", "numerics.", "impl=", "loss_scale="))
+            and k not in d["precision"].split()]
     scale = d.get("loss_scale")
     return " ".join([d["precision"], *([f"S={scale}"] if scale not in (None, 1) else []),
                      *([f"impl={d['impl']}"] if d.get("impl") == "paper" and d["precision"] != "fp32" else []),
@@ -178,12 +188,51 @@ def rows_of(lines: list[dict], metric: str | None = None) -> tuple[list[Row], st
         row.skipped.append(d.get("skipped_steps") or 0)
         if _finite(d.get("wall_time_s")):
             row.wall.append(d["wall_time_s"])
+        if _finite(d.get("sqnr_db")):
+            row.sqnr.append(d["sqnr_db"])
     rows = sorted(by.values(), key=lambda r: (r.model, tables.variant_key(r.variant), r.column))
     for r in rows:  # Δ against the same model's FP32 (tables.Cell.vs_ref_text)
         ref = next((x for x in rows if x.model == r.model and x.variant[0] == "fp32" and not x.variant[3]), None)
         if ref is not None and ref is not r:
             r.cell.ref = ref.cell
+        # A preset with switches flipped ("nvfp4 fmt.w.granularity=nvfp4_16") against the preset itself, the
+        # row whose column is this one without the fmt.* keys.
+        base = " ".join(w for w in r.column.split() if not w.startswith("fmt."))
+        preset = next((x for x in rows if x.model == r.model and x.column == base), None)
+        if base != r.column and preset is not None:
+            r.vs_preset = dataclasses.replace(r.cell, ref=preset.cell, ref_name=base.split()[0])
     return rows, metric, hib, decimals
+
+
+def table(lines: list[dict], metric: str | None = None) -> tuple[list[str], bool]:
+    """The Markdown table of results lines (one row per model and column), and whether it has an SQNR column."""
+    rows, metric, hib, _ = rows_of(lines, metric)
+    # Two columns only where the lines have them: Δ against the preset (fmt.* switches), the gradients' SQNR.
+    presets, sqnr = any(r.vs_preset for r in rows), any(r.sqnr for r in rows)
+    head = ["model", "precision", f"{metric} ({'higher' if hib else 'lower'} is better)", "per seed", "Δ vs FP32",
+            *(["Δ vs preset"] if presets else []), *(["grad SQNR dB (seeds' range)"] if sqnr else []), "skipped steps",
+            "wall s per run"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        delta = r.cell.diff_text() if r.cell.ref is not None else ""
+        per_seed = ", ".join(f"{s}: {v}" for s, v in r.seeds)
+        wall = f"{sum(r.wall) / len(r.wall):.0f}" if r.wall else "—"
+        extra = ([r.vs_preset.diff_text() if r.vs_preset else ""] if presets else []) + \
+            ([_sqnr_text(r.sqnr)] if sqnr else [])
+        out.append("| " + " | ".join([r.model, r.column, r.cell.ours_text(), per_seed, delta, *extra,
+                                      ", ".join(map(str, r.skipped)), wall]) + " |")
+    return out, sqnr
+
+
+def _sqnr_text(dbs: list) -> str:
+    """The median over seeds, and their range: how far apart two cells' SQNR must be to be more than seed noise."""
+    if not dbs:
+        return ""
+    return f"{statistics.median(dbs):.1f}" + (f" ({min(dbs):.1f}-{max(dbs):.1f})" if len(dbs) > 1 else "")
+
+
+SQNR_NOTE = ("grad SQNR: the gradients' SQNR against FP32 on the same weights and batch (numerics.sqnr_every), the "
+             "median over sampled steps of the median over parameters, its median over seeds")
 
 
 def to_markdown(lines: list[dict], link: str, metric: str | None = None) -> str:
@@ -191,24 +240,17 @@ def to_markdown(lines: list[dict], link: str, metric: str | None = None) -> str:
     those are in the file)."""
     if not lines:
         return f"[{link}]({link}) holds no runs.\n"
-    rows, metric, hib, _ = rows_of(lines, metric)
-    out = [f"| model | precision | {metric} ({'higher' if hib else 'lower'} is better) | per seed | Δ vs FP32 "
-           "| skipped steps | wall s per run |", "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        delta = r.cell.diff_text() if r.cell.ref is not None else ""
-        per_seed = ", ".join(f"{s}: {v}" for s, v in r.seeds)
-        wall = f"{sum(r.wall) / len(r.wall):.0f}" if r.wall else "—"
-        out.append(f"| {r.model} | {r.column} | {r.cell.ours_text()} | {per_seed} | {delta} | "
-                   f"{', '.join(map(str, r.skipped))} | {wall} |")
+    out, sqnr = table(lines, metric)
     profiles = sorted({str(d.get("profile")) for d in lines})
     machines = sorted({str(d.get("machine")) for d in lines})
     data = sorted({str(d.get("data")) for d in lines if d.get("data")})
     commands = sorted({str(d["command"]) for d in lines if d.get("command")})
     out += ["", f"Generated by `python -m paper_tables readme` from [{link}]({link}) ({len(lines)} runs; profile "
             f"{', '.join(profiles)}; data {', '.join(data) or 'not recorded'}; machine {', '.join(machines)}; "
-            "mean ± sample std over seeds, Δ with the 2-standard-error test; the code version of each run is "
-            "in the file). " + ("Made by " + "; ".join(f"`{c}`" for c in commands) + "." if commands else
-                                     "The command that made them is not recorded.")]
+            "mean ± sample std over seeds, Δ with the 2-standard-error test" + (f"; {SQNR_NOTE}" if sqnr else "")
+            + "; the code version of each run is in the file). "
+            + ("Made by " + "; ".join(f"`{c}`" for c in commands) + "." if commands else
+               "The command that made them is not recorded.")]
     return "\n".join(out) + "\n"
 
 

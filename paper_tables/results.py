@@ -15,6 +15,7 @@ import json
 import math
 import pathlib
 import re
+import statistics
 from typing import Callable
 
 import yaml
@@ -119,6 +120,17 @@ class RunResult:
 
     def problem(self, what: str) -> Problem:
         return Problem(self.where, what, self.experiment, self.profile)
+
+
+SQNR_KEY = "numerics/sqnr/grad_median"  # per sampled step: the median over parameters (mpt.numerics.sqnr_summary)
+
+
+def run_sqnr(run: RunResult, problems: list) -> float | None:
+    """A run's gradient SQNR against FP32 in dB: the median over its sampled steps (numerics.sqnr_every)
+    of each step's median over parameters; None when it measured none. FP32's own is infinite."""
+    vals = [v for line in run.lines(problems).numerics
+            if (v := _num(line.get(SQNR_KEY))) is not None and not math.isnan(v)]
+    return statistics.median(vals) if vals else None
 
 
 # ----------------------------------------------------------------------------- small parsers

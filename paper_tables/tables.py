@@ -48,6 +48,7 @@ class Cell:
     # In a non-paper profile the paper's number is not comparable; the row's FP32 cell is, and Δ then
     # says whether this precision agrees with FP32 within seed noise (Table 1's claim at any scale).
     ref: "Cell | None" = None
+    ref_name: str = "FP32"  # what ref is, in the Δ text: FP32, or the preset a recipe's switch is flipped from
 
     @property
     def n(self) -> int:
@@ -118,10 +119,10 @@ class Cell:
 
 
     def vs_ref_text(self) -> str:
-        """Ours minus the row's FP32 mean, and whether that is within seed noise: |Δ| <= 2 standard
-        errors of the difference (sqrt(s1²/n1 + s2²/n2)); with fewer than 2 seeds on a side, no test."""
+        """Ours minus the row's FP32 mean (or ref_name's), and whether that is within seed noise: |Δ| <= 2
+        standard errors of the difference (sqrt(s1²/n1 + s2²/n2)); with fewer than 2 seeds on a side, no test."""
         d = self.mean - self.ref.mean
-        text = f"{d:+.{self.decimals}f} vs FP32"
+        text = f"{d:+.{self.decimals}f} vs {self.ref_name}"
         if self.std is None or self.ref.std is None:
             return text + " (n<2: no test)"
         se = math.sqrt(self.std ** 2 / self.n + self.ref.std ** 2 / self.ref.n)

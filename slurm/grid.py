@@ -7,10 +7,14 @@ experiments/<name>/grid.yaml:
       model: [alexnet, resnet50_preact]
       precision: [fp32, mixed]   # or a group of the precision table: formats, block_scaled, no_master_copy
       seed: [0]
+    variants:                   # optional: cells that differ in several keys at once, each crossed with the axes
+      - {precision: fp32}       # (one switch flipped at a time from a preset); default: one empty variant
+      - {precision: nvfp4, fmt.w.granularity: nvfp4_16}
     overrides: []               # key=value applied to every cell
     profiles:                   # one per config profile (mpt.config): `profile=<name>` is set for you
       tiny:
         axes: {...}             # optional: replaces the top-level axes of the same name
+        variants: [...]         # optional: replaces the top-level variants
         overrides: [...]        # optional: more key=value for every cell of this profile
         resources: {gpus: 0, tasks: 1, threads: 1, hours: 0.01}
       paper:
@@ -39,8 +43,8 @@ import yaml
 
 from mpt.errors import UserError
 
-GRID_KEYS = {"experiment", "description", "axes", "overrides", "profiles"}
-PROFILE_KEYS = {"description", "axes", "overrides", "resources"}
+GRID_KEYS = {"experiment", "description", "axes", "variants", "overrides", "profiles"}
+PROFILE_KEYS = {"description", "axes", "variants", "overrides", "resources"}
 RESOURCE_KEYS = {"gpus", "tasks", "threads", "hours"}
 
 
@@ -123,6 +127,23 @@ def _check_axes(axes, where: str) -> dict[str, list]:
     return out
 
 
+def _check_variants(variants, axes: dict, where: str) -> list[dict]:
+    """A list of mappings config key -> scalar, none of them an axis (a key is set in one place)."""
+    if not isinstance(variants, list) or not variants:
+        raise UserError(f"{where} must be a non-empty list of mappings, e.g. [{{precision: fp32}}, {{precision: nvfp4}}]")
+    out = []
+    for v in variants:
+        if v is None:
+            v = {}
+        if not isinstance(v, dict) or any(isinstance(x, (dict, list)) for x in v.values()):
+            raise UserError(f"{where}: each variant maps config keys to scalars, got {v!r}")
+        both = sorted(set(map(str, v)) & set(axes))
+        if both:
+            raise UserError(f"{where}: {', '.join(both)} is an axis and a variant key; set it in one place")
+        out.append({str(k): x for k, x in v.items()})
+    return out
+
+
 def _check_overrides(ov, where: str) -> list[str]:
     if ov is None:
         return []
@@ -198,6 +219,9 @@ def load(path, profile: str, extra: list[str] = (), only: list[str] = ()) -> Gri
         from mpt.precisions import expand_groups
 
         axes["precision"] = expand_groups(axes["precision"])
+    variants = prof.get("variants", spec.get("variants"))
+    variants = [{}] if variants is None else _check_variants(
+        variants, axes, f"{where}.variants" if "variants" in prof else f"{path}: variants")
     fixed = (_check_overrides(spec.get("overrides"), f"{path}: overrides")
              + _check_overrides(prof.get("overrides"), f"{where}.overrides"))
     extra = _check_overrides(list(extra), "--set")
@@ -216,8 +240,9 @@ def load(path, profile: str, extra: list[str] = (), only: list[str] = ()) -> Gri
 
     keys = list(axes)
     seen: dict[str, Cell] = {}
-    for values in itertools.product(*(axes[k] for k in keys)):
-        point = dict(zip(keys, values))
+    # Variants outermost: a variant's cells (all its seeds) are submitted together.
+    for variant, values in itertools.product(variants, itertools.product(*(axes[k] for k in keys))):
+        point = {**variant, **dict(zip(keys, values))}
         if any(fmt_value(point[k]) not in wanted for k, wanted in filters.items() if k in point):
             # left out by an axis value: not resolved either (a model's data given by --set task.data_root
             # is not the other model's: DeepSpeech 2's English data for --only model=english)

@@ -81,3 +81,43 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         cli_main.main(["export", "--runs", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x.jsonl")])
     assert e.value.code == 2 and "--runs" in capsys.readouterr().err
+
+
+def test_a_switched_recipe_is_a_row_against_its_preset_with_its_sqnr(tmp_path):
+    """Runs of grid_switches.yaml: a preset with fmt.* keys flipped is a row of its own, labelled by those keys,
+    with Δ against FP32 and against the preset and the gradients' SQNR -- in the committed table and under
+    paper_tables' beyond-the-paper table."""
+    import yaml
+    from test_paper_tables import build
+
+    ppl = {"fp32": ([80.0, 82.0, 84.0], None), "nvfp4": ([90.0, 91.0, 92.0], 15.0),
+           "nvfp4 fmt.w.granularity=nvfp4_16": ([100.0, 101.0, 102.0], 12.0)}
+    for col, (values, db) in ppl.items():
+        precision, *keys = col.split()
+        for seed, v in enumerate(values):
+            d = write_run(tmp_path / "runs", "lm_biglstm", "biglstm", precision, seed, profile="tiny",
+                          metrics={"ppl": v}, name=f"{precision}-{len(keys)}-s{seed}",
+                          numerics=[{"numerics/sqnr/grad_median": db + seed + k} for k in (-1, 0, 1)] if db else ())
+            cfg = yaml.safe_load((d / "config.yaml").read_text())
+            cfg["fmt"] = {"w": {"granularity": "nvfp4_16"}} if keys else {}
+            (d / "config.yaml").write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "results" / "switches.jsonl"
+    assert cli_main.main(["export", "--runs", str(tmp_path / "runs"), "--out", str(out)]) == 0
+    lines = committed.load(out)
+    assert {d["precision"]: d["sqnr_db"] for d in lines} == {
+        "fp32": None, "nvfp4": 17.0, "nvfp4 fmt.w.granularity=nvfp4_16": 14.0}  # seed 2's: seed + the median step
+    text = committed.to_markdown(lines, "switches.jsonl")
+    assert "| Δ vs preset | grad SQNR dB (seeds' range) |" in text
+    row = next(x for x in text.splitlines() if "| nvfp4 fmt.w.granularity=nvfp4_16 " in x)
+    assert "+19.00 vs FP32 (DIFFERS: > 2 SE)" in row and "+10.00 vs nvfp4 (DIFFERS: > 2 SE)" in row
+    assert row.count("fmt.w.granularity") == 1 and "| 13.0 (12.0-14.0) |" in row
+    preset = next(x for x in text.splitlines() if x.startswith("| biglstm | nvfp4 |"))
+    assert "vs nvfp4" not in preset and "| 16.0 (15.0-17.0) |" in preset
+    # paper_tables' own output: the beyond table's nvfp4 cell holds the preset alone, the switches their table
+    _, _, rep = build(tmp_path / "runs")
+    b = next(s.beyond for s in rep.sections if s.profile == "tiny")
+    assert b.cells[("final_lm", "biglstm", "nvfp4")].values == [90.0, 91.0, 92.0]
+    assert [(m, len(ls)) for _, m, ls in b.switches] == [("biglstm", 9)]
+    from paper_tables import beyond
+
+    assert "+10.00 vs nvfp4 (DIFFERS: > 2 SE)" in beyond.to_markdown(b)

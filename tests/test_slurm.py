@@ -138,6 +138,45 @@ def test_bad_grid_files_are_one_line_errors(tmp_path, text, match):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("text,match", [
+    ("variants: {precision: fp32}\n", "non-empty list of mappings"),
+    ("variants: [{precision: [fp32, bf16]}]\n", "each variant maps config keys to scalars"),
+    ("variants: [{model: vgg16}]\n", "model is an axis and a variant key"),
+    ("variants: [{precision: fp32}, {precision: fp32}]\n", "same run"),
+    ("variants: [{precision: nvfp4, fmt.w.granularity: nosuch}]\n", "cell precision=nvfp4 fmt.w.granularity=nosuch"),
+])
+def test_bad_variants_are_one_line_errors(tmp_path, text, match):
+    path = write(tmp_path / "grid.yaml", "experiment: ilsvrc_cnns\naxes: {model: [alexnet]}\nprofiles: {tiny: {}}\n"
+                 + text)
+    with pytest.raises(UserError, match=match) as e:
+        G.load(path, "tiny")
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("experiment,profile", [("lm_biglstm", "tiny"), ("wmt_translation", "tiny"),
+                                                ("ilsvrc_cnns", "real")])
+def test_a_switch_grid_flips_one_key_of_a_preset_per_variant(tmp_path, experiment, profile):
+    """grid_switches.yaml: its variants crossed with the seeds, each variant's seeds together, every cell a
+    run of its own; a switched cell's recipe differs from the preset's in what its variant names alone."""
+    import dataclasses
+
+    from mpt import precisions
+
+    path = REPO / "experiments" / experiment / "grid_switches.yaml"
+    variants = __import__("yaml").safe_load(path.read_text())["variants"]
+    g = G.load(path, profile, [f"task.data_root={tmp_path}", f"out_dir={tmp_path}"])
+    assert len(g.cells) == len(variants) * 3 == len({c.cell_id for c in g.cells})
+    assert [c.axes["seed"] for c in g.cells[:3]] == ["0", "1", "2"]
+    preset = precisions.format_recipe(next(c for c in g.cells if c.axes["precision"] == "nvfp4").cfg)
+    for c in g.cells:
+        assert c.cfg.numerics.sqnr_every > 0
+        if c.axes["precision"] != "nvfp4" or len(c.axes) == 3:
+            continue
+        changed = {f.name for f in dataclasses.fields(preset)
+                   if getattr(precisions.format_recipe(c.cfg), f.name) != getattr(preset, f.name)}
+        assert changed == {k.split(".")[1] for k in c.axes if k.startswith("fmt.")}
+
+
 def test_every_config_yaml_refuses_a_repeated_key_but_keeps_merge_keys():
     """mpt.config_parse.safe_load reads experiments' config.yaml, overrides, grids and cluster profiles."""
     import yaml
