@@ -325,7 +325,7 @@ def test_unprepared_data_is_one_line(tmp_path, capsys):
 @pytest.mark.slow
 @needs_espeak
 def test_trained_cer_below_untrained(tmp_path_factory):
-    """Real learning: the tiny profile (360 steps) against the same network untrained, on unseen voices."""
+    """Real learning: the tiny profile (180 steps of 16) against the same network untrained, on unseen voices."""
     from data_prep.librispeech import prepare as prep
     from data_prep.librispeech.tiny import generate
     from experiments.deepspeech2 import main
@@ -336,15 +336,13 @@ def test_trained_cer_below_untrained(tmp_path_factory):
     out = tmp_path_factory.mktemp("ds2_trained")
     untrained = main(run_overrides("english", root, out, "train.max_steps=1", "optim.lr=0"))
     trained = main(run_overrides("english", root, out))
-    # Measured (experiments/deepspeech2/README.md "Measured"): the untrained network is at 94.9% CER on
-    # every machine measured (dev CTC loss 274.6 per utterance). Where the 360 steps end depends on the CPU's
-    # kernels (runs sit at 65-91% CER through steps 30-120; when they leave it is chaotic): this seed ended
-    # at 31.9% (first machine), 57.0% (AMD EPYC), 68.9-69.2% (Intel Xeon, AVX-512) and 55.8% (the same
-    # Xeon, ATEN_CPU_CAPABILITY=avx2); eight Xeon runs (seeds 0-4, and 0-2 on AVX2) at 44.8-69.2% CER, dev
-    # loss 30.9-48.4. 0.7 x untrained (66.5%) is not met on the Xeon; 0.8 x (76.0%) is met everywhere,
-    # 19 points under the untrained network, and the dev loss must fall below a quarter of its own.
+    # Measured (experiments/deepspeech2/README.md "How the tiny profile was chosen", Intel Xeon): the
+    # untrained network is at 97.2% CER (dev CTC loss 129.2 per utterance); seeds 0-2 end at 32.8, 34.8 and
+    # 42.0% (dev loss 26.2-32.3). Where a run ends moves with the CPU's kernels (the earlier profile's seed 0
+    # ended 25 points apart on two machines), so the bounds leave room: 0.6 x untrained CER (58%) is 16
+    # points above the worst seed measured, and the dev loss must fall below 0.35 x its own.
     m, m0 = trained["metrics"], untrained["metrics"]
-    assert m["cer"] < 0.8 * m0["cer"] and m["loss"] < 0.25 * m0["loss"], (m, m0)
+    assert m["cer"] < 0.6 * m0["cer"] and m["loss"] < 0.35 * m0["loss"], (m, m0)
 
 
 @pytest.mark.slow
