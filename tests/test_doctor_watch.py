@@ -289,3 +289,14 @@ def test_module_sample_stacked_records_equal_each_tensors_min_and_max(monkeypatc
     # Every tensor the reference hooks saw is recorded, the inputs of modules after the first once (as the
     # output of the module before).
     assert {k for k in ref if k[2] != "input"} <= set(seen)
+    # Each gradient measured once: the records of one gradient tensor (one hook, however many modules record
+    # it) are one group, next to each other, numbered by its first record (+ 1), with one min and max.
+    assert [g is None for g in rec.grads] == [phase == "forward" for _, phase, _ in rec.names]
+    groups: dict = {}
+    for j, g in enumerate(rec.grads):
+        if g is not None:
+            groups.setdefault(g, []).append(j)
+    for g, js in groups.items():
+        assert js == list(range(g - 1, g - 1 + len(js))), (g, js)
+        assert all(got[j].tolist() == got[js[0]].tolist() for j in js)
+    assert any(len(js) > 1 for js in groups.values())  # (the Linear's output, the Tanh's input)

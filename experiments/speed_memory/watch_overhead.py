@@ -2,6 +2,12 @@
 trained on one CPU thread by a hand-written FP32 loop over its first batches, with and without
 `watch(model, every=k)`, and with none again as the control (the machine's noise floor). One model for all
 three, blocks of `steps` steps rotated, paired within each round, median over rounds, as engine_overhead does.
+Beside that median, each step is timed on its own (thread CPU time): the cost of a sampled step, of a traced
+one and of one between samples is the median, over all such steps, of its time minus that of the plain step
+in the same place of the same round's plain block (paired: drift in the machine's speed cancels), and the
+overhead these imply at `every` (a sample every `every` steps, a trace every 10 x `every`) -- steadier than the
+blocks' median, where a block's one sampled step is lost in the noise of the other nine. The control block,
+paired the same way, gives that figure's noise floor.
 Prints the figures; the tiny data are generated and prepared on first use (under data=, default data/).
 
     OMP_NUM_THREADS=1 python -m experiments.speed_memory.watch_overhead [every=10] [rounds=7] [steps=10]
@@ -18,6 +24,7 @@ import torch
 
 from mpt.config_parse import parse_options
 from mpt.doctor.targets import load
+from mpt.doctor.trace import Trace
 from mpt.doctor.watch import watch
 from mpt.errors import UserError, cli
 
@@ -67,29 +74,53 @@ def measure(name: str, every: int, rounds: int, steps: int, data: pathlib.Path) 
         # This thread's CPU time: on a machine shared with other processes, the time spent waiting for a core
         # is left out of every loop alike (engine_overhead's clock=cpu).
         t = time.thread_time()
+        each = []  # (what the step is, its thread time)
         if watched:
             w.__enter__()
         for _ in range(steps):
+            # What this step is, known before it runs (the watch starts a step's sample at the step before)
+            kind = "plain" if not watched else "traced" if isinstance(w._rec, Trace) else \
+                "sampled" if w._rec is not None else "between"
+            s = time.thread_time()
             step(w if watched else None)
+            each.append((kind, time.thread_time() - s))
         if watched:
             w.__exit__(None, None, None)
-        return (time.thread_time() - t) / steps
+        return (time.thread_time() - t) / steps, each
 
     loops = [False, True, False]  # plain, watched, the control (plain again)
     for watched in loops:  # warm-up
         block(watched)
     times: dict = {i: [] for i in range(3)}
+    paired: dict = {"between": [], "sampled": [], "traced": [], "control": []}  # a step's time minus the plain one's
+    plain_steps = []
     for r in range(rounds):  # rotate the order so drift in machine load hits every loop alike
+        each = {}
         for i in [(r + j) % 3 for j in range(3)]:
-            times[i].append(block(loops[i]))
+            times[i].append((got := block(loops[i]))[0])
+            each[i] = got[1]
+        plain_steps += [t for _, t in each[0]]
+        for (kind, t), (_, p), (_, c) in zip(each[1], each[0], each[2]):
+            paired[kind].append(t - p)
+            paired["control"].append(c - p)
     plain_t, watched_t, ctl_t = times[0], times[1], times[2]
+    step_t = statistics.median(plain_steps)
+    cost = {k: statistics.median(v) if v else float("nan") for k, v in paired.items()}
+    trace_every = w.trace_every
+    implied = (cost["between"] * (1 - 1 / every) + cost["sampled"] * (1 / every - 1 / trace_every)
+               + cost["traced"] / trace_every)
     return {"model": patient.name, "every": every, "rounds": rounds, "steps": steps,
             "plain_ms": 1e3 * statistics.median(plain_t), "watched_ms": 1e3 * statistics.median(watched_t),
             "overhead_pct": 100 * (statistics.median(b / a for a, b in zip(plain_t, watched_t)) - 1),
             "control_pct": 100 * (statistics.median(b / a for a, b in zip(plain_t, ctl_t)) - 1),
             # All watched steps over all plain ones: the rare traced steps (every 10 x every) counted in.
             "overhead_mean_pct": 100 * (sum(watched_t) / sum(plain_t) - 1),
-            "watched_steps": w.step_count, "samples": w.samples, "traced": w.traced}
+            "watched_steps": w.step_count, "samples": w.samples, "traced": w.traced,
+            # Steps timed one by one: the median plain step, what each kind of watched step adds to it, and the
+            # overhead those imply at `every`.
+            "step_ms": 1e3 * step_t, "n": {k: len(v) for k, v in paired.items()},
+            **{f"{k}_cost_ms": 1e3 * cost[k] for k in ("between", "sampled", "traced")},
+            "implied_pct": 100 * implied / step_t, "control_step_ms": 1e3 * cost["control"]}
 
 
 def main(argv=None) -> list[dict]:
@@ -113,6 +144,14 @@ def main(argv=None) -> list[dict]:
               f"steps; control loop {r['control_pct']:+.1f}%; "
               f"{r['rounds']} rounds of {r['steps']} steps; of {r['watched_steps']} watched steps {r['samples']} "
               f"sampled, {r['traced']} of them traced)", flush=True)
+        n = r["n"]
+        print(f"  step by step, paired with the plain block's: plain {r['step_ms']:.1f} ms (median of {n['control']}); "
+              f"a sampled step adds "
+              f"{r['sampled_cost_ms']:+.1f} ms ({n['sampled']} steps), a traced one {r['traced_cost_ms']:+.1f} ms "
+              f"({n['traced']}), one between samples {r['between_cost_ms']:+.2f} ms ({n['between']}): "
+              f"{r['implied_pct']:+.1f}% a step at every={r['every']} (a trace every {10 * r['every']} steps; a control "
+              f"step {r['control_step_ms']:+.2f} ms)",
+              flush=True)
     return out
 
 

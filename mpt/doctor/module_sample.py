@@ -68,21 +68,17 @@ class ModuleSample:
         self._fold()
         self._handles, self._seen, self._hooked, self._last, self._open = [], {}, {}, None, False
 
-    def _add(self, name: tuple, mm) -> None:
-        self.names.append(name)
-        self._pending += mm
-        if len(self._pending) >= 2 * FOLD:
-            self._fold()
-
     def _fold(self) -> None:
         if self._pending:
             dev = self._pending[0].device  # (a model spread over devices: on the first one)
             self.values.append(torch.stack([v if v.device == dev else v.to(dev) for v in self._pending]))
             self._pending = []
 
-    def _fwd(self, names: dict, what: str, t: torch.Tensor, always: bool = False) -> None:
+    # The hooks below run ~500 times a sample: each record is a few list appends, its name made beforehand
+    # (_record_names), with no call per record beyond the min and max themselves.
+    def _fwd(self, name: tuple, t: torch.Tensor, always: bool = False) -> None:
         """Record a forward value's min and max, each value once (a module's input is its producer's output)."""
-        if not (t.is_floating_point() and t.numel()):
+        if not t.is_floating_point() or not t.numel():
             return
         key = (id(t), t._version)  # the version: an in-place change is a new value
         if not always:
@@ -90,9 +86,14 @@ class ModuleSample:
             if ref is not None and ref() is t:
                 return
         self._seen[key] = weakref.ref(t)
-        self.fp16 |= t.dtype in FP16
+        if t.dtype in FP16:
+            self.fp16 = True
         self.grads.append(None)
-        self._add(names[what], torch.aminmax(t.detach()))
+        self.names.append(name)
+        pending = self._pending
+        pending += torch.aminmax(t.detach())
+        if len(pending) >= 2 * FOLD:
+            self._fold()
 
     def _hook(self, name: tuple, t: torch.Tensor) -> None:
         """Record the gradient of `t` as `name` when backward makes it. The hooks of one tensor fire together, in
@@ -103,56 +104,63 @@ class ModuleSample:
             got[1].append(name)
             return
         records = [name]
-        t.register_hook(functools.partial(self._bwd_all, records))
+        t.register_hook(functools.partial(self._bwd, records))
         self._hooked[key] = (weakref.ref(t), records)
 
-    def _bwd_all(self, records: list, g: torch.Tensor) -> None:
-        for name in records:
-            self._bwd(name, g)
-
-    def _bwd(self, name: tuple, g: torch.Tensor) -> None:
-        """Record a gradient's min and max; the hooks of one tensor fire together: measured once, one group."""
+    def _bwd(self, records: list | tuple, g: torch.Tensor) -> None:
+        """Record a gradient's min and max under each of its records (one group: measured once). The hooks of one
+        tensor fire together, and a gradient passed on unchanged (a sum's) reaches the next hook as the same
+        tensor: measured once, one group with the records before it."""
         if not self._open or not g.is_floating_point() or not g.numel():
             return  # (a hook on an activation kept past its step: no handle is kept to remove it)
         last = self._last
         if last is not None and last[0] is g:
-            self.grads.append(last[2])
-            self._add(name, last[1])
-            return
-        mm = torch.aminmax(g.detach())
-        self.grads.append(len(self.names) + 1)
-        self._add(name, mm)
-        self._last = (g, mm, len(self.names))  # held, so that no other tensor takes its id meanwhile
+            mm, group = last[1], last[2]
+        else:
+            mm, group = tuple(torch.aminmax(g.detach())), len(self.names) + 1
+            self._last = (g, mm, group)  # held, so that no other tensor takes its id meanwhile
+        n = len(records)
+        self.names += records
+        self.grads += [group] * n
+        pending = self._pending
+        pending += mm * n
+        if len(pending) >= 2 * FOLD:
+            self._fold()
 
     def _start(self) -> None:
         self._started = True
         if self._on_start is not None:
             self._on_start()
         for name, p in self._weights:
-            self._handles.append(p.register_hook(functools.partial(self._bwd, name)))
+            self._handles.append(p.register_hook(functools.partial(self._bwd, (name,))))
 
     def _pre(self, mod, args) -> None:
         if not self._started:
             self._start()
         got = self._plan.get(mod)
         if got is not None and not got[1] and torch.is_grad_enabled():
+            name = got[0]["input"]
             for t in flat(args):
-                self._fwd(got[0], "input", t)
+                self._fwd(name, t)
 
     def _post(self, mod, args, out) -> None:
         got = self._plan.get(mod)
         if got is None or not torch.is_grad_enabled():
             return
         names, leaf, inplace = got
-        ins = [] if inplace else list(flat(args))
+        # (one tensor in, one out, the common case, without walking the arguments)
+        ins = () if inplace else args if len(args) == 1 and isinstance(args[0], torch.Tensor) else tuple(flat(args))
         if leaf:
+            name = names["input"]
             for t in ins:  # a leaf: its inputs are as they came in
-                self._fwd(names, "input", t)
+                self._fwd(name, t)
         # Hooks on activations go with them (no handle kept: removing ~1000 handles cost more than the hooks).
+        name, grad = names["output"], names["output gradient"]
         for t in (out,) if isinstance(out, torch.Tensor) else flat(out):
-            self._fwd(names, "output", t, always=inplace)
+            self._fwd(name, t, inplace)
             if t.requires_grad:
-                self._hook(names["output gradient"], t)
+                self._hook(grad, t)
+        grad = names["input gradient"]
         for t in ins:  # (an in-place module's input is its output)
             if t.requires_grad and not t.is_leaf:
-                self._hook(names["input gradient"], t)
+                self._hook(grad, t)
