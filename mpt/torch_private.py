@@ -40,12 +40,6 @@ def foreach_copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     torch._foreach_copy_(dst, src)
 
 
-def foreach_max_abs(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """max |t| of each tensor, 0-dim, in t's dtype (nan where t holds one), in as few kernels as torch can:
-    watch()'s look at every weight as a sampled step begins."""
-    return list(torch._foreach_max(torch._foreach_abs(tensors)))
-
-
 def version(t: torch.Tensor) -> int:
     """The version counter of t's storage view: autograd's count of the in-place writes into t (copy_,
     add_, the foreach ops; not writes through t.data), which it compares to refuse a tensor saved for

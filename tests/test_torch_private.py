@@ -54,15 +54,6 @@ def test_foreach_copy_equals_copy_including_the_cast():
         assert torch.equal(d, torch.empty_like(d).copy_(s))
 
 
-def test_foreach_max_abs_is_each_tensors_max_abs_nan_and_inf_included():
-    ts = [torch.tensor([1.0, -3.0, 2.0]), torch.tensor([-float("inf"), 2.0]), torch.tensor([1.0, float("nan"), -9.0]),
-          torch.tensor([[-5.0, 2.0]], dtype=torch.float16)]
-    got = TP.foreach_max_abs(ts)
-    assert [g.dtype for g in got] == [t.dtype for t in ts] and all(g.dim() == 0 for g in got)
-    assert [g.item() for g in got[:2]] == [3.0, float("inf")] and got[3].item() == 5.0
-    assert got[2].isnan()
-
-
 def test_version_counts_in_place_writes_that_autograd_checks():
     w = nn.Parameter(torch.ones(3, dtype=torch.float16))
     v0 = TP.version(w)

@@ -47,7 +47,7 @@ from mpt.doctor.module_sample import ModuleSample
 from mpt.doctor.setup_checks import SETUP, SetupChecks
 from mpt.doctor.trace import OUTSIDE, Trace, module_labels
 from mpt.errors import UserError
-from mpt.torch_private import foreach_max_abs, scaler_scale_tensor
+from mpt.torch_private import scaler_scale_tensor
 
 RUN_UP = 8  # samples of each module's largest |value| kept
 
@@ -87,7 +87,6 @@ class Watch:
         self._plan = [(m, self._names[m], next(m.children(), None) is None, bool(getattr(m, "inplace", False)),
                        [p for p in m.parameters(recurse=False) if p.requires_grad]) for _, m in hook_targets(model)]
         self._params = [(self._names[_owner(model, n)], p) for n, p in model.named_parameters() if p.numel()]
-        self._labels = [label for label, _ in self._params]
         self._parent = {self._names[m]: self._names[model.get_submodule(n.rpartition(".")[0])]
                         for n, m in model.named_modules() if n}
         self._bad: torch.Tensor | None = None  # a non-finite loss since the last sample (device)
@@ -166,10 +165,8 @@ class Watch:
     def _take_weights(self) -> None:
         # The weights as the step starts: a value made non-finite by an earlier, unsampled step is not
         # blamed on the first operation that reads it.
-        # (their largest |value|, nan where one is: what _read looks at, in a few kernels, not one per weight)
-        with torch.no_grad():
-            self._weights = list(zip(self._labels, foreach_max_abs([p for _, p in self._params]))) \
-                if self._params else []
+        # (their min and max: no copy of the weights is made)
+        self._weights = [(label, torch.aminmax(p.detach())) for label, p in self._params]
 
     def _stop(self) -> None:
         if isinstance(self._rec, Trace):
@@ -210,14 +207,14 @@ class Watch:
             scale = scaler_scale_tensor(self.scaler)
             extra.append(scale if scale is not None else torch.ones(()))
         # max |x| of each record from its min and max, on the device (nan wins), then one host transfer.
-        dev = (rec.values or [m for _, m in self._weights] or [torch.zeros(())])[0].device
+        dev = (rec.values or [pair[0] for _, pair in self._weights] or [torch.zeros(())])[0].device
         f32 = torch.float32
         # (a module-level sample's values come stacked, FOLD records a tensor; a trace's one by one)
         mm = torch.cat([(v if v.dtype == f32 and v.device == dev else v.to(dev, f32)).reshape(-1)
                         for v in rec.values]).view(-1, 2) if rec.values else None
-        wm = torch.stack([m if m.dtype == f32 and m.device == dev else m.to(dev, f32) for _, m in self._weights]) \
-            if self._weights else None
-        parts = [wm,
+        wm = torch.stack([v if v.dtype == f32 and v.device == dev else v.to(dev, f32)
+                          for _, pair in self._weights for v in pair]).view(-1, 2) if self._weights else None
+        parts = [torch.maximum(-wm[:, 0], wm[:, 1]) if wm is not None else None,
                  torch.maximum(-mm[:, 0], mm[:, 1]) if mm is not None else None,
                  torch.stack([t.to(dev, torch.float32) for t in extra])]
         flat = torch.cat([x for x in parts if x is not None]).tolist()  # the one host transfer
