@@ -163,14 +163,18 @@ def _over(top: float, amax: torch.Tensor) -> torch.Tensor:
     return torch.full_like(amax, top).div_(amax)
 
 
+_LONG = 512  # (measured on a CPU: a 24x24 activation's channels are long enough, a 12x12 one's are not)
+
+
 def _abs_max(t: torch.Tensor, dims: tuple[int, ...] | None = None) -> torch.Tensor:
     """amax(|t|) over `dims` (None: every axis, as a 0-dim tensor; otherwise kept as axes of size 1): nan where a
-    block holds a nan, +0 where it is all zeros, as t.abs().amax(dims) gives it, bit for bit. Where the reduced
-    axis is not t's innermost, from t's largest and smallest values: two reading passes, without a temporary |t|
-    of t's size (on a CPU, reductions along an inner axis of 16 elements are the slow ones: there, |t| first)."""
+    block holds a nan, +0 where it is all zeros, as t.abs().amax(dims) gives it, bit for bit. Where the reduction
+    runs over long contiguous stretches (a whole tensor; one axis with at least _LONG elements after it), from
+    t's largest and smallest values: two reading passes, without a temporary |t| of t's size; elsewhere a
+    reduction costs a CPU more than |t| does, and one reduction of |t| is the cheaper."""
     if dims is None:
         lo, hi = torch.aminmax(t)
-    elif len(dims) == 1 and t.stride(dims[0]) > 1:
+    elif len(dims) == 1 and t.stride(dims[0]) >= _LONG:
         lo, hi = t.amin(dim=dims, keepdim=True), t.amax(dim=dims, keepdim=True)
     else:
         return t.abs().amax(dim=dims, keepdim=True)
