@@ -60,9 +60,11 @@ def fp8_quantize(x: torch.Tensor, fmt: str, scale=1.0, generator: torch.Generato
     """x rounded to FP8 format `fmt` ("e4m3" | "e5m2") at per-tensor `scale` (a number or a 0-dim
     tensor) and returned in FP32 at x's magnitude: fp8(x * scale) / scale, round to nearest even (or
     stochastically, with a generator), saturating at the format's largest value, subnormals kept."""
+    if generator is None and (_by_spacing(fmt) or _add_sub_finite(formats.ELEMENTS[fmt]) and _finite_on_cpu(x, scale)):
+        # y is ours: rounded and unscaled in place (E5M2 too where x * scale has no inf to keep: its cast, the isinf
+        # and the where cost a CPU twice the arithmetic, for the same bits)
+        return _round_in_place(x.float() * scale, fmt, sign=x).div_(scale)
     y = x.float() * scale
-    if _by_spacing(fmt) and generator is None:  # y is ours: rounded and unscaled in place
-        return _round_in_place(y, fmt, sign=x).div_(scale)
     q = round_to(y, fmt, generator)
     if fmt == "e5m2":  # the FP8 format with an inf keeps an input's inf (the module docstring)
         q = torch.where(torch.isinf(y), y, q)
@@ -91,14 +93,14 @@ def round_by_spacing(x: torch.Tensor, fmt: str, generator: torch.Generator | Non
     e = formats.ELEMENTS[fmt]
     m, emin, top = e.mantissa_bits, e.emin, e.max
     if generator is None and _add_sub_finite(e):
-        return _round_in_place(x.float().clamp(-top, top), fmt, sign=x)
+        return _round_in_place(x.float().clamp(-top, top), fmt, sign=x, saturated=True)
     xc = x.float().clamp(-top, top)
     binade = (xc.view(torch.int32) & 0x7F800000).view(torch.float32).clamp_min_(2.0 ** emin)
     u = binade.mul_(2.0 ** -m)
     if generator is None:  # x / u is exact (u is a power of 2) and below 2^22 in magnitude
         q = (xc / u).add_(1.5 * 2.0 ** 23).sub_(1.5 * 2.0 ** 23).mul_(u)
     else:
-        r = xc.abs().div_(u)
+        r = xc.abs_().div_(u)  # xc is ours
         q = r.add_(torch.rand(r.shape, generator=generator, device=r.device)).floor_().mul_(u)
     return q.copysign_(x.float())
 
@@ -106,6 +108,15 @@ def round_by_spacing(x: torch.Tensor, fmt: str, generator: torch.Generator | Non
 # Torch's cast to E4M3 costs several times the arithmetic on a CPU (its FP8-to-FP32 cast above all);
 # E5M2, FP16 and BF16 casts are cheap.
 _SLOW_CASTS = ("e4m3",)
+
+
+def _finite_on_cpu(t: torch.Tensor, scale) -> bool:
+    """t is on a CPU (where reading a value costs no device sync) and t * scale holds no inf nor nan: its largest
+    and smallest values times scale are finite (rounding is monotonic: no other product is larger)."""
+    if t.device.type != "cpu" or not t.numel():
+        return False
+    lo, hi = torch.aminmax(t.detach().float())  # (nan where t holds one)
+    return math.isfinite(lo * scale) and math.isfinite(hi * scale)
 
 
 def _torch_casts(fmt: str) -> bool:
@@ -126,17 +137,17 @@ def _add_sub_finite(e) -> bool:
     return e.emax - e.mantissa_bits + 24 <= 127
 
 
-def _round_in_place(y: torch.Tensor, fmt: str, sign: torch.Tensor, buf: torch.Tensor | None = None) -> torch.Tensor:
+def _round_in_place(y: torch.Tensor, fmt: str, sign: torch.Tensor, saturated: bool = False) -> torch.Tensor:
     """round_by_spacing's nearest-even arithmetic on an FP32 temporary `y` that the caller gives away: y is
     saturated, rounded and returned, in place; `sign`: a tensor with y's signs (y's before it was scaled:
-    the sign of a value rounded to zero); `buf`: a spare FP32 tensor of y's shape for the spacings. The
-    same bits as computing on copies: the same FP32 operations in the same order. On a CPU every
-    temporary of an activation's size costs about as much as an operation on it (its pages are touched
-    afresh), so the block quantiser makes two (y and the spacings, in the amax's buffer), not six."""
+    the sign of a value rounded to zero); `saturated`: y is already within the format's range (clamped by the caller). The
+    same bits as computing on copies: the same FP32 operations in the same order, with fewer temporaries
+    of an activation's size (y and the spacings, not six)."""
     e = formats.ELEMENTS[fmt]
     m, emin, top = e.mantissa_bits, e.emin, e.max
-    y.clamp_(-top, top)
-    c = torch.bitwise_and(y.view(torch.int32), 0x7F800000, out=None if buf is None else buf.view(torch.int32))
+    if not saturated:
+        y.clamp_(-top, top)
+    c = torch.bitwise_and(y.view(torch.int32), 0x7F800000)
     c = c.view(torch.float32).clamp_min_(2.0 ** emin).mul_(1.5 * 2.0 ** (23 - m))
     return y.add_(c).sub_(c).copysign_(sign)
 
@@ -150,6 +161,25 @@ def _over(top: float, amax: torch.Tensor) -> torch.Tensor:
     """top / amax, one correctly rounded FP32 division (torchao's FP64 quotient rounded to FP32 is the same
     number). torch's number / tensor is reciprocal(tensor) x number, two roundings: a scale one ulp off."""
     return torch.full_like(amax, top).div_(amax)
+
+
+_LONG = 512  # (measured on a CPU: a 24x24 activation's channels are long enough, a 12x12 one's are not)
+
+
+def _abs_max(t: torch.Tensor, dims: tuple[int, ...] | None = None) -> torch.Tensor:
+    """amax(|t|) over `dims` (None: every axis, as a 0-dim tensor; otherwise kept as axes of size 1): nan where a
+    block holds a nan, +0 where it is all zeros, as t.abs().amax(dims) gives it, bit for bit. Where the reduction
+    runs over long contiguous stretches (a whole tensor; one axis with at least _LONG elements after it), from
+    t's largest and smallest values: two reading passes, without a temporary |t| of t's size; elsewhere a
+    reduction costs a CPU more than |t| does, and one reduction of |t| is the cheaper."""
+    if dims is None:
+        lo, hi = torch.aminmax(t)
+    elif len(dims) == 1 and t.stride(dims[0]) >= _LONG:
+        lo, hi = t.amin(dim=dims, keepdim=True), t.amax(dim=dims, keepdim=True)
+    else:
+        return t.abs().amax(dim=dims, keepdim=True)
+    # max(hi, -lo) is |t|'s largest (nan where either is); abs_ makes a -0 (a block of -0s) and a nan's sign what |t| gives
+    return torch.maximum(hi, lo.neg_()).abs_()
 
 
 def _finite_abs(t: torch.Tensor) -> torch.Tensor:
@@ -249,7 +279,9 @@ def block_quantize(t: torch.Tensor, f: formats.TensorFormat, axis: int = -1,
         # Its rows are 16 entries of +-1/4: an output can reach 4x the largest input. A tensor within that of
         # FLT_MAX is transformed at 2^-2 (exact) and the result unscaled, saturating at FLT_MAX (the inverse
         # transform of rounded values may land past it); any other at 1: bit for bit as without.
-        down = torch.where(v.abs().amax() > FLT_MAX / 4, 0.25, 1.0)
+        big = _abs_max(v) > FLT_MAX / 4
+        # (a number on a CPU, where reading it costs no device sync: then a transform at 1 is not divided by it)
+        down = (0.25 if big else 1.0) if v.device.type == "cpu" else torch.where(big, 0.25, 1.0)
         v = torch.einsum("pjiq,ic->pjcq", v.reshape(v.shape[0], kk // 16, 16, post),
                          _hadamard16(v.device) * down).reshape(v.shape)
     if f.granularity == "tensor":
@@ -258,15 +290,14 @@ def block_quantize(t: torch.Tensor, f: formats.TensorFormat, axis: int = -1,
         blocks, dims = v.reshape(v.shape[0] // rb, rb, kk // b, b, post), (1, 3)
     else:
         blocks, dims = v.reshape(v.shape[0], kk // b, b, post), (2,)
-    absval = blocks.abs()
-    amax = absval.amax(dim=dims, keepdim=True)  # nan or inf where the block holds one: a nan block (block_scale)
+    amax = _abs_max(blocks, dims)  # nan or inf where the block holds one: a nan block (block_scale)
     if f.scale_rounding == "e4m3":  # NVFP4's two levels, in 16-element or 16x16 blocks
         q = _nvfp4(blocks, amax, f.element, generator)
     else:
         s = block_scale(amax, f.element, f.scale_rounding)
         y = blocks * s
         if generator is None and _by_spacing(f.element):
-            q = _round_in_place(y, f.element, sign=blocks, buf=absval)  # |blocks| is no longer needed
+            q = _round_in_place(y, f.element, sign=blocks)
         else:
             q = round_to(y, f.element, generator)
         # A power-of-2 scale's reciprocal is exact (2^-127 .. 2^127): a multiplication, cheaper than x / s.
@@ -274,7 +305,8 @@ def block_quantize(t: torch.Tensor, f: formats.TensorFormat, axis: int = -1,
     q = q.reshape(v.shape)
     if f.hadamard:
         q = torch.einsum("pjiq,ci->pjcq", q.reshape(q.shape[0], kk // 16, 16, post),
-                         _hadamard16(q.device)).reshape(q.shape).div_(down).clamp_(-FLT_MAX, FLT_MAX)
+                         _hadamard16(q.device)).reshape(q.shape)
+        q = (q if isinstance(down, float) and down == 1.0 else q.div_(down)).clamp_(-FLT_MAX, FLT_MAX)
     if pad or rpad:
         q = q[:pre, :k]
     return q.reshape(shape)
@@ -431,18 +463,30 @@ def _bias_grad(g: torch.Tensor, channel: int) -> torch.Tensor:
     return g.sum([d for d in range(g.dim()) if d != ch]) if g.dim() > 1 else g.clone()
 
 
-def _along_batch(quant, t: torch.Tensor, axis: int) -> torch.Tensor:
+def _along_batch(quant, t: torch.Tensor, axis: int, rows: bool = False) -> torch.Tensor:
     """t rounded by `quant` (a quantiser along the last axis) along its batch axis: every axis but its
-    channel axis `axis`, flattened -- the axis a weight-gradient product reduces over."""
+    channel axis `axis`, flattened -- the axis a weight-gradient product reduces over. `rows`: the quantiser
+    reads whole rows of [channels, batch] (the Hadamard transform's matrix product): they are copied in that
+    layout at once (a convolution's NCHW to C x NHW moves whole rows), not gathered element by element from a
+    transposed view by the product; the result is laid out as the transposed view's would be."""
     moved = t.movedim(axis, -1)
-    flat = moved.reshape(-1, moved.shape[-1]).t()  # [channels, batch]: blocks along the batch
+    if rows:
+        flat = t.movedim(axis, 0).reshape(t.shape[axis], -1)
+    else:
+        flat = moved.reshape(-1, moved.shape[-1]).t()  # [channels, batch]: blocks along the batch
     return quant(flat).t().reshape(moved.shape).movedim(-1, axis)
 
 
 def _amax(t: torch.Tensor) -> torch.Tensor:
     """Largest finite |t| as an FP32 0-dim tensor (0 for an empty or all-non-finite tensor)."""
-    a = t.detach().abs().float()
-    return a.nan_to_num(nan=0.0, posinf=0.0).amax() if a.numel() else a.new_zeros(())
+    a = t.detach().float()
+    if not a.numel():
+        return a.new_zeros(())
+    if a.device.type == "cpu":  # one pass where every value is finite (reading it there costs no device sync)
+        m = _abs_max(a)
+        if math.isfinite(m):
+            return m
+    return a.abs().nan_to_num(nan=0.0, posinf=0.0).amax()
 
 
 class FP8State:
@@ -659,7 +703,7 @@ class FP8State:
             if self.scaling == "current":
                 # torchao's tensorwise scale: a tensor holding inf or nan has none, and comes back nan whole
                 # (delayed scaling keeps its scale there and saturates, as Transformer Engine does).
-                a = t.detach().abs().float().amax() if t.numel() else t.new_zeros((), dtype=torch.float32)
+                a = _abs_max(t.detach().float()) if t.numel() else t.new_zeros((), dtype=torch.float32)
                 s = torch.where(a > 0, _over(top, a).clamp(max=FLT_MAX), torch.ones_like(a))
                 s = s.masked_fill_(~torch.isfinite(a), math.nan)
             else:
@@ -867,9 +911,10 @@ class FP8Math(TorchFunctionMode):
         if r.wgrad == "high":
             x_w, quant_w = x.detach(), None
         elif r.wgrad == "own":
-            x_w = _along_batch(q("xw", -1), x.detach(), x_axis)
+            hx, hg = r.roles["xw"].hadamard, r.roles["gw"].hadamard
+            x_w = _along_batch(q("xw", -1), x.detach(), x_axis, hx)
             gq = q("gw", -1)
-            quant_w = lambda g: _along_batch(gq, g, g_axis)  # noqa: E731
+            quant_w = lambda g: _along_batch(gq, g, g_axis, hg)  # noqa: E731
         else:
             x_w = x_q.detach()
         if alone is not None:  # a linear layer, a convolution: no forward for it

@@ -16,7 +16,6 @@ from __future__ import annotations
 import gc
 import math
 import os
-import platform
 import re
 import shutil
 import statistics
@@ -37,7 +36,7 @@ from mpt.optim import build_optimizer
 from mpt.step import Observer, TrainStep
 from mpt.errors import UserError
 from mpt.memory import ActivationMeter
-from mpt.rundir import env_info
+from mpt.rundir import cpu_model, env_info
 
 # The precisions whose speed and memory section 3 speaks of, and the baselines beside them ("tf32" is
 # FP32 storage with the TF32 Tensor Core switches on; every other row runs with both switches off).
@@ -555,7 +554,7 @@ def environment(device: torch.device) -> dict:
     # Other processes on the machine slow CPU-side work (and a GPU step's launches): recorded at the
     # start and, by the command, at the end of the run.
     e["load_avg_1min_start"] = _load_avg()
-    e["cpu"] = platform.processor() or platform.machine()
+    e["cpu"] = cpu_model()
     e["driver"] = None
     e["gpu"] = None
     if device.type == "cuda":

@@ -62,7 +62,8 @@ def main(overrides: list[str]) -> dict:
     out = pathlib.Path(o["out"])
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / f"{name}.json", json.dumps(result, indent=1, default=str))
-    lines = [f"# Simulated formats: step time vs FP32 ({env.get('device_name') or env.get('cpu') or device})", "",
+    machine = env["gpu"]["name"] if env.get("gpu") else f"{env['cpu']}, {env['threads']} thread" + "s" * (env["threads"] != 1)
+    lines = [f"# Simulated formats: step time vs FP32 ({machine})", "",
              f"`{result['command']}`; {bench.DATA_NOTE}.", "",
              "| model | format | step ms (median, fastest round) | x FP32 | goal | meets |", "|---|---|---:|---:|---:|---|"]
     for r in rows:
