@@ -37,9 +37,6 @@ COLUMNS = (("fp32", "FP32"), ("mp", "the paper's MP"),
            *((p.columns[0].name, _header(p.columns[0])) for p in precisions.TABLE if p.beyond_paper))
 
 
-SQNR_KEY, run_sqnr = results.SQNR_KEY, results.run_sqnr
-
-
 @dataclasses.dataclass
 class BeyondTable:
     profile: str
@@ -50,7 +47,7 @@ class BeyondTable:
     switches: list = dataclasses.field(default_factory=list)  # (table spec, model, results lines: switches())
 
     def sqnr_db(self, key) -> float | None:
-        """The cell's gradient SQNR: the median over its runs that measured one (run_sqnr)."""
+        """The cell's gradient SQNR: the median over its runs that measured one (results.run_sqnr)."""
         vals = self.sqnr.get(key)
         return statistics.median(vals) if vals else None
 
@@ -91,7 +88,7 @@ def build(runs: list, profile: str, problems: list) -> BeyondTable:
             if cell is not None:
                 n += 1
                 tables.add_run(cell, r, spec, problems)
-                db = run_sqnr(r, problems)
+                db = results.run_sqnr(r, problems)
                 if db is not None:
                     sqnr.setdefault(key, []).append(db)
         for model in sorted({r.model for r in mine if " fmt." in r.precision}):

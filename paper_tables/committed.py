@@ -66,7 +66,6 @@ def _submissions(exp_dir: pathlib.Path) -> dict:
 
 def record(r: results.RunResult, machine: str | None, subs: dict) -> dict:
     """One run as a results line (the keys in the module docstring)."""
-    summary = json.loads((r.run_dir / "summary.json").read_text(encoding="utf-8")) if r.run_dir else {}
     cmd, grid, keys = subs.get(r.name, (None, None, []))
     env = r.env
     sqnr = results.run_sqnr(r, [])  # an unreadable history is listed by export's collect_dir already
@@ -74,9 +73,9 @@ def record(r: results.RunResult, machine: str | None, subs: dict) -> dict:
         "experiment": r.experiment, "model": r.model, "precision": r.precision, "impl": r.impl,
         "loss_scale": r.loss_scale, "tf32": r.tf32, "config": keys, "seed": r.seed, "profile": r.profile,
         "data": r.data_name, "data_fingerprint": r.data, "status": r.status,
-        "primary_metric": summary.get("primary_metric"), "higher_is_better": summary.get("higher_is_better"),
+        "primary_metric": r.primary_metric, "higher_is_better": r.higher_is_better,
         "metrics": r.metrics, "step": r.step, "total_steps": r.total_steps, "skipped_steps": r.skipped_steps,
-        "wall_time_s": summary.get("wall_time_s"),
+        "wall_time_s": r.wall_time_s,
         # The gradients' SQNR against FP32 in dB (numerics.sqnr_every; results.run_sqnr), None unmeasured.
         "sqnr_db": None if sqnr is None or not math.isfinite(sqnr) else round(sqnr, 3),
         # The machine: --machine, else the GPU's name or the CPU's model (env.json's "cpu", newer runs).

@@ -94,6 +94,10 @@ class RunResult:
     run_dir: pathlib.Path | None = None
     data: str = ""  # the prepared dataset's fingerprint (config data_fingerprint); "" for older runs
     data_name: str = ""  # the last part of task.data_root, to name a dataset in a table title
+    # As the summary has them (a committed results line carries them): None where it does not.
+    primary_metric: object = None
+    higher_is_better: object = None
+    wall_time_s: object = None
     load_lines: Callable[[], Lines] | None = dataclasses.field(default=None, repr=False)
     _lines: Lines | None = dataclasses.field(default=None, repr=False)
 
@@ -303,6 +307,8 @@ def make_run(summary: dict, cfg: dict, env: dict, *, where: str, name: str, upda
         data=str(cfg.get("data_fingerprint") or ""), data_name=_data_name(cfg),
         step=_int(summary.get("step")), total_steps=_int(summary.get("total_steps")),
         skipped_steps=_int(summary.get("skipped_steps")),
+        primary_metric=summary.get("primary_metric"), higher_is_better=summary.get("higher_is_better"),
+        wall_time_s=summary.get("wall_time_s"),
         updated=_parse_time(summary.get("updated")) or updated_fallback, env=env,
         name=str(summary.get("run_name") or name), where=where, run_dir=run_dir, load_lines=load_lines)
 

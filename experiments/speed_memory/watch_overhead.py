@@ -24,9 +24,9 @@ import torch
 
 from mpt.config_parse import parse_options
 from mpt.doctor.targets import load
-from mpt.doctor.trace import Trace
 from mpt.doctor.watch import watch
 from mpt.errors import UserError, cli
+from mpt.rundir import cpu_model
 
 # experiment -> (its tiny dataset, the demo's name for it, extra overrides)
 MODELS = {"ilsvrc_cnns": ("imagenet", ["model=resnet50_preact"]), "lm_biglstm": ("lm1b", [])}
@@ -79,8 +79,7 @@ def measure(name: str, every: int, rounds: int, steps: int, data: pathlib.Path) 
             w.__enter__()
         for _ in range(steps):
             # What this step is, known before it runs (the watch starts a step's sample at the step before)
-            kind = "plain" if not watched else "traced" if isinstance(w._rec, Trace) else \
-                "sampled" if w._rec is not None else "between"
+            kind = "plain" if not watched else w.recording or "between"
             s = time.thread_time()
             step(w if watched else None)
             each.append((kind, time.thread_time() - s))
@@ -130,8 +129,7 @@ def main(argv=None) -> list[dict]:
     for m in names:
         if m not in MODELS:
             raise UserError(f"models={m}: choose from {', '.join(MODELS)}")
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               "unknown CPU") if pathlib.Path("/proc/cpuinfo").exists() else "unknown CPU"
+    cpu = cpu_model()
     if torch.get_num_threads() != 1:
         raise UserError("the blocks are timed by this thread's CPU time: run with OMP_NUM_THREADS=1")
     print(f"watch overhead on {cpu}, one thread, FP32, timed by the thread's CPU time")

@@ -94,6 +94,11 @@ class Watch:
         self._chase_from = 0  # the first step that could have made it
         self.setup = SetupChecks(optimizer, scaler, scheduler, self._find)
 
+    @property
+    def recording(self) -> str | None:
+        """What the next step records, as the step before decided: "traced", "sampled", or None."""
+        return "traced" if isinstance(self._rec, Trace) else "sampled" if self._rec is not None else None
+
     # -- the user's calls ----------------------------------------------------------------------------------
     def __enter__(self) -> "Watch":
         self.setup.attach()
