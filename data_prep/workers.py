@@ -58,19 +58,21 @@ def worker_pool(workers: int, initializer=None, initargs=()):
     ctx = multiprocessing.get_context("fork") if "fork" in multiprocessing.get_all_start_methods() else None
     pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_start,
                                                   initargs=(os.getpid(), initializer, initargs))
-    if ctx is not None:
-        # Fork every worker now (a forked pool starts them all at its first task) with Ctrl-C, SIGHUP and
-        # SIGTERM blocked: a terminal sends the first two to the whole group, and a worker not yet past
-        # _worker_start would die of one half-started; and a handler that ran here during the fork would
-        # run inside Python's after-fork callbacks, which print and ignore its exception (a SIGTERM then
-        # vanished and the prep finished with exit 0). Blocked, not ignored: this process gets a signal
-        # sent meanwhile as soon as the workers exist, when the mask is restored.
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, *HANGUP})
-        try:
-            pool.submit(int).result()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, old)
     try:
+        if ctx is not None:
+            # Fork every worker now (a forked pool starts them all at its first task) with Ctrl-C, SIGHUP
+            # and SIGTERM blocked: a terminal sends the first two to the whole group, and a worker not yet
+            # past _worker_start would die of one half-started; and a handler that ran here during the fork
+            # would run inside Python's after-fork callbacks, which print and ignore its exception (a
+            # SIGTERM then vanished and the prep finished with exit 0). Blocked, not ignored: this process
+            # gets a signal sent meanwhile as soon as the workers exist, when the mask is restored -- inside
+            # this try, so that the pool is killed as for any other exception (left alive, its manager
+            # thread closed its wake-up pipe while the interpreter's exit wrote to it: a traceback).
+            old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, *HANGUP})
+            try:
+                pool.submit(int).result()
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, old)
         yield pool
     except BaseException:
         _kill_pool(pool)
