@@ -99,10 +99,26 @@ def round_by_spacing(x: torch.Tensor, fmt: str, generator: torch.Generator | Non
     u = binade.mul_(2.0 ** -m)
     if generator is None:  # x / u is exact (u is a power of 2) and below 2^22 in magnitude
         q = (xc / u).add_(1.5 * 2.0 ** 23).sub_(1.5 * 2.0 ** 23).mul_(u)
-    else:
+    else:  # floor(|x| / u + U), U uniform in (0, 1): up with probability the distance from the value below
         r = xc.abs_().div_(u)  # xc is ours
-        q = r.add_(torch.rand(r.shape, generator=generator, device=r.device)).floor_().mul_(u)
+        q = r.add_(_sr_bits(r.shape, generator, r.device), alpha=2.0 ** -SR_BITS).add_(0.5 + 2.0 ** -(SR_BITS + 1))
+        q = q.floor_().mul_(u)
     return q.copysign_(x.float())
+
+
+# Stochastic rounding's random bits per value. U = (k + 1/2) / 2^16 for a uniform 16-bit k: the probability of
+# rounding up is the distance from the value below rounded to a multiple of 2^-16 of the spacing, so the rounding
+# is unbiased to within 2^-17 of a spacing (hardware stochastic rounding draws a few random bits per value too).
+# 16 bits a value, four to one 64-bit draw: the draws cost a CPU a quarter of torch.rand's 32-bit draw per value.
+SR_BITS = 16
+
+
+def _sr_bits(shape, generator: torch.Generator, device) -> torch.Tensor:
+    """k - 2^15 for a uniform random 16-bit k, one per element of `shape`, as FP32: the signed 16-bit halves of
+    uniform random 64-bit words."""
+    n = math.prod(shape)
+    words = torch.empty((n + 3) // 4, dtype=torch.int64, device=device).random_(-2 ** 63, None, generator=generator)
+    return words.view(torch.int16)[:n].view(shape).float()
 
 
 # Torch's cast to E4M3 costs several times the arithmetic on a CPU (its FP8-to-FP32 cast above all);
@@ -330,7 +346,14 @@ def _nvfp4(blocks, amax, fmt, generator):
     g = g.clamp(min=torch.finfo(torch.float32).tiny).masked_fill_(~torch.isfinite(t_amax), math.nan)
     s = round_to((amax / top / g).clamp(e4m3.min_normal, e4m3.max), "e4m3")
     # A multiplication by (1 / g) / s, not a division by s x g: torchao's (and its kernels') arithmetic, bit for bit.
-    return round_to(blocks * ((1.0 / g) / s), fmt, generator).mul_(s * g)
+    k = (1.0 / g) / s
+    y = blocks * k
+    # Rounded in place on y, its own temporary (round_to copies it), where y's signs are the blocks': every k
+    # positive and finite (not so for a nan tensor, nor where g is so small that 1 / g / s overflows; read on a CPU
+    # only, where reading it costs no device sync).
+    if generator is None and _by_spacing(fmt) and y.device.type == "cpu" and bool(torch.isfinite(k).all()):
+        return _round_in_place(y, fmt, sign=blocks).mul_(s * g)
+    return round_to(y, fmt, generator).mul_(s * g)
 
 
 def accumulate_linear(x: torch.Tensor, w: torch.Tensor, fmt: str) -> torch.Tensor:
