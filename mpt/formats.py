@@ -180,6 +180,11 @@ SCALINGS = ("delayed", "current")
 # bias gradients from the unrounded output gradient, NVFP4's Hadamard on the weight-gradient operands and its
 # 16x16 weight blocks (Transformer Engine's recipe).
 QUANTISERS = 2
+# Stochastic rounding's random bits per value (mpt.fp8.round_by_spacing): U = (k + 1/2) / 2^16 for a uniform
+# 16-bit k, four values to one 64-bit draw. Part of the id of a run whose recipe rounds a role stochastically
+# (mpt.identity.cell_id): another draw is another random stream, so another run; nearest-rounded recipes keep
+# their ids.
+SR_BITS = 16
 WGRADS = ("shared", "high", "own")
 
 
@@ -254,6 +259,11 @@ class FormatRecipe:
     # paper's switch to higher precision for the end of training. A function of the step
     # (mpt.precision.BF16Tail), so a resumed run switches where the uninterrupted one does.
     bf16_tail: float = 0.0
+
+    def stochastic(self) -> bool:
+        """Whether any role, or any backward product's own operand, is rounded stochastically."""
+        return any(f is not None and f.rounding == "stochastic"
+                   for f in (self.x, self.w, self.g, self.w_dgrad, self.x_wgrad, self.g_wgrad))
 
     def __post_init__(self):
         _one_of("scaling", self.scaling, SCALINGS)

@@ -106,11 +106,12 @@ def round_by_spacing(x: torch.Tensor, fmt: str, generator: torch.Generator | Non
     return q.copysign_(x.float())
 
 
-# Stochastic rounding's random bits per value. U = (k + 1/2) / 2^16 for a uniform 16-bit k: the probability of
-# rounding up is the distance from the value below rounded to a multiple of 2^-16 of the spacing, so the rounding
-# is unbiased to within 2^-17 of a spacing (hardware stochastic rounding draws a few random bits per value too).
-# 16 bits a value, four to one 64-bit draw: the draws cost a CPU a quarter of torch.rand's 32-bit draw per value.
-SR_BITS = 16
+# Stochastic rounding's random bits per value (formats.SR_BITS, 16). U = (k + 1/2) / 2^16 for a uniform 16-bit k:
+# the probability of rounding up is the distance from the value below rounded to a multiple of 2^-16 of the
+# spacing, so the rounding is unbiased to within 2^-17 of a spacing (hardware stochastic rounding draws a few
+# random bits per value too). Four values to one 64-bit draw: the draws cost a CPU a quarter of torch.rand's
+# 32-bit draw per value.
+SR_BITS = formats.SR_BITS
 
 
 def _sr_bits(shape, generator: torch.Generator, device) -> torch.Tensor:

@@ -127,6 +127,8 @@ def cell_id(cfg) -> str:
     ident.update(_NOW_INFRA_KEYS)
     if ident["precision"] in precisions.FORMATS:  # what the simulated quantisers compute is part of what ran
         ident["quantisers"] = formats.QUANTISERS
+        if precisions.format_recipe(cfg).stochastic():  # its random stream is part of what ran
+            ident["sr_bits"] = formats.SR_BITS
     blob = json.dumps(ident, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 

@@ -510,3 +510,18 @@ def test_task_decode_at_its_default_keeps_the_name_and_gpu_is_another_run():
     name = identity.run_name(C.resolve("ilsvrc_cnns", base))
     assert name == identity.run_name(C.resolve("ilsvrc_cnns", base + ["task.decode=cpu"]))
     assert identity.run_name(C.resolve("ilsvrc_cnns", base + ["task.decode=gpu"])) != name
+
+
+def test_a_stochastic_recipe_s_id_carries_its_random_draws(monkeypatch):
+    """Stochastic rounding's draw (formats.SR_BITS bits a value) is part of what an SR recipe's run computed:
+    another draw is another run. Recipes that round to nearest keep their ids."""
+    from mpt import formats
+
+    def name(precision):
+        return identity.run_name(C.resolve("lm_biglstm", ["profile=tiny", f"precision={precision}",
+                                                          "task.data_root=/nonexistent"]))
+
+    before = {p: name(p) for p in ("nvfp4", "nvfp4_paper", "fp8", "mxfp8", "fp8_rowwise")}
+    monkeypatch.setattr(formats, "SR_BITS", 8)
+    after = {p: name(p) for p in before}
+    assert [p for p in before if before[p] != after[p]] == ["nvfp4", "nvfp4_paper"]
