@@ -246,10 +246,10 @@ def test_bad_arguments_are_one_line_errors():
         watch(nn.Linear(1, 1), scaler=torch.amp.GradScaler("cpu")).check_checkpoint([1])
 
 
-def test_module_sample_stacked_records_equal_each_tensors_min_and_max(monkeypatch):
-    """The module-level sample stacks its records FOLD at a time and puts one hook on each gradient however many
-    modules record it: each record still holds the min and max of its own tensor, as one hook per record taking
-    the tensor's min and max on its own sees it (an in-place ReLU included: the Linear's output before it)."""
+def _sample_beside_reference_hooks(monkeypatch):
+    """A module-level sample of one step beside reference hooks, one per tensor as a module makes it (a hook on
+    each weight too), each taking its tensor's min and max on its own: (the sample, the reference's min and
+    max by record name, the reference's record names in the order its hooks fired, the sample's min and max)."""
     from mpt.doctor import module_sample
     from mpt.doctor.trace import module_labels
 
@@ -258,9 +258,11 @@ def test_module_sample_stacked_records_equal_each_tensors_min_and_max(monkeypatc
     labels = module_labels(model)
     x = torch.randn(5, 4)
     ref: dict = {}  # (module, phase, what) -> min and max, taken tensor by tensor
+    seq: list = []  # the record names as the reference hooks fired
 
     def keep(key, t):
         ref.setdefault(key, []).append(torch.aminmax(t.detach()))
+        seq.append(key)
 
     def fwd(mod, args, out):
         label = labels[mod]
@@ -278,17 +280,29 @@ def test_module_sample_stacked_records_equal_each_tensors_min_and_max(monkeypatc
     rec = module_sample.ModuleSample(w._plan)
     model(x.requires_grad_()).square().sum().backward()
     rec.close()
-    assert len(rec.values) > 2
-    got = torch.cat(rec.values).view(-1, 2)
+    return rec, ref, seq, torch.cat(rec.values).view(-1, 2)
+
+
+def test_module_sample_stacked_records_equal_each_tensors_min_and_max(monkeypatch):
+    """The module-level sample stacks its records FOLD at a time and puts one hook on each gradient however many
+    modules record it: each record still holds the min and max of its own tensor, as one hook per record taking
+    the tensor's min and max on its own sees it (an in-place ReLU included: the Linear's output before it)."""
+    rec, ref, _, got = _sample_beside_reference_hooks(monkeypatch)
     assert len(got) == len(rec.names) >= 20
     seen: dict = {}
+    weight_grads: dict = {}  # one module's weights' gradients, in any order among themselves
     for name, (lo, hi) in zip(rec.names, got):
+        if name[2] == "weight gradient":
+            weight_grads.setdefault(name, []).append((lo.item(), hi.item()))
+            continue
         i = seen[name] = seen.get(name, -1) + 1  # the i-th record of that name: its i-th tensor
         want = ref[name][i]
         assert (lo.item(), hi.item()) == (want.min.item(), want.max.item()), name
+    for name, pairs in weight_grads.items():
+        assert sorted(pairs) == sorted((m.min.item(), m.max.item()) for m in ref[name]), name
     # Every tensor the reference hooks saw is recorded, the inputs of modules after the first once (as the
     # output of the module before).
-    assert {k for k in ref if k[2] != "input"} <= set(seen)
+    assert {k for k in ref if k[2] != "input"} <= set(seen) | set(weight_grads)
     # Each gradient measured once: the records of one gradient tensor (one hook, however many modules record
     # it) are one group, next to each other, numbered by its first record (+ 1), with one min and max.
     assert [g is None for g in rec.grads] == [phase == "forward" for _, phase, _ in rec.names]
@@ -300,3 +314,12 @@ def test_module_sample_stacked_records_equal_each_tensors_min_and_max(monkeypatc
         assert js == list(range(g - 1, g - 1 + len(js))), (g, js)
         assert all(got[j].tolist() == got[js[0]].tolist() for j in js)
     assert any(len(js) > 1 for js in groups.values())  # (the Linear's output, the Tanh's input)
+
+
+def test_weight_gradients_read_as_backward_ends_keep_the_hooks_order(monkeypatch):
+    """The weights' gradients are read from .grad as the backward ends, not by a hook on each weight: each record
+    still sits where a hook on the weight fired -- after its module's output gradient, before the gradients the
+    backward makes after it -- so the first non-finite record in execution order is the same one."""
+    rec, _, seq, _ = _sample_beside_reference_hooks(monkeypatch)
+    assert [n for n in rec.names if n[1] == "backward"] == [k for k in seq if k[1] == "backward"]
+    assert sum(n[2] == "weight gradient" for n in rec.names) == 6

@@ -8,14 +8,18 @@ in the same place of the same round's plain block (paired: drift in the machine'
 overhead these imply at `every` (a sample every `every` steps, a trace every 10 x `every`) -- steadier than the
 blocks' median, where a block's one sampled step is lost in the noise of the other nine. The control block,
 paired the same way, gives that figure's noise floor.
-Prints the figures; the tiny data are generated and prepared on first use (under data=, default data/).
+Prints the figures and writes them, with the command and the CPU, to out= (results/cpu-<cpu>-<date>-watch_overhead
+[-tag].json); the tiny data are generated and prepared on first use (under data=, default data/).
 
     OMP_NUM_THREADS=1 python -m experiments.speed_memory.watch_overhead [every=10] [rounds=7] [steps=10]
-        [data=data] [models=ilsvrc_cnns,lm_biglstm]
+        [data=data] [models=ilsvrc_cnns,lm_biglstm] [out=experiments/speed_memory/results] [tag=]
 """
 from __future__ import annotations
 
+import json
 import pathlib
+import re
+import shlex
 import statistics
 import sys
 import time
@@ -26,7 +30,7 @@ from mpt.config_parse import parse_options
 from mpt.doctor.targets import load
 from mpt.doctor.watch import watch
 from mpt.errors import UserError, cli
-from mpt.rundir import cpu_model
+from mpt.rundir import atomic_write_text, cpu_model, now
 
 # experiment -> (its tiny dataset, the demo's name for it, extra overrides)
 MODELS = {"ilsvrc_cnns": ("imagenet", ["model=resnet50_preact"]), "lm_biglstm": ("lm1b", [])}
@@ -124,7 +128,8 @@ def measure(name: str, every: int, rounds: int, steps: int, data: pathlib.Path) 
 
 def main(argv=None) -> list[dict]:
     o = parse_options(argv or [], {"every": 10, "rounds": 7, "steps": 10, "data": "data",
-                                   "models": ",".join(MODELS)}, "experiments.speed_memory.watch_overhead")
+                                   "models": ",".join(MODELS), "out": "experiments/speed_memory/results", "tag": ""},
+                      "experiments.speed_memory.watch_overhead")
     names = [m for m in o["models"].split(",") if m]
     for m in names:
         if m not in MODELS:
@@ -150,6 +155,14 @@ def main(argv=None) -> list[dict]:
               f"{r['implied_pct']:+.1f}% a step at every={r['every']} (a trace every {10 * r['every']} steps; a control "
               f"step {r['control_step_ms']:+.2f} ms)",
               flush=True)
+    result = {"command": "OMP_NUM_THREADS=1 python -m experiments.speed_memory.watch_overhead "
+                         + shlex.join(argv or []), "date": now(), "cpu": cpu, "threads": 1, "models": out}
+    slug = re.sub(r"[^a-z0-9]+", "-", cpu.lower()).strip("-")
+    path = pathlib.Path(o["out"]) / (f"cpu-{slug}-{result['date'][:10]}-watch_overhead"
+                                     + (f"-{o['tag']}" if o["tag"] else "") + ".json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(result, indent=1) + "\n")
+    print(f"written: {path}")
     return out
 
 

@@ -1,6 +1,7 @@
 """watch()'s sample at module granularity, the steps it does not trace: hooks take the min and max of each module's
-inputs and outputs as the forward pass makes them, and of the gradients of its outputs, inputs and weights as the
-backward pass makes them, on the device, in execution order (a traced step records every operation instead:
+inputs and outputs as the forward pass makes them, and of the gradients of its outputs and inputs as the
+backward pass makes them, on the device, in execution order; the weights' gradients are read as each backward
+ends, each record placed where its module's backward began (a traced step records every operation instead:
 mpt.doctor.trace)."""
 from __future__ import annotations
 
@@ -56,9 +57,20 @@ class ModuleSample:
         self._plan = {m: (_record_names(label), leaf, inplace) for m, label, leaf, inplace, _ in plan}
         self._handles.append(register_module_forward_pre_hook(self._pre))
         self._handles.append(register_module_forward_hook(self._post))
-        # The weights' hooks (and on_start's work) wait for the step's forward: a sample begun as a loop ends
-        # costs two hooks.
-        self._weights = [(_record_names(label)["weight gradient"], p) for _, label, _, _, ws in plan for p in ws]
+        # The weights' gradients: read from .grad as each backward ends (one engine callback), not by a hook on
+        # each weight placed and removed every sample (153 on the tiny ResNet-50: a quarter of a sample's cost).
+        # Each record is placed right after its module's output-gradient records, where the module's backward
+        # begins and where a hook on the weight fired (the engine runs a weight's gradient accumulation as soon
+        # as the node making it has run), so "the first non-finite record" is the same one. With several
+        # backward passes in a step (micro-batches) .grad holds their sum: the gradients as the loop holds them.
+        self._weights = [(_record_names(label)["weight gradient"], label, p) for _, label, _, _, ws in plan
+                         for p in ws]
+        self._wnames: list[tuple] = []  # the weight-gradient records read so far, in turn
+        self._wvalues: list[torch.Tensor] = []  # their min and max (0-dim tensors)
+        self._wafter: list[int] = []  # per weight record: the index in `names` it follows (-1: at the end)
+        self._queued = False  # this backward's weight-gradient read is queued
+        self._bstart = 0  # the first record of this backward
+        # (on_start's work waits for the step's forward: a sample begun as a loop ends costs two hooks)
         self._on_start = on_start
         self._started = False
 
@@ -67,6 +79,49 @@ class ModuleSample:
             h.remove()
         self._fold()
         self._handles, self._seen, self._hooked, self._last, self._open = [], {}, {}, None, False
+        if self._wnames:
+            self._merge_weights()
+
+    def _read_weights(self) -> None:
+        """As a backward ends: each weight's gradient as .grad holds it, placed after its module's output-gradient
+        records of this backward (the group they share with the next module's input gradient included)."""
+        self._queued = False
+        after: dict[str, int] = {}  # module label -> the last record of its output gradient's group
+        names, grads = self.names, self.grads
+        for i in range(self._bstart, len(names)):
+            if names[i][2] == "output gradient":
+                j = i
+                while j + 1 < len(grads) and grads[j + 1] == grads[i]:
+                    j += 1
+                after.setdefault(names[i][0], j)
+        for name, label, p in self._weights:
+            g = p.grad
+            if g is None or not g.is_floating_point() or not g.numel() or g.is_sparse:
+                continue
+            self._wnames.append(name)
+            self._wvalues += torch.aminmax(g.detach())
+            self._wafter.append(after.get(label, len(names) - 1))
+
+    def _merge_weights(self) -> None:
+        """The weight-gradient records into execution order: names, groups (each its own, numbered by its first
+        record + 1, as every group is) and the stacked min and max."""
+        slots: dict[int, list[int]] = {}
+        for k, i in enumerate(self._wafter):
+            slots.setdefault(i, []).append(k)
+        n = len(self.names)
+        order = [j for i in range(-1, n) for j in ((i,) if i >= 0 else ()) + tuple(n + k for k in slots.get(i, ()))]
+        names = self.names + self._wnames
+        old = self.grads + [-1 - k for k in range(len(self._wnames))]  # (a weight record: a group of its own)
+        self.names, self.grads, renum = [], [], {}
+        for new_i, j in enumerate(order):
+            self.names.append(names[j])
+            g = old[j]
+            self.grads.append(None if g is None else renum.setdefault(g, new_i + 1))
+        dev = (self.values[0] if self.values else self._wvalues[0]).device
+        wv = torch.stack([v.to(dev) for v in self._wvalues])
+        mm = torch.cat([*self.values, wv]).view(-1, 2)
+        self.values = [mm[torch.tensor(order, device=dev)].reshape(-1)]
+        self._wnames, self._wvalues, self._wafter = [], [], []
 
     def _fold(self) -> None:
         if self._pending:
@@ -113,11 +168,15 @@ class ModuleSample:
         tensor: measured once, one group with the records before it."""
         if not self._open or not g.is_floating_point() or not g.numel():
             return  # (a hook on an activation kept past its step: no handle is kept to remove it)
+        if not self._queued and self._weights:  # this backward's first gradient: read the weights' as it ends
+            self._queued = True
+            self._bstart = len(self.names)
+            torch.autograd.Variable._execution_engine.queue_callback(self._read_weights)
         last = self._last
         if last is not None and last[0] is g:
             mm, group = last[1], last[2]
         else:
-            mm, group = tuple(torch.aminmax(g.detach())), len(self.names) + 1
+            mm, group = tuple(torch.aminmax(g.detach() if g.requires_grad else g)), len(self.names) + 1
             self._last = (g, mm, group)  # held, so that no other tensor takes its id meanwhile
         n = len(records)
         self.names += records
@@ -131,8 +190,6 @@ class ModuleSample:
         self._started = True
         if self._on_start is not None:
             self._on_start()
-        for name, p in self._weights:
-            self._handles.append(p.register_hook(functools.partial(self._bwd, (name,))))
 
     def _pre(self, mod, args) -> None:
         if not self._started:

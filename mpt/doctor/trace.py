@@ -26,6 +26,7 @@ FP16 = (torch.float16,)  # FP16 compute: the format whose gradients need a loss 
 LOW = (torch.float16, torch.bfloat16)  # the formats whose overflow first_overflow looks for
 
 _MAKES_VALUES: dict = {}
+_OP_NAMES: dict = {}  # an operation -> its record name ("aten.mul"), made once
 
 
 def _makes_values(func) -> bool:
@@ -94,12 +95,15 @@ class Trace(TorchDispatchMode):
         if module == OUTSIDE and not backward and not any(a.requires_grad for a in flat((args, kwargs))):
             return out  # outside the model, the loss's graph only (not a GradScaler's own bookkeeping)
         big = None
-        for t in flat(out):
+        op = _OP_NAMES.get(func)
+        if op is None:
+            op = _OP_NAMES[func] = str(func.overloadpacket)
+        for t in (out,) if isinstance(out, torch.Tensor) else flat(out):
             if t.is_floating_point() and t.numel():
                 self.fp16 |= t.dtype in FP16
                 # min and max in one pass (inf/nan propagate into them); |value| is taken on the host. On a
                 # CPU this is ~20x faster than linalg.vector_norm(t, inf).
-                self.names.append((module, "backward" if backward else "forward", str(func.overloadpacket)))
+                self.names.append((module, "backward" if backward else "forward", op))
                 self.values += torch.aminmax(t.detach())
                 self.low.append(t.dtype in LOW)
                 if self.inputs:

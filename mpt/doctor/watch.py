@@ -13,10 +13,11 @@ cannot go (their own data pipeline, schedule, checkpointing)::
     print("\\n".join(w.report()))
 
 Every `every`-th step is sampled at module granularity: hooks take the min and max of each module's inputs and
-outputs as the forward pass makes them, and of the gradients of its outputs, inputs and weights as the backward
-pass makes them, on the device, in execution order; at w.step() the sample is stacked and read in one host
-transfer. Every `trace_every`-th step (from step 0), and on the steps after a non-finite value, every operation
-of forward and backward is recorded instead, seen by a dispatch mode (about twice a step's time, paid only then).
+outputs as the forward pass makes them, and of the gradients of its outputs and inputs as the backward pass makes
+them (its weights' as each backward ends, placed where its backward began), on the device, in execution order; at
+w.step() the sample is stacked and read in one host transfer. Every `trace_every`-th step (from step 0), and on the
+steps after a non-finite value, every operation of forward and backward is recorded instead, seen by a dispatch
+mode (about twice a step's time, paid only then).
 The steps between cost a finiteness flag on the loss, kept on the device and read with the next sample.
 From the samples:
   - the run-up of each module's largest |value| (forward; gradients as the loop holds them, x S);
