@@ -308,7 +308,7 @@ KNOWN_RUN_NAMES = [
     ('wmt_translation', ['profile=tiny', 'precision=bf16_pure', 'rounding=stochastic'], 'nmt_lstm3-bf16_pure-s0-370b1f291c'),
     ('wmt_translation', ['profile=tiny', 'precision=bf16_pure'], 'nmt_lstm3-bf16_pure-s0-c2c3d0ed42'),
     ('deepspeech2', ['profile=tiny', 'model=english', 'precision=fp16_storage', 'width=0.05', 'task.window_ms=10',
-                     'task.hop_ms=10', 'train.batch_size=8', 'optim.lr=0.03', 'sched.warmup_epochs=0.5',
+                     'task.hop_ms=10', 'train.batch_size=8', 'train.epochs=6', 'train.eval_every_epochs=0.5', 'optim.lr=0.03', 'sched.warmup_epochs=0.5',
                      'task.bucket_batches=false'], 'english-fp16_storage-s0-3a4fb2915e'),
     ('voc_detection', ['profile=tiny', 'model=ssd300_vgg16', 'precision=mixed', 'loss_scale=8'],
      'ssd300_vgg16-mixed-s0-0e12b59517'),
