@@ -8,9 +8,9 @@ the simulation stays cheap enough to train with -- at most 2x FP32's step time f
 
     python -m experiments.speed_memory.formats_cost [models=resnet50_preact] [width=0.25] [batch=16]
         [size=96] [steps=10] [warmup=2] [rounds=2] [device=auto] [out=experiments/speed_memory/results] [tag=]
-        [fmt_compile=off]
+        [fmt_compile=eager]
 
-fmt_compile: off (the eager quantisers) | on (fmt.compile=true: mpt.fused's compiled chains) | both (each format
+fmt_compile: eager (the eager quantisers) | compiled (fmt.compile=true: mpt.fused's compiled chains) | both (each format
 eager and compiled in the same rounds, the compiled rows named <format>+compile). The compilation itself is timed
 apart (`compile_s`: one untimed step per format before the rounds, the kernels shared between formats), not in the
 step times.
@@ -29,7 +29,7 @@ from mpt.errors import UserError
 FORMATS = ("fp32", *precisions.FORMATS)
 GOALS = {n: precisions.BY_NAME[n].cost_goal for n in precisions.FORMATS}  # x FP32's step time; None: no goal
 DEFAULTS = {"models": "resnet50_preact", "width": 0.25, "batch": 16, "size": 96, "steps": 10, "warmup": 2,
-            "rounds": 2, "device": "auto", "out": "experiments/speed_memory/results", "tag": "", "fmt_compile": "off"}
+            "rounds": 2, "device": "auto", "out": "experiments/speed_memory/results", "tag": "", "fmt_compile": "eager"}
 COMPILED = "+compile"  # the suffix of a format's compiled row (fmt_compile=both)
 
 
@@ -44,10 +44,10 @@ def main(overrides: list[str]) -> dict:
     device = pick_device(o["device"])
     opts = {**BENCH, **o, "kernels": False, "channels_last": False, "compile": False, "half_math": "auto"}
     env = bench.environment(device)
-    if o["fmt_compile"] not in ("off", "on", "both"):
-        raise UserError(f"fmt_compile={o['fmt_compile']} is not one of off, on, both")
+    if o["fmt_compile"] not in ("eager", "compiled", "both"):
+        raise UserError(f"fmt_compile={o['fmt_compile']} is not one of eager, compiled, both")
     compiled = [f + COMPILED for f in FORMATS[1:]] if o["fmt_compile"] == "both" else []
-    cells = {f: o["fmt_compile"] == "on" and f != "fp32" for f in FORMATS} | {f: True for f in compiled}
+    cells = {f: o["fmt_compile"] == "compiled" and f != "fp32" for f in FORMATS} | {f: True for f in compiled}
     order = [*FORMATS, *compiled]
     compile_s = {}
     for model in names:  # the compilation, once, apart from the rounds
