@@ -163,7 +163,7 @@ class FmtCfg:
     keep_last: float | typing.Literal["preset"] = PRESET
     bf16_tail: float | typing.Literal["preset"] = PRESET
     # The quantisers' elementwise chains fused by torch.compile (mpt.fused): the same bits, a speed setting, not part of
-    # a run's identity. Off by default: compiling takes 30-80 s on a CPU (docs/beyond_the_paper.md), longer than a test
+    # a run's identity. Off by default: compiling takes 20-70 s on a CPU (docs/beyond_the_paper.md), longer than a test
     # or a smoke run; without a C++ compiler it says so on stderr and runs eager.
     compile: bool = infra(False)
 

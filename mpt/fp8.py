@@ -313,7 +313,9 @@ def block_quantize(t: torch.Tensor, f: formats.TensorFormat, axis: int = -1,
         blocks, dims = v.reshape(v.shape[0] // rb, rb, kk // b, b, post), (1, 3)
     else:
         blocks, dims = v.reshape(v.shape[0], kk // b, b, post), (2,)
-    amax = _abs_max(blocks, dims)  # nan or inf where the block holds one: a nan block (block_scale)
+    # nan or inf where the block holds one: a nan block (block_scale)
+    amax = fused.abs_max(blocks, dims, fallback=lambda: _abs_max(blocks, dims)) if fused.pays(blocks) else \
+        _abs_max(blocks, dims)
     if f.scale_rounding == "e4m3":  # NVFP4's two levels, in 16-element or 16x16 blocks
         q = _nvfp4(blocks, amax, f.element, generator)
     else:

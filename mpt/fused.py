@@ -2,15 +2,15 @@
 
 mpt.fp8's quantisers are chains of elementwise torch operations -- scale, clamp, the binade's spacing from the
 exponent bits, add and subtract the nearest-even constant, copy the sign, unscale -- each a pass over an
-activation-sized tensor, memory-bound on a CPU. Here each chain is one function that torch.compile (inductor, a
-C++ kernel on a CPU) turns into one loop: the same FP32 operations in the same order, so the same bits (checked
-as int32 against the eager chain in tests/test_fused.py) -- but for a NaN's sign and payload bits: a NaN stays a
-NaN in the same place, but which NaN comes out differs (inductor's min and max make every NaN 0x7fffffff; torch's
-own kernels keep one operand's NaN or the other's depending on whether the element falls in a vectorised
-stretch of the loop or its scalar tail, so their NaN's sign varies with the position even in eager). mpt.fp8 keeps
-its eager code as the reference: it takes every decision (which path, whether a tensor is finite) as before and
-calls in here only for the chain itself, and runs its own where compilation fails (no C++ compiler: one line on
-stderr, then eager).
+activation-sized tensor, memory-bound on a CPU, after a reduction of |x| per block. Here each chain (and the
+reduction) is one function that torch.compile (inductor, a C++ kernel on a CPU) turns into one loop: the same FP32
+operations in the same order, so the same bits (checked as int32 against the eager chain in tests/test_fused.py) --
+but for a NaN's sign and payload bits: a NaN stays a NaN in the same place, but which NaN comes out differs
+(inductor's min and max make every NaN 0x7fffffff; torch's own kernels keep one operand's NaN or the other's
+depending on whether the element falls in a vectorised stretch of the loop or its scalar tail, so their NaN's sign
+varies with the position even in eager). mpt.fp8 keeps its eager code as the reference: it takes every decision
+(which path, whether a tensor is finite) as before and calls in here only for the chain itself, and runs its own
+where compilation fails (no C++ compiler: one line on stderr, then eager).
 
 Compiled with dynamic shapes: one compilation per kernel and tensor rank (and size-1 axes), not per shape.
 The format's constants are 0-dim tensors, not Python numbers, for the same reason (a number is a guard)."""
@@ -101,7 +101,14 @@ def _sr_mul(blocks, s, r, bits, top, lo, m):
     return _sr(blocks * s, bits, top, lo, m) * r
 
 
-_KERNELS = {"tensor": _tensor, "block_div": _block_div, "block_mul": _block_mul, "sr_div": _sr_div, "sr_mul": _sr_mul}
+def _abs_max(t, dims):
+    """mpt.fp8._abs_max over `dims`: amax(|t|), the reduced axes kept -- one reading pass, no |t| in memory (a max is
+    exact in any order; a NaN in a block makes its amax a NaN, as torch's does)."""
+    return t.abs().amax(dim=dims, keepdim=True)
+
+
+_KERNELS = {"tensor": _tensor, "block_div": _block_div, "block_mul": _block_mul, "sr_div": _sr_div, "sr_mul": _sr_mul,
+            "abs_max": _abs_max}
 
 
 @functools.cache
@@ -120,6 +127,15 @@ def call(kind: str, fmt: str, *tensors, fallback):
         args += [top, lo, torch.tensor(2.0 ** -formats.ELEMENTS[fmt].mantissa_bits, device=top.device)]
     else:
         args += [top, lo, c]
+    return _run(kind, args, fallback)
+
+
+def abs_max(t: torch.Tensor, dims: tuple[int, ...], fallback):
+    """The blocks' amax(|t|) over `dims` (mpt.fp8._abs_max), fused; `fallback()` where compiling fails."""
+    return _run("abs_max", (t, dims), fallback)
+
+
+def _run(kind: str, args, fallback):
     try:
         return _compiled(kind)(*args)
     except Exception as e:  # noqa: BLE001 -- no C++ compiler, an unsupported platform: the eager chain is the same bits
