@@ -162,6 +162,10 @@ class FmtCfg:
     # The last fraction of the weight-bearing layers kept in BF16; the last fraction of the steps in BF16.
     keep_last: float | typing.Literal["preset"] = PRESET
     bf16_tail: float | typing.Literal["preset"] = PRESET
+    # The quantisers' elementwise chains fused by torch.compile (mpt.fused): the same bits, a speed setting, not part of
+    # a run's identity. Off by default: compiling takes 20-70 s on a CPU (docs/beyond_the_paper.md), longer than a test
+    # or a smoke run; without a C++ compiler it says so on stderr and runs eager.
+    compile: bool = infra(False)
 
 
 @dataclass

@@ -31,6 +31,9 @@ and every layer whose output reaches no other layer (a classifier, each of a det
 convolutions). A recipe's keep_last (mpt.formats.FormatRecipe) keeps the last of the layers in the order of
 that probe's calls in BF16 too (FP8State.kept_last); its bf16_tail puts every product on BF16 operands for the
 last steps (FP8State.wide, set per iteration by mpt.precision.BF16Tail).
+
+With fmt.compile=true the rounding chains of fp8_quantize, block_quantize and _nvfp4 (scale, round, unscale) run as
+one compiled loop each on a CPU (mpt.fused), the same bits; the decisions around them stay here, in eager code.
 """
 from __future__ import annotations
 
@@ -44,7 +47,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from mpt import formats
+from mpt import formats, fused
 from mpt import torch_private as TP
 from mpt.errors import UserError
 from mpt.half_math import float_tensors, map_tensors, ops_of
@@ -63,6 +66,9 @@ def fp8_quantize(x: torch.Tensor, fmt: str, scale=1.0, generator: torch.Generato
     if generator is None and (_by_spacing(fmt) or _add_sub_finite(formats.ELEMENTS[fmt]) and _finite_on_cpu(x, scale)):
         # y is ours: rounded and unscaled in place (E5M2 too where x * scale has no inf to keep: its cast, the isinf
         # and the where cost a CPU twice the arithmetic, for the same bits)
+        if isinstance(scale, torch.Tensor) and fused.pays(x):
+            return fused.call("tensor", fmt, x, scale,
+                              fallback=lambda: _round_in_place(x.float() * scale, fmt, sign=x).div_(scale))
         return _round_in_place(x.float() * scale, fmt, sign=x).div_(scale)
     y = x.float() * scale
     q = round_to(y, fmt, generator)
@@ -307,18 +313,21 @@ def block_quantize(t: torch.Tensor, f: formats.TensorFormat, axis: int = -1,
         blocks, dims = v.reshape(v.shape[0] // rb, rb, kk // b, b, post), (1, 3)
     else:
         blocks, dims = v.reshape(v.shape[0], kk // b, b, post), (2,)
-    amax = _abs_max(blocks, dims)  # nan or inf where the block holds one: a nan block (block_scale)
+    # nan or inf where the block holds one: a nan block (block_scale)
+    amax = fused.abs_max(blocks, dims, fallback=lambda: _abs_max(blocks, dims)) if fused.pays(blocks) else \
+        _abs_max(blocks, dims)
     if f.scale_rounding == "e4m3":  # NVFP4's two levels, in 16-element or 16x16 blocks
         q = _nvfp4(blocks, amax, f.element, generator)
     else:
         s = block_scale(amax, f.element, f.scale_rounding)
-        y = blocks * s
-        if generator is None and _by_spacing(f.element):
-            q = _round_in_place(y, f.element, sign=blocks)
-        else:
-            q = round_to(y, f.element, generator)
         # A power-of-2 scale's reciprocal is exact (2^-127 .. 2^127): a multiplication, cheaper than x / s.
-        q = q.div_(s) if f.scale_rounding == "exact" else q.mul_(s.reciprocal_())
+        back = "div" if f.scale_rounding == "exact" else "mul"
+        if _by_spacing(f.element) and fused.pays(blocks, s):  # the same chain in one pass
+            bits, again = _drawn(blocks, generator) if generator is not None else (None, lambda: None)
+            q = fused.call(f"block_{back}", f.element, blocks, s, s if back == "div" else s.reciprocal(), bits,
+                           fallback=lambda: _block_round(blocks, s, f.element, back, again()))
+        else:
+            q = _block_round(blocks, s, f.element, back, generator)
     q = q.reshape(v.shape)
     if f.hadamard:
         q = torch.einsum("pjiq,ci->pjcq", q.reshape(q.shape[0], kk // 16, 16, post),
@@ -327,6 +336,25 @@ def block_quantize(t: torch.Tensor, f: formats.TensorFormat, axis: int = -1,
     if pad or rpad:
         q = q[:pre, :k]
     return q.reshape(shape)
+
+
+def _drawn(t: torch.Tensor, generator: torch.Generator):
+    """Stochastic rounding's random bits for t (_sr_bits), drawn before the fused chain that reads them, and a
+    function that puts the generator back and returns it (the eager chain, where the fused one cannot run, draws
+    the same bits again)."""
+    state = generator.get_state()
+    bits = _sr_bits(t.shape, generator, t.device)
+    return bits, lambda: (generator.set_state(state), generator)[1]
+
+
+def _block_round(blocks, s, fmt, back, generator):
+    """blocks x s rounded to `fmt` and unscaled: divided by s (`back`="div") or multiplied by its reciprocal ("mul")."""
+    y = blocks * s
+    if generator is None and _by_spacing(fmt):
+        q = _round_in_place(y, fmt, sign=blocks)
+    else:
+        q = round_to(y, fmt, generator)
+    return q.div_(s) if back == "div" else q.mul_(s.reciprocal_())
 
 
 def _nvfp4(blocks, amax, fmt, generator):
@@ -348,13 +376,19 @@ def _nvfp4(blocks, amax, fmt, generator):
     s = round_to((amax / top / g).clamp(e4m3.min_normal, e4m3.max), "e4m3")
     # A multiplication by (1 / g) / s, not a division by s x g: torchao's (and its kernels') arithmetic, bit for bit.
     k = (1.0 / g) / s
-    y = blocks * k
     # Rounded in place on y, its own temporary (round_to copies it), where y's signs are the blocks': every k
     # positive and finite (not so for a nan tensor, nor where g is so small that 1 / g / s overflows; read on a CPU
     # only, where reading it costs no device sync).
-    if generator is None and _by_spacing(fmt) and y.device.type == "cpu" and bool(torch.isfinite(k).all()):
-        return _round_in_place(y, fmt, sign=blocks).mul_(s * g)
-    return round_to(y, fmt, generator).mul_(s * g)
+    if generator is None and _by_spacing(fmt) and blocks.device.type == "cpu" and bool(torch.isfinite(k).all()):
+        if fused.pays(blocks, k):  # the same chain in one pass
+            return fused.call("block_mul", fmt, blocks, k, s * g, None,
+                              fallback=lambda: _round_in_place(blocks * k, fmt, sign=blocks).mul_(s * g))
+        return _round_in_place(blocks * k, fmt, sign=blocks).mul_(s * g)
+    if generator is not None and _by_spacing(fmt) and fused.pays(blocks, k):
+        bits, again = _drawn(blocks, generator)
+        return fused.call("block_mul", fmt, blocks, k, s * g, bits,
+                          fallback=lambda: round_to(blocks * k, fmt, again()).mul_(s * g))
+    return round_to(blocks * k, fmt, generator).mul_(s * g)
 
 
 def accumulate_linear(x: torch.Tensor, w: torch.Tensor, fmt: str) -> torch.Tensor:

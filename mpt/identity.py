@@ -87,8 +87,9 @@ def added_keys(cfg) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def _defaults(section: type) -> dict:
-    # asdict of a section with nested ones costs more than the rest of cell_id: once per class.
-    return dataclasses.asdict(section())
+    # asdict of a section with nested ones costs more than the rest of cell_id: once per class. Without its infra
+    # keys (fmt.compile), as strip_infra leaves the config's section.
+    return strip_infra(section())
 
 
 def config_difference(stored: dict, cfg) -> str | None:

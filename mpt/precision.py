@@ -26,7 +26,7 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
-from mpt import formats, precisions
+from mpt import formats, fused, precisions
 from mpt import torch_private as TP
 from mpt.bands import first_nonfinite
 from mpt.errors import UserError
@@ -686,6 +686,7 @@ class FP8(Recipe):
 
     @classmethod
     def from_config(cls, cfg, device):
+        fused.enable(cfg.fmt.compile)
         return cls(device, cfg.fp8, cfg.impl, cfg.precision, cfg.seed, precisions.format_recipe(cfg))
 
     def observers(self, total_steps: int) -> tuple:

@@ -287,6 +287,8 @@ def _set_keys(fmt_cfg) -> list[str]:
     """The fmt.* keys a config sets (not at `preset`), as key=value, in the section's order."""
     out = []
     for f in dataclasses.fields(fmt_cfg):
+        if f.metadata.get("infra"):  # fmt.compile: how the recipe runs, not what it is
+            continue
         v = getattr(fmt_cfg, f.name)
         if dataclasses.is_dataclass(v):
             out += [f"fmt.{f.name}.{k.name}={_show(getattr(v, k.name))}" for k in dataclasses.fields(v)

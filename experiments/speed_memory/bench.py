@@ -337,7 +337,7 @@ def config_for(wl: Workload, model: str, precision: str, impl: str | None, o: di
         f"half_math={o.get('half_math', 'auto')}",
         f"impl={impl or 'autocast'}", f"tf32={'true' if row.tf32 else 'false'}",
         f"width={o['width']}", f"train.batch_size={o['batch']}", f"channels_last={str(o['channels_last']).lower()}",
-        f"device={device}", "wandb.mode=disabled"])
+        f"device={device}", "wandb.mode=disabled", f"fmt.compile={'true' if o.get('fmt_compile') else 'false'}"])
 
 
 def skip_reason(precision: str, device: torch.device) -> str | None:

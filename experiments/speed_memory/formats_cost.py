@@ -8,6 +8,12 @@ the simulation stays cheap enough to train with -- at most 2x FP32's step time f
 
     python -m experiments.speed_memory.formats_cost [models=resnet50_preact] [width=0.25] [batch=16]
         [size=96] [steps=10] [warmup=2] [rounds=2] [device=auto] [out=experiments/speed_memory/results] [tag=]
+        [fmt_compile=eager]
+
+fmt_compile: eager (the eager quantisers) | compiled (fmt.compile=true: mpt.fused's compiled chains) | both (each format
+eager and compiled in the same rounds, the compiled rows named <format>+compile). The compilation itself is timed
+apart (`compile_s`: one untimed step per format before the rounds, the kernels shared between formats), not in the
+step times.
 """
 from __future__ import annotations
 
@@ -15,13 +21,16 @@ import json
 import pathlib
 import shlex
 import sys
+import time
 
 from mpt import precisions
+from mpt.errors import UserError
 
 FORMATS = ("fp32", *precisions.FORMATS)
 GOALS = {n: precisions.BY_NAME[n].cost_goal for n in precisions.FORMATS}  # x FP32's step time; None: no goal
 DEFAULTS = {"models": "resnet50_preact", "width": 0.25, "batch": 16, "size": 96, "steps": 10, "warmup": 2,
-            "rounds": 2, "device": "auto", "out": "experiments/speed_memory/results", "tag": ""}
+            "rounds": 2, "device": "auto", "out": "experiments/speed_memory/results", "tag": "", "fmt_compile": "eager"}
+COMPILED = "+compile"  # the suffix of a format's compiled row (fmt_compile=both)
 
 
 def main(overrides: list[str]) -> dict:
@@ -35,29 +44,43 @@ def main(overrides: list[str]) -> dict:
     device = pick_device(o["device"])
     opts = {**BENCH, **o, "kernels": False, "channels_last": False, "compile": False, "half_math": "auto"}
     env = bench.environment(device)
+    if o["fmt_compile"] not in ("eager", "compiled", "both"):
+        raise UserError(f"fmt_compile={o['fmt_compile']} is not one of eager, compiled, both")
+    compiled = [f + COMPILED for f in FORMATS[1:]] if o["fmt_compile"] == "both" else []
+    cells = {f: o["fmt_compile"] == "compiled" and f != "fp32" for f in FORMATS} | {f: True for f in compiled}
+    order = [*FORMATS, *compiled]
+    compile_s = {}
+    for model in names:  # the compilation, once, apart from the rounds
+        for prec, on in cells.items():
+            if on:
+                fmt, t0 = prec.removesuffix(COMPILED), time.perf_counter()
+                bench.measure(model, fmt, None, {**opts, "fmt_compile": True, "steps": 0, "warmup": 1}, device)
+                compile_s[fmt] = round(time.perf_counter() - t0, 1)
+                print(f"{model} {prec}: compiled and one step in {compile_s[fmt]} s", file=sys.stderr, flush=True)
     # Rounds, the order reversed every other one: on a shared machine the load drifts, and each format's
     # fastest round (its least disturbed) is the one compared.
     every, rows = [], []
     for model in names:
         for k in range(o["rounds"]):
-            for prec in (FORMATS if k % 2 == 0 else FORMATS[::-1]):
-                row = bench.measure(model, prec, None, opts, device)
+            for prec in (order if k % 2 == 0 else order[::-1]):
+                row = bench.measure(model, prec.removesuffix(COMPILED), None, {**opts, "fmt_compile": cells[prec]}, device)
+                row = {**row, "precision": prec, "fmt_compile": cells[prec]}
                 every.append({**row, "round": k})
                 print(f"{model} {prec} round {k}: {row['status']} {_median(row)} ms/step", file=sys.stderr, flush=True)
-        for prec in FORMATS:
+        for prec in order:
             mine = [r for r in every if r["model"] == model and r["precision"] == prec]
             rows.append(min(mine, key=lambda r: _median(r) or float("inf")))
     ratios = []
     for model in names:
         base = _median(next(r for r in rows if r["model"] == model and r["precision"] == "fp32"))
         for r in rows:
-            if r["model"] == model and r["precision"] in GOALS and base and _median(r):
-                x, goal = _median(r) / base, GOALS[r["precision"]]  # every format, a goal or none
+            if r["model"] == model and r["precision"].removesuffix(COMPILED) in GOALS and base and _median(r):
+                x, goal = _median(r) / base, GOALS[r["precision"].removesuffix(COMPILED)]  # every format, a goal or none
                 ratios.append({"model": model, "precision": r["precision"], "ratio": x, "goal": goal,
                                "meets_goal": None if goal is None else x <= goal})
     result = {"command": "python -m experiments.speed_memory.formats_cost " + shlex.join(overrides),
               "date": now(), "env": env, "options": {**o, "device": str(device)}, "data": bench.DATA_NOTE,
-              "rows": rows, "ratios": ratios, "every_round": every}
+              "rows": rows, "ratios": ratios, "compile_s": compile_s, "every_round": every}
     name = f"{bench.device_slug(env)}-{result['date'][:10]}-formats" + (f"-{o['tag']}" if o["tag"] else "")
     out = pathlib.Path(o["out"])
     out.mkdir(parents=True, exist_ok=True)
@@ -72,6 +95,9 @@ def main(overrides: list[str]) -> dict:
                      + (f"{q['ratio']:.2f} | " + (f"{q['goal']:g}x | {'yes' if q['meets_goal'] else 'NO'} |"
                                                    if q["goal"] is not None else "none set | - |") if q
                         else "1.00 | | |"))
+    if compile_s:
+        lines += ["", "fmt.compile's compilation and one untimed step, per format, before the rounds (s): "
+                  + ", ".join(f"{k} {v}" for k, v in compile_s.items())]
     atomic_write_text(out / f"{name}.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
     return result

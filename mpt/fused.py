@@ -1,0 +1,145 @@
+"""The simulated formats' rounding chains fused into one pass each by torch.compile (fmt.compile; beyond the paper).
+
+mpt.fp8's quantisers are chains of elementwise torch operations -- scale, clamp, the binade's spacing from the
+exponent bits, add and subtract the nearest-even constant, copy the sign, unscale -- each a pass over an
+activation-sized tensor, memory-bound on a CPU, after a reduction of |x| per block. Here each chain (and the
+reduction) is one function that torch.compile (inductor, a C++ kernel on a CPU) turns into one loop: the same FP32
+operations in the same order, so the same bits (checked as int32 against the eager chain in tests/test_fused.py) --
+but for a NaN's sign and payload bits: a NaN stays a NaN in the same place, but which NaN comes out differs
+(inductor's min and max make every NaN 0x7fffffff; torch's own kernels keep one operand's NaN or the other's
+depending on whether the element falls in a vectorised stretch of the loop or its scalar tail, so their NaN's sign
+varies with the position even in eager). mpt.fp8 keeps its eager code as the reference: it takes every decision
+(which path, whether a tensor is finite) as before and calls in here only for the chain itself, and runs its own
+where compilation fails (no C++ compiler: one line on stderr, then eager).
+
+Compiled with dynamic shapes: one compilation per kernel and tensor rank (and size-1 axes), not per shape.
+The format's constants are 0-dim tensors, not Python numbers, for the same reason (a number is a guard)."""
+from __future__ import annotations
+
+import functools
+import sys
+
+import torch
+
+from mpt import formats
+
+_STATE = {"on": False, "failed": False}
+
+
+def enable(on: bool) -> None:
+    """Turn the fused quantisers on or off (mpt.precision sets it from fmt.compile)."""
+    _STATE["on"] = bool(on)
+    if on:
+        # Each kernel is compiled once per rank and size-1 axes of its blocks (a linear layer's and a convolution's
+        # differ): more than dynamo's default number of versions per function.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+
+
+def on() -> bool:
+    return _STATE["on"] and not _STATE["failed"]
+
+
+# Where the fused kernel pays (measured on a CPU, ResNet-50's shapes at width 0.25): a compiled call costs ~40 us
+# before its loop starts, more than a chain of small tensors' passes (a 3x3 convolution's weight, a linear layer's
+# input of 8k values), and inductor's loop runs along the last axis, slow where that axis is short and its scale
+# varies along it (a 3x3 kernel's 9 positions after the channel axis; the eager kernels handle that better).
+_LEAST = 1 << 16  # values
+_SHORT = 64  # a last axis shorter than this (but 1) with a scale varying along it: eager
+
+
+def pays(t: torch.Tensor, s: torch.Tensor | None = None) -> bool:
+    """The fused chain is on and faster than the eager one for `t` scaled by `s` (broadcast to t's shape). CPU only: a
+    GPU's compiled kernels (Triton) are not checked bit for bit against the eager chain here."""
+    if not on() or t.device.type != "cpu" or t.numel() < _LEAST:
+        return False
+    last = t.shape[-1] if t.dim() else 1
+    return s is None or s.dim() == 0 or s.shape[-1] == 1 or last == 1 or last >= _SHORT
+
+
+@functools.cache
+def _constants(fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(largest value, smallest spacing's binade 2^emin, 1.5 x 2^(23 - mantissa bits)) of `fmt`, as 0-dim FP32 tensors
+    (all exact in FP32): the numbers mpt.fp8._round_in_place computes with."""
+    e = formats.ELEMENTS[fmt]
+    return (torch.tensor(float(e.max)), torch.tensor(2.0 ** e.emin), torch.tensor(1.5 * 2.0 ** (23 - e.mantissa_bits)))
+
+
+def _nearest(y, sign, lo, c):
+    """mpt.fp8._round_in_place on a saturated y: the nearest-even multiple of its binade's spacing, signed by `sign`."""
+    cc = torch.bitwise_and(y.view(torch.int32), 0x7F800000).view(torch.float32).clamp_min(lo) * c
+    return (y + cc - cc).copysign(sign)
+
+
+def _tensor(x, scale, top, lo, c):
+    """fp8_quantize's nearest chain: x x scale saturated, rounded, signed by x, / scale."""
+    y = (x.float() * scale).clamp(-top, top)
+    return _nearest(y, x, lo, c) / scale
+
+
+def _block_div(blocks, s, r, top, lo, c):
+    return _nearest((blocks * s).clamp(-top, top), blocks, lo, c) / r
+
+
+def _block_mul(blocks, s, r, top, lo, c):
+    return _nearest((blocks * s).clamp(-top, top), blocks, lo, c) * r
+
+
+def _sr(y, bits, top, lo, m):
+    """mpt.fp8.round_by_spacing's stochastic branch on its drawn bits (mpt.fp8._sr_bits): floor(|y| / u + U) x u,
+    signed by y."""
+    xc = y.clamp(-top, top)
+    u = torch.bitwise_and(xc.view(torch.int32), 0x7F800000).view(torch.float32).clamp_min(lo) * m
+    q = (xc.abs() / u + bits * (2.0 ** -formats.SR_BITS)) + (0.5 + 2.0 ** -(formats.SR_BITS + 1))
+    return (q.floor() * u).copysign(y)
+
+
+def _sr_div(blocks, s, r, bits, top, lo, m):
+    return _sr(blocks * s, bits, top, lo, m) / r
+
+
+def _sr_mul(blocks, s, r, bits, top, lo, m):
+    return _sr(blocks * s, bits, top, lo, m) * r
+
+
+def _abs_max(t, dims):
+    """mpt.fp8._abs_max over `dims`: amax(|t|), the reduced axes kept -- one reading pass, no |t| in memory (a max is
+    exact in any order; a NaN in a block makes its amax a NaN, as torch's does)."""
+    return t.abs().amax(dim=dims, keepdim=True)
+
+
+_KERNELS = {"tensor": _tensor, "block_div": _block_div, "block_mul": _block_mul, "sr_div": _sr_div, "sr_mul": _sr_mul,
+            "abs_max": _abs_max}
+
+
+@functools.cache
+def _compiled(kind: str):
+    return torch.compile(_KERNELS[kind], dynamic=True)
+
+
+def call(kind: str, fmt: str, *tensors, fallback):
+    """The fused `kind` of mpt.fp8's chains for element format `fmt` on `tensors` (a None bits: round to nearest);
+    `fallback()`, the eager chain, where compiling fails -- once, said on stderr, and eager from then on."""
+    top, lo, c = (t.to(tensors[0].device) for t in _constants(fmt))
+    args = [t for t in tensors if t is not None]
+    if kind.startswith("block") and tensors[-1] is not None:  # drawn bits: the stochastic kernel
+        kind = "sr" + kind[len("block"):]
+    if kind.startswith("sr"):
+        args += [top, lo, torch.tensor(2.0 ** -formats.ELEMENTS[fmt].mantissa_bits, device=top.device)]
+    else:
+        args += [top, lo, c]
+    return _run(kind, args, fallback)
+
+
+def abs_max(t: torch.Tensor, dims: tuple[int, ...], fallback):
+    """The blocks' amax(|t|) over `dims` (mpt.fp8._abs_max), fused; `fallback()` where compiling fails."""
+    return _run("abs_max", (t, dims), fallback)
+
+
+def _run(kind: str, args, fallback):
+    try:
+        return _compiled(kind)(*args)
+    except Exception as e:  # noqa: BLE001 -- no C++ compiler, an unsupported platform: the eager chain is the same bits
+        _STATE["failed"] = True
+        print(f"fmt.compile: torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
+              f"the quantisers run eager (the same bits, slower)", file=sys.stderr)
+        return fallback()
