@@ -66,10 +66,11 @@ def fp8_quantize(x: torch.Tensor, fmt: str, scale=1.0, generator: torch.Generato
     if generator is None and (_by_spacing(fmt) or _add_sub_finite(formats.ELEMENTS[fmt]) and _finite_on_cpu(x, scale)):
         # y is ours: rounded and unscaled in place (E5M2 too where x * scale has no inf to keep: its cast, the isinf
         # and the where cost a CPU twice the arithmetic, for the same bits)
+        def eager():
+            return _round_in_place(x.float() * scale, fmt, sign=x).div_(scale)
         if isinstance(scale, torch.Tensor) and fused.pays(x):
-            return fused.call("tensor", fmt, x, scale,
-                              fallback=lambda: _round_in_place(x.float() * scale, fmt, sign=x).div_(scale))
-        return _round_in_place(x.float() * scale, fmt, sign=x).div_(scale)
+            return fused.call("tensor", fmt, x, scale, fallback=eager)
+        return eager()
     y = x.float() * scale
     q = round_to(y, fmt, generator)
     if fmt == "e5m2":  # the FP8 format with an inf keeps an input's inf (the module docstring)
@@ -107,22 +108,18 @@ def round_by_spacing(x: torch.Tensor, fmt: str, generator: torch.Generator | Non
         q = (xc / u).add_(1.5 * 2.0 ** 23).sub_(1.5 * 2.0 ** 23).mul_(u)
     else:  # floor(|x| / u + U), U uniform in (0, 1): up with probability the distance from the value below
         r = xc.abs_().div_(u)  # xc is ours
-        q = r.add_(_sr_bits(r.shape, generator, r.device), alpha=2.0 ** -SR_BITS).add_(0.5 + 2.0 ** -(SR_BITS + 1))
+        bits = formats.SR_BITS
+        q = r.add_(_sr_bits(r.shape, generator, r.device), alpha=2.0 ** -bits).add_(0.5 + 2.0 ** -(bits + 1))
         q = q.floor_().mul_(u)
     return q.copysign_(x.float())
 
 
-# Stochastic rounding's random bits per value (formats.SR_BITS, 16). U = (k + 1/2) / 2^16 for a uniform 16-bit k:
-# the probability of rounding up is the distance from the value below rounded to a multiple of 2^-16 of the
-# spacing, so the rounding is unbiased to within 2^-17 of a spacing (hardware stochastic rounding draws a few
-# random bits per value too). Four values to one 64-bit draw: the draws cost a CPU a quarter of torch.rand's
-# 32-bit draw per value.
-SR_BITS = formats.SR_BITS
-
-
 def _sr_bits(shape, generator: torch.Generator, device) -> torch.Tensor:
-    """k - 2^15 for a uniform random 16-bit k, one per element of `shape`, as FP32: the signed 16-bit halves of
-    uniform random 64-bit words."""
+    """k - 2^15 for a uniform random 16-bit k (formats.SR_BITS), one per element of `shape`, as FP32: the signed
+    16-bit halves of uniform random 64-bit words. With U = (k + 1/2) / 2^16 the probability of rounding up is the
+    distance from the value below rounded to a multiple of 2^-16 of the spacing, so the rounding is unbiased to
+    within 2^-17 of a spacing (hardware stochastic rounding draws a few random bits per value too); four values to
+    one 64-bit draw cost a CPU a quarter of torch.rand's 32-bit draw per value."""
     n = math.prod(shape)
     words = torch.empty((n + 3) // 4, dtype=torch.int64, device=device).random_(-2 ** 63, None, generator=generator)
     return words.view(torch.int16)[:n].view(shape).float()
@@ -380,10 +377,11 @@ def _nvfp4(blocks, amax, fmt, generator):
     # positive and finite (not so for a nan tensor, nor where g is so small that 1 / g / s overflows; read on a CPU
     # only, where reading it costs no device sync).
     if generator is None and _by_spacing(fmt) and blocks.device.type == "cpu" and bool(torch.isfinite(k).all()):
+        def eager():
+            return _round_in_place(blocks * k, fmt, sign=blocks).mul_(s * g)
         if fused.pays(blocks, k):  # the same chain in one pass
-            return fused.call("block_mul", fmt, blocks, k, s * g, None,
-                              fallback=lambda: _round_in_place(blocks * k, fmt, sign=blocks).mul_(s * g))
-        return _round_in_place(blocks * k, fmt, sign=blocks).mul_(s * g)
+            return fused.call("block_mul", fmt, blocks, k, s * g, None, fallback=eager)
+        return eager()
     if generator is not None and _by_spacing(fmt) and fused.pays(blocks, k):
         bits, again = _drawn(blocks, generator)
         return fused.call("block_mul", fmt, blocks, k, s * g, bits,
