@@ -74,8 +74,9 @@ def main(overrides: list[str]) -> dict:
     for model in names:
         base = _median(next(r for r in rows if r["model"] == model and r["precision"] == "fp32"))
         for r in rows:
-            if r["model"] == model and r["precision"].removesuffix(COMPILED) in GOALS and base and _median(r):
-                x, goal = _median(r) / base, GOALS[r["precision"].removesuffix(COMPILED)]  # every format, a goal or none
+            fmt = r["precision"].removesuffix(COMPILED)
+            if r["model"] == model and fmt in GOALS and base and _median(r):
+                x, goal = _median(r) / base, GOALS[fmt]  # every format, a goal or none
                 ratios.append({"model": model, "precision": r["precision"], "ratio": x, "goal": goal,
                                "meets_goal": None if goal is None else x <= goal})
     result = {"command": "python -m experiments.speed_memory.formats_cost " + shlex.join(overrides),
