@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import re
 import shlex
 import statistics
 import sys
@@ -26,6 +25,7 @@ import time
 
 import torch
 
+from experiments.speed_memory.loader import slug  # results named as the loader benchmark names them
 from mpt.config_parse import parse_options
 from mpt.doctor.targets import load
 from mpt.doctor.watch import watch
@@ -157,8 +157,7 @@ def main(argv=None) -> list[dict]:
               flush=True)
     result = {"command": "OMP_NUM_THREADS=1 python -m experiments.speed_memory.watch_overhead "
                          + shlex.join(argv or []), "date": now(), "cpu": cpu, "threads": 1, "models": out}
-    slug = re.sub(r"[^a-z0-9]+", "-", cpu.lower()).strip("-")
-    path = pathlib.Path(o["out"]) / (f"cpu-{slug}-{result['date'][:10]}-watch_overhead"
+    path = pathlib.Path(o["out"]) / (f"cpu-{slug(cpu)}-{result['date'][:10]}-watch_overhead"
                                      + (f"-{o['tag']}" if o["tag"] else "") + ".json")
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(result, indent=1) + "\n")
