@@ -67,7 +67,9 @@ class ModuleSample:
                          for p in ws]
         self._wnames: list[tuple] = []  # the weight-gradient records read so far, in turn
         self._wvalues: list[torch.Tensor] = []  # their min and max (0-dim tensors)
-        self._wafter: list[int] = []  # per weight record: the index in `names` it follows (-1: at the end)
+        # per weight record: the index in `names` it follows (its module's output-gradient group's last record, else
+        # the last record made by then; -1 where there was none)
+        self._wafter: list[int] = []
         self._queued = False  # this backward's weight-gradient read is queued
         self._bstart = 0  # the first record of this backward
         # (on_start's work waits for the step's forward: a sample begun as a loop ends costs two hooks)
@@ -109,7 +111,9 @@ class ModuleSample:
         for k, i in enumerate(self._wafter):
             slots.setdefault(i, []).append(k)
         n = len(self.names)
-        order = [j for i in range(-1, n) for j in ((i,) if i >= 0 else ()) + tuple(n + k for k in slots.get(i, ()))]
+        order = [n + k for k in slots.get(-1, ())]  # (index n + k: the k-th weight record)
+        for i in range(n):
+            order += [i, *(n + k for k in slots.get(i, ()))]
         names = self.names + self._wnames
         old = self.grads + [-1 - k for k in range(len(self._wnames))]  # (a weight record: a group of its own)
         self.names, self.grads, renum = [], [], {}
