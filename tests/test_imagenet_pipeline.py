@@ -184,3 +184,52 @@ def test_the_gpu_decodes_batch_passes_a_cpu_loaders_pinning_unchanged(photos):
     for x, y in loader:
         out = x if isinstance(x, torch.Tensor) else decode_on_device(x, torch.device("cpu"))
         assert out.shape == (2, 3, 224, 224) and out.dtype == torch.uint8
+
+
+def test_the_crop_draws_are_torchvisions():
+    """The pipeline's own RandomResizedCrop and RandomCrop draws give torchvision's get_params answers
+    from the same generator state, and leave the generator where torchvision leaves it -- over ILSVRC's
+    sizes and shapes that miss ten times (torchvision's centre-crop fallback)."""
+    sizes = [(375, 500), (500, 375), (750, 1000), (333, 500), (256, 256), (224, 224), (1, 1), (2, 900), (900, 3),
+             (40, 4000), (4000, 40), (300, 301)]
+    for h, w in sizes:
+        img = torch.empty(1, 1, 1).expand(3, h, w)
+        for seed in range(300):
+            torch.manual_seed(seed)
+            want = T.RandomResizedCrop.get_params(img, (0.08, 1.0), (3 / 4, 4 / 3))
+            after_want = torch.rand(2)
+            torch.manual_seed(seed)
+            got = pipeline._resized_crop(h, w)
+            assert got == want and torch.equal(torch.rand(2), after_want), (h, w, seed)
+            if min(h, w) >= 224:
+                torch.manual_seed(seed)
+                want = T.RandomCrop.get_params(img, (224, 224))[:2]
+                after_want = torch.rand(2)
+                torch.manual_seed(seed)
+                assert pipeline._random_crop(h, w, 224) == want and torch.equal(torch.rand(2), after_want)
+
+
+@pytest.mark.parametrize("kind", ["baseline", "progressive", "grey", "444", "cmyk", "png"])
+def test_rgb_tensor_gives_pils_pixels(kind):
+    """data_prep.archives.rgb_tensor (simplejpeg, else torchvision's decoder, else PIL) gives the RGB
+    pixels PIL gives, as a (3, H, W) uint8 tensor, for every kind of file an ILSVRC or VOC folder holds."""
+    from data_prep.archives import rgb_tensor
+    from torchvision.transforms.functional import pil_to_tensor
+
+    img = Image.open(io.BytesIO(_photo(123, 77, 0)))
+    buf = io.BytesIO()
+    if kind == "png":
+        img.save(buf, "PNG")
+    elif kind == "grey":
+        img.convert("L").save(buf, "JPEG", quality=90)
+    elif kind == "cmyk":
+        img.convert("CMYK").save(buf, "JPEG", quality=90)
+    else:
+        img.save(buf, "JPEG", quality=90, progressive=kind == "progressive", subsampling=0 if kind == "444" else -1)
+    got = rgb_tensor(buf.getvalue())
+    want = pil_to_tensor(Image.open(io.BytesIO(buf.getvalue())).convert("RGB"))
+    assert got.dtype == torch.uint8 and got.shape == want.shape == (3, 77, 123)
+    if kind == "cmyk":  # libjpeg-turbo's and PIL's CMYK conversions differ (Adobe's inverted CMYK): close
+        assert (got.float() - want.float()).abs().mean() < 8
+    else:
+        assert torch.equal(got, want)

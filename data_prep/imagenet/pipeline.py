@@ -73,9 +73,43 @@ class Plan:
 
 
 def _flip(p: float) -> bool:
-    """RandomHorizontalFlip's draw (torch.rand(1) < p). Taken only where flipping is on: the flip-free
-    profiles' Compose had no flip, so they draw nothing here either."""
-    return bool(torch.rand(1) < p)
+    """RandomHorizontalFlip's draw (torch.rand(1) < p; compared as a Python float, the same answer for
+    p = 0.5, which float32 holds exactly). Taken only where flipping is on: the flip-free profiles'
+    Compose had no flip, so they draw nothing here either."""
+    return torch.rand(1).item() < p
+
+
+# RandomResizedCrop's defaults: the crop's share of the image's area and the range of its aspect ratio,
+# whose logarithm torchvision takes in float32 (the bounds of its uniform draw).
+SCALE, RATIO = (0.08, 1.0), (3 / 4, 4 / 3)
+LOG_RATIO = tuple(torch.log(torch.tensor(RATIO)).tolist())
+
+
+def _resized_crop(h: int, w: int) -> tuple[int, int, int, int]:
+    """RandomResizedCrop.get_params(img, SCALE, RATIO) for an (h, w) image: the same generator calls in
+    the same order and the same float32 arithmetic, so the same (top, left, height, width) for the same
+    generator state (tests/test_imagenet_pipeline.py compares them over thousands of draws). Written out
+    because torchvision's costs ~55 us an image (a size tensor, the log of the ratios, a fresh tensor per
+    draw), ~5% of a worker's time per image here."""
+    area = h * w
+    u = torch.empty(1)
+    for _ in range(10):
+        target_area = area * u.uniform_(*SCALE).item()
+        aspect_ratio = u.uniform_(*LOG_RATIO).exp_().item()
+        cw = int(round(math.sqrt(target_area * aspect_ratio)))
+        ch = int(round(math.sqrt(target_area / aspect_ratio)))
+        if 0 < cw <= w and 0 < ch <= h:
+            top = torch.randint(0, h - ch + 1, size=(1,)).item()
+            left = torch.randint(0, w - cw + 1, size=(1,)).item()
+            return top, left, ch, cw
+    # Ten misses: torchvision's fallback, the centre crop at the nearest allowed aspect ratio.
+    if w / h < min(RATIO):
+        cw, ch = w, int(round(w / min(RATIO)))
+    elif w / h > max(RATIO):
+        cw, ch = int(round(h * max(RATIO))), h
+    else:
+        cw, ch = w, h
+    return (h - ch) // 2, (w - cw) // 2, ch, cw
 
 
 def _resized_shorter(h: int, w: int, size: int) -> tuple[int, int]:
@@ -89,22 +123,27 @@ def _resized_shorter(h: int, w: int, size: int) -> tuple[int, int]:
 def draw_plan(augment: str, train: bool, h: int, w: int, crop: int, resize: int, flip: bool) -> Plan:
     """The plan of one (h, w) image, drawn from torch's global generator (seeded per sample by
     mpt.data.SeededDataset) exactly as the PIL transforms drew: same calls, same order."""
-    from torchvision import transforms as T
-
-    shape = torch.empty(1, 1, 1, dtype=torch.uint8).expand(3, h, w)  # get_params reads the size only
     if augment == "torchvision":
         if train:
-            top, left, ch, cw = T.RandomResizedCrop.get_params(shape, (0.08, 1.0), (3 / 4, 4 / 3))
-            return Plan(h, w, top, left, ch, cw, crop, crop, flip and _flip(0.5))
+            return Plan(h, w, *_resized_crop(h, w), crop, crop, flip and _flip(0.5))
         rh, rw = _resized_shorter(h, w, resize)
         return Plan(rh, rw, *_centre(rh, rw, crop), crop, crop, crop, crop, False)
     if augment == "caffe":
         if train:
-            warped = torch.empty(1, 1, 1, dtype=torch.uint8).expand(3, resize, resize)
-            top, left, _, _ = T.RandomCrop.get_params(warped, (crop, crop))
+            top, left = _random_crop(resize, resize, crop)
             return Plan(resize, resize, top, left, crop, crop, crop, crop, flip and _flip(0.5))
         return Plan(resize, resize, *_centre(resize, resize, crop), crop, crop, crop, crop, False)
     raise ValueError(f"no plan for augment={augment!r}")
+
+
+def _random_crop(h: int, w: int, crop: int) -> tuple[int, int]:
+    """RandomCrop.get_params's corner of a crop x crop square in an (h, w) image, drawn as it draws it
+    (no draw where the crop is the whole image)."""
+    if h < crop or w < crop:
+        raise ValueError(f"Required crop size {(crop, crop)} is larger than input image size {(h, w)}")
+    if (h, w) == (crop, crop):
+        return 0, 0
+    return torch.randint(0, h - crop + 1, size=(1,)).item(), torch.randint(0, w - crop + 1, size=(1,)).item()
 
 
 def _centre(h: int, w: int, crop: int) -> tuple[int, int]:
