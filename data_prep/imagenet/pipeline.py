@@ -13,7 +13,7 @@ resize x resize, RandomCrop + flip; the evaluation's resize and centre crop):
     resize the whole image to (rh, rw)  ->  crop (top, left, h, w)  ->  resize to (oh, ow)  ->  flip
 
 A Plan runs in one of two places (task.decode):
-  cpu  the worker decodes with libjpeg-turbo (torchvision.io.decode_image) and applies the plan with
+  cpu  the worker decodes with libjpeg-turbo (data_prep.archives.rgb_tensor) and applies the plan with
        antialiased bilinear resizes on uint8 tensors. Where the plan's next resize shrinks the image at
        least twofold, the JPEG is decoded at 1/2, 1/4 or 1/8 scale in the DCT domain instead (PIL's
        draft mode): a 1000x750 photograph whose crop ends at 224 px decodes a quarter of its pixels.
@@ -211,7 +211,7 @@ def header_size(data: bytes) -> tuple[int, int]:
 def decode_for(data: bytes, p: Plan, h: int, w: int) -> tuple[torch.Tensor, tuple[float, float]]:
     """The uint8 (3, H', W') image and its scale: at 1/2, 1/4 or 1/8 of (h, w) through libjpeg's
     DCT-domain scaling (PIL draft) where the plan shrinks it at least that much, else whole through
-    torchvision's libjpeg-turbo decode (faster than PIL's at full size). Non-JPEG files, CMYK and
+    libjpeg-turbo (data_prep.archives.rgb_tensor: faster than PIL's decode at full size). Non-JPEG files, CMYK and
     greyscale JPEGs come out as RGB either way."""
     from torchvision.transforms.functional import pil_to_tensor
 
