@@ -567,8 +567,10 @@ def environment(device: torch.device) -> dict:
 
 
 def device_slug(env: dict) -> str:
-    name = env["gpu"]["name"] if env.get("gpu") else "cpu"
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "device"
+    """The results files' device part: the GPU's name as the loader benchmark slugs a CPU's, or "cpu"."""
+    from experiments.speed_memory.loader import slug
+
+    return slug(env["gpu"]["name"]) if env.get("gpu") else "cpu"
 
 
 # The benchmark sets the math flags per row; this leaves them as they were (the one list: mpt.precision).
