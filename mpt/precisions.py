@@ -283,18 +283,21 @@ _ROLE_BASE = {"x": "x", "w": "w", "g": "g", "w_dgrad": "w", "x_wgrad": "x", "g_w
 _PRESET = "preset"
 
 
-def _set_keys(fmt_cfg) -> list[str]:
-    """The fmt.* keys a config sets (not at `preset`), as key=value, in the section's order."""
+def set_fmt_keys(fmt: dict) -> list[str]:
+    """The fmt.* keys a config's fmt section sets -- given as a dict: dataclasses.asdict of the config's, or a
+    stored run's config.json -- as key=value in the section's order: those not at `preset`, and not the
+    infra keys (fmt.compile: how the recipe runs, not what it is)."""
+    from mpt.config import FmtCfg
+
+    infra = {f.name for f in dataclasses.fields(FmtCfg) if f.metadata.get("infra")}
     out = []
-    for f in dataclasses.fields(fmt_cfg):
-        if f.metadata.get("infra"):  # fmt.compile: how the recipe runs, not what it is
+    for k, v in fmt.items():
+        if k in infra:
             continue
-        v = getattr(fmt_cfg, f.name)
-        if dataclasses.is_dataclass(v):
-            out += [f"fmt.{f.name}.{k.name}={_show(getattr(v, k.name))}" for k in dataclasses.fields(v)
-                    if getattr(v, k.name) != _PRESET]
+        if isinstance(v, dict):
+            out += [f"fmt.{k}.{kk}={_show(vv)}" for kk, vv in v.items() if vv != _PRESET]
         elif v != _PRESET:
-            out.append(f"fmt.{f.name}={_show(v)}")
+            out.append(f"fmt.{k}={_show(v)}")
     return out
 
 
@@ -309,7 +312,7 @@ def format_recipe(cfg) -> formats.FormatRecipe | None:
     checks), is a one-line UserError naming the keys and the fix. Without keys set, the preset itself; None
     for a precision that is not a simulated format."""
     fc = getattr(cfg, "fmt", None)
-    keys = _set_keys(fc) if fc is not None else []
+    keys = set_fmt_keys(dataclasses.asdict(fc)) if fc is not None else []
     if BY_NAME[cfg.precision].recipe != "formats":
         if keys:
             raise UserError(f"{keys[0]} sets the format recipe of a simulated-format precision ({', '.join(FORMATS)}); "

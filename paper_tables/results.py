@@ -21,7 +21,6 @@ from typing import Callable
 import yaml
 
 from mpt import precisions
-from mpt.config import FmtCfg
 from mpt.errors import UserError
 from paper_tables import specs
 
@@ -223,20 +222,7 @@ def run_precision(precision: str, cfg: dict) -> str:
     recipe, never the preset's column."""
     cfg = cfg if isinstance(cfg, dict) else {}
     fmt = cfg.get("fmt") if isinstance(cfg.get("fmt"), dict) else {}
-    keys = [f"fmt.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in _flat(fmt).items()
-            if v != "preset" and k not in _FMT_INFRA]
-    return " ".join([_run_precision(precision, cfg), *keys])
-
-
-# fmt.* keys that say how a recipe runs, not what it is (fmt.compile): no column of their own.
-_FMT_INFRA = {f.name for f in dataclasses.fields(FmtCfg) if f.metadata.get("infra")}
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
+    return " ".join([_run_precision(precision, cfg), *precisions.set_fmt_keys(fmt)])
 
 
 def _run_precision(precision: str, cfg: dict) -> str:
