@@ -12,12 +12,8 @@ from typing import Callable
 import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-from mpt.doctor.trace import FP16, flat
-
-
-# A sample's min and max values are stacked into one tensor this many at a time: thousands of 0-dim tensors
-# alive until the step ends would set off the Python garbage collector's passes over every object.
-FOLD = 512
+from mpt.doctor.trace import FOLD, FP16, flat  # (FOLD: a sample's min and max values stacked as a trace's)
+from mpt.torch_private import add_grad_hook
 
 
 @functools.lru_cache(maxsize=None)
@@ -163,7 +159,7 @@ class ModuleSample:
             got[1].append(name)
             return
         records = [name]
-        t.register_hook(functools.partial(self._bwd, records))
+        add_grad_hook(t, functools.partial(self._bwd, records))  # (register_hook without its handle)
         self._hooked[key] = (weakref.ref(t), records)
 
     def _bwd(self, records: list | tuple, g: torch.Tensor) -> None:

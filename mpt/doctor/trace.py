@@ -16,10 +16,8 @@ import math
 
 import torch
 import torch.nn as nn
-from torch.autograd.graph import register_multi_grad_hook
-
 from mpt.bands import tensors_in
-from mpt.torch_private import TorchDispatchMode, in_backward, tree_flatten
+from mpt.torch_private import TorchDispatchMode, grad_accumulator, in_backward, tree_flatten, when_all_grads_ready
 
 OUTSIDE = "(outside the model)"  # the loss and whatever else the step computes from the model's outputs
 FP16 = (torch.float16,)  # FP16 compute: the format whose gradients need a loss scale (BF16 does not)
@@ -27,6 +25,11 @@ LOW = (torch.float16, torch.bfloat16)  # the formats whose overflow first_overfl
 
 _MAKES_VALUES: dict = {}
 _OP_NAMES: dict = {}  # an operation -> its record name ("aten.mul"), made once
+
+# A step's min and max values are stacked into one tensor this many records at a time: thousands of 0-dim
+# tensors alive until the step ends would be promoted through the Python garbage collector's generations and
+# set off its full passes over every object of the process (~0.2 s on the tiny ResNet-50's benchmark).
+FOLD = 512
 
 
 def _makes_values(func) -> bool:
@@ -63,25 +66,44 @@ class Trace(TorchDispatchMode):
         self._labels = labels or module_labels(model)
         self._depth = {m: (n.count(".") + 1 if n else 0) for n, m in model.named_modules()}
         self.names: list[tuple[str, str, str]] = []  # (module, "forward" | "backward", op)
-        self.values: list[torch.Tensor] = []  # min and max of each result, in turn (0-dim, on the device)
+        # The min and max of each result, in turn, on the device: 1-D tensors of FOLD records each (exit folds
+        # the rest), from a list of 0-dim ones as they are made.
+        self.values: list[torch.Tensor] = []
+        self._pending: list[torch.Tensor] = []
+        self._name_of: dict = {}  # each record name once (the same tuple for every record of it)
         self.low: list[bool] = []  # per record: its result is FP16 or BF16
         self.input_max: list[torch.Tensor] = []  # with `inputs`, per record: its operation's largest |input|
         self.fp16 = False
-        self._handles: list = []
+        self._handles: list = []  # the module hooks and the weights' gradient hooks: removed on exit
         self._active: list[nn.Module] = []  # modules whose forward or backward is running, in entry order
+        self._current: str | None = OUTSIDE  # current(), kept until `_active` changes (None: to be found)
         self._reset_queued = False
+        self._open = False  # (a hook left on an activation kept past the step does nothing then)
+        # Each module's own trainable weights and their gradient accumulators, taken as the trace begins (outside
+        # the dispatch mode: taken inside, each would be an operation seen by it) and held to its end.
+        self._weights: dict[nn.Module, tuple[list, list]] = {}
 
     def __enter__(self) -> "Trace":
+        self._open = True
         for m in self.model.modules():
             self._handles.append(m.register_forward_pre_hook(self._enter))
             self._handles.append(m.register_forward_hook(self._leave))
+            ws = [p for p in m.parameters(recurse=False) if p.requires_grad]
+            self._weights[m] = (ws, [grad_accumulator(p) for p in ws])
         return super().__enter__()
 
     def __exit__(self, *exc) -> None:
         super().__exit__(*exc)
         for h in self._handles:
             h.remove()
-        self._handles = []
+        self._handles, self._weights, self._open = [], {}, False
+        self._fold()
+
+    def _fold(self) -> None:
+        if self._pending:
+            dev = self._pending[0].device  # (a model spread over devices: on the first one)
+            self.values.append(torch.stack([v if v.device == dev else v.to(dev) for v in self._pending]))
+            self._pending = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -103,8 +125,12 @@ class Trace(TorchDispatchMode):
                 self.fp16 |= t.dtype in FP16
                 # min and max in one pass (inf/nan propagate into them); |value| is taken on the host. On a
                 # CPU this is ~20x faster than linalg.vector_norm(t, inf).
-                self.names.append((module, "backward" if backward else "forward", op))
-                self.values += torch.aminmax(t.detach())
+                name = (module, "backward" if backward else "forward", op)
+                self.names.append(self._name_of.setdefault(name, name))
+                pending = self._pending
+                pending += torch.aminmax(t.detach())
+                if len(pending) >= 2 * FOLD:
+                    self._fold()
                 self.low.append(t.dtype in LOW)
                 if self.inputs:
                     big = self._input_max(args, kwargs) if big is None else big
@@ -120,40 +146,57 @@ class Trace(TorchDispatchMode):
     # -- which module is running ---------------------------------------------------------------------------
     def current(self) -> str:
         # The innermost: the deepest running module (a child and its parent end on the same output tensor,
-        # so their backward hooks fire together), the latest entered among equals.
-        if not self._active:
-            return OUTSIDE
-        return self._labels[max(reversed(self._active), key=self._depth.__getitem__)]
+        # so their backward hooks fire together), the latest entered among equals. Found again only when the
+        # running modules change (an operation asks; hundreds run in between).
+        if self._current is None:
+            self._current = self._labels[max(reversed(self._active), key=self._depth.__getitem__)] \
+                if self._active else OUTSIDE
+        return self._current
 
     def _enter(self, mod, args) -> None:
         self._active.append(mod)
+        self._current = None
 
     def _leave(self, mod, args, out) -> None:
         if mod in self._active:
             self._active.remove(mod)
-        if not torch.is_grad_enabled():
+            self._current = None
+        if not torch.is_grad_enabled() or not self._open:
             return
         # Backward: the module's gradients begin when its outputs' are ready, end when its inputs' (and its own
-        # parameters') are.
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        ins = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        ins += [p for p in mod.parameters(recurse=False) if p.requires_grad]  # a first layer's: its input has none
-        if outs:
-            self._handles.append(register_multi_grad_hook(outs, lambda grads: self._backward_enter(mod)))
-        if ins and outs:
-            self._handles.append(register_multi_grad_hook(ins, lambda grads: mod in self._active
-                                                          and self._active.remove(mod)))
+        # parameters') are. (One tensor in, one out, the common case, without flattening.)
+        outs = [out] if isinstance(out, torch.Tensor) else [t for t in tree_flatten(out)[0]
+                                                             if isinstance(t, torch.Tensor)]
+        outs = [t for t in outs if t.requires_grad]
+        if not outs:
+            return
+        self._handles += when_all_grads_ready(outs, lambda: self._backward_enter(mod))
+        ins = args if len(args) == 1 and isinstance(args[0], torch.Tensor) else [
+            t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)]
+        ins = [t for t in ins if t.requires_grad]
+        ws, accs = self._weights.get(mod) or ([p for p in mod.parameters(recurse=False) if p.requires_grad], None)
+        if ins or ws:  # (a first layer's weights: its input needs no gradient)
+            nodes = None if accs is None else [t.grad_fn or grad_accumulator(t) for t in ins] + accs
+            self._handles += when_all_grads_ready(ins + ws, lambda: self._backward_leave(mod), nodes)
 
     def _backward_enter(self, mod) -> None:
+        if not self._open:
+            return
         if not self._reset_queued:
             # At the end of this backward nothing is running any more (a module whose exit never fired: its
             # inputs and parameters need no gradient); torch.utils.module_tracker resets the same way.
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
             self._reset_queued = True
         self._active.append(mod)
+        self._current = None
+
+    def _backward_leave(self, mod) -> None:
+        if mod in self._active:
+            self._active.remove(mod)
+            self._current = None
 
     def _backward_done(self) -> None:
-        self._active, self._reset_queued = [], False
+        self._active, self._reset_queued, self._current = [], False, OUTSIDE
 
 
 def first_overflow(trace: Trace, step: int) -> dict | None:
@@ -163,7 +206,7 @@ def first_overflow(trace: Trace, step: int) -> dict | None:
     if not trace.values:
         return None
     dev = trace.values[0].device
-    mm = torch.stack([v.to(dev, torch.float64) for v in trace.values]).view(-1, 2)
+    mm = torch.cat([v.to(dev, torch.float64) for v in trace.values]).view(-1, 2)
     ins = torch.stack([v.to(dev) for v in trace.input_max])
     finite = torch.isfinite(mm).all(1).to(torch.float64)
     host = torch.cat([finite, ins]).tolist()  # the one host transfer
