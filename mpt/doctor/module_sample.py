@@ -62,7 +62,7 @@ class ModuleSample:
         self._weights = [(_record_names(label)["weight gradient"], label, p) for _, label, _, _, ws in plan
                          for p in ws]
         self._wnames: list[tuple] = []  # the weight-gradient records read so far, in turn
-        self._wvalues: list[torch.Tensor] = []  # their min and max (0-dim tensors)
+        self._wvalues: list[torch.Tensor] = []  # their min and max, stacked as each backward ends
         # per weight record: the index in `names` it follows (its module's output-gradient group's last record, else
         # the last record made by then; -1 where there was none)
         self._wafter: list[int] = []
@@ -84,41 +84,49 @@ class ModuleSample:
         """As a backward ends: each weight's gradient as .grad holds it, placed after its module's output-gradient
         records of this backward (the group they share with the next module's input gradient included)."""
         self._queued = False
-        after: dict[str, int] = {}  # module label -> the last record of its output gradient's group
+        after: dict[str, int] = {}  # module label -> the last record of its (first) output gradient's group
         names, grads = self.names, self.grads
-        for i in range(self._bstart, len(names)):
-            if names[i][2] == "output gradient":
-                j = i
-                while j + 1 < len(grads) and grads[j + 1] == grads[i]:
+        n = len(names)
+        for i in range(self._bstart, n):
+            name = names[i]
+            if name[2] == "output gradient" and name[0] not in after:
+                j, group = i, grads[i]
+                while j + 1 < n and grads[j + 1] == group:
                     j += 1
-                after.setdefault(names[i][0], j)
+                after[name[0]] = j
+        values = []
         for name, label, p in self._weights:
             g = p.grad
             if g is None or not g.is_floating_point() or not g.numel() or g.is_sparse:
                 continue
             self._wnames.append(name)
-            self._wvalues += torch.aminmax(g.detach())
-            self._wafter.append(after.get(label, len(names) - 1))
+            values += torch.aminmax(g.detach() if g.requires_grad else g)
+            self._wafter.append(after.get(label, n - 1))
+        if values:  # (stacked now: not ~300 0-dim tensors held to the step's end)
+            dev = values[0].device
+            self._wvalues.append(torch.stack([v if v.device == dev else v.to(dev) for v in values]))
 
     def _merge_weights(self) -> None:
         """The weight-gradient records into execution order: names, groups (each its own, numbered by its first
         record + 1, as every group is) and the stacked min and max."""
-        slots: dict[int, list[int]] = {}
-        for k, i in enumerate(self._wafter):
-            slots.setdefault(i, []).append(k)
-        n = len(self.names)
-        order = [n + k for k in slots.get(-1, ())]  # (index n + k: the k-th weight record)
-        for i in range(n):
-            order += [i, *(n + k for k in slots.get(i, ()))]
+        n, after = len(self.names), self._wafter
+        # Index n + k: the k-th weight record, right after record after[k] (-1: before all), in turn among those
+        # after the same record: the records up to it, then it.
+        order: list[int] = []
+        done = 0  # the records placed so far
+        for k in sorted(range(len(after)), key=after.__getitem__):
+            if after[k] + 1 > done:
+                order += range(done, after[k] + 1)
+                done = after[k] + 1
+            order.append(n + k)
+        order += range(done, n)
         names = self.names + self._wnames
         old = self.grads + [-1 - k for k in range(len(self._wnames))]  # (a weight record: a group of its own)
-        self.names, self.grads, renum = [], [], {}
-        for new_i, j in enumerate(order):
-            self.names.append(names[j])
-            g = old[j]
-            self.grads.append(None if g is None else renum.setdefault(g, new_i + 1))
+        renum: dict[int, int] = {}
+        self.names = [names[j] for j in order]
+        self.grads = [None if old[j] is None else renum.setdefault(old[j], new_i + 1) for new_i, j in enumerate(order)]
         dev = (self.values[0] if self.values else self._wvalues[0]).device
-        wv = torch.stack([v.to(dev) for v in self._wvalues])
+        wv = torch.cat([v.to(dev) for v in self._wvalues])
         mm = torch.cat([*self.values, wv]).view(-1, 2)
         self.values = [mm[torch.tensor(order, device=dev)].reshape(-1)]
         self._wnames, self._wvalues, self._wafter = [], [], []
