@@ -44,7 +44,7 @@ import torch
 import torch.nn as nn
 
 from mpt.bands import hook_targets
-from mpt.doctor.module_sample import ModuleSample
+from mpt.doctor.module_sample import ModuleSample, Slots
 from mpt.doctor.setup_checks import SETUP, SetupChecks
 from mpt.doctor.trace import OUTSIDE, Trace, module_labels
 from mpt.errors import UserError
@@ -83,6 +83,7 @@ class Watch:
         self.traced = 0
         self._names = module_labels(model)
         self._rec: Trace | ModuleSample | None = None  # this step's sample, when it is one
+        self._slots = Slots()  # where each module-level sample writes its min and max values
         # Leaf modules and those owning weights (mpt.bands.hook_targets): a container's input and output
         # are its first and last child's.
         self._plan = [(m, self._names[m], next(m.children(), None) is None, bool(getattr(m, "inplace", False)),
@@ -163,7 +164,7 @@ class Watch:
             return
         self._weights = None
         if not trace:  # (the weights taken as the step's forward begins)
-            self._rec = ModuleSample(self._plan, on_start=self._take_weights)
+            self._rec = ModuleSample(self._plan, on_start=self._take_weights, slots=self._slots)
             return
         self._take_weights()
         # Tracing: every operation, attributed to the innermost running module (forward and backward).
