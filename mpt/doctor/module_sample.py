@@ -12,51 +12,8 @@ from typing import Callable
 import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-from mpt.doctor.trace import FOLD, FP16, flat  # (FOLD: pairs a buffer, as a trace stacks its values)
+from mpt.doctor.trace import FOLD, FP16, Slots, flat
 from mpt.torch_private import add_grad_hook
-
-
-class Slots:
-    """Where samples write their min and max values: pairs of 0-dim views into buffers of FOLD pairs, one list of
-    buffers per (dtype, device), made as first needed and reused by every sample of a watch. torch.aminmax(t,
-    out=pair) writes a record's two values in place: no tensor made per value, none stacked (~1.3 us a record
-    on the CPU, ~600 records a sample); gather() copies a sample's values out as it closes."""
-
-    def __init__(self):
-        self.fold = FOLD
-        self._buffers: list[torch.Tensor] = []  # in the order made: pair s is in buffer s // fold
-        self._pairs: dict = {}  # (dtype, device) -> its pairs, each (min view, max view, s)
-        self._next: dict = {}  # (dtype, device) -> the index of its next free pair
-
-    def take(self, t: torch.Tensor) -> tuple:
-        """A free pair for the min and max of `t` (its dtype, its device): (min view, max view, s)."""
-        key = (t.dtype, t.device)
-        i = self._next.get(key, 0)
-        pairs = self._pairs.get(key)
-        if pairs is None or i == len(pairs):
-            pairs = self._grow(key)
-        self._next[key] = i + 1
-        return pairs[i]
-
-    def _grow(self, key) -> list:
-        buf = torch.zeros(2 * self.fold, dtype=key[0], device=key[1])
-        v = buf.unbind()  # (~1.6 us a view: made once)
-        first = len(self._buffers) * self.fold
-        self._buffers.append(buf)
-        pairs = self._pairs.setdefault(key, [])
-        pairs += [(v[2 * i], v[2 * i + 1], first + i) for i in range(self.fold)]
-        return pairs
-
-    def gather(self, slots: list[int]) -> torch.Tensor:
-        """The min and max in the pairs `slots`, in turn (1-D; on the device of the first, in the dtype all
-        promote to, as torch.stack gives them); every pair is free again."""
-        self._next.clear()
-        if not slots:
-            return torch.zeros(0)
-        dev = self._buffers[slots[0] // self.fold].device  # (a model spread over devices: on the first one)
-        dtype = functools.reduce(torch.promote_types, {b.dtype for b in self._buffers})
-        every = torch.cat([b.to(dev, dtype) for b in self._buffers]).view(-1, 2)
-        return every[torch.tensor(slots, device=dev)].reshape(-1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -78,7 +35,7 @@ class ModuleSample:
         # The min and max of each record, in turn, on the device: one 1-D tensor, gathered by close() from the
         # slots written as the records are made (`_sid`: each record's pair).
         self.values: list[torch.Tensor] = []
-        self._slots = slots or Slots()
+        self._slots = slots or Slots(FOLD)
         self._sid: list[int] = []
         self.grads: list[int | None] = []  # per backward record, its gradient's group (one tensor, several records)
         self.fp16 = False

@@ -44,9 +44,9 @@ import torch
 import torch.nn as nn
 
 from mpt.bands import hook_targets
-from mpt.doctor.module_sample import ModuleSample, Slots
+from mpt.doctor.module_sample import ModuleSample
 from mpt.doctor.setup_checks import SETUP, SetupChecks
-from mpt.doctor.trace import OUTSIDE, Trace, module_labels
+from mpt.doctor.trace import OUTSIDE, Slots, Trace, module_labels
 from mpt.errors import UserError
 from mpt.torch_private import scaler_scale_tensor
 
@@ -83,7 +83,7 @@ class Watch:
         self.traced = 0
         self._names = module_labels(model)
         self._rec: Trace | ModuleSample | None = None  # this step's sample, when it is one
-        self._slots = Slots()  # where each module-level sample writes its min and max values
+        self._slots = Slots()  # where each sample and trace writes its min and max values
         # Leaf modules and those owning weights (mpt.bands.hook_targets): a container's input and output
         # are its first and last child's.
         self._plan = [(m, self._names[m], next(m.children(), None) is None, bool(getattr(m, "inplace", False)),
@@ -168,7 +168,7 @@ class Watch:
             return
         self._take_weights()
         # Tracing: every operation, attributed to the innermost running module (forward and backward).
-        self._rec = Trace(self.model, self._names)
+        self._rec = Trace(self.model, self._names, slots=self._slots)
         self._rec.__enter__()
 
     def _take_weights(self) -> None:
@@ -227,7 +227,7 @@ class Watch:
         w = self._weights
         dev = (rec.values or [w if w is not None else torch.zeros(())])[0].device
         f32 = torch.float32
-        # (the values come stacked, FOLD records a tensor)
+        # (the values come gathered into one tensor)
         mm = torch.cat([v if v.dtype == f32 and v.device == dev else v.to(dev, f32)
                         for v in rec.values]).view(-1, 2) if rec.values else None
         wm = w.to(dev, f32).view(-1, 2) if w is not None else None
