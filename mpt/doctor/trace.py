@@ -42,10 +42,10 @@ def _record_name(func) -> str:
 
 
 class Slots:
-    """Where samples and traces write their min and max values: pairs of 0-dim views into buffers of FOLD pairs, one list of
-    buffers per (dtype, device), made as first needed and reused by every sample of a watch. torch.aminmax(t,
-    out=pair) writes a record's two values in place: no tensor made per value, none stacked (~1.3 us a record
-    on the CPU, ~600 records a sample); gather() copies a sample's values out as it closes."""
+    """Where samples and traces write their min and max values: pairs of 0-dim views into buffers of FOLD pairs,
+    one list of buffers per (dtype, device), made as first needed and reused by every sample and trace of a watch.
+    torch.aminmax(t, out=pair) writes a record's two values in place: no tensor made per value, none stacked
+    (~1.3 us a record on the CPU, ~600 records a sample); gather() copies them out as the sample closes."""
 
     def __init__(self, fold: int = FOLD):
         self.fold = fold
