@@ -3,7 +3,9 @@ breaks here (and in tests/test_torch_private.py, which checks each against the p
 stands for), not somewhere in the precision recipes. Checked with torch 2.14."""
 from __future__ import annotations
 
+import collections
 import contextlib
+import functools
 
 import torch
 import torch.nn as nn
@@ -89,6 +91,68 @@ def in_backward() -> bool:
     """Whether the calling code runs inside autograd's backward pass (an op dispatched by the engine
     while it evaluates a graph), not in a forward or outside autograd."""
     return torch._C._current_graph_task_id() != -1
+
+
+def add_grad_hook(t: torch.Tensor, fn) -> None:
+    """t.register_hook(fn) -- fn(gradient) as the gradient of t is computed, after the hooks placed before it --
+    without the RemovableHandle, for a tensor that takes its hooks away when it goes (an activation: a sample
+    places hundreds). What register_hook does, under fn as the key (never one of register_hook's integer ids).
+    Tensor._backward_hooks and Node._register_hook_dict have no public name."""
+    if type(t) is not torch.Tensor:  # (a subclass may handle register_hook itself)
+        t.register_hook(fn)
+        return
+    hooks = t._backward_hooks
+    if hooks is None:
+        t._backward_hooks = hooks = collections.OrderedDict()  # (an OrderedDict: a RemovableHandle refers to it)
+        if t.grad_fn is not None:
+            t.grad_fn._register_hook_dict(t)
+    hooks[fn] = fn
+
+
+def when_all_grads_ready(tensors: list[torch.Tensor], fn, nodes: list | None = None) -> list:
+    """fn() once the gradients of all of `tensors` that this backward computes are ready: what
+    torch.autograd.graph.register_multi_grad_hook(tensors, ..., mode="all") does -- the count of gradients to
+    wait for asked of the engine as the first arrives -- without its closure, lock and buffer of gradients per
+    tensor and handle per hook (a traced step places ~400). `nodes`: each tensor's grad_fn or, for a leaf, its
+    gradient accumulator (grad_accumulator), where the caller has them. Returns the leaf tensors' hook handles
+    (weights outlive the step: remove them); the others go with their tensors. The engine's graph-task id and
+    its will-execute query have no public name."""
+    if len(tensors) == 1:  # (a hook that fires: its node runs -- the one gradient to wait for)
+        t = tensors[0]
+        if t.is_leaf:
+            return [t.register_hook(lambda grad: fn())]
+        add_grad_hook(t, lambda grad: fn())
+        return []
+    nodes = nodes or [t.grad_fn or grad_accumulator(t) for t in tensors]
+    # graph task -> [gradients still to come, those come]: held until fn runs, as register_multi_grad_hook holds
+    # them (a weight's gradient held as it arrives is copied into .grad, not taken: an operation a trace records)
+    left: dict[int, list] = {}
+
+    def hook(grad) -> None:
+        task = torch._C._current_graph_task_id()
+        got = left.get(task)
+        if got is None:
+            got = left[task] = [sum(map(torch._C._will_engine_execute_node, nodes)), []]
+        got[0] -= 1
+        if got[0] > 0:
+            got[1].append(grad)
+        else:
+            del left[task]
+            fn()
+
+    handles = []
+    for t in tensors:  # (one hook per tensor placed, as register_multi_grad_hook places them: a tensor given twice
+        if t.is_leaf:  # counts twice)
+            handles.append(t.register_hook(hook))
+        else:
+            add_grad_hook(t, functools.partial(hook))
+    return handles
+
+
+def grad_accumulator(t: torch.Tensor):
+    """The autograd node that accumulates a leaf tensor's gradient (register_multi_grad_hook's own way; it
+    lives while something holds it: the graph of a forward that uses the tensor, or the caller)."""
+    return torch.autograd.graph._get_grad_fn_or_grad_acc(t)
 
 
 def scaler_scale_tensor(scaler: torch.amp.GradScaler) -> torch.Tensor | None:

@@ -323,3 +323,42 @@ def test_weight_gradients_read_as_backward_ends_keep_the_hooks_order(monkeypatch
     rec, _, seq, _ = _sample_beside_reference_hooks(monkeypatch)
     assert [n for n in rec.names if n[1] == "backward"] == [k for k in seq if k[1] == "backward"]
     assert sum(n[2] == "weight gradient" for n in rec.names) == 6
+
+
+def test_samples_sharing_slots_hold_each_tensors_min_and_max_in_its_dtype():
+    """Samples write their min and max into a watch's reusable buffers, one per dtype (Slots), several buffers a
+    sample here: each sample, the second on the buffers the first used, holds each forward value's own min and
+    max -- an FP16 module's among FP32 ones included."""
+    from mpt.doctor import module_sample
+    from mpt.doctor.trace import Slots, module_labels
+
+    class Cast(nn.Module):
+        def __init__(self, dtype):
+            super().__init__()
+            self.dtype = dtype
+
+        def forward(self, x):
+            return x.to(self.dtype)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), Cast(torch.float16), nn.Linear(8, 8).half(), Cast(torch.float32),
+                          nn.Linear(8, 3))
+    labels = module_labels(model)
+    slots = Slots(fold=2)
+    w = watch(model)
+    for scale in (1.0, 100.0):
+        outs = {}
+        handles = [m.register_forward_hook(lambda m, a, out: outs.update({labels[m]: out.detach().clone()}))
+                   for m in model]  # (update: the hook returns None, leaving the output as it is)
+        rec = module_sample.ModuleSample(w._plan, slots=slots)
+        model(scale * torch.randn(5, 4)).square().sum().backward()
+        rec.close()
+        for h in handles:
+            h.remove()
+        got = torch.cat(rec.values).view(-1, 2)
+        for name, (lo, hi) in zip(rec.names, got):
+            if name[1:] == ("forward", "output"):
+                want = outs[name[0]]
+                assert (lo.item(), hi.item()) == (want.min().item(), want.max().item()), name
+        assert {v.dtype for v in outs.values()} == {torch.float16, torch.float32}
+        assert len(slots._buffers) > 2  # (several buffers of each dtype)

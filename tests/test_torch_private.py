@@ -124,6 +124,57 @@ def test_in_backward_is_true_only_while_autograd_runs_a_graph():
     assert seen == [("forward", False), ("backward", True)] and not TP.in_backward()
 
 
+def test_add_grad_hook_is_register_hook_without_the_handle():
+    """Fired with the gradient, in turn with the hooks register_hook placed before and after it; a handle made
+    after it still removes its own hook only."""
+    x = torch.ones(3, requires_grad=True)
+    y = x * 2
+    seen = []
+    y.register_hook(lambda g: seen.append(("first", g.tolist())))
+    TP.add_grad_hook(y, lambda g: seen.append(("added", g.tolist())))
+    h = y.register_hook(lambda g: seen.append(("removed", None)))
+    y.register_hook(lambda g: seen.append(("last", g.tolist())))
+    h.remove()
+    (y * torch.tensor([1.0, 2.0, 3.0])).sum().backward()
+    assert seen == [("first", [1.0, 2.0, 3.0]), ("added", [1.0, 2.0, 3.0]), ("last", [1.0, 2.0, 3.0])]
+
+
+def _multi_grad_events(register, only_a: bool):
+    """The order in which a hook on each tensor of a small graph and fn (placed by `register` on a, b, c and one
+    no gradient reaches) fire in a backward, and in a second one after the handles are removed."""
+    a = torch.ones(2, requires_grad=True)
+    b = torch.full((2,), 2.0, requires_grad=True)
+    c = a * b
+    unused = a * 3
+    events = []
+    for name, t in (("a", a), ("b", b), ("c", c), ("unused", unused)):
+        t.register_hook(lambda g, name=name: events.append(name))
+    handles = register([a, b, c, unused], lambda: events.append("fn"))
+    (c * a).sum().backward(inputs=[a] if only_a else None)  # (inputs=[a]: b's gradient is not waited for)
+    for h in handles:
+        h.remove()
+    events.append("removed")
+    (c.detach() * a).sum().backward()
+    return events
+
+
+@pytest.mark.parametrize("only_a", [False, True])
+def test_when_all_grads_ready_fires_where_register_multi_grad_hook_does(only_a):
+    def torchs(tensors, fn):
+        return [torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads: fn())]
+
+    def ours(tensors, fn):
+        return TP.when_all_grads_ready(tensors, fn)
+
+    def with_nodes(tensors, fn):  # (the leaves' accumulators given, as a trace gives them)
+        return TP.when_all_grads_ready(tensors, fn, [t.grad_fn or TP.grad_accumulator(t) for t in tensors])
+
+    want = _multi_grad_events(torchs, only_a)
+    assert want.count("fn") == 1 and want.index("fn") < want.index("removed"), want
+    assert _multi_grad_events(ours, only_a) == want
+    assert _multi_grad_events(with_nodes, only_a) == want
+
+
 def test_scaler_scale_tensor_is_get_scale_without_the_sync():
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     assert TP.scaler_scale_tensor(scaler) is None  # lazily made on the first scale()

@@ -12,12 +12,8 @@ from typing import Callable
 import torch
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
-from mpt.doctor.trace import FP16, flat
-
-
-# A sample's min and max values are stacked into one tensor this many at a time: thousands of 0-dim tensors
-# alive until the step ends would set off the Python garbage collector's passes over every object.
-FOLD = 512
+from mpt.doctor.trace import FOLD, FP16, Slots, flat
+from mpt.torch_private import add_grad_hook
 
 
 @functools.lru_cache(maxsize=None)
@@ -31,14 +27,16 @@ class ModuleSample:
     """One sampled step at module granularity: the min and max of each module's inputs and outputs (forward)
     and of the gradients of its outputs, inputs and weights (backward), on the device, in execution order.
     `plan`: (module, its label, leaf?, in place?, its own trainable weights) for each hooked module; `on_start`:
-    called as the step's forward begins (the first module called), before anything is recorded."""
+    called as the step's forward begins (the first module called), before anything is recorded; `slots`: where
+    the values are written (a watch's, reused sample after sample; default: the sample's own)."""
 
-    def __init__(self, plan: list, on_start: Callable[[], None] | None = None):
+    def __init__(self, plan: list, on_start: Callable[[], None] | None = None, slots: Slots | None = None):
         self.names: list[tuple[str, str, str]] = []  # (module, "forward" | "backward", what)
-        # The min and max of each record, in turn, on the device: 1-D tensors of FOLD records each (close()
-        # folds the rest), from a list of 0-dim ones as they are made.
+        # The min and max of each record, in turn, on the device: one 1-D tensor, gathered by close() from the
+        # slots written as the records are made (`_sid`: each record's pair).
         self.values: list[torch.Tensor] = []
-        self._pending: list[torch.Tensor] = []
+        self._slots = slots or Slots(FOLD)
+        self._sid: list[int] = []
         self.grads: list[int | None] = []  # per backward record, its gradient's group (one tensor, several records)
         self.fp16 = False
         # (id, version) -> a weak reference to the value recorded in this forward pass: not holding it, the
@@ -48,7 +46,7 @@ class ModuleSample:
         # (id, version) -> (weak reference, the records of its gradient): one hook on each gradient, however
         # many modules record it (the output of one is the input of the next)
         self._hooked: dict = {}
-        self._last: tuple | None = None  # (gradient, its min and max, its group): one gradient, several records
+        self._last: tuple | None = None  # (gradient, its pair, its group): one gradient, several records
         self._handles = []
         self._open = True
         # Two hooks on every module (the global ones) instead of one or two on each of the plan's: each sample
@@ -66,7 +64,7 @@ class ModuleSample:
         self._weights = [(_record_names(label)["weight gradient"], label, p) for _, label, _, _, ws in plan
                          for p in ws]
         self._wnames: list[tuple] = []  # the weight-gradient records read so far, in turn
-        self._wvalues: list[torch.Tensor] = []  # their min and max (0-dim tensors)
+        self._wsid: list[int] = []  # their pairs
         # per weight record: the index in `names` it follows (its module's output-gradient group's last record, else
         # the last record made by then; -1 where there was none)
         self._wafter: list[int] = []
@@ -79,59 +77,59 @@ class ModuleSample:
     def close(self) -> None:
         for h in self._handles:
             h.remove()
-        self._fold()
         self._handles, self._seen, self._hooked, self._last, self._open = [], {}, {}, None, False
-        if self._wnames:
-            self._merge_weights()
+        order = self._merge_weights() if self._wnames else None
+        if self._sid or self._wsid:
+            sid = self._sid + self._wsid
+            self.values = [self._slots.gather(sid if order is None else [sid[j] for j in order])]
+        self._sid, self._wsid = [], []
 
     def _read_weights(self) -> None:
         """As a backward ends: each weight's gradient as .grad holds it, placed after its module's output-gradient
         records of this backward (the group they share with the next module's input gradient included)."""
         self._queued = False
-        after: dict[str, int] = {}  # module label -> the last record of its output gradient's group
+        after: dict[str, int] = {}  # module label -> the last record of its (first) output gradient's group
         names, grads = self.names, self.grads
-        for i in range(self._bstart, len(names)):
-            if names[i][2] == "output gradient":
-                j = i
-                while j + 1 < len(grads) and grads[j + 1] == grads[i]:
+        n = len(names)
+        for i in range(self._bstart, n):
+            name = names[i]
+            if name[2] == "output gradient" and name[0] not in after:
+                j, group = i, grads[i]
+                while j + 1 < n and grads[j + 1] == group:
                     j += 1
-                after.setdefault(names[i][0], j)
+                after[name[0]] = j
+        take = self._slots.take
         for name, label, p in self._weights:
             g = p.grad
             if g is None or not g.is_floating_point() or not g.numel() or g.is_sparse:
                 continue
             self._wnames.append(name)
-            self._wvalues += torch.aminmax(g.detach())
-            self._wafter.append(after.get(label, len(names) - 1))
+            lo, hi, s = take(g)
+            torch.aminmax(g.detach() if g.requires_grad else g, out=(lo, hi))
+            self._wsid.append(s)
+            self._wafter.append(after.get(label, n - 1))
 
-    def _merge_weights(self) -> None:
-        """The weight-gradient records into execution order: names, groups (each its own, numbered by its first
-        record + 1, as every group is) and the stacked min and max."""
-        slots: dict[int, list[int]] = {}
-        for k, i in enumerate(self._wafter):
-            slots.setdefault(i, []).append(k)
-        n = len(self.names)
-        order = [n + k for k in slots.get(-1, ())]  # (index n + k: the k-th weight record)
-        for i in range(n):
-            order += [i, *(n + k for k in slots.get(i, ()))]
+    def _merge_weights(self) -> list[int]:
+        """The weight-gradient records into execution order: names and groups (each its own, numbered by its first
+        record + 1, as every group is). Returns the order: index n + k is the k-th weight record."""
+        n, after = len(self.names), self._wafter
+        # Index n + k: the k-th weight record, right after record after[k] (-1: before all), in turn among those
+        # after the same record: the records up to it, then it.
+        order: list[int] = []
+        done = 0  # the records placed so far
+        for k in sorted(range(len(after)), key=after.__getitem__):
+            if after[k] + 1 > done:
+                order += range(done, after[k] + 1)
+                done = after[k] + 1
+            order.append(n + k)
+        order += range(done, n)
         names = self.names + self._wnames
         old = self.grads + [-1 - k for k in range(len(self._wnames))]  # (a weight record: a group of its own)
-        self.names, self.grads, renum = [], [], {}
-        for new_i, j in enumerate(order):
-            self.names.append(names[j])
-            g = old[j]
-            self.grads.append(None if g is None else renum.setdefault(g, new_i + 1))
-        dev = (self.values[0] if self.values else self._wvalues[0]).device
-        wv = torch.stack([v.to(dev) for v in self._wvalues])
-        mm = torch.cat([*self.values, wv]).view(-1, 2)
-        self.values = [mm[torch.tensor(order, device=dev)].reshape(-1)]
-        self._wnames, self._wvalues, self._wafter = [], [], []
-
-    def _fold(self) -> None:
-        if self._pending:
-            dev = self._pending[0].device  # (a model spread over devices: on the first one)
-            self.values.append(torch.stack([v if v.device == dev else v.to(dev) for v in self._pending]))
-            self._pending = []
+        renum: dict[int, int] = {}
+        self.names = [names[j] for j in order]
+        self.grads = [None if old[j] is None else renum.setdefault(old[j], new_i + 1) for new_i, j in enumerate(order)]
+        self._wnames, self._wafter = [], []
+        return order
 
     # The hooks below run ~500 times a sample: each record is a few list appends, its name made beforehand
     # (_record_names), with no call per record beyond the min and max themselves.
@@ -149,10 +147,9 @@ class ModuleSample:
             self.fp16 = True
         self.grads.append(None)
         self.names.append(name)
-        pending = self._pending
-        pending += torch.aminmax(t.detach())
-        if len(pending) >= 2 * FOLD:
-            self._fold()
+        lo, hi, s = self._slots.take(t)
+        torch.aminmax(t.detach(), out=(lo, hi))
+        self._sid.append(s)
 
     def _hook(self, name: tuple, t: torch.Tensor) -> None:
         """Record the gradient of `t` as `name` when backward makes it. The hooks of one tensor fire together, in
@@ -163,7 +160,7 @@ class ModuleSample:
             got[1].append(name)
             return
         records = [name]
-        t.register_hook(functools.partial(self._bwd, records))
+        add_grad_hook(t, functools.partial(self._bwd, records))  # (register_hook without its handle)
         self._hooked[key] = (weakref.ref(t), records)
 
     def _bwd(self, records: list | tuple, g: torch.Tensor) -> None:
@@ -178,17 +175,16 @@ class ModuleSample:
             torch.autograd.Variable._execution_engine.queue_callback(self._read_weights)
         last = self._last
         if last is not None and last[0] is g:
-            mm, group = last[1], last[2]
+            s, group = last[1], last[2]
         else:
-            mm, group = tuple(torch.aminmax(g.detach() if g.requires_grad else g)), len(self.names) + 1
-            self._last = (g, mm, group)  # held, so that no other tensor takes its id meanwhile
+            lo, hi, s = self._slots.take(g)
+            torch.aminmax(g.detach() if g.requires_grad else g, out=(lo, hi))
+            group = len(self.names) + 1
+            self._last = (g, s, group)  # held, so that no other tensor takes its id meanwhile
         n = len(records)
         self.names += records
         self.grads += [group] * n
-        pending = self._pending
-        pending += mm * n
-        if len(pending) >= 2 * FOLD:
-            self._fold()
+        self._sid += [s] * n
 
     def _start(self) -> None:
         self._started = True

@@ -13,7 +13,7 @@ from mpt.bands import tensors_in
 from mpt.config import Config
 from mpt.doctor.probes import ValueRanges
 from mpt.doctor.targets import STEPS, Patient, call_loss
-from mpt.doctor.trace import Trace, first_overflow
+from mpt.doctor.trace import Slots, Trace, first_overflow
 from mpt.errors import UserError
 from mpt.memory import ActivationMeter
 from mpt.precision import cast_floats
@@ -194,8 +194,9 @@ def train(patient: Patient, precision: str, loss_scale: str = "auto", steps: int
                            recipe, device=device, observers=(num,), measure_first=False)
     torch.manual_seed(patient.seed)  # the same steps: dropout masks and sampled negatives too
     losses, samples, skipped = [], [], 0
+    slots = Slots()  # (where each step's trace writes its min and max values, reused step after step)
     for i in range(steps):
-        trace = Trace(model, inputs=True) if watch and first_inf is None else None
+        trace = Trace(model, inputs=True, slots=slots) if watch and first_inf is None else None
         with forward.recording(model) if observe else contextlib.nullcontext(), trace or contextlib.nullcontext():
             logs, _ = train_step([patient.batches[i % len(patient.batches)]],
                                  meter=activation_meter if i == 0 else None)

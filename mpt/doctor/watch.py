@@ -46,7 +46,7 @@ import torch.nn as nn
 from mpt.bands import hook_targets
 from mpt.doctor.module_sample import ModuleSample
 from mpt.doctor.setup_checks import SETUP, SetupChecks
-from mpt.doctor.trace import OUTSIDE, Trace, module_labels
+from mpt.doctor.trace import OUTSIDE, Slots, Trace, module_labels
 from mpt.errors import UserError
 from mpt.torch_private import scaler_scale_tensor
 
@@ -83,11 +83,14 @@ class Watch:
         self.traced = 0
         self._names = module_labels(model)
         self._rec: Trace | ModuleSample | None = None  # this step's sample, when it is one
+        self._slots = Slots()  # where each sample and trace writes its min and max values
         # Leaf modules and those owning weights (mpt.bands.hook_targets): a container's input and output
         # are its first and last child's.
         self._plan = [(m, self._names[m], next(m.children(), None) is None, bool(getattr(m, "inplace", False)),
                        [p for p in m.parameters(recurse=False) if p.requires_grad]) for _, m in hook_targets(model)]
         self._params = [(self._names[_owner(model, n)], p) for n, p in model.named_parameters() if p.numel()]
+        # The min and max of each weight as the sampled step began, stacked (None: not taken)
+        self._weights: torch.Tensor | None = None
         self._parent = {self._names[m]: self._names[model.get_submodule(n.rpartition(".")[0])]
                         for n, m in model.named_modules() if n}
         self._bad: torch.Tensor | None = None  # a non-finite loss since the last sample (device)
@@ -159,20 +162,25 @@ class Watch:
         trace = self._chase or self.step_count % self.trace_every == 0
         if not (trace or self.step_count % self.every == 0):
             return
-        self._weights = []
+        self._weights = None
         if not trace:  # (the weights taken as the step's forward begins)
-            self._rec = ModuleSample(self._plan, on_start=self._take_weights)
+            self._rec = ModuleSample(self._plan, on_start=self._take_weights, slots=self._slots)
             return
         self._take_weights()
         # Tracing: every operation, attributed to the innermost running module (forward and backward).
-        self._rec = Trace(self.model, self._names)
+        self._rec = Trace(self.model, self._names, slots=self._slots)
         self._rec.__enter__()
 
     def _take_weights(self) -> None:
         # The weights as the step starts: a value made non-finite by an earlier, unsampled step is not
         # blamed on the first operation that reads it.
-        # (their min and max: no copy of the weights is made)
-        self._weights = [(label, torch.aminmax(p.detach())) for label, p in self._params]
+        # (their min and max: no copy of the weights is made; stacked now, not ~300 0-dim tensors held)
+        if not self._params:
+            return
+        with torch.no_grad():
+            mm = [v for _, p in self._params for v in torch.aminmax(p)]
+        dev = mm[0].device
+        self._weights = torch.stack([v if v.device == dev else v.to(dev) for v in mm])
 
     def _stop(self) -> None:
         if isinstance(self._rec, Trace):
@@ -193,12 +201,15 @@ class Watch:
         per: dict[str, list[float]] = {}
         for (module, phase, what), v in zip(rec.names, values):
             if module != OUTSIDE and what != "input":
-                fb = per.setdefault(module, [0.0, 0.0])
+                fb = per.get(module)
+                if fb is None:
+                    fb = per[module] = [0.0, 0.0]
                 i = phase == "backward"
-                fb[i] = v if math.isnan(v) else fb[i] if math.isnan(fb[i]) else max(fb[i], v)  # nan, inf win
+                if v != v or (v > fb[i] and fb[i] == fb[i]):  # the larger; nan (v != v) wins, and inf
+                    fb[i] = v
         for module, (f, b) in per.items():
             self.run_up.setdefault(module, collections.deque(maxlen=RUN_UP)).append((step, f, b))
-        bad_w = next((name for (name, _), v in zip(self._weights, weights) if not math.isfinite(v)), None)
+        bad_w = next((name for (name, _), v in zip(self._params, weights) if not math.isfinite(v)), None)
         i = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
         bad = None if i is None else (rec.names[self._first_of(rec, i)], values[i])
         self._look(step, traced, bad_w, bad, bad_loss)
@@ -213,18 +224,18 @@ class Watch:
             scale = scaler_scale_tensor(self.scaler)
             extra.append(scale if scale is not None else torch.ones(()))
         # max |x| of each record from its min and max, on the device (nan wins), then one host transfer.
-        dev = (rec.values or [pair[0] for _, pair in self._weights] or [torch.zeros(())])[0].device
+        w = self._weights
+        dev = (rec.values or [w if w is not None else torch.zeros(())])[0].device
         f32 = torch.float32
-        # (a module-level sample's values come stacked, FOLD records a tensor; a trace's one by one)
-        mm = torch.cat([(v if v.dtype == f32 and v.device == dev else v.to(dev, f32)).reshape(-1)
+        # (the values come gathered into one tensor)
+        mm = torch.cat([v if v.dtype == f32 and v.device == dev else v.to(dev, f32)
                         for v in rec.values]).view(-1, 2) if rec.values else None
-        wm = torch.stack([v if v.dtype == f32 and v.device == dev else v.to(dev, f32)
-                          for _, pair in self._weights for v in pair]).view(-1, 2) if self._weights else None
+        wm = w.to(dev, f32).view(-1, 2) if w is not None else None
         parts = [torch.maximum(-wm[:, 0], wm[:, 1]) if wm is not None else None,
                  torch.maximum(-mm[:, 0], mm[:, 1]) if mm is not None else None,
                  torch.stack([t.to(dev, torch.float32) for t in extra])]
         flat = torch.cat([x for x in parts if x is not None]).tolist()  # the one host transfer
-        nw, no = len(self._weights), len(rec.names)
+        nw, no = len(self._params) if w is not None else 0, len(rec.names)
         return flat[:nw], flat[nw:nw + no], flat[nw + no:]
 
     def _look(self, step: int, traced: bool, bad_w: str | None, bad: tuple | None, bad_loss: bool) -> None:
