@@ -192,6 +192,22 @@ def _abs_max(t: torch.Tensor, dims: tuple[int, ...] | None = None) -> torch.Tens
     runs over long contiguous stretches (a whole tensor; one axis with at least _LONG elements after it), from
     t's largest and smallest values: two reading passes, without a temporary |t| of t's size; elsewhere a
     reduction costs a CPU more than |t| does, and one reduction of |t| is the cheaper."""
+    if dims is not None and len(dims) > 1 and t.is_contiguous():
+        # Several axes (a whole batch axis, _along_batch): the contiguous stretch of reduced axes at t's end first,
+        # then the rest on that small result -- a reduction across strided axes costs a CPU several times as much.
+        # (A max is exact in any order.)
+        dims = sorted(d % t.dim() for d in dims)
+        tail = next((i for i in range(len(dims)) if dims[i:] == list(range(dims[i], t.dim()))), len(dims))
+        if 0 < tail < len(dims):
+            inner = t.flatten(dims[tail])  # (a view of the contiguous t)
+            if inner.shape[-1] >= _LONG:
+                lo, hi = inner.amin(dim=-1, keepdim=True), inner.amax(dim=-1, keepdim=True)
+                part = torch.maximum(hi, lo.neg_()).abs_()
+            else:
+                part = inner.abs().amax(dim=-1, keepdim=True)
+            keep = [1 if d in dims else n for d, n in enumerate(t.shape)]
+            return part.amax(dim=dims[:tail], keepdim=True).reshape(keep)
+        dims = tuple(dims)
     if dims is None:
         lo, hi = torch.aminmax(t)
     elif len(dims) == 1 and t.stride(dims[0]) >= _LONG:
@@ -237,7 +253,10 @@ def block_scale(amax: torch.Tensor, fmt: str, rounding: str) -> torch.Tensor:
     if rounding == "exact":
         s = _over(top, amax).clamp(max=FLT_MAX)
     elif rounding == "pow2":
-        s = _pow2(torch.frexp(_over(top, amax).clamp(max=FLT_MAX))[1] - 1)
+        # the exponent bits of a normal positive FP32 (top / FLT_MAX and above, capped at FLT_MAX) are its power of 2
+        # below, frexp's and ldexp's bits in one pass over the scales (0, inf and nan: replaced below)
+        s = _over(top, amax).clamp_(max=FLT_MAX)
+        s.view(torch.int32).bitwise_and_(0x7F800000)
     elif rounding == "floor":
         emax = int(torch.frexp(torch.tensor(top))[1]) - 1
         s = _pow2(-((torch.frexp(amax)[1] - 1) - emax).clamp(scale_e.emin, scale_e.emax))
@@ -248,7 +267,8 @@ def block_scale(amax: torch.Tensor, fmt: str, rounding: str) -> torch.Tensor:
     else:
         raise ValueError(f"block_scale: {rounding!r} is not a scale of its own (nvfp4 scales: _nvfp4)")
     s = s.clamp_(min=_least_scale(fmt, rounding))
-    return torch.where(amax > 0, s, torch.ones_like(s)).masked_fill_(~torch.isfinite(amax), math.nan)
+    # (amax is |values|' largest: 0, positive, inf or nan)
+    return s.masked_fill_(amax == 0, 1.0).masked_fill_(~(amax < math.inf), math.nan)
 
 
 _HADAMARD: dict = {}
@@ -267,7 +287,7 @@ def _hadamard16(device) -> torch.Tensor:
     return _HADAMARD[device]
 
 
-def block_quantize(t: torch.Tensor, f: formats.TensorFormat, axis: int = -1,
+def block_quantize(t: torch.Tensor, f: formats.TensorFormat, axis: int | tuple[int, ...] = -1,
                    generator: torch.Generator | None = None) -> torch.Tensor:
     """t rounded to format f block by block along `axis` (its dot product's reduction axis) and
     returned in FP32 at t's magnitude. Computed on the view [before axis, axis, after axis] of t, so no
@@ -275,7 +295,12 @@ def block_quantize(t: torch.Tensor, f: formats.TensorFormat, axis: int = -1,
     a whole number of them (a zero changes no block's amax), and a block longer than the axis is the
     whole axis. A 2-D block (block128x128, block16x16) spans as many rows of the leading axes (a weight's
     outputs) as it spans along the axis, fewer where there are fewer. Per-tensor exact scales take
-    FP8State.quantizer's path."""
+    FP8State.quantizer's path. A tuple `axis` (whole-axis blocks, granularity row, only): one block across all of
+    those axes at once, reduced where t lies, the result in t's layout (_along_batch)."""
+    if isinstance(axis, tuple):
+        if f.granularity != "row" or f.hadamard:
+            raise ValueError(f"block_quantize: blocks across several axes are whole rows, not {f.granularity}")
+        return _quantize_blocks(t.float(), axis, f, generator)
     x = t.float()
     shape = x.shape
     if x.dim() == 0:
@@ -310,22 +335,7 @@ def block_quantize(t: torch.Tensor, f: formats.TensorFormat, axis: int = -1,
         blocks, dims = v.reshape(v.shape[0] // rb, rb, kk // b, b, post), (1, 3)
     else:
         blocks, dims = v.reshape(v.shape[0], kk // b, b, post), (2,)
-    # nan or inf where the block holds one: a nan block (block_scale)
-    amax = fused.abs_max(blocks, dims, fallback=lambda: _abs_max(blocks, dims)) if fused.pays(blocks) else \
-        _abs_max(blocks, dims)
-    if f.scale_rounding == "e4m3":  # NVFP4's two levels, in 16-element or 16x16 blocks
-        q = _nvfp4(blocks, amax, f.element, generator)
-    else:
-        s = block_scale(amax, f.element, f.scale_rounding)
-        # A power-of-2 scale's reciprocal is exact (2^-127 .. 2^127): a multiplication, cheaper than x / s.
-        back = "div" if f.scale_rounding == "exact" else "mul"
-        if _by_spacing(f.element) and fused.pays(blocks, s):  # the same chain in one pass
-            bits, again = _drawn(blocks, generator) if generator is not None else (None, lambda: None)
-            q = fused.call(f"block_{back}", f.element, blocks, s, s if back == "div" else s.reciprocal(), bits,
-                           fallback=lambda: _block_round(blocks, s, f.element, back, again()))
-        else:
-            q = _block_round(blocks, s, f.element, back, generator)
-    q = q.reshape(v.shape)
+    q = _quantize_blocks(blocks, dims, f, generator).reshape(v.shape)
     if f.hadamard:
         q = torch.einsum("pjiq,ci->pjcq", q.reshape(q.shape[0], kk // 16, 16, post),
                          _hadamard16(q.device)).reshape(q.shape)
@@ -333,6 +343,25 @@ def block_quantize(t: torch.Tensor, f: formats.TensorFormat, axis: int = -1,
     if pad or rpad:
         q = q[:pre, :k]
     return q.reshape(shape)
+
+
+def _quantize_blocks(blocks: torch.Tensor, dims: tuple[int, ...], f: formats.TensorFormat,
+                     generator: torch.Generator | None) -> torch.Tensor:
+    """block_quantize's rounding of FP32 `blocks`, each block the values along `dims` (kept as axes of size 1 in its
+    scale): the blocks' amax, their scales, the values rounded and unscaled."""
+    # nan or inf where the block holds one: a nan block (block_scale)
+    amax = fused.abs_max(blocks, dims, fallback=lambda: _abs_max(blocks, dims)) if fused.pays(blocks) else \
+        _abs_max(blocks, dims)
+    if f.scale_rounding == "e4m3":  # NVFP4's two levels, in 16-element or 16x16 blocks
+        return _nvfp4(blocks, amax, f.element, generator)
+    s = block_scale(amax, f.element, f.scale_rounding)
+    # A power-of-2 scale's reciprocal is exact (2^-127 .. 2^127): a multiplication, cheaper than x / s.
+    back = "div" if f.scale_rounding == "exact" else "mul"
+    if _by_spacing(f.element) and fused.pays(blocks, s):  # the same chain in one pass
+        bits, again = _drawn(blocks, generator) if generator is not None else (None, lambda: None)
+        return fused.call(f"block_{back}", f.element, blocks, s, s if back == "div" else s.reciprocal(), bits,
+                          fallback=lambda: _block_round(blocks, s, f.element, back, again()))
+    return _block_round(blocks, s, f.element, back, generator)
 
 
 def _drawn(t: torch.Tensor, generator: torch.Generator):
@@ -519,18 +548,26 @@ def _bias_grad(g: torch.Tensor, channel: int) -> torch.Tensor:
     return g.sum([d for d in range(g.dim()) if d != ch]) if g.dim() > 1 else g.clone()
 
 
-def _along_batch(quant, t: torch.Tensor, axis: int, rows: bool = False) -> torch.Tensor:
-    """t rounded by `quant` (a quantiser along the last axis) along its batch axis: every axis but its
-    channel axis `axis`, flattened -- the axis a weight-gradient product reduces over. `rows`: the quantiser
-    reads whole rows of [channels, batch] (the Hadamard transform's matrix product): they are copied in that
-    layout at once (a convolution's NCHW to C x NHW moves whole rows), not gathered element by element from a
-    transposed view by the product; the result is laid out as the transposed view's would be."""
-    moved = t.movedim(axis, -1)
-    if rows:
-        flat = t.movedim(axis, 0).reshape(t.shape[axis], -1)
+def _along_batch(q, role: str, f: formats.TensorFormat, t: torch.Tensor, axis: int) -> torch.Tensor:
+    """t rounded as role `role`'s quantiser q(role, axis) rounds it (format `f`) along its batch axis: every axis but
+    its channel axis `axis`, flattened -- the axis a weight-gradient product reduces over.
+    One block over the whole batch axis (row scales), rounded to nearest: the blocks are reduced over those axes of t
+    as it lies (block_quantize's tuple axis), and the result has t's layout -- a convolution's NCHW operands reach
+    its backward product without a layout copy either way. Otherwise the blocks' order along the flattened batch axis
+    matters (16-element blocks; the Hadamard transform's rows; the order stochastic rounding's bits are drawn in):
+    t is flattened to [channels, batch] -- with the Hadamard transform copied in that layout at once (a convolution's
+    NCHW to C x NHW moves whole rows), not gathered element by element from a transposed view by its matrix product;
+    the result laid out as the transposed view's would be."""
+    ch = axis % t.dim()
+    if f.granularity == "row" and f.rounding == "nearest" and not f.hadamard:
+        return q(role, tuple(d for d in range(t.dim()) if d != ch))(t)
+    quant = q(role, -1)
+    moved = t.movedim(ch, -1)
+    if f.hadamard:
+        flat = t.movedim(ch, 0).reshape(t.shape[ch], -1)
     else:
         flat = moved.reshape(-1, moved.shape[-1]).t()  # [channels, batch]: blocks along the batch
-    return quant(flat).t().reshape(moved.shape).movedim(-1, axis)
+    return quant(flat).t().reshape(moved.shape).movedim(-1, ch)
 
 
 def _amax(t: torch.Tensor) -> torch.Tensor:
@@ -967,10 +1004,8 @@ class FP8Math(TorchFunctionMode):
         if r.wgrad == "high":
             x_w, quant_w = x.detach(), None
         elif r.wgrad == "own":
-            hx, hg = r.roles["xw"].hadamard, r.roles["gw"].hadamard
-            x_w = _along_batch(q("xw", -1), x.detach(), x_axis, hx)
-            gq = q("gw", -1)
-            quant_w = lambda g: _along_batch(gq, g, g_axis, hg)  # noqa: E731
+            x_w = _along_batch(q, "xw", r.roles["xw"], x.detach(), x_axis)
+            quant_w = lambda g: _along_batch(q, "gw", r.roles["gw"], g, g_axis)  # noqa: E731
         else:
             x_w = x_q.detach()
         if alone is not None:  # a linear layer, a convolution: no forward for it
