@@ -114,15 +114,17 @@ def round_by_spacing(x: torch.Tensor, fmt: str, generator: torch.Generator | Non
     return q.copysign_(x.float())
 
 
-def _sr_bits(shape, generator: torch.Generator, device) -> torch.Tensor:
+def _sr_bits(shape, generator: torch.Generator, device, as_float: bool = True) -> torch.Tensor:
     """k - 2^15 for a uniform random 16-bit k (formats.SR_BITS), one per element of `shape`, as FP32: the signed
     16-bit halves of uniform random 64-bit words. With U = (k + 1/2) / 2^16 the probability of rounding up is the
     distance from the value below rounded to a multiple of 2^-16 of the spacing, so the rounding is unbiased to
     within 2^-17 of a spacing (hardware stochastic rounding draws a few random bits per value too); four values to
-    one 64-bit draw cost a CPU a quarter of torch.rand's 32-bit draw per value."""
+    one 64-bit draw cost a CPU a quarter of torch.rand's 32-bit draw per value. `as_float`=False: the int16 halves
+    themselves (mpt.fused's kernels convert them in their loop, exactly, instead of a pass of their own)."""
     n = math.prod(shape)
     words = torch.empty((n + 3) // 4, dtype=torch.int64, device=device).random_(-2 ** 63, None, generator=generator)
-    return words.view(torch.int16)[:n].view(shape).float()
+    bits = words.view(torch.int16)[:n].view(shape)
+    return bits.float() if as_float else bits
 
 
 # Torch's cast to E4M3 costs several times the arithmetic on a CPU (its FP8-to-FP32 cast above all);
@@ -259,11 +261,17 @@ def block_scale(amax: torch.Tensor, fmt: str, rounding: str) -> torch.Tensor:
         s.view(torch.int32).bitwise_and_(0x7F800000)
     elif rounding == "floor":
         emax = int(torch.frexp(torch.tensor(top))[1]) - 1
-        s = _pow2(-((torch.frexp(amax)[1] - 1) - emax).clamp(scale_e.emin, scale_e.emax))
+        # floor(log2 amax): the exponent bits, less the bias (frexp's exponent - 1, a pass over the scales instead of
+        # frexp's several); a subnormal amax reads -127 where frexp reads lower, but either saturates the clamp
+        s = _pow2(-((amax.view(torch.int32) >> 23) - (127 + emax)).clamp(scale_e.emin, scale_e.emax))
     elif rounding == "rceil":
-        mant, e = torch.frexp(amax / top)
-        # ceil(log2): exact at powers of 2
-        s = _pow2(-torch.where(mant == 0.5, e - 1, e).clamp(scale_e.emin, scale_e.emax))
+        x = amax / top
+        # ceil(log2 x): the exponent bits, one up where a mantissa bit is set (exact at powers of 2; frexp's exponent,
+        # less 1 where its mantissa is 0.5). A subnormal x reads -126: right above 2^-127; at or below it, -127
+        # saturates the clamp as frexp's lower exponent does; an x of 0 (an amax below top x 2^-150) has frexp's 0.
+        e = ((x.view(torch.int32) + 0x7FFFFF) >> 23).sub_(127)
+        e = e.masked_fill_(x <= 2.0 ** -127, -127).masked_fill_(x == 0, 0)
+        s = _pow2(-e.clamp_(scale_e.emin, scale_e.emax))
     else:
         raise ValueError(f"block_scale: {rounding!r} is not a scale of its own (nvfp4 scales: _nvfp4)")
     s = s.clamp_(min=_least_scale(fmt, rounding))
@@ -349,6 +357,11 @@ def _quantize_blocks(blocks: torch.Tensor, dims: tuple[int, ...], f: formats.Ten
                      generator: torch.Generator | None) -> torch.Tensor:
     """block_quantize's rounding of FP32 `blocks`, each block the values along `dims` (kept as axes of size 1 in its
     scale): the blocks' amax, their scales, the values rounded and unscaled."""
+    if f.scale_rounding == "pow2" and generator is None and _by_spacing(f.element) and \
+            fused.pays(blocks, [1 if d in dims else n for d, n in enumerate(blocks.shape)]):
+        # the amax, the scales and the rounding below in one compiled call
+        return fused.pow2_blocks(f.element, blocks, dims, _least_scale(f.element, "pow2"),
+                                 fallback=lambda: _quantize_blocks(blocks, dims, f, None))  # (fused is off then)
     # nan or inf where the block holds one: a nan block (block_scale)
     amax = fused.abs_max(blocks, dims, fallback=lambda: _abs_max(blocks, dims)) if fused.pays(blocks) else \
         _abs_max(blocks, dims)
@@ -369,7 +382,7 @@ def _drawn(t: torch.Tensor, generator: torch.Generator):
     function that puts the generator back and returns it (the eager chain, where the fused one cannot run, draws
     the same bits again)."""
     state = generator.get_state()
-    bits = _sr_bits(t.shape, generator, t.device)
+    bits = _sr_bits(t.shape, generator, t.device, as_float=False)
     return bits, lambda: (generator.set_state(state), generator)[1]
 
 
@@ -552,15 +565,18 @@ def _along_batch(q, role: str, f: formats.TensorFormat, t: torch.Tensor, axis: i
     """t rounded as role `role`'s quantiser q(role, axis) rounds it (format `f`) along its batch axis: every axis but
     its channel axis `axis`, flattened -- the axis a weight-gradient product reduces over.
     One block over the whole batch axis (row scales), rounded to nearest: the blocks are reduced over those axes of t
-    as it lies (block_quantize's tuple axis), and the result has t's layout -- a convolution's NCHW operands reach
-    its backward product without a layout copy either way. Otherwise the blocks' order along the flattened batch axis
-    matters (16-element blocks; the Hadamard transform's rows; the order stochastic rounding's bits are drawn in):
-    t is flattened to [channels, batch] -- with the Hadamard transform copied in that layout at once (a convolution's
-    NCHW to C x NHW moves whole rows), not gathered element by element from a transposed view by its matrix product;
-    the result laid out as the transposed view's would be."""
+    as it lies (block_quantize's tuple axis), and only the result is laid out [batch, channels] (one copy of a
+    convolution's operand, where the flattened view below is read strided). Otherwise the blocks' order along the
+    flattened batch axis matters (16-element blocks; the Hadamard transform's rows; the order stochastic rounding's
+    bits are drawn in): t is flattened to [channels, batch] -- with the Hadamard transform copied in that layout at
+    once (a convolution's NCHW to C x NHW moves whole rows), not gathered element by element from a transposed view
+    by its matrix product; the result laid out as the transposed view's would be."""
     ch = axis % t.dim()
     if f.granularity == "row" and f.rounding == "nearest" and not f.hadamard:
-        return q(role, tuple(d for d in range(t.dim()) if d != ch))(t)
+        q = q(role, tuple(d for d in range(t.dim()) if d != ch))(t)
+        # handed on with the channel axis innermost, as the flattened layout below leaves it: a convolution's weight
+        # gradient from NCHW operands is the same products summed in another order (oneDNN's), not the same bits
+        return q.movedim(ch, -1).contiguous().movedim(-1, ch)
     quant = q(role, -1)
     moved = t.movedim(ch, -1)
     if f.hadamard:
