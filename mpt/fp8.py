@@ -33,7 +33,8 @@ that probe's calls in BF16 too (FP8State.kept_last); its bf16_tail puts every pr
 last steps (FP8State.wide, set per iteration by mpt.precision.BF16Tail).
 
 With fmt.compile=true the rounding chains of fp8_quantize, block_quantize and _nvfp4 (scale, round, unscale) run as
-one compiled loop each on a CPU (mpt.fused), the same bits; the decisions around them stay here, in eager code.
+one compiled loop each on a CPU (mpt.fused), the same bits -- a power-of-2 block quantisation whole, its amax and
+scales too; the decisions around them stay here, in eager code.
 """
 from __future__ import annotations
 

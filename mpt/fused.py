@@ -9,8 +9,9 @@ but for a NaN's sign and payload bits: a NaN stays a NaN in the same place, but 
 (inductor's min and max make every NaN 0x7fffffff; torch's own kernels keep one operand's NaN or the other's
 depending on whether the element falls in a vectorised stretch of the loop or its scalar tail, so their NaN's sign
 varies with the position even in eager). mpt.fp8 keeps its eager code as the reference: it takes every decision
-(which path, whether a tensor is finite) as before and calls in here only for the chain itself, and runs its own
-where compilation fails (no C++ compiler: one line on stderr, then eager).
+(which path, whether a tensor is finite) as before and calls in here only for the chain itself (with a power-of-2
+block quantisation, pow2_blocks, its amax and scales too), and runs its own where compilation fails (no C++
+compiler: one line on stderr, then eager).
 
 Compiled with dynamic shapes: one compilation per kernel and tensor rank (and size-1 axes), not per shape.
 The format's constants are 0-dim tensors, not Python numbers, for the same reason (a number is a guard)."""
