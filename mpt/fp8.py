@@ -33,7 +33,8 @@ that probe's calls in BF16 too (FP8State.kept_last); its bf16_tail puts every pr
 last steps (FP8State.wide, set per iteration by mpt.precision.BF16Tail).
 
 With fmt.compile=true the rounding chains of fp8_quantize, block_quantize and _nvfp4 (scale, round, unscale) run as
-one compiled loop each on a CPU (mpt.fused), the same bits; the decisions around them stay here, in eager code.
+one compiled loop each on a CPU (mpt.fused), the same bits -- a power-of-2 block quantisation whole, its amax and
+scales too; the decisions around them stay here, in eager code.
 """
 from __future__ import annotations
 
@@ -114,15 +115,17 @@ def round_by_spacing(x: torch.Tensor, fmt: str, generator: torch.Generator | Non
     return q.copysign_(x.float())
 
 
-def _sr_bits(shape, generator: torch.Generator, device) -> torch.Tensor:
+def _sr_bits(shape, generator: torch.Generator, device, as_float: bool = True) -> torch.Tensor:
     """k - 2^15 for a uniform random 16-bit k (formats.SR_BITS), one per element of `shape`, as FP32: the signed
     16-bit halves of uniform random 64-bit words. With U = (k + 1/2) / 2^16 the probability of rounding up is the
     distance from the value below rounded to a multiple of 2^-16 of the spacing, so the rounding is unbiased to
     within 2^-17 of a spacing (hardware stochastic rounding draws a few random bits per value too); four values to
-    one 64-bit draw cost a CPU a quarter of torch.rand's 32-bit draw per value."""
+    one 64-bit draw cost a CPU a quarter of torch.rand's 32-bit draw per value. `as_float`=False: the int16 halves
+    themselves (mpt.fused's kernels convert them in their loop, exactly, instead of a pass of their own)."""
     n = math.prod(shape)
     words = torch.empty((n + 3) // 4, dtype=torch.int64, device=device).random_(-2 ** 63, None, generator=generator)
-    return words.view(torch.int16)[:n].view(shape).float()
+    bits = words.view(torch.int16)[:n].view(shape)
+    return bits.float() if as_float else bits
 
 
 # Torch's cast to E4M3 costs several times the arithmetic on a CPU (its FP8-to-FP32 cast above all);
@@ -192,6 +195,22 @@ def _abs_max(t: torch.Tensor, dims: tuple[int, ...] | None = None) -> torch.Tens
     runs over long contiguous stretches (a whole tensor; one axis with at least _LONG elements after it), from
     t's largest and smallest values: two reading passes, without a temporary |t| of t's size; elsewhere a
     reduction costs a CPU more than |t| does, and one reduction of |t| is the cheaper."""
+    if dims is not None and len(dims) > 1 and t.is_contiguous():
+        # Several axes (a whole batch axis, _along_batch): the contiguous stretch of reduced axes at t's end first,
+        # then the rest on that small result -- a reduction across strided axes costs a CPU several times as much.
+        # (A max is exact in any order.)
+        dims = sorted(d % t.dim() for d in dims)
+        tail = next((i for i in range(len(dims)) if dims[i:] == list(range(dims[i], t.dim()))), len(dims))
+        if 0 < tail < len(dims):
+            inner = t.flatten(dims[tail])  # (a view of the contiguous t)
+            if inner.shape[-1] >= _LONG:
+                lo, hi = inner.amin(dim=-1, keepdim=True), inner.amax(dim=-1, keepdim=True)
+                part = torch.maximum(hi, lo.neg_()).abs_()
+            else:
+                part = inner.abs().amax(dim=-1, keepdim=True)
+            keep = [1 if d in dims else n for d, n in enumerate(t.shape)]
+            return part.amax(dim=dims[:tail], keepdim=True).reshape(keep)
+        dims = tuple(dims)
     if dims is None:
         lo, hi = torch.aminmax(t)
     elif len(dims) == 1 and t.stride(dims[0]) >= _LONG:
@@ -237,18 +256,28 @@ def block_scale(amax: torch.Tensor, fmt: str, rounding: str) -> torch.Tensor:
     if rounding == "exact":
         s = _over(top, amax).clamp(max=FLT_MAX)
     elif rounding == "pow2":
-        s = _pow2(torch.frexp(_over(top, amax).clamp(max=FLT_MAX))[1] - 1)
+        # the exponent bits of a normal positive FP32 (top / FLT_MAX and above, capped at FLT_MAX) are its power of 2
+        # below, frexp's and ldexp's bits in one pass over the scales (0, inf and nan: replaced below)
+        s = _over(top, amax).clamp_(max=FLT_MAX)
+        s.view(torch.int32).bitwise_and_(0x7F800000)
     elif rounding == "floor":
         emax = int(torch.frexp(torch.tensor(top))[1]) - 1
-        s = _pow2(-((torch.frexp(amax)[1] - 1) - emax).clamp(scale_e.emin, scale_e.emax))
+        # floor(log2 amax): the exponent bits, less the bias (frexp's exponent - 1, a pass over the scales instead of
+        # frexp's several); a subnormal amax reads -127 where frexp reads lower, but either saturates the clamp
+        s = _pow2(-((amax.view(torch.int32) >> 23) - (127 + emax)).clamp(scale_e.emin, scale_e.emax))
     elif rounding == "rceil":
-        mant, e = torch.frexp(amax / top)
-        # ceil(log2): exact at powers of 2
-        s = _pow2(-torch.where(mant == 0.5, e - 1, e).clamp(scale_e.emin, scale_e.emax))
+        x = amax / top
+        # ceil(log2 x): the exponent bits, one up where a mantissa bit is set (exact at powers of 2; frexp's exponent,
+        # less 1 where its mantissa is 0.5). A subnormal x reads -126: right above 2^-127; at or below it, -127
+        # saturates the clamp as frexp's lower exponent does; an x of 0 (an amax below top x 2^-150) has frexp's 0.
+        e = ((x.view(torch.int32) + 0x7FFFFF) >> 23).sub_(127)
+        e = e.masked_fill_(x <= 2.0 ** -127, -127).masked_fill_(x == 0, 0)
+        s = _pow2(-e.clamp_(scale_e.emin, scale_e.emax))
     else:
         raise ValueError(f"block_scale: {rounding!r} is not a scale of its own (nvfp4 scales: _nvfp4)")
     s = s.clamp_(min=_least_scale(fmt, rounding))
-    return torch.where(amax > 0, s, torch.ones_like(s)).masked_fill_(~torch.isfinite(amax), math.nan)
+    # (amax is |values|' largest: 0, positive, inf or nan)
+    return s.masked_fill_(amax == 0, 1.0).masked_fill_(~(amax < math.inf), math.nan)
 
 
 _HADAMARD: dict = {}
@@ -267,7 +296,7 @@ def _hadamard16(device) -> torch.Tensor:
     return _HADAMARD[device]
 
 
-def block_quantize(t: torch.Tensor, f: formats.TensorFormat, axis: int = -1,
+def block_quantize(t: torch.Tensor, f: formats.TensorFormat, axis: int | tuple[int, ...] = -1,
                    generator: torch.Generator | None = None) -> torch.Tensor:
     """t rounded to format f block by block along `axis` (its dot product's reduction axis) and
     returned in FP32 at t's magnitude. Computed on the view [before axis, axis, after axis] of t, so no
@@ -275,7 +304,12 @@ def block_quantize(t: torch.Tensor, f: formats.TensorFormat, axis: int = -1,
     a whole number of them (a zero changes no block's amax), and a block longer than the axis is the
     whole axis. A 2-D block (block128x128, block16x16) spans as many rows of the leading axes (a weight's
     outputs) as it spans along the axis, fewer where there are fewer. Per-tensor exact scales take
-    FP8State.quantizer's path."""
+    FP8State.quantizer's path. A tuple `axis` (whole-axis blocks, granularity row, only): one block across all of
+    those axes at once, reduced where t lies, the result in t's layout (_along_batch)."""
+    if isinstance(axis, tuple):
+        if f.granularity != "row" or f.hadamard:
+            raise ValueError(f"block_quantize: blocks across several axes are whole rows, not {f.granularity}")
+        return _quantize_blocks(t.float(), axis, f, generator)
     x = t.float()
     shape = x.shape
     if x.dim() == 0:
@@ -310,22 +344,7 @@ def block_quantize(t: torch.Tensor, f: formats.TensorFormat, axis: int = -1,
         blocks, dims = v.reshape(v.shape[0] // rb, rb, kk // b, b, post), (1, 3)
     else:
         blocks, dims = v.reshape(v.shape[0], kk // b, b, post), (2,)
-    # nan or inf where the block holds one: a nan block (block_scale)
-    amax = fused.abs_max(blocks, dims, fallback=lambda: _abs_max(blocks, dims)) if fused.pays(blocks) else \
-        _abs_max(blocks, dims)
-    if f.scale_rounding == "e4m3":  # NVFP4's two levels, in 16-element or 16x16 blocks
-        q = _nvfp4(blocks, amax, f.element, generator)
-    else:
-        s = block_scale(amax, f.element, f.scale_rounding)
-        # A power-of-2 scale's reciprocal is exact (2^-127 .. 2^127): a multiplication, cheaper than x / s.
-        back = "div" if f.scale_rounding == "exact" else "mul"
-        if _by_spacing(f.element) and fused.pays(blocks, s):  # the same chain in one pass
-            bits, again = _drawn(blocks, generator) if generator is not None else (None, lambda: None)
-            q = fused.call(f"block_{back}", f.element, blocks, s, s if back == "div" else s.reciprocal(), bits,
-                           fallback=lambda: _block_round(blocks, s, f.element, back, again()))
-        else:
-            q = _block_round(blocks, s, f.element, back, generator)
-    q = q.reshape(v.shape)
+    q = _quantize_blocks(blocks, dims, f, generator).reshape(v.shape)
     if f.hadamard:
         q = torch.einsum("pjiq,ci->pjcq", q.reshape(q.shape[0], kk // 16, 16, post),
                          _hadamard16(q.device)).reshape(q.shape)
@@ -335,12 +354,36 @@ def block_quantize(t: torch.Tensor, f: formats.TensorFormat, axis: int = -1,
     return q.reshape(shape)
 
 
+def _quantize_blocks(blocks: torch.Tensor, dims: tuple[int, ...], f: formats.TensorFormat,
+                     generator: torch.Generator | None) -> torch.Tensor:
+    """block_quantize's rounding of FP32 `blocks`, each block the values along `dims` (kept as axes of size 1 in its
+    scale): the blocks' amax, their scales, the values rounded and unscaled."""
+    if f.scale_rounding == "pow2" and generator is None and _by_spacing(f.element) and \
+            fused.pays(blocks, [1 if d in dims else n for d, n in enumerate(blocks.shape)]):
+        # the amax, the scales and the rounding below in one compiled call
+        return fused.pow2_blocks(f.element, blocks, dims, _least_scale(f.element, "pow2"),
+                                 fallback=lambda: _quantize_blocks(blocks, dims, f, None))  # (fused is off then)
+    # nan or inf where the block holds one: a nan block (block_scale)
+    amax = fused.abs_max(blocks, dims, fallback=lambda: _abs_max(blocks, dims)) if fused.pays(blocks) else \
+        _abs_max(blocks, dims)
+    if f.scale_rounding == "e4m3":  # NVFP4's two levels, in 16-element or 16x16 blocks
+        return _nvfp4(blocks, amax, f.element, generator)
+    s = block_scale(amax, f.element, f.scale_rounding)
+    # A power-of-2 scale's reciprocal is exact (2^-127 .. 2^127): a multiplication, cheaper than x / s.
+    back = "div" if f.scale_rounding == "exact" else "mul"
+    if _by_spacing(f.element) and fused.pays(blocks, s):  # the same chain in one pass
+        bits, again = _drawn(blocks, generator) if generator is not None else (None, lambda: None)
+        return fused.call(f"block_{back}", f.element, blocks, s, s if back == "div" else s.reciprocal(), bits,
+                          fallback=lambda: _block_round(blocks, s, f.element, back, again()))
+    return _block_round(blocks, s, f.element, back, generator)
+
+
 def _drawn(t: torch.Tensor, generator: torch.Generator):
     """Stochastic rounding's random bits for t (_sr_bits), drawn before the fused chain that reads them, and a
     function that puts the generator back and returns it (the eager chain, where the fused one cannot run, draws
     the same bits again)."""
     state = generator.get_state()
-    bits = _sr_bits(t.shape, generator, t.device)
+    bits = _sr_bits(t.shape, generator, t.device, as_float=False)
     return bits, lambda: (generator.set_state(state), generator)[1]
 
 
@@ -519,18 +562,29 @@ def _bias_grad(g: torch.Tensor, channel: int) -> torch.Tensor:
     return g.sum([d for d in range(g.dim()) if d != ch]) if g.dim() > 1 else g.clone()
 
 
-def _along_batch(quant, t: torch.Tensor, axis: int, rows: bool = False) -> torch.Tensor:
-    """t rounded by `quant` (a quantiser along the last axis) along its batch axis: every axis but its
-    channel axis `axis`, flattened -- the axis a weight-gradient product reduces over. `rows`: the quantiser
-    reads whole rows of [channels, batch] (the Hadamard transform's matrix product): they are copied in that
-    layout at once (a convolution's NCHW to C x NHW moves whole rows), not gathered element by element from a
-    transposed view by the product; the result is laid out as the transposed view's would be."""
-    moved = t.movedim(axis, -1)
-    if rows:
-        flat = t.movedim(axis, 0).reshape(t.shape[axis], -1)
+def _along_batch(q, role: str, f: formats.TensorFormat, t: torch.Tensor, axis: int) -> torch.Tensor:
+    """t rounded as role `role`'s quantiser q(role, axis) rounds it (format `f`) along its batch axis: every axis but
+    its channel axis `axis`, flattened -- the axis a weight-gradient product reduces over.
+    One block over the whole batch axis (row scales), rounded to nearest: the blocks are reduced over those axes of t
+    as it lies (block_quantize's tuple axis), and only the result is laid out [batch, channels] (one copy of a
+    convolution's operand, where the flattened view below is read strided). Otherwise the blocks' order along the
+    flattened batch axis matters (16-element blocks; the Hadamard transform's rows; the order stochastic rounding's
+    bits are drawn in): t is flattened to [channels, batch] -- with the Hadamard transform copied in that layout at
+    once (a convolution's NCHW to C x NHW moves whole rows), not gathered element by element from a transposed view
+    by its matrix product; the result laid out as the transposed view's would be."""
+    ch = axis % t.dim()
+    if f.granularity == "row" and f.rounding == "nearest" and not f.hadamard:
+        q = q(role, tuple(d for d in range(t.dim()) if d != ch))(t)
+        # handed on with the channel axis innermost, as the flattened layout below leaves it: a convolution's weight
+        # gradient from NCHW operands is the same products summed in another order (oneDNN's), not the same bits
+        return q.movedim(ch, -1).contiguous().movedim(-1, ch)
+    quant = q(role, -1)
+    moved = t.movedim(ch, -1)
+    if f.hadamard:
+        flat = t.movedim(ch, 0).reshape(t.shape[ch], -1)
     else:
         flat = moved.reshape(-1, moved.shape[-1]).t()  # [channels, batch]: blocks along the batch
-    return quant(flat).t().reshape(moved.shape).movedim(-1, axis)
+    return quant(flat).t().reshape(moved.shape).movedim(-1, ch)
 
 
 def _amax(t: torch.Tensor) -> torch.Tensor:
@@ -967,10 +1021,8 @@ class FP8Math(TorchFunctionMode):
         if r.wgrad == "high":
             x_w, quant_w = x.detach(), None
         elif r.wgrad == "own":
-            hx, hg = r.roles["xw"].hadamard, r.roles["gw"].hadamard
-            x_w = _along_batch(q("xw", -1), x.detach(), x_axis, hx)
-            gq = q("gw", -1)
-            quant_w = lambda g: _along_batch(gq, g, g_axis, hg)  # noqa: E731
+            x_w = _along_batch(q, "xw", r.roles["xw"], x.detach(), x_axis)
+            quant_w = lambda g: _along_batch(q, "gw", r.roles["gw"], g, g_axis)  # noqa: E731
         else:
             x_w = x_q.detach()
         if alone is not None:  # a linear layer, a convolution: no forward for it

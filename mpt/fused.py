@@ -9,8 +9,9 @@ but for a NaN's sign and payload bits: a NaN stays a NaN in the same place, but 
 (inductor's min and max make every NaN 0x7fffffff; torch's own kernels keep one operand's NaN or the other's
 depending on whether the element falls in a vectorised stretch of the loop or its scalar tail, so their NaN's sign
 varies with the position even in eager). mpt.fp8 keeps its eager code as the reference: it takes every decision
-(which path, whether a tensor is finite) as before and calls in here only for the chain itself, and runs its own
-where compilation fails (no C++ compiler: one line on stderr, then eager).
+(which path, whether a tensor is finite) as before and calls in here only for the chain itself (with a power-of-2
+block quantisation, pow2_blocks, its amax and scales too), and runs its own where compilation fails (no C++
+compiler: one line on stderr, then eager).
 
 Compiled with dynamic shapes: one compilation per kernel and tensor rank (and size-1 axes), not per shape.
 The format's constants are 0-dim tensors, not Python numbers, for the same reason (a number is a guard)."""
@@ -47,13 +48,15 @@ _LEAST = 1 << 16  # values
 _SHORT = 64  # a last axis shorter than this (but 1) with a scale varying along it: eager
 
 
-def pays(t: torch.Tensor, s: torch.Tensor | None = None) -> bool:
-    """The fused chain is on and faster than the eager one for `t` scaled by `s` (broadcast to t's shape). CPU only: a
-    GPU's compiled kernels (Triton) are not checked bit for bit against the eager chain here."""
+def pays(t: torch.Tensor, s: torch.Tensor | tuple | None = None) -> bool:
+    """The fused chain is on and faster than the eager one for `t` scaled by `s` (broadcast to t's shape; or the
+    shape it will have). CPU only: a GPU's compiled kernels (Triton) are not checked bit for bit against the eager
+    chain here."""
     if not on() or t.device.type != "cpu" or t.numel() < _LEAST:
         return False
     last = t.shape[-1] if t.dim() else 1
-    return s is None or s.dim() == 0 or s.shape[-1] == 1 or last == 1 or last >= _SHORT
+    shape = s.shape if isinstance(s, torch.Tensor) else s
+    return shape is None or len(shape) == 0 or shape[-1] == 1 or last == 1 or last >= _SHORT
 
 
 @functools.cache
@@ -85,8 +88,8 @@ def _block_mul(blocks, s, r, top, lo, c):
 
 
 def _sr(y, bits, top, lo, m):
-    """mpt.fp8.round_by_spacing's stochastic branch on its drawn bits (mpt.fp8._sr_bits): floor(|y| / u + U) x u,
-    signed by y."""
+    """mpt.fp8.round_by_spacing's stochastic branch on its drawn bits (mpt.fp8._sr_bits, as int16: converted here, in
+    the loop, exactly): floor(|y| / u + U) x u, signed by y."""
     xc = y.clamp(-top, top)
     u = torch.bitwise_and(xc.view(torch.int32), 0x7F800000).view(torch.float32).clamp_min(lo) * m
     q = (xc.abs() / u + bits * (2.0 ** -formats.SR_BITS)) + (0.5 + 2.0 ** -(formats.SR_BITS + 1))
@@ -107,8 +110,21 @@ def _abs_max(t, dims):
     return t.abs().amax(dim=dims, keepdim=True)
 
 
+def _pow2_blocks(blocks, dims, top, lo, c, least):
+    """mpt.fp8's nearest block quantisation at power-of-2 scales, whole: the blocks' amax (_abs_max), their scales
+    (mpt.fp8.block_scale's pow2: top / amax capped at FLT_MAX, its exponent bits, at least `least`; 1 for a zero block,
+    NaN for a block holding inf or NaN), the values rounded and unscaled (_block_mul) -- one compiled call where there
+    were two and the scale's passes between them."""
+    amax = _abs_max(blocks, dims)
+    s = (top / amax).clamp(max=torch.finfo(torch.float32).max)
+    s = torch.bitwise_and(s.view(torch.int32), 0x7F800000).view(torch.float32).clamp(min=least)
+    s = torch.where(amax == 0, 1.0, s)
+    s = torch.where(amax < float("inf"), s, float("nan"))
+    return _block_mul(blocks, s, s.reciprocal(), top, lo, c)
+
+
 _KERNELS = {"tensor": _tensor, "block_div": _block_div, "block_mul": _block_mul, "sr_div": _sr_div, "sr_mul": _sr_mul,
-            "abs_max": _abs_max}
+            "abs_max": _abs_max, "pow2_blocks": _pow2_blocks}
 
 
 @functools.cache
@@ -133,6 +149,18 @@ def call(kind: str, fmt: str, *tensors, fallback):
 def abs_max(t: torch.Tensor, dims: tuple[int, ...], fallback):
     """The blocks' amax(|t|) over `dims` (mpt.fp8._abs_max), fused; `fallback()` where compiling fails."""
     return _run("abs_max", (t, dims), fallback)
+
+
+def pow2_blocks(fmt: str, blocks: torch.Tensor, dims: tuple[int, ...], least: float, fallback):
+    """`blocks` rounded to `fmt` to nearest at power-of-2 scales, each block the values along `dims` (mpt.fp8's
+    _quantize_blocks), fused; `least`: the smallest scale (mpt.fp8._least_scale); `fallback()` where compiling fails."""
+    top, lo, c = (t.to(blocks.device) for t in _constants(fmt))
+    return _run("pow2_blocks", (blocks, dims, top, lo, c, _number(least).to(blocks.device)), fallback)
+
+
+@functools.cache
+def _number(x: float) -> torch.Tensor:
+    return torch.tensor(x)
 
 
 def _run(kind: str, args, fallback):

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import models
-from mpt import formats, precision
+from mpt import formats, fp8, precision
 from mpt.config import Config
 from mpt.errors import UserError
 from mpt.formats import ELEMENTS
@@ -213,6 +213,38 @@ def test_mx_floor_overflows_where_rceil_does_not():
     assert floor[[0, 1, 5]].tolist() == [896.0, 1.25, -3.0]
     assert rceil[[0, 1, 5]].tolist() == [1024.0, 1.25, -3.0]
     assert (floor[2:5] == 0).all() and (rceil[2:5] == 0).all()
+
+
+def _scale_by_frexp(amax: torch.Tensor, fmt: str, rounding: str) -> torch.Tensor:
+    """block_scale's power-of-2 scales as the definitions read, through frexp and ldexp."""
+    top = ELEMENTS[fmt].max
+    pow2 = lambda e: torch.ldexp(torch.ones_like(e, dtype=torch.float32), e)  # noqa: E731
+    if rounding == "pow2":
+        s = pow2(torch.frexp((torch.full_like(amax, top) / amax).clamp(max=torch.finfo(torch.float32).max))[1] - 1)
+    elif rounding == "floor":
+        s = pow2(-((torch.frexp(amax)[1] - 1) - (int(torch.frexp(torch.tensor(top))[1]) - 1)).clamp(-127, 127))
+    else:
+        mant, e = torch.frexp(amax / top)
+        s = pow2(-torch.where(mant == 0.5, e - 1, e).clamp(-127, 127))
+    s = s.clamp(min=fp8._least_scale(fmt, rounding))
+    return torch.where(amax > 0, s, torch.ones_like(s)).masked_fill(~torch.isfinite(amax), math.nan)
+
+
+@pytest.mark.parametrize("rounding", ["pow2", "floor", "rceil"])
+def test_power_of_two_scales_are_frexps_bit_for_bit(rounding):
+    """block_scale reads a power-of-2 scale's exponent from the FP32 bits (one pass over the scales, not frexp's
+    several): the same scales as frexp and ldexp give at every exponent -- subnormal amaxes, quotients that underflow
+    to subnormals or 0, exact powers of 2 and their neighbours, FLT_MAX, 0, inf and NaN."""
+    g = torch.Generator().manual_seed(0)
+    e = torch.arange(-149, 128)
+    amax = torch.cat([torch.ldexp(1 + torch.rand(len(e) * 50, generator=g), e.repeat_interleave(50)),
+                      *[torch.ldexp(torch.full((len(e),), top), e) for top in (1.0, 448.0, 57344.0, 6.0)],
+                      torch.tensor([0.0, math.inf, math.nan, torch.finfo(torch.float32).max, 2.0 ** -149])])
+    amax = torch.cat([amax, torch.nextafter(amax, torch.tensor(math.inf)), torch.nextafter(amax, torch.tensor(0.0))])
+    amax = amax[~torch.isinf(amax) | (amax == math.inf)].abs()
+    for fmt in ("e4m3", "e5m2", "e2m1"):
+        ours, ref = fp8.block_scale(amax.clone(), fmt, rounding), _scale_by_frexp(amax, fmt, rounding)
+        assert torch.equal(ours.view(torch.int32), ref.view(torch.int32)), fmt
 
 
 def test_mx_blocks_are_32_along_the_reduction_axis_and_scales_are_e8m0():
