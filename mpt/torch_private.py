@@ -124,20 +124,20 @@ def when_all_grads_ready(tensors: list[torch.Tensor], fn, nodes: list | None = N
         add_grad_hook(t, lambda grad: fn())
         return []
     nodes = nodes or [t.grad_fn or grad_accumulator(t) for t in tensors]
-    # graph task -> [gradients still to come, those come]: held until fn runs, as register_multi_grad_hook holds
-    # them (a weight's gradient held as it arrives is copied into .grad, not taken: an operation a trace records)
-    left: dict[int, list] = {}
+    # graph task -> the gradients still to come. Unlike register_multi_grad_hook, which holds each gradient until
+    # the last one arrives, none is held: a weight's gradient held as it arrives is copied into .grad rather than
+    # taken (an operation the step does not do unwatched, and one a trace would record).
+    left: dict[int, int] = {}
 
     def hook(grad) -> None:
         task = torch._C._current_graph_task_id()
-        got = left.get(task)
-        if got is None:
-            got = left[task] = [sum(map(torch._C._will_engine_execute_node, nodes)), []]
-        got[0] -= 1
-        if got[0] > 0:
-            got[1].append(grad)
+        n = left.get(task)
+        if n is None:
+            n = sum(map(torch._C._will_engine_execute_node, nodes))
+        if n > 1:
+            left[task] = n - 1
         else:
-            del left[task]
+            left.pop(task, None)
             fn()
 
     handles = []

@@ -175,6 +175,36 @@ def test_when_all_grads_ready_fires_where_register_multi_grad_hook_does(only_a):
     assert _multi_grad_events(with_nodes, only_a) == want
 
 
+def test_when_all_grads_ready_holds_no_gradient_so_the_engine_takes_them_into_grad():
+    # A weight's gradient that arrives before the last one waited for is not held: the engine takes it into .grad
+    # as it does unwatched, so backward runs the same operations (register_multi_grad_hook holds it: a copy).
+    layer = nn.Linear(3, 3)
+    x = torch.ones(2, 3)
+
+    def backward_ops(register) -> list[str]:
+        layer.zero_grad(set_to_none=True)
+        ws = [layer.weight, layer.bias]
+        handles = register(ws, lambda: None)
+        ops = []
+
+        class Seen(TP.TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                ops.append(str(func.overloadpacket))
+                return func(*args, **(kwargs or {}))
+
+        loss = layer(x).sum()
+        with Seen():
+            loss.backward()
+        for h in handles:
+            h.remove()
+        return ops
+
+    plain = backward_ops(lambda ws, fn: [])
+    held = backward_ops(lambda ws, fn: [torch.autograd.graph.register_multi_grad_hook(ws, lambda grads: fn())])
+    assert "aten.copy_" not in plain and "aten.copy_" in held, (plain, held)  # (the test can tell them apart)
+    assert backward_ops(TP.when_all_grads_ready) == plain
+
+
 def test_scaler_scale_tensor_is_get_scale_without_the_sync():
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     assert TP.scaler_scale_tensor(scaler) is None  # lazily made on the first scale()
