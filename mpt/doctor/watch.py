@@ -84,6 +84,7 @@ class Watch:
         self._names = module_labels(model)
         self._rec: Trace | ModuleSample | None = None  # this step's sample, when it is one
         self._slots = Slots()  # where each sample and trace writes its min and max values
+        self._wslots = Slots()  # and the weights' as the sampled step begins (gathered there)
         # Leaf modules and those owning weights (mpt.bands.hook_targets): a container's input and output
         # are its first and last child's.
         self._plan = [(m, self._names[m], next(m.children(), None) is None, bool(getattr(m, "inplace", False)),
@@ -174,13 +175,17 @@ class Watch:
     def _take_weights(self) -> None:
         # The weights as the step starts: a value made non-finite by an earlier, unsampled step is not
         # blamed on the first operation that reads it.
-        # (their min and max: no copy of the weights is made; stacked now, not ~300 0-dim tensors held)
+        # (their min and max: no copy of the weights is made)
         if not self._params:
             return
+        # (written into reused pairs, gathered in one indexing: not ~300 0-dim tensors made and stacked)
+        take, sid = self._wslots.take, []
         with torch.no_grad():
-            mm = [v for _, p in self._params for v in torch.aminmax(p)]
-        dev = mm[0].device
-        self._weights = torch.stack([v if v.device == dev else v.to(dev) for v in mm])
+            for _, p in self._params:
+                lo, hi, s = take(p)
+                torch.aminmax(p, out=(lo, hi))
+                sid.append(s)
+        self._weights = self._wslots.gather(sid)
 
     def _stop(self) -> None:
         if isinstance(self._rec, Trace):
