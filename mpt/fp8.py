@@ -115,17 +115,17 @@ def round_by_spacing(x: torch.Tensor, fmt: str, generator: torch.Generator | Non
     return q.copysign_(x.float())
 
 
-def _sr_bits(shape, generator: torch.Generator, device, as_float: bool = True) -> torch.Tensor:
+def _sr_bits(shape, generator: torch.Generator, device) -> torch.Tensor:
     """k - 2^15 for a uniform random 16-bit k (formats.SR_BITS), one per element of `shape`, as FP32: the signed
     16-bit halves of uniform random 64-bit words. With U = (k + 1/2) / 2^16 the probability of rounding up is the
     distance from the value below rounded to a multiple of 2^-16 of the spacing, so the rounding is unbiased to
     within 2^-17 of a spacing (hardware stochastic rounding draws a few random bits per value too); four values to
-    one 64-bit draw cost a CPU a quarter of torch.rand's 32-bit draw per value. `as_float`=False: the int16 halves
-    themselves (mpt.fused's kernels convert them in their loop, exactly, instead of a pass of their own)."""
+    one 64-bit draw cost a CPU a quarter of torch.rand's 32-bit draw per value. Converted to FP32 here (exact), for
+    mpt.fused's kernels too: inductor's CPU loop reading int16 runs unvectorised, ~4x as long as the same loop
+    reading FP32 plus this conversion's pass."""
     n = math.prod(shape)
     words = torch.empty((n + 3) // 4, dtype=torch.int64, device=device).random_(-2 ** 63, None, generator=generator)
-    bits = words.view(torch.int16)[:n].view(shape)
-    return bits.float() if as_float else bits
+    return words.view(torch.int16)[:n].view(shape).float()
 
 
 # Torch's cast to E4M3 costs several times the arithmetic on a CPU (its FP8-to-FP32 cast above all);
@@ -383,7 +383,7 @@ def _drawn(t: torch.Tensor, generator: torch.Generator):
     function that puts the generator back and returns it (the eager chain, where the fused one cannot run, draws
     the same bits again)."""
     state = generator.get_state()
-    bits = _sr_bits(t.shape, generator, t.device, as_float=False)
+    bits = _sr_bits(t.shape, generator, t.device)
     return bits, lambda: (generator.set_state(state), generator)[1]
 
 

@@ -88,8 +88,8 @@ def _block_mul(blocks, s, r, top, lo, c):
 
 
 def _sr(y, bits, top, lo, m):
-    """mpt.fp8.round_by_spacing's stochastic branch on its drawn bits (mpt.fp8._sr_bits, as int16: converted here, in
-    the loop, exactly): floor(|y| / u + U) x u, signed by y."""
+    """mpt.fp8.round_by_spacing's stochastic branch on its drawn bits (mpt.fp8._sr_bits, in FP32): floor(|y| / u + U) x
+    u, signed by y."""
     xc = y.clamp(-top, top)
     u = torch.bitwise_and(xc.view(torch.int32), 0x7F800000).view(torch.float32).clamp_min(lo) * m
     q = (xc.abs() / u + bits * (2.0 ** -formats.SR_BITS)) + (0.5 + 2.0 ** -(formats.SR_BITS + 1))
