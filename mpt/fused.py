@@ -60,16 +60,22 @@ def pays(t: torch.Tensor, s: torch.Tensor | tuple | None = None) -> bool:
 
 
 @functools.cache
-def _constants(fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(largest value, smallest spacing's binade 2^emin, 1.5 x 2^(23 - mantissa bits)) of `fmt`, as 0-dim FP32 tensors
-    (all exact in FP32): the numbers mpt.fp8._round_in_place computes with."""
+def _constants(fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(largest value, smallest spacing's binade 2^emin, 1.5 x 2^(23 - mantissa bits), 2^-mantissa bits) of `fmt`, as
+    0-dim FP32 tensors (all exact in FP32): the numbers mpt.fp8._round_in_place and round_by_spacing compute with."""
     e = formats.ELEMENTS[fmt]
-    return (torch.tensor(float(e.max)), torch.tensor(2.0 ** e.emin), torch.tensor(1.5 * 2.0 ** (23 - e.mantissa_bits)))
+    return (torch.tensor(float(e.max)), torch.tensor(2.0 ** e.emin), torch.tensor(1.5 * 2.0 ** (23 - e.mantissa_bits)),
+            torch.tensor(2.0 ** -e.mantissa_bits))
+
+
+def _binade(y):
+    """The power of 2 at or below each |y| (normal FP32): y's exponent bits alone."""
+    return torch.bitwise_and(y.view(torch.int32), 0x7F800000).view(torch.float32)
 
 
 def _nearest(y, sign, lo, c):
     """mpt.fp8._round_in_place on a saturated y: the nearest-even multiple of its binade's spacing, signed by `sign`."""
-    cc = torch.bitwise_and(y.view(torch.int32), 0x7F800000).view(torch.float32).clamp_min(lo) * c
+    cc = _binade(y).clamp_min(lo) * c
     return (y + cc - cc).copysign(sign)
 
 
@@ -91,7 +97,7 @@ def _sr(y, bits, top, lo, m):
     """mpt.fp8.round_by_spacing's stochastic branch on its drawn bits (mpt.fp8._sr_bits, in FP32): floor(|y| / u + U) x
     u, signed by y."""
     xc = y.clamp(-top, top)
-    u = torch.bitwise_and(xc.view(torch.int32), 0x7F800000).view(torch.float32).clamp_min(lo) * m
+    u = _binade(xc).clamp_min(lo) * m
     q = (xc.abs() / u + bits * (2.0 ** -formats.SR_BITS)) + (0.5 + 2.0 ** -(formats.SR_BITS + 1))
     return (q.floor() * u).copysign(y)
 
@@ -117,7 +123,7 @@ def _pow2_blocks(blocks, dims, top, lo, c, least):
     were two and the scale's passes between them."""
     amax = _abs_max(blocks, dims)
     s = (top / amax).clamp(max=torch.finfo(torch.float32).max)
-    s = torch.bitwise_and(s.view(torch.int32), 0x7F800000).view(torch.float32).clamp(min=least)
+    s = _binade(s).clamp(min=least)
     s = torch.where(amax == 0, 1.0, s)
     s = torch.where(amax < float("inf"), s, float("nan"))
     return _block_mul(blocks, s, s.reciprocal(), top, lo, c)
@@ -135,14 +141,11 @@ def _compiled(kind: str):
 def call(kind: str, fmt: str, *tensors, fallback):
     """The fused `kind` of mpt.fp8's chains for element format `fmt` on `tensors` (a None bits: round to nearest);
     `fallback()`, the eager chain, where compiling fails -- once, said on stderr, and eager from then on."""
-    top, lo, c = (t.to(tensors[0].device) for t in _constants(fmt))
+    top, lo, c, m = (t.to(tensors[0].device) for t in _constants(fmt))
     args = [t for t in tensors if t is not None]
     if kind.startswith("block") and tensors[-1] is not None:  # drawn bits: the stochastic kernel
         kind = "sr" + kind[len("block"):]
-    if kind.startswith("sr"):
-        args += [top, lo, torch.tensor(2.0 ** -formats.ELEMENTS[fmt].mantissa_bits, device=top.device)]
-    else:
-        args += [top, lo, c]
+    args += [top, lo, m if kind.startswith("sr") else c]
     return _run(kind, args, fallback)
 
 
@@ -154,7 +157,7 @@ def abs_max(t: torch.Tensor, dims: tuple[int, ...], fallback):
 def pow2_blocks(fmt: str, blocks: torch.Tensor, dims: tuple[int, ...], least: float, fallback):
     """`blocks` rounded to `fmt` to nearest at power-of-2 scales, each block the values along `dims` (mpt.fp8's
     _quantize_blocks), fused; `least`: the smallest scale (mpt.fp8._least_scale); `fallback()` where compiling fails."""
-    top, lo, c = (t.to(blocks.device) for t in _constants(fmt))
+    top, lo, c, _ = (t.to(blocks.device) for t in _constants(fmt))
     return _run("pow2_blocks", (blocks, dims, top, lo, c, _number(least).to(blocks.device)), fallback)
 
 
