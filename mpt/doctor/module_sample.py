@@ -98,15 +98,13 @@ class ModuleSample:
                 while j + 1 < n and grads[j + 1] == group:
                     j += 1
                 after[name[0]] = j
-        take = self._slots.take
+        record = self._slots.record
         for name, label, p in self._weights:
             g = p.grad
             if g is None or not g.is_floating_point() or not g.numel() or g.is_sparse:
                 continue
             self._wnames.append(name)
-            lo, hi, s = take(g)
-            torch.aminmax(g.detach() if g.requires_grad else g, out=(lo, hi))
-            self._wsid.append(s)
+            self._wsid.append(record(g.detach() if g.requires_grad else g))
             self._wafter.append(after.get(label, n - 1))
 
     def _merge_weights(self) -> list[int]:
@@ -147,9 +145,7 @@ class ModuleSample:
             self.fp16 = True
         self.grads.append(None)
         self.names.append(name)
-        lo, hi, s = self._slots.take(t)
-        torch.aminmax(t.detach(), out=(lo, hi))
-        self._sid.append(s)
+        self._sid.append(self._slots.record(t.detach()))
 
     def _hook(self, name: tuple, t: torch.Tensor) -> None:
         """Record the gradient of `t` as `name` when backward makes it. The hooks of one tensor fire together, in
@@ -177,8 +173,7 @@ class ModuleSample:
         if last is not None and last[0] is g:
             s, group = last[1], last[2]
         else:
-            lo, hi, s = self._slots.take(g)
-            torch.aminmax(g.detach() if g.requires_grad else g, out=(lo, hi))
+            s = self._slots.record(g.detach() if g.requires_grad else g)
             group = len(self.names) + 1
             self._last = (g, s, group)  # held, so that no other tensor takes its id meanwhile
         n = len(records)

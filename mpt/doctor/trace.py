@@ -63,6 +63,13 @@ class Slots:
         self._next[key] = i + 1
         return pairs[i]
 
+    def record(self, t: torch.Tensor) -> int:
+        """The min and max of `t` written into a free pair: its index s, for gather(). `t` detached, or read under
+        no_grad (aminmax's out= refuses a tensor whose result would need a gradient)."""
+        lo, hi, s = self.take(t)
+        torch.aminmax(t, out=(lo, hi))
+        return s
+
     def _grow(self, key) -> list:
         buf = torch.zeros(2 * self.fold, dtype=key[0], device=key[1])
         v = buf.unbind()  # (~1.6 us a view: made once)
@@ -177,9 +184,7 @@ class Trace(TorchDispatchMode):
                 # CPU this is ~20x faster than linalg.vector_norm(t, inf).
                 name = (module, "backward" if backward else "forward", op)
                 self.names.append(self._name_of.setdefault(name, name))
-                lo, hi, s = self._slots.take(t)
-                torch.aminmax(t.detach(), out=(lo, hi))
-                self._sid.append(s)
+                self._sid.append(self._slots.record(t.detach()))
                 self.low.append(dtype in LOW)
                 if self.inputs:
                     big = self._input_max(args, kwargs) if big is None else big

@@ -179,12 +179,9 @@ class Watch:
         if not self._params:
             return
         # (written into reused pairs, gathered in one indexing: not ~300 0-dim tensors made and stacked)
-        take, sid = self._wslots.take, []
-        with torch.no_grad():
-            for _, p in self._params:
-                lo, hi, s = take(p)
-                torch.aminmax(p, out=(lo, hi))
-                sid.append(s)
+        record = self._wslots.record
+        with torch.no_grad():  # (out= takes a weight there without a detached view of it)
+            sid = [record(p) for _, p in self._params]
         self._weights = self._wslots.gather(sid)
 
     def _stop(self) -> None:
