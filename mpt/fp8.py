@@ -138,7 +138,7 @@ def _finite_on_cpu(t: torch.Tensor, scale) -> bool:
     and smallest values times scale are finite (rounding is monotonic: no other product is larger)."""
     if t.device.type != "cpu" or not t.numel():
         return False
-    lo, hi = torch.aminmax(t.detach().float())  # (nan where t holds one)
+    lo, hi = min_max(t.detach().float())  # (nan where t holds one)
     return math.isfinite(lo * scale) and math.isfinite(hi * scale)
 
 
@@ -189,6 +189,22 @@ def _over(top: float, amax: torch.Tensor) -> torch.Tensor:
 _LONG = 512  # (measured on a CPU: a 24x24 activation's channels are long enough, a 12x12 one's are not)
 
 
+def min_max(t: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """t's smallest and largest values, as torch.aminmax gives them (nan where t holds one; written into `out`'s
+    two 0-dim tensors when given), by the reduction that reads t's layout fastest: a min and a max are exact in
+    any order. On a CPU aminmax reads a contiguous tensor in one pass but any other layout slowly: a channels-last
+    activation 4-6x slower than the same values contiguous, where amin and amax read it as fast (a watched
+    channels-last step of the tiny ResNet-50 on a Xeon: a sample +26 -> +15 ms). For a contiguous tensor just
+    made, one pass beats two (its values still in cache); a GPU's aminmax reads any layout well."""
+    if t.device.type != "cpu" or t.is_contiguous():
+        return torch.aminmax(t, out=out) if out is not None else tuple(torch.aminmax(t))
+    if out is None:
+        return t.amin(), t.amax()
+    torch.amin(t, out=out[0])
+    torch.amax(t, out=out[1])
+    return out
+
+
 def _abs_max(t: torch.Tensor, dims: tuple[int, ...] | None = None) -> torch.Tensor:
     """amax(|t|) over `dims` (None: every axis, as a 0-dim tensor; otherwise kept as axes of size 1): nan where a
     block holds a nan, +0 where it is all zeros, as t.abs().amax(dims) gives it, bit for bit. Where the reduction
@@ -212,7 +228,7 @@ def _abs_max(t: torch.Tensor, dims: tuple[int, ...] | None = None) -> torch.Tens
             return part.amax(dim=dims[:tail], keepdim=True).reshape(keep)
         dims = tuple(dims)
     if dims is None:
-        lo, hi = torch.aminmax(t)
+        lo, hi = min_max(t)
     elif len(dims) == 1 and t.stride(dims[0]) >= _LONG:
         lo, hi = t.amin(dim=dims, keepdim=True), t.amax(dim=dims, keepdim=True)
     else:

@@ -959,3 +959,28 @@ def test_a_new_format_precision_is_its_row_and_its_format_recipe(extra_precision
     assert torch.equal(y, nn.functional.linear(xq, wq)) and not torch.equal(wq, lin.weight.detach())
     scale = torch.exp2(torch.ceil(torch.log2(lin.weight.detach().abs().amax(1, keepdim=True) / 28.0)))
     assert torch.isin((wq / scale).abs(), e3m2).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_min_max_is_aminmax_in_every_layout(dtype):
+    # fp8.min_max reads a tensor by one aminmax or by amin and amax, by size and layout: the values must be
+    # aminmax's in every case, a nan anywhere a nan, an inf an inf, and written in place when `out` is given.
+    g = torch.Generator().manual_seed(0)
+    shapes = [(7,), (3, 5, 4, 4), (64, 16, 32, 32), (1 << 16,)]  # small and large, 1-D and 4-D
+    for shape in shapes:
+        base = torch.randn(shape, generator=g).to(dtype)
+        views = [base, base.flip(0)]
+        if base.dim() == 4:
+            views += [base.to(memory_format=torch.channels_last), base.transpose(1, 3)]
+        for poke in (None, float("inf"), -float("inf"), float("nan")):
+            for v in views:
+                t = v.clone(memory_format=torch.preserve_format)
+                if poke is not None:  # (into the storage, whatever the layout: a dense clone holds numel values)
+                    t.as_strided((t.numel(),), (1,))[t.numel() // 3] = poke
+                ref = torch.aminmax(t)
+                lo, hi = fp8.min_max(t)
+                pair = (torch.zeros((), dtype=dtype), torch.zeros((), dtype=dtype))
+                got = fp8.min_max(t, out=pair)
+                assert got[0] is pair[0] and got[1] is pair[1]
+                for a, b in ((ref.min, lo), (ref.max, hi), (ref.min, pair[0]), (ref.max, pair[1])):
+                    assert torch.equal(a, b) or (a.isnan() and b.isnan()), (shape, t.stride(), poke)

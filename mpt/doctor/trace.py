@@ -18,6 +18,7 @@ import math
 import torch
 import torch.nn as nn
 from mpt.bands import tensors_in
+from mpt.fp8 import min_max
 from mpt.torch_private import TorchDispatchMode, grad_accumulator, in_backward, tree_flatten, when_all_grads_ready
 
 OUTSIDE = "(outside the model)"  # the loss and whatever else the step computes from the model's outputs
@@ -44,8 +45,8 @@ def _record_name(func) -> str:
 class Slots:
     """Where samples and traces write their min and max values: pairs of 0-dim views into buffers of FOLD pairs,
     one list of buffers per (dtype, device), made as first needed and reused by every sample and trace of a watch.
-    torch.aminmax(t, out=pair) writes a record's two values in place: no tensor made per value, none stacked
-    (~1.3 us a record on the CPU, ~600 records a sample); gather() copies them out as the sample closes."""
+    fp8.min_max(t, out=pair) writes a record's two values (torch.aminmax's) in place: no tensor made per value, none
+    stacked (~1.3 us a small record on the CPU, ~600 records a sample); gather() copies them out as the sample closes."""
 
     def __init__(self, fold: int = FOLD):
         self.fold = fold
@@ -67,7 +68,7 @@ class Slots:
         """The min and max of `t` written into a free pair: its index s, for gather(). `t` detached, or read under
         no_grad (aminmax's out= refuses a tensor whose result would need a gradient)."""
         lo, hi, s = self.take(t)
-        torch.aminmax(t, out=(lo, hi))
+        min_max(t, out=(lo, hi))
         return s
 
     def _grow(self, key) -> list:
