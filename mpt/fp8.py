@@ -312,6 +312,17 @@ def _hadamard16(device) -> torch.Tensor:
     return _HADAMARD[device]
 
 
+def _by_hadamard(v: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """v [pre, axis, post] with each run of 16 along its axis multiplied by the 16x16 `h` (x h: each output a sum
+    over the run). Where the axis is v's last (post = 1, the operands of a weight gradient) one matrix product
+    of the runs as rows: what einsum computes (the same product, the same bits, tested) without its ~30% of
+    reordering around it."""
+    pre, kk, post = v.shape
+    if post == 1:
+        return (v.reshape(-1, 16) @ h).reshape(v.shape)
+    return torch.einsum("pjiq,ic->pjcq", v.reshape(pre, kk // 16, 16, post), h).reshape(v.shape)
+
+
 def block_quantize(t: torch.Tensor, f: formats.TensorFormat, axis: int | tuple[int, ...] = -1,
                    generator: torch.Generator | None = None) -> torch.Tensor:
     """t rounded to format f block by block along `axis` (its dot product's reduction axis) and
@@ -352,8 +363,7 @@ def block_quantize(t: torch.Tensor, f: formats.TensorFormat, axis: int | tuple[i
         big = _abs_max(v) > FLT_MAX / 4
         # (a number on a CPU, where reading it costs no device sync: then a transform at 1 is not divided by it)
         down = (0.25 if big else 1.0) if v.device.type == "cpu" else torch.where(big, 0.25, 1.0)
-        v = torch.einsum("pjiq,ic->pjcq", v.reshape(v.shape[0], kk // 16, 16, post),
-                         _hadamard16(v.device) * down).reshape(v.shape)
+        v = _by_hadamard(v, _hadamard16(v.device) * down)
     if f.granularity == "tensor":
         blocks, dims = v, (0, 1, 2)
     elif rows:  # 2-D blocks: 128 (or 16) rows (outputs) x as many along the axis
@@ -362,8 +372,7 @@ def block_quantize(t: torch.Tensor, f: formats.TensorFormat, axis: int | tuple[i
         blocks, dims = v.reshape(v.shape[0], kk // b, b, post), (2,)
     q = _quantize_blocks(blocks, dims, f, generator).reshape(v.shape)
     if f.hadamard:
-        q = torch.einsum("pjiq,ci->pjcq", q.reshape(q.shape[0], kk // 16, 16, post),
-                         _hadamard16(q.device)).reshape(q.shape)
+        q = _by_hadamard(q, _hadamard16(q.device).T)
         q = (q if isinstance(down, float) and down == 1.0 else q.div_(down)).clamp_(-FLT_MAX, FLT_MAX)
     if pad or rpad:
         q = q[:pre, :k]

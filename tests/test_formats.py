@@ -336,6 +336,22 @@ def test_hadamard_is_orthonormal_and_inverted():
     assert sqnr_db(x, block_quantize(x, f)) > 45
 
 
+def test_hadamard_products_are_the_einsum_bits():
+    """The transform of runs along a tensor's last axis is one matrix product (fp8._by_hadamard); it must give
+    the bits of the einsum over [pre, runs, 16, post] it replaces, forward (x H) and inverse (x H^T), on values
+    spread over many binades and on every shape kind a layer hands it (and the einsum itself where post > 1)."""
+    from mpt.fp8 import _by_hadamard, _hadamard16
+
+    h = _hadamard16(torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    for shape in [(64, 576, 1), (256, 32, 1), (3, 16, 1), (1, 48, 1), (8, 32, 5)]:
+        v = torch.randn(shape, generator=g) * torch.rand(shape, generator=g).pow(8) * 1e3
+        runs = v.reshape(shape[0], shape[1] // 16, 16, shape[2])
+        for m, ref in ((h * 0.25, torch.einsum("pjiq,ic->pjcq", runs, h * 0.25)),  # forward, at 2^-2
+                       (h.T, torch.einsum("pjiq,ci->pjcq", runs, h))):  # inverse
+            assert torch.equal(_by_hadamard(v, m), ref.reshape(shape)), shape
+
+
 # ------------------------------------------------------------------------------------------------
 # the fidelity gate: the quantisers against torchao's, on nn.Linear-shaped tensors
 
