@@ -307,3 +307,25 @@ def test_formats_cost_measures_every_format_against_fp32(tmp_path):
     assert "none set" in next(tmp_path.glob("*-formats-t.md")).read_text()
     assert all(q["ratio"] > 0 for q in r["ratios"])
     assert len(list(tmp_path.glob("*-formats-t.md"))) == 1
+
+
+def test_watch_overhead_channels_last_trains_nhwc(one_thread):
+    """watch_overhead channels_last=true: the model and every 4-D tensor of the batches in NHWC, the rest as they
+    are, and the plain step trains there (what the records are timed on)."""
+    import types
+
+    from experiments.speed_memory import watch_overhead as wo
+
+    x, y = torch.randn(4, 3, 8, 8), torch.tensor([0, 1, 0, 1])
+    got = wo._nhwc([(x, y), {"x": x, "n": 3}])
+    assert got[0][0].is_contiguous(memory_format=torch.channels_last) and not got[0][0].is_contiguous()
+    assert got[0][1] is y and got[1]["n"] == 3 and torch.equal(got[1]["x"], x)
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 6 * 6, 2))
+    patient = types.SimpleNamespace(model=net, optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                                    loss_fn=lambda: lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]))
+    model, opt, step = wo._loop(patient, got[:1], channels_last=True)
+    assert model[0].weight.is_contiguous(memory_format=torch.channels_last)
+    before = model[0].weight.detach().clone()
+    step()
+    assert not torch.equal(model[0].weight, before)  # a step trained
+    assert net[0].weight.is_contiguous()  # the patient's own model untouched (a copy is trained)

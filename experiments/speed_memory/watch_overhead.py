@@ -12,7 +12,11 @@ Prints the figures and writes them, with the command and the CPU, to out= (resul
 [-tag].json); the tiny data are generated and prepared on first use (under data=, default data/).
 
     OMP_NUM_THREADS=1 python -m experiments.speed_memory.watch_overhead [every=10] [rounds=7] [steps=10]
-        [data=data] [models=ilsvrc_cnns,lm_biglstm] [out=experiments/speed_memory/results] [tag=]
+        [data=data] [models=ilsvrc_cnns,lm_biglstm] [channels_last=false] [out=experiments/speed_memory/results] [tag=]
+
+channels_last=true: the CNN's weights and batches in NHWC (torch.channels_last), as a GPU recipe trains them (the
+bigLSTM has no 4-D tensor: unchanged); the records then read tensors that are not contiguous in torch's default
+sense, which a reduction may read at another speed.
 """
 from __future__ import annotations
 
@@ -36,11 +40,13 @@ from mpt.rundir import atomic_write_text, cpu_model, now
 MODELS = {"ilsvrc_cnns": ("imagenet", ["model=resnet50_preact"]), "lm_biglstm": ("lm1b", [])}
 
 
-def _loop(patient, batches):
+def _loop(patient, batches, channels_last: bool = False):
     """One plain training step per call over the patient's batches (FP32, its optimizer, its loss)."""
     import copy
 
     model = copy.deepcopy(patient.model)
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
     opt = patient.optimizer(model)
     loss_fn = patient.loss_fn()
     state = {"i": 0}
@@ -58,7 +64,18 @@ def _loop(patient, batches):
     return model, opt, step
 
 
-def measure(name: str, every: int, rounds: int, steps: int, data: pathlib.Path) -> dict:
+def _nhwc(batch):
+    """A batch with its 4-D tensors in channels-last layout (the rest as they are)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.contiguous(memory_format=torch.channels_last) if batch.dim() == 4 else batch
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_nhwc(b) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _nhwc(v) for k, v in batch.items()}
+    return batch
+
+
+def measure(name: str, every: int, rounds: int, steps: int, data: pathlib.Path, channels_last: bool = False) -> dict:
     from experiments.__main__ import prepare_tiny
 
     ds, extra = MODELS[name]
@@ -67,7 +84,8 @@ def measure(name: str, every: int, rounds: int, steps: int, data: pathlib.Path) 
     torch.manual_seed(0)
     # One model, optimizer and batch cycle for all three: blocks differ only in whether a watch is on (the
     # same objects in memory; separate copies ran up to 2x apart here, plain against plain).
-    model, opt, step = _loop(patient, patient.batches)
+    batches = [_nhwc(b) for b in patient.batches] if channels_last else patient.batches
+    model, opt, step = _loop(patient, batches, channels_last)
 
     # One watch for the whole measurement, on during the watched blocks: its step count runs on across them,
     # so the first step of each block of `every` steps is sampled and one in trace_every is traced, as in a
@@ -112,7 +130,7 @@ def measure(name: str, every: int, rounds: int, steps: int, data: pathlib.Path) 
     trace_every = w.trace_every
     implied = (cost["between"] * (1 - 1 / every) + cost["sampled"] * (1 / every - 1 / trace_every)
                + cost["traced"] / trace_every)
-    return {"model": patient.name, "every": every, "rounds": rounds, "steps": steps,
+    return {"model": patient.name, "every": every, "rounds": rounds, "steps": steps, "channels_last": channels_last,
             "plain_ms": 1e3 * statistics.median(plain_t), "watched_ms": 1e3 * statistics.median(watched_t),
             "overhead_pct": 100 * (statistics.median(b / a for a, b in zip(plain_t, watched_t)) - 1),
             "control_pct": 100 * (statistics.median(b / a for a, b in zip(plain_t, ctl_t)) - 1),
@@ -128,21 +146,24 @@ def measure(name: str, every: int, rounds: int, steps: int, data: pathlib.Path) 
 
 def main(argv=None) -> list[dict]:
     o = parse_options(argv or [], {"every": 10, "rounds": 7, "steps": 10, "data": "data",
-                                   "models": ",".join(MODELS), "out": "experiments/speed_memory/results", "tag": ""},
+                                   "models": ",".join(MODELS), "channels_last": False,
+                                   "out": "experiments/speed_memory/results", "tag": ""},
                       "experiments.speed_memory.watch_overhead")
     names = [m for m in o["models"].split(",") if m]
     for m in names:
         if m not in MODELS:
             raise UserError(f"models={m}: choose from {', '.join(MODELS)}")
     cpu = cpu_model()
+    nhwc = o["channels_last"]
     if torch.get_num_threads() != 1:
         raise UserError("the blocks are timed by this thread's CPU time: run with OMP_NUM_THREADS=1")
     print(f"watch overhead on {cpu}, one thread, FP32, timed by the thread's CPU time")
     out = []
     for m in names:
-        r = measure(m, int(o["every"]), int(o["rounds"]), int(o["steps"]), pathlib.Path(o["data"]))
+        r = measure(m, int(o["every"]), int(o["rounds"]), int(o["steps"]), pathlib.Path(o["data"]), nhwc)
         out.append(r)
-        print(f"{r['model']}: plain {r['plain_ms']:.1f} ms/step, watched (every={r['every']}) {r['watched_ms']:.1f} "
+        print(f"{r['model']}{' (channels-last)' if nhwc else ''}: plain {r['plain_ms']:.1f} ms/step, "
+              f"watched (every={r['every']}) {r['watched_ms']:.1f} "
               f"ms/step: overhead {r['overhead_pct']:+.1f}% (median of rounds; {r['overhead_mean_pct']:+.1f}% over all "
               f"steps; control loop {r['control_pct']:+.1f}%; "
               f"{r['rounds']} rounds of {r['steps']} steps; of {r['watched_steps']} watched steps {r['samples']} "
