@@ -409,7 +409,11 @@ def _drawn(t: torch.Tensor, generator: torch.Generator):
     the same bits again)."""
     state = generator.get_state()
     bits = _sr_bits(t.shape, generator, t.device)
-    return bits, lambda: (generator.set_state(state), generator)[1]
+
+    def again() -> torch.Generator:
+        generator.set_state(state)
+        return generator
+    return bits, again
 
 
 def _block_round(blocks, s, fmt, back, generator):
