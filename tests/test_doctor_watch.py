@@ -246,6 +246,37 @@ def test_bad_arguments_are_one_line_errors():
         watch(nn.Linear(1, 1), scaler=torch.amp.GradScaler("cpu")).check_checkpoint([1])
 
 
+def _left_on(model) -> tuple:
+    """What a watch could leave behind: global module hooks, dispatch modes, the model's own hooks and its weights'."""
+    from torch.nn.modules import module as M
+
+    return (len(M._global_forward_pre_hooks), len(M._global_forward_hooks), torch._C._len_torch_dispatch_stack(),
+            sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()),
+            sum(len(p._backward_hooks or {}) for p in model.parameters()))
+
+
+def test_a_watch_leaves_nothing_on_the_model_and_is_used_inside_its_block():
+    """Sampled and traced steps place hooks and a dispatch mode; the `with` block's end takes every one away. A
+    step() outside the block would place them where nothing takes them away again (every later step of the process
+    slowed, its records kept): it is a one-line error, as is entering the watch twice -- and neither leaves
+    anything on."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    clean = _left_on(model)
+    assert clean == (0, 0, 0, 0, 0)
+    w = _train(model, 6, 2, x, y, [], trace_every=3)  # steps 0 and 3 traced, 2 and 4 sampled
+    assert (w.samples, w.traced) == (4, 2) and _left_on(model) == clean
+    with pytest.raises(UserError, match=r"w.step\(\) outside the watch's `with` block"):
+        w.step()
+    assert _left_on(model) == clean
+    with w:
+        assert _left_on(model)[2] == 1  # (step 6's trace begins with the block)
+        with pytest.raises(UserError, match="entered twice"):
+            w.__enter__()
+    assert _left_on(model) == clean
+
+
 def _sample_beside_reference_hooks(monkeypatch):
     """A module-level sample of one step beside reference hooks, one per tensor as a module makes it (a hook on
     each weight too), each taking its tensor's min and max on its own: (the sample, the reference's min and

@@ -97,6 +97,9 @@ class Watch:
         self._bad: torch.Tensor | None = None  # a non-finite loss since the last sample (device)
         self._chase = 0  # steps left to sample one after another, chasing a non-finite value seen between samples
         self._chase_from = 0  # the first step that could have made it
+        # Inside the `with` block: only there are the hooks (or a trace's dispatch mode) that step() places taken
+        # away again by __exit__ -- a recording begun outside it would stay on the model and slow every later step.
+        self._entered = False
         self.setup = SetupChecks(optimizer, scaler, scheduler, self._find)
 
     @property
@@ -106,6 +109,9 @@ class Watch:
 
     # -- the user's calls ----------------------------------------------------------------------------------
     def __enter__(self) -> "Watch":
+        if self._entered:
+            raise UserError("watch(...) entered twice: use one `with mpt.doctor.watch(...) as w:` block around the loop")
+        self._entered = True
         self.setup.attach()
         self._begin()
         return self
@@ -114,11 +120,15 @@ class Watch:
         self._stop()
         self._rec = None
         self.setup.detach()
+        self._entered = False
 
     def step(self, loss: torch.Tensor | None = None) -> None:
         """End the step (call it last in the iteration, after the optimizer's and the scheduler's step): read
         the sample if this step was one, check the setup, and start the next step's sample when it is due.
         `loss`: the step's loss, watched for inf/nan between samples (on the device: no host read)."""
+        if not self._entered:
+            raise UserError("w.step() outside the watch's `with` block: call it inside "
+                            "`with mpt.doctor.watch(model, ...) as w:` (the block takes the watch's hooks away at its end)")
         if loss is not None and isinstance(loss, torch.Tensor):
             flag = ~torch.isfinite(loss.detach()).all()
             self._bad = flag if self._bad is None else self._bad | flag
@@ -160,6 +170,9 @@ class Watch:
 
     # -- sampling ------------------------------------------------------------------------------------------
     def _begin(self) -> None:
+        if self._rec is not None:  # (never two recordings at once: the one begun is stopped first)
+            self._stop()
+            self._rec = None
         trace = self._chase or self.step_count % self.trace_every == 0
         if not (trace or self.step_count % self.every == 0):
             return
