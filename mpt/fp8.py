@@ -193,9 +193,9 @@ def min_max(t: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = Non
     """t's smallest and largest values, as torch.aminmax gives them (nan where t holds one; written into `out`'s
     two 0-dim tensors when given), by the reduction that reads t's layout fastest: a min and a max are exact in
     any order. On a CPU aminmax reads a contiguous tensor in one pass but any other layout slowly: a channels-last
-    activation 4-6x slower than the same values contiguous, where amin and amax read it as fast (a watched
-    channels-last step of the tiny ResNet-50 on a Xeon: a sample +26 -> +15 ms). For a contiguous tensor just
-    made, one pass beats two (its values still in cache); a GPU's aminmax reads any layout well."""
+    activation several times slower than the same values contiguous, where amin and amax read it about as fast
+    (docs/doctor.md: a watched channels-last sample of the tiny ResNet-50 ~30% cheaper). For a contiguous tensor
+    just made, one pass beats two (its values still in cache); a GPU's aminmax reads any layout well."""
     if t.device.type != "cpu" or t.is_contiguous():
         return torch.aminmax(t, out=out) if out is not None else tuple(torch.aminmax(t))
     if out is None:
