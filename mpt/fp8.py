@@ -314,11 +314,11 @@ def _hadamard16(device) -> torch.Tensor:
 
 def _by_hadamard(v: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """v [pre, axis, post] with each run of 16 along its axis multiplied by the 16x16 `h` (x h: each output a sum
-    over the run). Where the axis is v's last (post = 1, the operands of a weight gradient) one matrix product
-    of the runs as rows: what einsum computes (the same product, the same bits, tested) without the reordering
-    einsum does around it."""
+    over the run). Where the axis is v's last (post = 1, the operands of a weight gradient) on a CPU, one matrix
+    product of the runs as rows: what einsum computes there (the same product, the same bits, tested) without
+    the reordering einsum does around it. (On a GPU the einsum stays: another GEMM may sum in another order.)"""
     pre, kk, post = v.shape
-    if post == 1:
+    if post == 1 and v.device.type == "cpu":
         return (v.reshape(-1, 16) @ h).reshape(v.shape)
     return torch.einsum("pjiq,ic->pjcq", v.reshape(pre, kk // 16, 16, post), h).reshape(v.shape)
 
