@@ -109,14 +109,17 @@ def add_grad_hook(t: torch.Tensor, fn) -> None:
     hooks[fn] = fn
 
 
-def when_all_grads_ready(tensors: list[torch.Tensor], fn, nodes: list | None = None) -> list:
+def when_all_grads_ready(tensors: list[torch.Tensor], fn, nodes: list | None = None, held: list | None = None) -> list:
     """fn() once the gradients of all of `tensors` that this backward computes are ready: what
     torch.autograd.graph.register_multi_grad_hook(tensors, ..., mode="all") does -- the count of gradients to
     wait for asked of the engine as the first arrives -- without its closure, lock and buffer of gradients per
     tensor and handle per hook (a traced step places ~400). `nodes`: each tensor's grad_fn or, for a leaf, its
     gradient accumulator (grad_accumulator), where the caller has them. Returns the leaf tensors' hook handles
-    (weights outlive the step: remove them); the others go with their tensors. The engine's graph-task id and
-    its will-execute query have no public name."""
+    (weights outlive the step: remove them); the others go with their tensors. `held`: the list of nodes the hooks
+    count with is appended to it -- empty it once the backward is over: a hook holding the graph's nodes, on a
+    tensor whose node holds the hook, is a cycle through C++ that Python's collector does not see, so the graph
+    (nodes, hooks, what they hold) would outlive the step. The engine's graph-task id and its will-execute query
+    have no public name."""
     if len(tensors) == 1:  # (a hook that fires: its node runs -- the one gradient to wait for)
         t = tensors[0]
         if t.is_leaf:
@@ -124,6 +127,8 @@ def when_all_grads_ready(tensors: list[torch.Tensor], fn, nodes: list | None = N
         add_grad_hook(t, lambda grad: fn())
         return []
     nodes = nodes or [t.grad_fn or grad_accumulator(t) for t in tensors]
+    if held is not None:
+        held.append(nodes)
     # graph task -> the gradients still to come. Unlike register_multi_grad_hook, which holds each gradient until
     # the last one arrives, none is held: a weight's gradient held as it arrives is copied into .grad rather than
     # taken (an operation the step does not do unwatched, and one a trace would record).

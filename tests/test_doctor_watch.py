@@ -277,6 +277,33 @@ def test_a_watch_leaves_nothing_on_the_model_and_is_used_inside_its_block():
     assert _left_on(model) == clean
 
 
+def test_traced_steps_leave_no_graph_behind():
+    """A traced step's backward tracking hooks the step's own tensors with closures that count on the graph's
+    nodes: the nodes hold the hooks, the hooks the nodes -- a cycle through C++ that Python's collector does not
+    see. Emptied as the trace ends, nothing of a traced step outlives it: after the block, no trace, no graph
+    node, no tensor of the steps is alive, however many steps were traced."""
+    import gc
+    import weakref
+
+    from mpt.doctor.trace import Trace
+
+    def alive():  # traces and autograd nodes that Python objects still reach
+        gc.collect()
+        return sum(type(o) is Trace or type(o).__name__.endswith("Backward0") for o in gc.get_objects())
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    outs = []  # a weak reference to each step's output of the middle layer
+    model[2].register_forward_hook(lambda m, a, out: outs.append(weakref.ref(out)))
+    before = alive()
+    w = _train(model, 5, 1, x, y, [], trace_every=1)  # every step traced
+    assert w.traced == 5 and len(outs) == 5
+    del w
+    assert alive() == before
+    assert all(t() is None for t in outs)
+
+
 def _sample_beside_reference_hooks(monkeypatch):
     """A module-level sample of one step beside reference hooks, one per tensor as a module makes it (a hook on
     each weight too), each taking its tensor's min and max on its own: (the sample, the reference's min and

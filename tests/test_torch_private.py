@@ -205,6 +205,23 @@ def test_when_all_grads_ready_holds_no_gradient_so_the_engine_takes_them_into_gr
     assert backward_ops(TP.when_all_grads_ready) == plain
 
 
+def test_when_all_grads_ready_hands_its_nodes_to_empty():
+    # The hooks count with the graph's nodes, on tensors whose nodes hold the hooks: a cycle through C++ that the
+    # collector does not always see (tests/test_doctor_watch.py: a trace's graph outlived its step). `held` gets
+    # the list the hooks count with -- the nodes given, or the ones found -- for the caller to empty afterwards.
+    a = torch.ones(3, requires_grad=True)
+    b, c = a * 2, a * 3
+    held, fired = [], []
+    TP.when_all_grads_ready([b, c], lambda: fired.append(1), held=held)
+    nodes = [b.grad_fn, TP.grad_accumulator(a)]
+    TP.when_all_grads_ready([b, a], lambda: fired.append(2), nodes, held)
+    assert len(held) == 2 and held[0] == [b.grad_fn, c.grad_fn] and held[1] is nodes
+    (b + c).sum().backward()
+    assert sorted(fired) == [1, 2]
+    for n in held:
+        n.clear()  # after the backward: nothing of the graph held any more
+
+
 def test_scaler_scale_tensor_is_get_scale_without_the_sync():
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     assert TP.scaler_scale_tensor(scaler) is None  # lazily made on the first scale()

@@ -133,6 +133,9 @@ class Trace(TorchDispatchMode):
         # Each module's own trainable weights and their gradient accumulators, taken as the trace begins (outside
         # the dispatch mode: taken inside, each would be an operation seen by it) and held to its end.
         self._weights: dict[nn.Module, tuple[list, list]] = {}
+        # The graph nodes the backward's module tracking counts with (when_all_grads_ready's `held`), emptied on exit:
+        # held by hooks on the step's own tensors, they would keep its whole graph alive after the step.
+        self._held: list[list] = []
 
     def __enter__(self) -> "Trace":
         self._open = True
@@ -153,7 +156,9 @@ class Trace(TorchDispatchMode):
         super().__exit__(*exc)
         for h in self._handles:
             h.remove()
-        self._handles, self._weights, self._open = [], {}, False
+        for nodes in self._held:
+            nodes.clear()
+        self._handles, self._weights, self._held, self._open = [], {}, [], False
         if self._sid:
             self.values = [self._slots.gather(self._sid)]
             self._sid = []
@@ -225,14 +230,14 @@ class Trace(TorchDispatchMode):
         outs = [t for t in outs if t.requires_grad]
         if not outs:
             return
-        self._handles += when_all_grads_ready(outs, lambda: self._backward_enter(mod))
+        self._handles += when_all_grads_ready(outs, lambda: self._backward_enter(mod), held=self._held)
         ins = args if len(args) == 1 and isinstance(args[0], torch.Tensor) else [
             t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)]
         ins = [t for t in ins if t.requires_grad]
         ws, accs = self._weights.get(mod) or ([p for p in mod.parameters(recurse=False) if p.requires_grad], None)
         if ins or ws:  # (a first layer's weights: its input needs no gradient)
             nodes = None if accs is None else [t.grad_fn or grad_accumulator(t) for t in ins] + accs
-            self._handles += when_all_grads_ready(ins + ws, lambda: self._backward_leave(mod), nodes)
+            self._handles += when_all_grads_ready(ins + ws, lambda: self._backward_leave(mod), nodes, self._held)
 
     def _backward_enter(self, mod) -> None:
         if not self._open:
