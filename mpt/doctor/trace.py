@@ -45,8 +45,9 @@ def _record_name(func) -> str:
 class Slots:
     """Where samples and traces write their min and max values: pairs of 0-dim views into buffers of FOLD pairs,
     one list of buffers per (dtype, device), made as first needed and reused by every sample and trace of a watch.
-    fp8.min_max(t, out=pair) writes a record's two values (torch.aminmax's) in place: no tensor made per value, none
-    stacked (~1.3 us a small record on the CPU, ~600 records a sample); gather() copies them out as the sample closes."""
+    torch.aminmax(t, out=pair) (fp8.min_max's reads for a tensor not contiguous) writes a record's two values in
+    place: no tensor made per value, none stacked (~1.3 us a small record on the CPU, ~600 records a sample);
+    gather() copies them out as the sample closes."""
 
     def __init__(self, fold: int = FOLD):
         self.fold = fold
@@ -68,7 +69,7 @@ class Slots:
         """The min and max of `t` written into a free pair: its index s, for gather(). `t` detached, or read under
         no_grad (aminmax's out= refuses a tensor whose result would need a gradient)."""
         lo, hi, s = self.take(t)
-        if t.is_contiguous():  # (the common case without min_max's call: ~1 us a record, ~600 a sample)
+        if t.is_contiguous():  # (the common case, without min_max's own call on each of a sample's records)
             torch.aminmax(t, out=(lo, hi))
         else:
             min_max(t, out=(lo, hi))
