@@ -133,6 +133,31 @@ def test_bad_input_is_one_line(capsys, argv, msg):
     assert "\n" not in err and msg in err, err
 
 
+@pytest.mark.parametrize("module,argv,msg", [
+    ("watch_overhead", ["models="], "models= is empty"),
+    ("watch_overhead", ["rounds=0"], "rounds=0: give 1 or more"),
+    ("watch_overhead", ["steps=0"], "steps=0: give 1 or more"),
+    ("watch_overhead", ["tag=../elsewhere"], "tag='../elsewhere': use letters"),
+    ("formats_cost", ["rounds=0"], "rounds=0: give 1 or more"),
+    ("formats_cost", ["warmup=-1"], "warmup=-1: give 0 or more"),
+    ("formats_cost", ["tag=a/b"], "tag='a/b': use letters"),
+    ("loader", ["ilsvrc_cnns", "--tag", "a b"], "--tag 'a b': use letters"),
+])
+def test_benchmarks_refuse_bad_options_before_measuring(capsys, tmp_path, module, argv, msg):
+    """Each a one-line error before anything is measured or written (rounds=0 was a StatisticsError traceback
+    after the whole run; models= wrote an empty results file; a tag with a '/' a file outside the results)."""
+    import importlib
+
+    mod = importlib.import_module(f"experiments.speed_memory.{module}")
+    out = ["--out", str(tmp_path)] if module == "loader" else [f"out={tmp_path}"]
+    with pytest.raises(SystemExit) as e:
+        cli(mod.main)(argv + out)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and msg in err, err
+    assert not list(tmp_path.iterdir())
+
+
 def _lrn_input_numel(model: str, width: float, batch: int, size: int) -> int:
     """Elements entering the model's LRN layers in one forward pass (0 for nets without LRN)."""
     import models

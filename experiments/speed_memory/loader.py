@@ -41,6 +41,16 @@ def slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "x"
 
 
+def check_tag(tag: str, flag: str = "tag=") -> str:
+    """A results file's tag as given (it ends the file's name), or a one-line error, said before anything is
+    measured: letters, digits, '.', '-' and '_' only -- no folder, no path out of the results folder."""
+    from mpt.errors import UserError
+
+    if tag and not re.fullmatch(r"[\w.-]+", tag):
+        raise UserError(f"{flag}{tag!r}: use letters, digits, '.', '-' and '_' only (it becomes part of a file name)")
+    return tag
+
+
 def batch_bytes(batch) -> int:
     """Bytes of every tensor in a collated batch (tensors, or tuples / lists / dicts of them)."""
     if isinstance(batch, torch.Tensor):
@@ -156,7 +166,6 @@ def markdown(r: dict) -> str:
 
 
 def main(argv=None) -> dict:
-    from mpt.errors import UserError
     from mpt.rundir import atomic_write_json, atomic_write_text
 
     p = argparse.ArgumentParser(prog="python -m experiments.speed_memory.loader",
@@ -169,12 +178,11 @@ def main(argv=None) -> dict:
     p.add_argument("--out", default=OUT, help=f"folder of the results files (default {OUT})")
     p.add_argument("--tag", help="end of the results file's name (default: the task.* values of the command line)")
     a = p.parse_args(argv)
+    tag = check_tag(a.tag if a.tag is not None else "-".join(
+        o.split("=", 1)[1] for o in a.overrides if o.startswith("task.") and not o.startswith("task.data_root=")),
+        "--tag ")
     r = measure(a.experiment, a.overrides, a.workers, a.samples)
     r["command"] = "python -m experiments.speed_memory.loader " + shlex.join(sys.argv[1:] if argv is None else argv)
-    tag = a.tag if a.tag is not None else "-".join(
-        o.split("=", 1)[1] for o in a.overrides if o.startswith("task.") and not o.startswith("task.data_root="))
-    if tag and not re.fullmatch(r"[\w.-]+", tag):
-        raise UserError(f"--tag {tag!r}: use letters, digits, '.', '-' and '_' only (it becomes part of a file name)")
     name = f"cpu-{slug(r['cpu'])}-{r['date'][:10]}-loader-{r['experiment']}-{r['model']}" + (f"-{tag}" if tag else "")
     out = pathlib.Path(a.out)
     atomic_write_json(out / f"{name}.json", r)

@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from experiments.speed_memory.loader import slug  # results named as the loader benchmark names them
+from experiments.speed_memory.loader import check_tag, slug  # results named as the loader benchmark names them
 from mpt.config_parse import parse_options
 from mpt.doctor.targets import load
 from mpt.doctor.watch import watch
@@ -150,9 +150,15 @@ def main(argv=None) -> list[dict]:
                                    "out": "experiments/speed_memory/results", "tag": ""},
                       "experiments.speed_memory.watch_overhead")
     names = [m for m in o["models"].split(",") if m]
+    if not names:
+        raise UserError(f"models= is empty: name at least one of {', '.join(MODELS)}")
     for m in names:
         if m not in MODELS:
             raise UserError(f"models={m}: choose from {', '.join(MODELS)}")
+    for k in ("every", "rounds", "steps"):
+        if o[k] < 1:
+            raise UserError(f"{k}={o[k]}: give 1 or more")
+    check_tag(o["tag"])
     cpu = cpu_model()
     nhwc = o["channels_last"]
     if torch.get_num_threads() != 1:
