@@ -13,6 +13,7 @@ See README.md for what is measured and how, and the results schema.
 """
 from __future__ import annotations
 
+import re
 import shlex
 import sys
 
@@ -52,8 +53,18 @@ def _check(o: dict) -> None:
     if o["cuda_graphs"] and o["compile"]:
         raise UserError("cuda_graphs=true and compile=true: torch.compile has its own CUDA graphs "
                         "(mode=reduce-overhead); choose one")
-    if o["tag"] and not o["tag"].replace("-", "").replace("_", "").isalnum():
-        raise UserError(f"tag={o['tag']!r}: use letters, digits, - and _ only (it becomes part of a file name)")
+    check_tag(o["tag"])
+
+
+def check_tag(tag: str, flag: str = "tag=") -> str:
+    """A results file's tag as given (it ends the file's name), or a one-line error, said before anything is
+    measured: letters, digits, '.', '-' and '_' only -- no folder, no path out of the results folder. (Every
+    benchmark of this package names its results so.)"""
+    from mpt.errors import UserError
+
+    if tag and not re.fullmatch(r"[\w.-]+", tag):
+        raise UserError(f"{flag}{tag!r}: use letters, digits, '.', '-' and '_' only (it becomes part of a file name)")
+    return tag
 
 
 def main(overrides: list[str]) -> dict:

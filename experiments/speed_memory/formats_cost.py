@@ -35,7 +35,7 @@ COMPILED = "+compile"  # the suffix of a format's compiled row (fmt_compile=both
 
 def main(overrides: list[str]) -> dict:
     from experiments.speed_memory import DEFAULTS as BENCH, bench
-    from experiments.speed_memory.loader import check_tag
+    from experiments.speed_memory import check_tag
     from mpt.config_parse import parse_options
     from mpt.ranks import pick_device
     from mpt.rundir import atomic_write_text, now

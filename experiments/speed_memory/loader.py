@@ -41,16 +41,6 @@ def slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "x"
 
 
-def check_tag(tag: str, flag: str = "tag=") -> str:
-    """A results file's tag as given (it ends the file's name), or a one-line error, said before anything is
-    measured: letters, digits, '.', '-' and '_' only -- no folder, no path out of the results folder."""
-    from mpt.errors import UserError
-
-    if tag and not re.fullmatch(r"[\w.-]+", tag):
-        raise UserError(f"{flag}{tag!r}: use letters, digits, '.', '-' and '_' only (it becomes part of a file name)")
-    return tag
-
-
 def batch_bytes(batch) -> int:
     """Bytes of every tensor in a collated batch (tensors, or tuples / lists / dicts of them)."""
     if isinstance(batch, torch.Tensor):
@@ -178,6 +168,8 @@ def main(argv=None) -> dict:
     p.add_argument("--out", default=OUT, help=f"folder of the results files (default {OUT})")
     p.add_argument("--tag", help="end of the results file's name (default: the task.* values of the command line)")
     a = p.parse_args(argv)
+    from experiments.speed_memory import check_tag
+
     tag = check_tag(a.tag if a.tag is not None else "-".join(
         o.split("=", 1)[1] for o in a.overrides if o.startswith("task.") and not o.startswith("task.data_root=")),
         "--tag ")

@@ -29,7 +29,8 @@ import time
 
 import torch
 
-from experiments.speed_memory.loader import check_tag, slug  # results named as the loader benchmark names them
+from experiments.speed_memory import check_tag
+from experiments.speed_memory.loader import slug  # results named as the loader benchmark names them
 from mpt.config_parse import parse_options
 from mpt.doctor.targets import load
 from mpt.doctor.watch import watch
