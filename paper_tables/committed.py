@@ -59,9 +59,23 @@ def _submissions(exp_dir: pathlib.Path) -> dict:
             continue
         cmd = shlex.join(["python", "-m", "slurm.submit", *map(str, sub.get("argv") or [])])
         for cell in sub.get("cells") or []:
-            keys = [o for o in cell.get("overrides") or [] if not o.split("=")[0].startswith(NOT_THE_CELL)]
-            out[cell.get("run_name")] = (cmd, sub.get("grid"), sorted(set(keys)))
+            out[cell.get("run_name")] = (cmd, sub.get("grid"), _cell_keys(cell.get("overrides")))
     return out
+
+
+def _cell_keys(overrides) -> list[str]:
+    """What a cell's overrides set that makes it this cell (not where or how it logs), sorted."""
+    return sorted({o for o in overrides or [] if not o.split("=")[0].startswith(NOT_THE_CELL)})
+
+
+def _job_overrides(run_dir: pathlib.Path | None) -> list | None:
+    """The cell's overrides as the run itself recorded them (slurm.job's job.json), None where it did not."""
+    try:
+        rec = json.loads((run_dir / "job.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError):
+        return None
+    got = rec.get("overrides") if isinstance(rec, dict) else None
+    return got if isinstance(got, list) else None
 
 
 def record(r: results.RunResult, machine: str | None, subs: dict) -> dict:
@@ -99,6 +113,10 @@ def export(runs_dir, out, *, experiment: str | None = None, machine: str | None 
     subs: dict = {}
     for exp_dir in {r.run_dir.parent for r in runs if r.run_dir is not None}:
         subs.update(_submissions(exp_dir))
+    for r in runs:  # a cell no submission record names (its launcher killed before writing one): its own job.json
+        own = None if r.name in subs else _job_overrides(r.run_dir)
+        if own is not None:
+            subs[r.name] = (None, None, _cell_keys(own))
     lines = sorted((record(r, machine, subs) for r in runs),
                    key=lambda d: (d["experiment"], d["model"], d["precision"], str(d["config"]), repr(d["seed"])))
     out = pathlib.Path(out)

@@ -138,7 +138,7 @@ class _Attempt:
             _write_job_file(self.run_dir, {"backend": self.backend, "job_id": self.job_id, "state": "failed",
                                            "log": self.log, "error": _one_line(e), "attempts": []})
 
-    def begin(self, cfg, world: int, restarts: int) -> None:
+    def begin(self, cfg, world: int, restarts: int, overrides: list[str]) -> None:
         from mpt import identity
 
         if self.rank != 0:
@@ -149,8 +149,10 @@ class _Attempt:
         self.before = read_job_file(self.run_dir)
         rec = copy.deepcopy(self.before) if self.before else {"cell_id": identity.cell_id(cfg)}
         rec.setdefault("attempts", [])
+        # The cell's overrides as submitted: the run folder says which cell it is by itself (paper_tables' export
+        # reads them where no submission record has them: a launcher killed before it wrote its manifest).
         rec.update(backend=self.backend, job_id=self.job_id, state="running", world_size=world, log=self.log,
-                   error=None)
+                   error=None, overrides=list(overrides))
         rec["attempts"].append({"job_id": self.job_id, "restart": restarts, "host": socket.gethostname(),
                                 "pid": os.getpid(), "start": now(), "end": None, "outcome": "running"})
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -209,7 +211,7 @@ def run_cell(experiment: str, overrides: list[str], run_dir: str, backend: str, 
     except Exception as e:
         attempt.failed_to_resolve(e)
         raise
-    attempt.begin(cfg, world, restarts)
+    attempt.begin(cfg, world, restarts, overrides)
     try:
         summary = cli.main(experiment, list(overrides), attempt.on_result)
     except RunDirBusy:

@@ -121,3 +121,30 @@ def test_a_switched_recipe_is_a_row_against_its_preset_with_its_sqnr(tmp_path):
     from paper_tables import beyond
 
     assert "+10.00 vs nvfp4 (DIFFERS: > 2 SE)" in beyond.to_markdown(b)
+
+
+def test_export_takes_a_cells_overrides_from_its_job_file_where_no_submission_names_it(tmp_path):
+    """A local launcher writes its submission record as it ends; one killed before (a machine taken back) left
+    cells no record names. Their job.json (slurm.job) holds the cell's overrides: the export reads the cell's
+    keys from there, so a switched recipe is not merged into its preset's row; a submission record still wins."""
+    runs = tmp_path / "runs"
+    switched = write_run(runs, "ilsvrc_cnns", "resnet8_cifar", "nvfp4", 1, profile="real", metrics={"top1": 66.0},
+                         name="resnet8_cifar-nvfp4-s1-aaa")
+    named = write_run(runs, "ilsvrc_cnns", "resnet8_cifar", "nvfp4", 2, profile="real", metrics={"top1": 67.0},
+                      name="resnet8_cifar-nvfp4-s2-bbb")
+    plain = write_run(runs, "ilsvrc_cnns", "resnet8_cifar", "nvfp4", 0, profile="real", metrics={"top1": 65.0},
+                      name="resnet8_cifar-nvfp4-s0-ccc")
+    cell = ["profile=real", "wandb.mode=disabled", "precision=nvfp4", "fmt.g.rounding=nearest", "model=resnet8_cifar",
+            f"out_dir={runs}"]
+    (switched / "job.json").write_text(json.dumps({"cell_id": "x", "attempts": [], "overrides": [*cell, "seed=1"]}))
+    (named / "job.json").write_text(json.dumps({"cell_id": "y", "attempts": [], "overrides": [*cell, "seed=2"]}))
+    (plain / "job.json").write_text(json.dumps({"cell_id": "z", "attempts": []}))  # (written before the overrides were)
+    (runs / "ilsvrc_cnns" / "submissions.jsonl").write_text(json.dumps(
+        {"argv": ["grid.yaml"], "grid": "grid.yaml",
+         "cells": [{"run_name": named.name, "overrides": ["precision=nvfp4", "fmt.w.granularity=nvfp4_16"]}]}) + "\n")
+    out = tmp_path / "switches.jsonl"
+    assert cli_main.main(["export", "--runs", str(runs), "--out", str(out)]) == 0
+    got = {d["run_name"]: (d["config"], d["command"]) for d in map(json.loads, out.read_text().splitlines())}
+    assert got[switched.name] == (["fmt.g.rounding=nearest"], None)
+    assert got[named.name] == (["fmt.w.granularity=nvfp4_16"], "python -m slurm.submit grid.yaml")
+    assert got[plain.name] == ([], None)

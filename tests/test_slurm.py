@@ -442,6 +442,7 @@ def test_local_backend_runs_cells_skips_completed_and_isolates_a_failure(tiny_im
     assert by["16"].job_id.startswith("local:")
     job = json.loads((g.cells[0].run_dir / "job.json").read_text())
     assert job["state"] == "completed" and job["attempts"][0]["outcome"] == "completed"
+    assert job["overrides"] == g.cells[0].overrides  # the run folder says which cell it is
     capsys.readouterr()
     status.main(argv)
     out = capsys.readouterr().out
