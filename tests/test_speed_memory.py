@@ -335,14 +335,15 @@ def test_formats_cost_measures_every_format_against_fp32(tmp_path):
 
 
 def test_watch_overhead_channels_last_trains_nhwc(one_thread):
-    """watch_overhead channels_last=true: the model and every 4-D tensor of the batches in NHWC, the rest as they
-    are, and the plain step trains there (what the records are timed on)."""
+    """watch_overhead channels_last=true: the model and every 4-D tensor of the batches in NHWC (the engine's
+    mpt.ranks.to_device, as measure() calls it), the rest as they are, and the plain step trains there (what the
+    records are timed on)."""
     import types
 
     from experiments.speed_memory import watch_overhead as wo
 
     x, y = torch.randn(4, 3, 8, 8), torch.tensor([0, 1, 0, 1])
-    got = wo._nhwc([(x, y), {"x": x, "n": 3}])
+    got = [wo.to_device(b, torch.device("cpu"), True) for b in [(x, y), {"x": x, "n": 3}]]
     assert got[0][0].is_contiguous(memory_format=torch.channels_last) and not got[0][0].is_contiguous()
     assert got[0][1] is y and got[1]["n"] == 3 and torch.equal(got[1]["x"], x)
     net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 6 * 6, 2))

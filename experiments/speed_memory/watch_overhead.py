@@ -35,6 +35,7 @@ from mpt.config_parse import parse_options
 from mpt.doctor.targets import load
 from mpt.doctor.watch import watch
 from mpt.errors import UserError, cli
+from mpt.ranks import to_device
 from mpt.rundir import atomic_write_text, cpu_model, now
 
 # experiment -> (its tiny dataset, the demo's name for it, extra overrides)
@@ -65,17 +66,6 @@ def _loop(patient, batches, channels_last: bool = False):
     return model, opt, step
 
 
-def _nhwc(batch):
-    """A batch with its 4-D tensors in channels-last layout (the rest as they are)."""
-    if isinstance(batch, torch.Tensor):
-        return batch.contiguous(memory_format=torch.channels_last) if batch.dim() == 4 else batch
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_nhwc(b) for b in batch)
-    if isinstance(batch, dict):
-        return {k: _nhwc(v) for k, v in batch.items()}
-    return batch
-
-
 def measure(name: str, every: int, rounds: int, steps: int, data: pathlib.Path, channels_last: bool = False) -> dict:
     from experiments.__main__ import prepare_tiny
 
@@ -85,7 +75,9 @@ def measure(name: str, every: int, rounds: int, steps: int, data: pathlib.Path, 
     torch.manual_seed(0)
     # One model, optimizer and batch cycle for all three: blocks differ only in whether a watch is on (the
     # same objects in memory; separate copies ran up to 2x apart here, plain against plain).
-    batches = [_nhwc(b) for b in patient.batches] if channels_last else patient.batches
+    # (NHWC as the engine lays a batch out: mpt.ranks.to_device, on the device the batches are on)
+    dev = next(patient.model.parameters()).device
+    batches = [to_device(b, dev, True) for b in patient.batches] if channels_last else patient.batches
     model, opt, step = _loop(patient, batches, channels_last)
 
     # One watch for the whole measurement, on during the watched blocks: its step count runs on across them,
