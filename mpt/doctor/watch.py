@@ -170,9 +170,6 @@ class Watch:
 
     # -- sampling ------------------------------------------------------------------------------------------
     def _begin(self) -> None:
-        if self._rec is not None:  # (never two recordings at once: the one begun is stopped first)
-            self._stop()
-            self._rec = None
         trace = self._chase or self.step_count % self.trace_every == 0
         if not (trace or self.step_count % self.every == 0):
             return
