@@ -56,6 +56,16 @@ def _check(o: dict) -> None:
     check_tag(o["tag"])
 
 
+def check_least(o: dict, least: dict[str, int]) -> None:
+    """Each option named in `least` at least that (counts of steps, rounds...), or a one-line error before anything
+    is measured."""
+    from mpt.errors import UserError
+
+    for k, n in least.items():
+        if o[k] < n:
+            raise UserError(f"{k}={o[k]}: give {n} or more")
+
+
 def check_tag(tag: str, flag: str = "tag=") -> str:
     """A results file's tag as given (it ends the file's name), or a one-line error, said before anything is
     measured: letters, digits, '.', '-' and '_' only -- no folder, no path out of the results folder. (Every

@@ -35,7 +35,7 @@ COMPILED = "+compile"  # the suffix of a format's compiled row (fmt_compile=both
 
 def main(overrides: list[str]) -> dict:
     from experiments.speed_memory import DEFAULTS as BENCH, bench
-    from experiments.speed_memory import check_tag
+    from experiments.speed_memory import check_least, check_tag
     from mpt.config_parse import parse_options
     from mpt.ranks import pick_device
     from mpt.rundir import atomic_write_text, now
@@ -47,9 +47,7 @@ def main(overrides: list[str]) -> dict:
     env = bench.environment(device)
     if o["fmt_compile"] not in ("eager", "compiled", "both"):
         raise UserError(f"fmt_compile={o['fmt_compile']} is not one of eager, compiled, both")
-    for k, least in (("steps", 1), ("rounds", 1), ("warmup", 0)):
-        if o[k] < least:
-            raise UserError(f"{k}={o[k]}: give {least} or more")
+    check_least(o, {"steps": 1, "rounds": 1, "warmup": 0})
     check_tag(o["tag"])
     compiled = [f + COMPILED for f in FORMATS[1:]] if o["fmt_compile"] == "both" else []
     cells = {f: o["fmt_compile"] == "compiled" and f != "fp32" for f in FORMATS} | {f: True for f in compiled}

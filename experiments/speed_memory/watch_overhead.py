@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from experiments.speed_memory import check_tag
+from experiments.speed_memory import check_least, check_tag
 from experiments.speed_memory.loader import slug  # results named as the loader benchmark names them
 from mpt.config_parse import parse_options
 from mpt.doctor.targets import load
@@ -148,9 +148,7 @@ def main(argv=None) -> list[dict]:
     for m in names:
         if m not in MODELS:
             raise UserError(f"models={m}: choose from {', '.join(MODELS)}")
-    for k in ("every", "rounds", "steps"):
-        if o[k] < 1:
-            raise UserError(f"{k}={o[k]}: give 1 or more")
+    check_least(o, {"every": 1, "rounds": 1, "steps": 1})
     check_tag(o["tag"])
     cpu = cpu_model()
     nhwc = o["channels_last"]
