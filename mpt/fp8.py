@@ -517,16 +517,18 @@ class _Passes(torch.autograd.Function):
     every axis but `channel` to the bias, unrounded (_FP8Grad)."""
 
     @staticmethod
-    def forward(ctx, value, dgrad, wgrad, quant_d, quant_w, bias=None, channel=None):
-        ctx.quant_d, ctx.quant_w, ctx.channel = quant_d, quant_w, channel
+    def forward(ctx, value, dgrad, wgrad, quant_d, quant_w, bias=None, channel=None, both=None):
+        ctx.quant_d, ctx.quant_w, ctx.channel, ctx.both = quant_d, quant_w, channel, both
         return value.detach().clone()
 
     @staticmethod
     def backward(ctx, g):
         rounded = lambda quant: g if quant is None else quant(g)  # noqa: E731
-        gd = rounded(ctx.quant_d) if ctx.needs_input_grad[1] else None
-        gw = rounded(ctx.quant_w) if ctx.needs_input_grad[2] else None
-        return None, gd, gw, None, None, _bias_grad(g, ctx.channel) if ctx.needs_input_grad[5] else None, None
+        # `both`: the two roundings at once, the same bits (FP8Math._split; None where it cannot)
+        got = ctx.both(g) if ctx.both is not None and ctx.needs_input_grad[1] and ctx.needs_input_grad[2] else None
+        gd, gw = got or (rounded(ctx.quant_d) if ctx.needs_input_grad[1] else None,
+                         rounded(ctx.quant_w) if ctx.needs_input_grad[2] else None)
+        return None, gd, gw, None, None, _bias_grad(g, ctx.channel) if ctx.needs_input_grad[5] else None, None, None
 
 
 class _Alone(torch.autograd.Function):
@@ -614,6 +616,26 @@ def _along_batch(q, role: str, f: formats.TensorFormat, t: torch.Tensor, axis: i
     else:
         flat = moved.reshape(-1, moved.shape[-1]).t()  # [channels, batch]: blocks along the batch
     return quant(flat).t().reshape(moved.shape).movedim(-1, ch)
+
+
+def _two_ways(fa: formats.TensorFormat, fb: formats.TensorFormat, t: torch.Tensor, dims_a: tuple[int, ...],
+              dims_b: tuple[int, ...], inner: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """t rounded by two row-scaled roles at once, where mpt.fused's kernel for it runs (fmt.compile, a CPU): fa's
+    blocks along dims_a as block_quantize makes them, fb's along dims_b (with `inner`, the batch axis around channel
+    axis `inner`, as _along_batch lays it out) -- the same bits from one reading of t for both blocks' amax, the
+    second written in its layout by the kernel. None where it does not run (other formats, eager): each rounding on
+    its own."""
+    if not (fa == fb and fa.granularity == "row" and fa.rounding == "nearest" and fa.scale_rounding == "pow2"
+            and not fa.hadamard and _by_spacing(fa.element) and fused.on() and t.device.type == "cpu"
+            and t.dim() >= 2 and t.numel() and t.is_contiguous()):  # (block_quantize's result is contiguous)
+        return None
+    x = t.float()
+
+    def eager():
+        qb = _quantize_blocks(x, dims_b, fb, None)
+        return _quantize_blocks(x, dims_a, fa, None), qb if inner is None else qb.movedim(inner, -1).contiguous()
+    qa, qb = fused.pow2_two_ways(fa.element, x, dims_a, dims_b, inner, _least_scale(fa.element, "pow2"), eager)
+    return qa, qb if inner is None else qb.movedim(-1, inner)
 
 
 def _amax(t: torch.Tensor) -> torch.Tensor:
@@ -966,6 +988,10 @@ class FP8Math(TorchFunctionMode):
         x_axis, w_axis, g_axis = _AXES[func]
         q = (lambda role, axis: bf16_quantize) if keep16 else \
             (lambda role, axis: st.role_quantizer(layer, role, record or role[0] == "g", axis))
+        x = args[0]
+        split = not keep16 and st.recipe.split and record  # (no backward without grad: the value alone)
+        if split:
+            q = self._paired(q, func, x, weights)
         order = {id(w): i for i, w in enumerate(weights)}
         wq: dict[int, torch.Tensor] = {}  # id(weight) -> its quantised value (straight-through to it)
 
@@ -976,7 +1002,6 @@ class FP8Math(TorchFunctionMode):
                 return wq[id(t)]
             return t
 
-        x = args[0]
         new_args = list(map_tensors(tuple(args), operand))
         if isinstance(x, torch.Tensor) and x.is_floating_point() and id(x) not in order:
             new_args[0] = _FP8Operand.apply(x, q("x", x_axis))
@@ -995,7 +1020,7 @@ class FP8Math(TorchFunctionMode):
                     new_args[2] = b.detach()
                 else:
                     new_kwargs["bias"] = b.detach()
-        if not keep16 and st.recipe.split and record:  # (no backward without grad: the value alone)
+        if split:
             return self._split(func, args, kwargs, new_args, new_kwargs, wq, order, q, grad_q, bias, channel)
         out = func(*new_args, **new_kwargs)
         if st.recipe.accumulate != "fp32" and not keep16:
@@ -1005,6 +1030,26 @@ class FP8Math(TorchFunctionMode):
         if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor) and out[0].requires_grad:
             return (_FP8Grad.apply(out[0], grad_q, None, None), *out[1:])
         return out
+
+    def _paired(self, q, func, x, weights):
+        """`q` with the roundings a split product makes twice of one tensor taken together where _two_ways can: the
+        input along its channels (x) and along its batch (xw), the one weight for the forward (w0) and for the data
+        gradient (wd0) -- both computed here, then handed out by role, the same bits as each on its own."""
+        r, ready = self.state.recipe, {}
+        x_axis, w_axis, _ = _AXES[func]
+        if r.wgrad == "own" and isinstance(x, torch.Tensor) and x.is_floating_point() and x.dim() >= 2:
+            ch = x_axis % x.dim()
+            got = _two_ways(r.roles["x"], r.roles["xw"], x.detach(), (ch,), tuple(d for d in range(x.dim()) if d != ch), ch)
+            if got is not None:
+                ready["x"], ready["xw"] = got
+        if r.w_dgrad is not None and len(weights) == 1 and func in _DGRAD_W_AXES and weights[0].dim() >= 2:
+            w = weights[0]
+            got = _two_ways(r.roles["w"], r.roles["wd"], w.detach(), (w_axis % w.dim(),), (_DGRAD_W_AXES[func] % w.dim(),))
+            if got is not None:
+                ready["w0"], ready["wd0"] = got
+        if not ready:
+            return q
+        return lambda role, axis: (lambda t: ready[role]) if role in ready else q(role, axis)
 
     def _split(self, func, args, kwargs, new_args, new_kwargs, wq, order, q, grad_q, bias, channel):
         """A product whose backward products read operands of their own (FormatRecipe.w_dgrad, wgrad):
@@ -1046,12 +1091,16 @@ class FP8Math(TorchFunctionMode):
             if alone is not None:
                 w = next(t for t in float_tensors(kwargs.values(), float_tensors(args, [])) if id(t) in order)
                 dgrad = _Alone.apply(x_q, wd(w), value.shape, alone[0])
-        quant_w = grad_q
+        quant_w, both = grad_q, None
         if r.wgrad == "high":
             x_w, quant_w = x.detach(), None
         elif r.wgrad == "own":
             x_w = _along_batch(q, "xw", r.roles["xw"], x.detach(), x_axis)
             quant_w = lambda g: _along_batch(q, "gw", r.roles["gw"], g, g_axis)  # noqa: E731
+
+            def both(g):  # the output gradient along its channels (grad_q) and along its batch (quant_w), at once
+                ch = g_axis % g.dim()
+                return _two_ways(r.roles["g"], r.roles["gw"], g, (ch,), tuple(d for d in range(g.dim()) if d != ch), ch)
         else:
             x_w = x_q.detach()
         if alone is not None:  # a linear layer, a convolution: no forward for it
@@ -1061,8 +1110,8 @@ class FP8Math(TorchFunctionMode):
             # here; anything else (state) is detached.
             wgrad = call(x_w, lambda t: t if id(t) in params and t.requires_grad else t.detach(), quantised)
         if isinstance(value, torch.Tensor):
-            return _Passes.apply(value, dgrad, wgrad, grad_q, quant_w, bias, channel)
-        return tuple(_Passes.apply(v, d, w, *((grad_q, quant_w) if i == 0 else (None, None)), None, None)
+            return _Passes.apply(value, dgrad, wgrad, grad_q, quant_w, bias, channel, both)
+        return tuple(_Passes.apply(v, d, w, *((grad_q, quant_w, None, None, both) if i == 0 else (None,) * 5))
                      if isinstance(v, torch.Tensor) and v.is_floating_point() else v
                      for i, (v, d, w) in enumerate(zip(value, dgrad, wgrad)))
 

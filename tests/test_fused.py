@@ -165,3 +165,62 @@ def test_fmt_compile_is_a_speed_setting_not_part_of_the_recipe_nor_the_run():
     assert precisions.format_lines(on) == precisions.format_lines(off)
     assert identity.run_dir(on) == identity.run_dir(off)
     C.resolve("ilsvrc_cnns", ["profile=tiny", "task.data_root=/nonexistent", "precision=fp32", "fmt.compile=true"])
+
+
+@needs_compiler
+@pytest.mark.slow  # (compiles the kernel for each rank and pair of axes: ~40 s)
+def test_a_tensor_rounded_two_ways_at_once_gets_each_ways_bits_and_layout():
+    """fp8_rowwise rounds each input and output gradient along its channels and along its batch, and each weight for
+    the forward and for the data gradient; with fmt.compile the two come from one kernel (mpt.fp8._two_ways): each the
+    bits and the layout of its rounding on its own (block_quantize; _along_batch's channel-innermost layout), on
+    zeros, subnormals, inf, NaN and values near FP32's largest."""
+    f = formats.RECIPES["fp8_rowwise"].x
+    for label, t, _ in _inputs():
+        for ch in (1, t.dim() - 1) if t.dim() > 2 else (1,):
+            rest = tuple(d for d in range(t.dim()) if d != ch)
+            fused.enable(False)
+            rows = fp8.block_quantize(t, f, ch)
+            batch = fp8._along_batch(lambda role, axis: lambda u: fp8.block_quantize(u, f, axis), "xw", f, t, ch)
+            w, wd = fp8.block_quantize(t, f, 1), fp8.block_quantize(t, f, 0)
+            fused.enable(True)
+            try:
+                got = fp8._two_ways(f, f, t, (ch,), rest, ch)
+                got_w = fp8._two_ways(f, f, t, (1,), (0,))
+            finally:
+                fused.enable(False)
+            for want, have, what in ((rows, got[0], "rows"), (batch, got[1], "batch"), (w, got_w[0], "w"),
+                                     (wd, got_w[1], "wd")):
+                _same(want, have, f"{label} channels {ch}: {what}")
+                assert want.stride() == have.stride(), f"{label} channels {ch}: {what} laid out otherwise"
+    assert fp8._two_ways(f, formats.RECIPES["fp8_rowwise_gw_hp"].w_dgrad, t, (0,), (1,)) is None  # not two rows
+
+
+@needs_compiler
+@pytest.mark.heavy
+def test_a_layer_rounding_its_tensors_two_ways_at_once_gets_the_eager_gradients(monkeypatch):
+    """fp8_rowwise through FP8Math with fmt.compile: each tensor rounded two ways (mpt.fp8._two_ways) in one kernel
+    where it can -- a convolution's and a linear layer's input and weight, the linear layer's output gradient (the
+    first layer's is not rounded for a data gradient nobody needs) -- and the gradients eager's, bit for bit."""
+    calls = []
+    real = fp8._two_ways
+    monkeypatch.setattr(fp8, "_two_ways", lambda *a, **k: calls.append(real(*a, **k)) or calls[-1])
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(),
+                              torch.nn.Linear(8 * 6 * 6, 5))
+    x = torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(1))
+    grads = []
+    for on in (False, True):
+        st = fp8.FP8State("current", recipe=formats.RECIPES["fp8_rowwise"])
+        st.register(net, "fp8")
+        net.zero_grad()
+        fused.enable(on)
+        try:
+            with fp8.FP8Math(st):
+                out = net(x)
+            out.square().sum().backward()
+        finally:
+            fused.enable(False)
+        grads.append([p.grad.clone() for p in net.parameters()])
+    for a, b in zip(*grads):
+        _same(a, b, "a layer's gradient")
+    assert sum(c is not None for c in calls) == 5
