@@ -116,38 +116,32 @@ def _abs_max(t, dims):
     return t.abs().amax(dim=dims, keepdim=True)
 
 
-def _pow2_blocks(blocks, dims, top, lo, c, least):
-    """mpt.fp8's nearest block quantisation at power-of-2 scales, whole: the blocks' amax (_abs_max), their scales
-    (mpt.fp8.block_scale's pow2: top / amax capped at FLT_MAX, its exponent bits, at least `least`; 1 for a zero block,
-    NaN for a block holding inf or NaN), the values rounded and unscaled (_block_mul) -- one compiled call where there
-    were two and the scale's passes between them."""
-    s = _pow2_scales(_abs_max(blocks, dims), top, least)
-    return _block_mul(blocks, s, s.reciprocal(), top, lo, c)
-
-
-def _pow2_scales(amax, top, least):
-    """mpt.fp8.block_scale's pow2 on the blocks' amax: top / amax capped at FLT_MAX, its exponent bits, at least
-    `least`; 1 for a zero block, NaN for a block holding inf or NaN."""
+def _pow2_scales(t, dims, top, least):
+    """mpt.fp8.block_scale's pow2 for the blocks of t along `dims` (the reduced axes kept), and its reciprocal: top /
+    amax capped at FLT_MAX, its exponent bits, at least `least`; 1 for a zero block, NaN for a block holding inf or
+    NaN."""
+    amax = _abs_max(t, dims)
     s = (top / amax).clamp(max=torch.finfo(torch.float32).max)
     s = _binade(s).clamp(min=least)
     s = torch.where(amax == 0, 1.0, s)
-    return torch.where(amax < float("inf"), s, float("nan"))
+    s = torch.where(amax < float("inf"), s, float("nan"))
+    return s, s.reciprocal()
 
 
-def _pow2_two_ways(t, dims_a, dims_b, inner, top, lo, c, least):
-    """_pow2_blocks of t twice, its blocks along dims_a and along dims_b, from one |t|: a row-scaled recipe's two
-    roundings of one tensor (a weight for the forward and for the data gradient; an input or output gradient along
-    its channels and along its batch). The second laid out with axis `inner` innermost (None: as t), written so by
-    the kernel's own loop rather than copied after it."""
-    a = t.abs()
-    sa = _pow2_scales(a.amax(dim=dims_a, keepdim=True), top, least)
-    sb = _pow2_scales(a.amax(dim=dims_b, keepdim=True), top, least)
-    qb = _block_mul(t, sb, sb.reciprocal(), top, lo, c)
-    return _block_mul(t, sa, sa.reciprocal(), top, lo, c), qb if inner is None else qb.movedim(inner, -1).contiguous()
+def _pow2_two_scales(t, dims_a, dims_b, top, least):
+    """_pow2_scales along dims_a and along dims_b, from one |t|."""
+    return (*_pow2_scales(t, dims_a, top, least), *_pow2_scales(t, dims_b, top, least))
+
+
+def _two_ways(t, sa, ra, sb, rb, inner, top, lo, c):
+    """_block_mul of t at two sets of scales; the second result laid out with axis `inner` innermost (None: as t),
+    written so by the kernel's own loop rather than copied after it."""
+    qb = _block_mul(t, sb, rb, top, lo, c)
+    return _block_mul(t, sa, ra, top, lo, c), qb if inner is None else qb.movedim(inner, -1).contiguous()
 
 
 _KERNELS = {"tensor": _tensor, "block_div": _block_div, "block_mul": _block_mul, "sr_div": _sr_div, "sr_mul": _sr_mul,
-            "abs_max": _abs_max, "pow2_blocks": _pow2_blocks, "pow2_two_ways": _pow2_two_ways}
+            "abs_max": _abs_max, "pow2_scales": _pow2_scales, "pow2_two_scales": _pow2_two_scales, "two_ways": _two_ways}
 
 
 @functools.cache
@@ -173,17 +167,27 @@ def abs_max(t: torch.Tensor, dims: tuple[int, ...], fallback):
 
 def pow2_blocks(fmt: str, blocks: torch.Tensor, dims: tuple[int, ...], least: float, fallback):
     """`blocks` rounded to `fmt` to nearest at power-of-2 scales, each block the values along `dims` (mpt.fp8's
-    _quantize_blocks), fused; `least`: the smallest scale (mpt.fp8._least_scale); `fallback()` where compiling fails."""
-    top, lo, c, _ = (t.to(blocks.device) for t in _constants(fmt))
-    return _run("pow2_blocks", (blocks, dims, top, lo, c, _number(least).to(blocks.device)), fallback)
+    _quantize_blocks), fused: the blocks' scales in one compiled call, the rounding in another -- one call for both
+    recomputes each block's scale for each of its values (inductor inlines the scale's arithmetic into the loop that
+    reads it), about twice the time; `least`: the smallest scale (mpt.fp8._least_scale); `fallback()` where
+    compiling fails."""
+    top, lo, c, _ = (x.to(blocks.device) for x in _constants(fmt))
+    got = _run("pow2_scales", (blocks, dims, top, _number(least).to(blocks.device)), lambda: None)
+    if got is None:
+        return fallback()
+    return _run("block_mul", (blocks, *got, top, lo, c), fallback)
 
 
 def pow2_two_ways(fmt: str, t: torch.Tensor, dims_a: tuple[int, ...], dims_b: tuple[int, ...], inner: int | None,
                   least: float, fallback):
-    """pow2_blocks of `t` along dims_a and along dims_b in one compiled call (_pow2_two_ways): the two results, the
-    second with axis `inner` innermost (None: t's layout); `fallback()` where compiling fails."""
+    """pow2_blocks of `t` along dims_a and along dims_b: both blocks' scales from one reading of |t|, then both
+    roundings in one pass (two compiled calls, as pow2_blocks); the second result with axis `inner` innermost (None:
+    t's layout); `fallback()` where compiling fails."""
     top, lo, c, _ = (x.to(t.device) for x in _constants(fmt))
-    return _run("pow2_two_ways", (t, dims_a, dims_b, inner, top, lo, c, _number(least).to(t.device)), fallback)
+    got = _run("pow2_two_scales", (t, dims_a, dims_b, top, _number(least).to(t.device)), lambda: None)
+    if got is None:
+        return fallback()
+    return _run("two_ways", (t, *got, inner, top, lo, c), fallback)
 
 
 @functools.cache
