@@ -347,9 +347,9 @@ def block_quantize(t: torch.Tensor, f: formats.TensorFormat, axis: int | tuple[i
     pre, post = v.shape[0], v.shape[2]
     b = min(f.block or k, k)
     pad = -k % b
-    if f.hadamard:
-        pad = -k % 16 if b < 16 or pad else pad
-        b = max(b, 16)
+    if f.hadamard and b < f.block:  # an axis shorter than a block: one block, padded to whole runs of 16 (a block
+        pad = -k % 16                # of the format is a multiple of 16 elements; it is padded to whole blocks above)
+        b = k + pad
     rows = formats.BLOCK_ROWS.get(f.granularity)  # a 2-D block's rows (None: 1-D blocks)
     rb = min(rows, pre) if rows else pre
     rpad = -pre % rb

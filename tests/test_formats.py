@@ -336,6 +336,25 @@ def test_hadamard_is_orthonormal_and_inverted():
     assert sqnr_db(x, block_quantize(x, f)) > 45
 
 
+def test_hadamard_formats_take_any_axis_length():
+    """The transform runs over whole runs of 16 and a format's blocks are whole multiples of 16 (32, 128): an axis that
+    is not a whole number of blocks is padded to whole blocks, one shorter than a block to whole runs of 16, with zeros
+    (which change no block's amax) -- each the quantisation of the zero-padded tensor, cut back, and close to the
+    tensor with a fine element format. (An axis of 70 under 128-element tiles, or 80 under MX's 32, was a shape error.)"""
+    import torch.nn.functional as F
+
+    for gran, scale in (("tile128", "pow2"), ("mx32", "floor"), ("nvfp4_16", "e4m3")):
+        elem = "e2m1" if gran == "nvfp4_16" else "e4m3"
+        f = formats.TensorFormat(elem, gran, scale, hadamard=True)
+        for k in (5, 16, 20, 70, 80, 130):
+            x = torch.randn(6, k, generator=torch.Generator().manual_seed(k))
+            whole = (-k % 16) if k < f.block else (-k % f.block)
+            want = block_quantize(F.pad(x, (0, whole)), f)[:, :k]
+            got = block_quantize(x, f)
+            assert got.shape == x.shape and torch.equal(got, want), (gran, k)
+            assert sqnr_db(x, got) > (5 if elem == "e2m1" else 15), (gran, k)
+
+
 def test_hadamard_products_are_the_einsum_bits():
     """The transform of runs along a tensor's last axis is one matrix product (fp8._by_hadamard); it must give
     the bits of the einsum over [pre, runs, 16, post] it replaces, forward (x H) and inverse (x H^T), on values
