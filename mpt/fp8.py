@@ -388,6 +388,17 @@ def _quantize_blocks(blocks: torch.Tensor, dims: tuple[int, ...], f: formats.Ten
         # the amax, the scales and the rounding below in one compiled call
         return fused.pow2_blocks(f.element, blocks, dims, _least_scale(f.element, "pow2"),
                                  fallback=lambda: _quantize_blocks(blocks, dims, f, None))  # (fused is off then)
+    if f.scale_rounding == "e4m3" and _by_spacing(f.element) and fused.on() and blocks.device.type == "cpu" \
+            and blocks.numel():
+        # NVFP4 whole in one compiled call: amax, two levels of scales (~30 small eager operations a tensor
+        # otherwise), the rounding; where a k is not finite (a nan tensor; g so small that 1 / g / s overflows),
+        # rounded to nearest as _nvfp4 rounds it there, from the same k and s x g
+        bits, again = _drawn(blocks, generator) if generator is not None else (None, lambda: None)
+        got = fused.nvfp4(f.element, blocks, dims, bits)
+        if got is not None:
+            q, k, sg, finite = got
+            return q if generator is not None or bool(finite) else _nvfp4_round(blocks, k, sg, finite, f.element, None)
+        generator = again()
     # nan or inf where the block holds one: a nan block (block_scale)
     amax = fused.abs_max(blocks, dims, fallback=lambda: _abs_max(blocks, dims)) if fused.pays(blocks) else \
         _abs_max(blocks, dims)
@@ -445,20 +456,25 @@ def _nvfp4(blocks, amax, fmt, generator):
     s = round_to((amax / top / g).clamp(e4m3.min_normal, e4m3.max), "e4m3")
     # A multiplication by (1 / g) / s, not a division by s x g: torchao's (and its kernels') arithmetic, bit for bit.
     k = (1.0 / g) / s
+    return _nvfp4_round(blocks, k, s * g, torch.isfinite(k).all(), fmt, generator)
+
+
+def _nvfp4_round(blocks, k, sg, finite, fmt, generator):
+    """_nvfp4's rounding: blocks x k rounded to `fmt`, x sg (`finite`: every k is finite, a 0-dim bool tensor)."""
     # Rounded in place on y, its own temporary (round_to copies it), where y's signs are the blocks': every k
     # positive and finite (not so for a nan tensor, nor where g is so small that 1 / g / s overflows; read on a CPU
     # only, where reading it costs no device sync).
-    if generator is None and _by_spacing(fmt) and blocks.device.type == "cpu" and bool(torch.isfinite(k).all()):
+    if generator is None and _by_spacing(fmt) and blocks.device.type == "cpu" and bool(finite):
         def eager():
-            return _round_in_place(blocks * k, fmt, sign=blocks).mul_(s * g)
+            return _round_in_place(blocks * k, fmt, sign=blocks).mul_(sg)
         if fused.pays(blocks, k):  # the same chain in one pass
-            return fused.call("block_mul", fmt, blocks, k, s * g, None, fallback=eager)
+            return fused.call("block_mul", fmt, blocks, k, sg, None, fallback=eager)
         return eager()
     if generator is not None and _by_spacing(fmt) and fused.pays(blocks, k):
         bits, again = _drawn(blocks, generator)
-        return fused.call("block_mul", fmt, blocks, k, s * g, bits,
-                          fallback=lambda: round_to(blocks * k, fmt, again()).mul_(s * g))
-    return round_to(blocks * k, fmt, generator).mul_(s * g)
+        return fused.call("block_mul", fmt, blocks, k, sg, bits,
+                          fallback=lambda: round_to(blocks * k, fmt, again()).mul_(sg))
+    return round_to(blocks * k, fmt, generator).mul_(sg)
 
 
 def accumulate_linear(x: torch.Tensor, w: torch.Tensor, fmt: str) -> torch.Tensor:

@@ -10,8 +10,9 @@ but for a NaN's sign and payload bits: a NaN stays a NaN in the same place, but 
 depending on whether the element falls in a vectorised stretch of the loop or its scalar tail, so their NaN's sign
 varies with the position even in eager). mpt.fp8 keeps its eager code as the reference: it takes every decision
 (which path, whether a tensor is finite) as before and calls in here only for the chain itself (with a power-of-2
-block quantisation, pow2_blocks, its amax and scales too), and runs its own where compilation fails (no C++
-compiler: one line on stderr, then eager).
+block quantisation, pow2_blocks and pow2_two_ways, and with NVFP4, nvfp4, its amax and scales too: NVFP4's finite
+check is then read from the kernel, and a tensor that fails it rounded by mpt.fp8 again), and runs its own where
+compilation fails (no C++ compiler: one line on stderr, then eager).
 
 Compiled with dynamic shapes: one compilation per kernel and tensor rank (and size-1 axes), not per shape.
 The format's constants are 0-dim tensors, not Python numbers, for the same reason (a number is a guard)."""
@@ -128,20 +129,60 @@ def _pow2_scales(t, dims, top, least):
     return s, s.reciprocal()
 
 
-def _pow2_two_scales(t, dims_a, dims_b, top, least):
-    """_pow2_scales along dims_a and along dims_b, from one |t|."""
-    return (*_pow2_scales(t, dims_a, top, least), *_pow2_scales(t, dims_b, top, least))
+# The kernels below that compute scales and then round with them return the scales too, unused: an output is
+# computed once into memory and the rounding's loop reads it there, where otherwise inductor recomputes a block's
+# scale (a division, its bits, two selections) for every value of the block -- ~1.5x the kernel's time on a CPU
+# (measured on ResNet-50's activations at width 0.25), and as fast as a call for the scales and another for the
+# rounding without that second call's ~50 us.
 
 
-def _two_ways(t, sa, ra, sb, rb, inner, top, lo, c):
-    """_block_mul of t at two sets of scales; the second result laid out with axis `inner` innermost (None: as t),
-    written so by the kernel's own loop rather than copied after it."""
+def _pow2_blocks(blocks, dims, top, lo, c, least):
+    """mpt.fp8's nearest block quantisation at power-of-2 scales, whole: the blocks' scales (_pow2_scales), the values
+    rounded and unscaled (_block_mul); the scales returned too (above)."""
+    s, r = _pow2_scales(blocks, dims, top, least)
+    return _block_mul(blocks, s, r, top, lo, c), s, r
+
+
+def _pow2_two_ways(t, dims_a, dims_b, inner, top, lo, c, least):
+    """_pow2_blocks of t twice, its blocks along dims_a and along dims_b, from one |t|: a row-scaled recipe's two
+    roundings of one tensor (a weight for the forward and for the data gradient; an input or output gradient along
+    its channels and along its batch). The second laid out with axis `inner` innermost (None: as t), written so by
+    the kernel's own loop rather than copied after it; the scales returned too (above)."""
+    sa, ra = _pow2_scales(t, dims_a, top, least)
+    sb, rb = _pow2_scales(t, dims_b, top, least)
     qb = _block_mul(t, sb, rb, top, lo, c)
-    return _block_mul(t, sa, ra, top, lo, c), qb if inner is None else qb.movedim(inner, -1).contiguous()
+    return _block_mul(t, sa, ra, top, lo, c), qb if inner is None else qb.movedim(inner, -1).contiguous(), sa, sb
+
+
+def _nvfp4_scales(blocks, dims, top, top_e4m3, e4m3_max, e4m3_min, tiny, lo, c):
+    """mpt.fp8._nvfp4's scales: the blocks' amax, the tensor's FP32 decode scale g, each block's E4M3 scale s (rounded
+    to nearest as mpt.fp8._round_in_place rounds), the factor k = (1 / g) / s the values are multiplied by before
+    rounding and s x g after."""
+    amax = _abs_max(blocks, dims)
+    t_amax = amax.amax()
+    g = torch.where(t_amax > 0, t_amax / top_e4m3, 1.0).clamp(min=tiny)
+    g = torch.where(torch.isfinite(t_amax), g, float("nan"))
+    y = (amax / top / g).clamp(e4m3_min, e4m3_max)
+    s = _nearest(y.clamp(-e4m3_max, e4m3_max), y, lo, c)
+    return (1.0 / g) / s, s * g
+
+
+def _nvfp4(blocks, dims, top, top_e4m3, e4m3_max, e4m3_min, tiny, lo, c, e2_lo, e2_c):
+    """mpt.fp8._nvfp4 to nearest, whole: its scales (_nvfp4_scales), the values rounded (_block_mul), and k, s x g and
+    whether every k is finite (mpt.fp8 rounds otherwise where one is not)."""
+    k, sg = _nvfp4_scales(blocks, dims, top, top_e4m3, e4m3_max, e4m3_min, tiny, lo, c)
+    return _block_mul(blocks, k, sg, top, e2_lo, e2_c), k, sg, torch.isfinite(k).all()
+
+
+def _nvfp4_sr(blocks, dims, bits, top, top_e4m3, e4m3_max, e4m3_min, tiny, lo, c, e2_lo, e2_m):
+    """_nvfp4 rounding stochastically on the drawn `bits` (_sr_mul)."""
+    k, sg = _nvfp4_scales(blocks, dims, top, top_e4m3, e4m3_max, e4m3_min, tiny, lo, c)
+    return _sr_mul(blocks, k, sg, bits, top, e2_lo, e2_m), k, sg, torch.isfinite(k).all()
 
 
 _KERNELS = {"tensor": _tensor, "block_div": _block_div, "block_mul": _block_mul, "sr_div": _sr_div, "sr_mul": _sr_mul,
-            "abs_max": _abs_max, "pow2_scales": _pow2_scales, "pow2_two_scales": _pow2_two_scales, "two_ways": _two_ways}
+            "abs_max": _abs_max, "pow2_blocks": _pow2_blocks, "pow2_two_ways": _pow2_two_ways, "nvfp4": _nvfp4,
+            "nvfp4_sr": _nvfp4_sr}
 
 
 @functools.cache
@@ -167,27 +208,36 @@ def abs_max(t: torch.Tensor, dims: tuple[int, ...], fallback):
 
 def pow2_blocks(fmt: str, blocks: torch.Tensor, dims: tuple[int, ...], least: float, fallback):
     """`blocks` rounded to `fmt` to nearest at power-of-2 scales, each block the values along `dims` (mpt.fp8's
-    _quantize_blocks), fused: the blocks' scales in one compiled call, the rounding in another -- one call for both
-    recomputes each block's scale for each of its values (inductor inlines the scale's arithmetic into the loop that
-    reads it), about twice the time; `least`: the smallest scale (mpt.fp8._least_scale); `fallback()` where
-    compiling fails."""
+    _quantize_blocks), fused: the amax, the scales and the rounding in one compiled call; `least`: the smallest scale
+    (mpt.fp8._least_scale); `fallback()` where compiling fails."""
     top, lo, c, _ = (x.to(blocks.device) for x in _constants(fmt))
-    got = _run("pow2_scales", (blocks, dims, top, _number(least).to(blocks.device)), lambda: None)
-    if got is None:
-        return fallback()
-    return _run("block_mul", (blocks, *got, top, lo, c), fallback)
+    got = _run("pow2_blocks", (blocks, dims, top, lo, c, _number(least).to(blocks.device)), lambda: None)
+    return fallback() if got is None else got[0]
 
 
 def pow2_two_ways(fmt: str, t: torch.Tensor, dims_a: tuple[int, ...], dims_b: tuple[int, ...], inner: int | None,
                   least: float, fallback):
-    """pow2_blocks of `t` along dims_a and along dims_b: both blocks' scales from one reading of |t|, then both
-    roundings in one pass (two compiled calls, as pow2_blocks); the second result with axis `inner` innermost (None:
-    t's layout); `fallback()` where compiling fails."""
+    """pow2_blocks of `t` along dims_a and along dims_b in one compiled call (_pow2_two_ways): the two results, the
+    second with axis `inner` innermost (None: t's layout); `fallback()` where compiling fails."""
     top, lo, c, _ = (x.to(t.device) for x in _constants(fmt))
-    got = _run("pow2_two_scales", (t, dims_a, dims_b, top, _number(least).to(t.device)), lambda: None)
-    if got is None:
-        return fallback()
-    return _run("two_ways", (t, *got, inner, top, lo, c), fallback)
+    got = _run("pow2_two_ways", (t, dims_a, dims_b, inner, top, lo, c, _number(least).to(t.device)), lambda: None)
+    return fallback() if got is None else got[:2]
+
+
+def nvfp4(fmt: str, blocks: torch.Tensor, dims: tuple[int, ...], bits: torch.Tensor | None):
+    """mpt.fp8._nvfp4 of `blocks` (element format `fmt`, blocks along `dims`) in one compiled call, to nearest or
+    (with drawn `bits`) stochastically: (the rounded blocks, k, s x g, whether every k is finite); None where compiling
+    fails."""
+    e4m3 = formats.ELEMENTS["e4m3"]
+    top = formats.ELEMENTS[fmt].max
+    dev = blocks.device
+    lo, c = (x.to(dev) for x in _constants("e4m3")[1:3])
+    _, e2_lo, e2_c, e2_m = (x.to(dev) for x in _constants(fmt))
+    numbers = [_number(float(x)).to(dev) for x in (top, top * e4m3.max, e4m3.max, e4m3.min_normal,
+                                                     torch.finfo(torch.float32).tiny)]
+    if bits is None:
+        return _run("nvfp4", (blocks, dims, *numbers, lo, c, e2_lo, e2_c), lambda: None)
+    return _run("nvfp4_sr", (blocks, dims, bits, *numbers, lo, c, e2_lo, e2_m), lambda: None)
 
 
 @functools.cache
