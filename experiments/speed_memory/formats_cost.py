@@ -1,5 +1,5 @@
 """What the simulated low-precision formats cost: one training step of a model in each format beside FP32
-of the same run (bench.measure: the engine's step on a synthetic batch), and their ratios.
+of the same run (the engine's step on a synthetic batch, as bench.measure builds it), and their ratios.
 
 The formats beyond the paper (mpt/formats.py) are simulated by quantise-dequantise in FP32 around FP32
 kernels, so this is the price of the simulation, not the speed of FP8 or FP4 hardware: the goal is that
@@ -7,12 +7,18 @@ the simulation stays cheap enough to train with -- at most 2x FP32's step time f
 (fp8, fp8_rowwise, fp8_rowwise_gw_hp, fp8_block, mxfp8) and 3x for NVFP4 (stochastic rounding and the Hadamard transform on top).
 
     python -m experiments.speed_memory.formats_cost [models=resnet50_preact] [width=0.25] [batch=16]
-        [size=96] [steps=10] [warmup=2] [rounds=2] [device=auto] [out=experiments/speed_memory/results] [tag=]
+        [size=96] [steps=2] [warmup=2] [rounds=12] [device=auto] [out=experiments/speed_memory/results] [tag=]
         [fmt_compile=eager]
+
+Every cell (a model in a format) is built once and warmed up; then each round runs `steps` steps of every cell in
+turn, the order reversed every other round, each step timed by this thread's CPU time on a CPU (a step waiting for a
+core another process holds is not counted; on a GPU, the wall time around a synchronised step). A format's ratio is
+the median over rounds of its round's median step over FP32's of the same round: on a shared machine whose speed
+drifts by tens of percent within minutes, a format is compared with FP32 measured seconds apart, not minutes.
 
 fmt_compile: eager (the eager quantisers) | compiled (fmt.compile=true: mpt.fused's compiled chains) | both (each format
 eager and compiled in the same rounds, the compiled rows named <format>+compile). The compilation itself is timed
-apart (`compile_s`: one untimed step per format before the rounds, the kernels shared between formats), not in the
+apart (`compile_s`: the first warm-up step of each compiled format, the kernels shared between formats), not in the
 step times.
 """
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import json
 import pathlib
 import shlex
+import statistics
 import sys
 import time
 
@@ -28,8 +35,8 @@ from mpt.errors import UserError
 
 FORMATS = ("fp32", *precisions.FORMATS)
 GOALS = {n: precisions.BY_NAME[n].cost_goal for n in precisions.FORMATS}  # x FP32's step time; None: no goal
-DEFAULTS = {"models": "resnet50_preact", "width": 0.25, "batch": 16, "size": 96, "steps": 10, "warmup": 2,
-            "rounds": 2, "device": "auto", "out": "experiments/speed_memory/results", "tag": "", "fmt_compile": "eager"}
+DEFAULTS = {"models": "resnet50_preact", "width": 0.25, "batch": 16, "size": 96, "steps": 2, "warmup": 2,
+            "rounds": 12, "device": "auto", "out": "experiments/speed_memory/results", "tag": "", "fmt_compile": "eager"}
 COMPILED = "+compile"  # the suffix of a format's compiled row (fmt_compile=both)
 
 
@@ -49,37 +56,43 @@ def main(overrides: list[str]) -> dict:
         raise UserError(f"fmt_compile={o['fmt_compile']} is not one of eager, compiled, both")
     check_least(o, {"steps": 1, "rounds": 1, "warmup": 0})
     check_tag(o["tag"])
-    compiled = [f + COMPILED for f in FORMATS[1:]] if o["fmt_compile"] == "both" else []
-    cells = {f: o["fmt_compile"] == "compiled" and f != "fp32" for f in FORMATS} | {f: True for f in compiled}
-    order = [*FORMATS, *compiled]
-    compile_s = {}
-    for model in names:  # the compilation, once, apart from the rounds
-        for prec, on in cells.items():
-            if on:
-                fmt, t0 = prec.removesuffix(COMPILED), time.perf_counter()
-                bench.measure(model, fmt, None, {**opts, "fmt_compile": True, "steps": 0, "warmup": 1}, device)
-                compile_s[fmt] = round(time.perf_counter() - t0, 1)
-                print(f"{model} {prec}: compiled and one step in {compile_s[fmt]} s", file=sys.stderr, flush=True)
-    # Rounds, the order reversed every other one: on a shared machine the load drifts, and each format's
-    # fastest round (its least disturbed) is the one compared.
-    every, rows = [], []
+    extra = [f + COMPILED for f in FORMATS[1:]] if o["fmt_compile"] == "both" else []
+    on = {f: o["fmt_compile"] == "compiled" and f != "fp32" for f in FORMATS} | {f: True for f in extra}
+    order = [*FORMATS, *extra]
+    compile_s, rows, every = {}, [], []
     for model in names:
+        cells = {prec: _Cell(model, prec.removesuffix(COMPILED), on[prec], o, opts, device) for prec in order}
+        for prec, cell in cells.items():
+            t0 = time.perf_counter()
+            cell.warm(o["warmup"])
+            if cell.compiled and cell.status == "ok":
+                compile_s[cell.fmt] = round(time.perf_counter() - t0, 1)
+            print(f"{model} {prec}: {cell.status}, built and warmed up in {time.perf_counter() - t0:.1f} s", file=sys.stderr,
+                  flush=True)
+        live = [p for p in order if cells[p].status == "ok"]
         for k in range(o["rounds"]):
-            for prec in (order if k % 2 == 0 else order[::-1]):
-                row = bench.measure(model, prec.removesuffix(COMPILED), None, {**opts, "fmt_compile": cells[prec]}, device)
-                row = {**row, "precision": prec, "fmt_compile": cells[prec]}
-                every.append({**row, "round": k})
-                print(f"{model} {prec} round {k}: {row['status']} {_median(row)} ms/step", file=sys.stderr, flush=True)
+            for prec in (live if k % 2 == 0 else live[::-1]):
+                times = [cells[prec].step() for _ in range(o["steps"])]
+                every.append({"model": model, "precision": prec, "round": k, "step_ms": times})
+            print(f"{model} round {k}: " + ", ".join(f"{p} {statistics.median(e['step_ms']):.0f}" for p in live
+                                                   for e in every[-len(live):] if e["precision"] == p) + " ms",
+                  file=sys.stderr, flush=True)
         for prec in order:
-            mine = [r for r in every if r["model"] == model and r["precision"] == prec]
-            rows.append(min(mine, key=lambda r: _median(r) or float("inf")))
+            cell = cells[prec]
+            mine = [t for e in every if e["model"] == model and e["precision"] == prec for t in e["step_ms"]]
+            rows.append({"model": model, "precision": prec, "fmt_compile": cell.compiled, "status": cell.status,
+                         "note": cell.note, "batch": o["batch"], "size": o["size"], "width": o["width"],
+                         "step_ms": bench.step_stats(mine) if mine else None})
+        del cells
     ratios = []
     for model in names:
-        base = _median(next(r for r in rows if r["model"] == model and r["precision"] == "fp32"))
+        base = _round_medians(every, model, "fp32")
         for r in rows:
             fmt = r["precision"].removesuffix(COMPILED)
-            if r["model"] == model and fmt in GOALS and base and _median(r):
-                x, goal = _median(r) / base, GOALS[fmt]  # every format, a goal or none
+            mine = _round_medians(every, model, r["precision"])
+            if r["model"] == model and fmt in GOALS and base and mine:
+                # paired by round: the median of (this format's round median / FP32's round median)
+                x, goal = statistics.median(mine[k] / base[k] for k in mine if k in base), GOALS[fmt]
                 ratios.append({"model": model, "precision": r["precision"], "ratio": x, "goal": goal,
                                "meets_goal": None if goal is None else x <= goal})
     result = {"command": "python -m experiments.speed_memory.formats_cost " + shlex.join(overrides),
@@ -92,7 +105,7 @@ def main(overrides: list[str]) -> dict:
     machine = env["gpu"]["name"] if env.get("gpu") else f"{env['cpu']}, {env['threads']} thread" + "s" * (env["threads"] != 1)
     lines = [f"# Simulated formats: step time vs FP32 ({machine})", "",
              f"`{result['command']}`; {bench.DATA_NOTE}.", "",
-             "| model | format | step ms (median, fastest round) | x FP32 | goal | meets |", "|---|---|---:|---:|---:|---|"]
+             "| model | format | step ms (median) | x FP32 (median over rounds) | goal | meets |", "|---|---|---:|---:|---:|---|"]
     for r in rows:
         q = next((x for x in ratios if x["model"] == r["model"] and x["precision"] == r["precision"]), None)
         lines.append(f"| {r['model']} | {r['precision']} | {_median(r)} | "
@@ -100,11 +113,65 @@ def main(overrides: list[str]) -> dict:
                                                    if q["goal"] is not None else "none set | - |") if q
                         else "1.00 | | |"))
     if compile_s:
-        lines += ["", "fmt.compile's compilation and one untimed step, per format, before the rounds (s): "
+        lines += ["", "fmt.compile's compilation and the warm-up steps, per format, before the rounds (s): "
                   + ", ".join(f"{k} {v}" for k, v in compile_s.items())]
     atomic_write_text(out / f"{name}.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
     return result
+
+
+def _round_medians(every: list[dict], model: str, prec: str) -> dict[int, float]:
+    """A cell's median step (ms) in each round: {round: median}."""
+    return {e["round"]: statistics.median(e["step_ms"]) for e in every
+            if e["model"] == model and e["precision"] == prec and e["step_ms"]}
+
+
+class _Cell:
+    """One model in one format, built once as bench.measure builds it (bench.build_cell; the engine's TrainStep),
+    stepped in turn with the others. `status`: ok, skipped (bench.skip_reason) or failed (the error in `note`)."""
+
+    def __init__(self, model: str, fmt: str, compiled: bool, o: dict, opts: dict, device):
+        from experiments.speed_memory import bench
+        from mpt.step import TrainStep
+
+        self.fmt, self.compiled, self.device, self.note, self.status = fmt, compiled, device, None, "ok"
+        self.reason = bench.skip_reason(fmt, device)
+        if self.reason:
+            self.status, self.note = "skipped", self.reason
+            return
+        wl = bench.WORKLOADS[model]
+        size = wl.default_size if o["size"] == "auto" else int(o["size"])
+        try:
+            task, net, opt, recipe, batch = bench.build_cell(wl, model, fmt, None, size, {**opts, "fmt_compile": compiled},
+                                                             device)
+            self._step = TrainStep(task.loss, net, {"main": opt}, recipe, device=device, channels_last=False,
+                                   measure_first=False)
+            self._batch = batch
+        except Exception as e:  # noqa: BLE001 -- one failing cell must not lose the others' figures
+            self.status, self.note = "failed", f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+
+    def warm(self, n: int) -> None:
+        for _ in range(max(n, 1) if self.status == "ok" else 0):
+            try:
+                self.step()
+            except Exception as e:  # noqa: BLE001
+                self.status, self.note = "failed", f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+
+    def step(self) -> float:
+        """One training step; its time in ms (this thread's CPU time on a CPU)."""
+        from experiments.speed_memory import bench
+        from mpt import fused
+
+        fused.enable(self.compiled)  # (a process-wide switch: each cell's own, set before its step)
+        if self.device.type == "cuda":
+            bench.sync(self.device)
+            t = time.perf_counter()
+            self._step([self._batch])
+            bench.sync(self.device)
+            return 1e3 * (time.perf_counter() - t)
+        t = time.thread_time()
+        self._step([self._batch])
+        return 1e3 * (time.thread_time() - t)
 
 
 def _median(row: dict):
