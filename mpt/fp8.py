@@ -654,6 +654,13 @@ def _two_ways(fa: formats.TensorFormat, fb: formats.TensorFormat, t: torch.Tenso
     return qa, qb if inner is None else qb.movedim(-1, inner)
 
 
+def _rows_and_batch(fa: formats.TensorFormat, fb: formats.TensorFormat, t: torch.Tensor, axis: int):
+    """_two_ways of an operand whose channel axis is `axis`: fa's rows along the channels (as the product that reduces
+    over them rounds it) and fb's along every other axis, laid out as _along_batch lays it out; None as _two_ways."""
+    ch = axis % t.dim()
+    return _two_ways(fa, fb, t, (ch,), tuple(d for d in range(t.dim()) if d != ch), ch)
+
+
 def _amax(t: torch.Tensor) -> torch.Tensor:
     """Largest finite |t| as an FP32 0-dim tensor (0 for an empty or all-non-finite tensor)."""
     a = t.detach().float()
@@ -1054,8 +1061,7 @@ class FP8Math(TorchFunctionMode):
         r, ready = self.state.recipe, {}
         x_axis, w_axis, _ = _AXES[func]
         if r.wgrad == "own" and isinstance(x, torch.Tensor) and x.is_floating_point() and x.dim() >= 2:
-            ch = x_axis % x.dim()
-            got = _two_ways(r.roles["x"], r.roles["xw"], x.detach(), (ch,), tuple(d for d in range(x.dim()) if d != ch), ch)
+            got = _rows_and_batch(r.roles["x"], r.roles["xw"], x.detach(), x_axis)
             if got is not None:
                 ready["x"], ready["xw"] = got
         if r.w_dgrad is not None and len(weights) == 1 and func in _DGRAD_W_AXES and weights[0].dim() >= 2:
@@ -1113,10 +1119,8 @@ class FP8Math(TorchFunctionMode):
         elif r.wgrad == "own":
             x_w = _along_batch(q, "xw", r.roles["xw"], x.detach(), x_axis)
             quant_w = lambda g: _along_batch(q, "gw", r.roles["gw"], g, g_axis)  # noqa: E731
-
-            def both(g):  # the output gradient along its channels (grad_q) and along its batch (quant_w), at once
-                ch = g_axis % g.dim()
-                return _two_ways(r.roles["g"], r.roles["gw"], g, (ch,), tuple(d for d in range(g.dim()) if d != ch), ch)
+            # the output gradient along its channels (grad_q) and along its batch (quant_w), at once
+            both = lambda g: _rows_and_batch(r.roles["g"], r.roles["gw"], g, g_axis)  # noqa: E731
         else:
             x_w = x_q.detach()
         if alone is not None:  # a linear layer, a convolution: no forward for it

@@ -375,14 +375,18 @@ def measure(model_name: str, precision: str, impl: str | None, o: dict, device: 
         raise
     except Exception as e:  # noqa: BLE001 -- one failing cell must not lose the others' figures
         # The traceback too: a failure on a GPU session nobody watched must be diagnosable from the file.
-        row.update(status="failed", note=f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}",
-                   traceback=traceback.format_exc())
+        row.update(status="failed", note=failure_note(e), traceback=traceback.format_exc())
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     if o.get("compile"):
         TP.reset_compiled()
     return row
+
+
+def failure_note(e: BaseException) -> str:
+    """A failed cell's note: the error's type and the first line of its message (at most 300 characters)."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
 
 
 class _Refused(Exception):

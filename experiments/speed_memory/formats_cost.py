@@ -71,11 +71,9 @@ def main(overrides: list[str]) -> dict:
                   flush=True)
         live = [p for p in order if cells[p].status == "ok"]
         for k in range(o["rounds"]):
-            for prec in (live if k % 2 == 0 else live[::-1]):
-                times = [cells[prec].step() for _ in range(o["steps"])]
-                every.append({"model": model, "precision": prec, "round": k, "step_ms": times})
-            print(f"{model} round {k}: " + ", ".join(f"{p} {statistics.median(e['step_ms']):.0f}" for p in live
-                                                   for e in every[-len(live):] if e["precision"] == p) + " ms",
+            got = {prec: [cells[prec].step() for _ in range(o["steps"])] for prec in (live if k % 2 == 0 else live[::-1])}
+            every += [{"model": model, "precision": p, "round": k, "step_ms": t} for p, t in got.items()]
+            print(f"{model} round {k}: " + ", ".join(f"{p} {statistics.median(got[p]):.0f}" for p in live) + " ms",
                   file=sys.stderr, flush=True)
         for prec in order:
             cell = cells[prec]
@@ -135,9 +133,9 @@ class _Cell:
         from mpt.step import TrainStep
 
         self.fmt, self.compiled, self.device, self.note, self.status = fmt, compiled, device, None, "ok"
-        self.reason = bench.skip_reason(fmt, device)
-        if self.reason:
-            self.status, self.note = "skipped", self.reason
+        reason = bench.skip_reason(fmt, device)
+        if reason:
+            self.status, self.note = "skipped", reason
             return
         wl = bench.WORKLOADS[model]
         size = wl.default_size if o["size"] == "auto" else int(o["size"])
@@ -148,14 +146,17 @@ class _Cell:
                                    measure_first=False)
             self._batch = batch
         except Exception as e:  # noqa: BLE001 -- one failing cell must not lose the others' figures
-            self.status, self.note = "failed", f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            self.status, self.note = "failed", bench.failure_note(e)
 
     def warm(self, n: int) -> None:
+        """`n` steps before the rounds, at least one: a compiled format's compilation happens in its first."""
+        from experiments.speed_memory import bench
+
         for _ in range(max(n, 1) if self.status == "ok" else 0):
             try:
                 self.step()
             except Exception as e:  # noqa: BLE001
-                self.status, self.note = "failed", f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+                self.status, self.note = "failed", bench.failure_note(e)
 
     def step(self) -> float:
         """One training step; its time in ms (this thread's CPU time on a CPU)."""
