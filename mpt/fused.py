@@ -61,9 +61,12 @@ def pays(t: torch.Tensor, s: torch.Tensor | tuple | None = None) -> bool:
 
 
 @functools.cache
-def _constants(fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _constants(fmt: str, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(largest value, smallest spacing's binade 2^emin, 1.5 x 2^(23 - mantissa bits), 2^-mantissa bits) of `fmt`, as
-    0-dim FP32 tensors (all exact in FP32): the numbers mpt.fp8._round_in_place and round_by_spacing compute with."""
+    0-dim FP32 tensors (all exact in FP32) on `device` (None: the CPU): the numbers mpt.fp8._round_in_place and
+    round_by_spacing compute with. Made once per device: moving them on every call cost ~3 us each, ~700 a step."""
+    if device is not None:
+        return tuple(t.to(device) for t in _constants(fmt))
     e = formats.ELEMENTS[fmt]
     return (torch.tensor(float(e.max)), torch.tensor(2.0 ** e.emin), torch.tensor(1.5 * 2.0 ** (23 - e.mantissa_bits)),
             torch.tensor(2.0 ** -e.mantissa_bits))
@@ -193,7 +196,7 @@ def _compiled(kind: str):
 def call(kind: str, fmt: str, *tensors, fallback):
     """The fused `kind` of mpt.fp8's chains for element format `fmt` on `tensors` (a None bits: round to nearest);
     `fallback()`, the eager chain, where compiling fails -- once, said on stderr, and eager from then on."""
-    top, lo, c, m = (t.to(tensors[0].device) for t in _constants(fmt))
+    top, lo, c, m = _constants(fmt, tensors[0].device)
     args = [t for t in tensors if t is not None]
     if kind.startswith("block") and tensors[-1] is not None:  # drawn bits: the stochastic kernel
         kind = "sr" + kind[len("block"):]
@@ -210,8 +213,8 @@ def pow2_blocks(fmt: str, blocks: torch.Tensor, dims: tuple[int, ...], least: fl
     """`blocks` rounded to `fmt` to nearest at power-of-2 scales, each block the values along `dims` (mpt.fp8's
     _quantize_blocks), fused: the amax, the scales and the rounding in one compiled call; `least`: the smallest scale
     (mpt.fp8._least_scale); `fallback()` where compiling fails."""
-    top, lo, c, _ = (x.to(blocks.device) for x in _constants(fmt))
-    got = _run("pow2_blocks", (blocks, dims, top, lo, c, _number(least).to(blocks.device)), lambda: None)
+    top, lo, c, _ = _constants(fmt, blocks.device)
+    got = _run("pow2_blocks", (blocks, dims, top, lo, c, _number(least, blocks.device)), lambda: None)
     return fallback() if got is None else got[0]
 
 
@@ -219,8 +222,8 @@ def pow2_two_ways(fmt: str, t: torch.Tensor, dims_a: tuple[int, ...], dims_b: tu
                   least: float, fallback):
     """pow2_blocks of `t` along dims_a and along dims_b in one compiled call (_pow2_two_ways): the two results, the
     second with axis `inner` innermost (None: t's layout); `fallback()` where compiling fails."""
-    top, lo, c, _ = (x.to(t.device) for x in _constants(fmt))
-    got = _run("pow2_two_ways", (t, dims_a, dims_b, inner, top, lo, c, _number(least).to(t.device)), lambda: None)
+    top, lo, c, _ = _constants(fmt, t.device)
+    got = _run("pow2_two_ways", (t, dims_a, dims_b, inner, top, lo, c, _number(least, t.device)), lambda: None)
     return fallback() if got is None else got[:2]
 
 
@@ -231,9 +234,9 @@ def nvfp4(fmt: str, blocks: torch.Tensor, dims: tuple[int, ...], bits: torch.Ten
     e4m3 = formats.ELEMENTS["e4m3"]
     top = formats.ELEMENTS[fmt].max
     dev = blocks.device
-    lo, c = (x.to(dev) for x in _constants("e4m3")[1:3])
-    _, e2_lo, e2_c, e2_m = (x.to(dev) for x in _constants(fmt))
-    numbers = [_number(float(x)).to(dev) for x in (top, top * e4m3.max, e4m3.max, e4m3.min_normal,
+    lo, c = _constants("e4m3", dev)[1:3]
+    _, e2_lo, e2_c, e2_m = _constants(fmt, dev)
+    numbers = [_number(float(x), dev) for x in (top, top * e4m3.max, e4m3.max, e4m3.min_normal,
                                                      torch.finfo(torch.float32).tiny)]
     if bits is None:
         return _run("nvfp4", (blocks, dims, *numbers, lo, c, e2_lo, e2_c), lambda: None)
@@ -241,8 +244,8 @@ def nvfp4(fmt: str, blocks: torch.Tensor, dims: tuple[int, ...], bits: torch.Ten
 
 
 @functools.cache
-def _number(x: float) -> torch.Tensor:
-    return torch.tensor(x)
+def _number(x: float, device: torch.device) -> torch.Tensor:
+    return torch.tensor(x, device=device)
 
 
 def _run(kind: str, args, fallback):

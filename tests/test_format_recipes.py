@@ -371,3 +371,23 @@ def test_bf16_tail_through_the_engine_and_a_resume_across_the_switch(tmp_path, m
     plain = run_task(_toy(tmp_path / "plain", precision="nvfp4", fp8=FP8Cfg(ends="fp8")), ToyMLP)
     cp = torch.load(tmp_path / "plain" / "toy_mlp" / plain["run_name"] / "checkpoint.pt", weights_only=True)
     assert not all(torch.equal(ca["model"][k], cp["model"][k]) for k in ca["model"])
+
+
+@pytest.mark.parametrize("prec", ["fp8_rowwise", "fp8_rowwise_gw_hp", "fp8_block", "mxfp8", "nvfp4"])
+def test_an_in_place_op_after_a_split_layer_gets_the_same_gradients(prec):
+    """A layer whose backward products read operands of their own (the value pass made apart) hands its output on
+    as a plain tensor: ReLU(inplace=True) right after it trains as ReLU() does, bit for bit."""
+    def grads(inplace):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(inplace=inplace), nn.Flatten(),
+                              nn.Linear(16 * 8 * 8, 32), nn.ReLU(inplace=inplace), nn.Linear(32, 10))
+        c = _cfg(prec)
+        c.fp8.ends = "fp8"  # every layer in the format
+        r = precision.build(c, "cpu")
+        r.prepare(model, [])
+        x = torch.randn(4, 3, 8, 8)
+        with r.autocast():
+            loss = model(x).square().mean()
+        loss.backward()
+        return [p.grad for p in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(grads(True), grads(False)))
