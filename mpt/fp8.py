@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import random
 
@@ -556,11 +557,17 @@ class _Passes(torch.autograd.Function):
 class _Alone(torch.autograd.Function):
     """A backward product with no forward of its own (FP8Math._split): forward, a stand-in of the output's
     shape that holds no memory; backward, the gradient of `live` (an operand's rounding, which passes it
-    straight through) from the arriving gradient and the other operand by `product` (_backward_products)."""
+    straight through) from the arriving gradient and the other operand by `product` (_backward_products).
+    A product reads only `live`'s shape and layout (a data gradient, its input's; a weight gradient, its weight's),
+    so `live` is not kept: the input's rounding for the forward would otherwise stay alive to the backward beside
+    the rounding the weight gradient reads -- a second activation-sized tensor a layer. An uninitialised tensor of
+    its shape and strides stands in for it (one per shape, kept: allocating it afresh each backward cost more than
+    the copy it saves)."""
 
     @staticmethod
     def forward(ctx, live, other, shape, product):
-        ctx.save_for_backward(live, other)
+        ctx.save_for_backward(other)
+        ctx.live = (live.shape, live.stride(), live.dtype, live.device)
         ctx.product = product
         return other.new_zeros(()).expand(shape)
 
@@ -568,8 +575,15 @@ class _Alone(torch.autograd.Function):
     def backward(ctx, g):
         if not ctx.needs_input_grad[0]:  # a first layer's input, a frozen weight
             return None, None, None, None
-        live, other = ctx.saved_tensors
-        return ctx.product(g, live, other), None, None, None
+        (other,) = ctx.saved_tensors
+        return ctx.product(g, _stand_in(*ctx.live), other), None, None, None
+
+
+@functools.lru_cache(maxsize=64)
+def _stand_in(shape: torch.Size, stride: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised tensor of this shape and layout, made once: what a backward product reads of an operand it
+    needs only the shape and layout of (_Alone); never written."""
+    return torch.empty_strided(shape, stride, dtype=dtype, device=device)
 
 
 _CONV_KEYS = ("stride", "padding", "dilation", "groups")  # F.convNd's arguments after the bias

@@ -391,3 +391,27 @@ def test_an_in_place_op_after_a_split_layer_gets_the_same_gradients(prec):
         loss.backward()
         return [p.grad for p in model.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(grads(True), grads(False)))
+
+
+def test_a_split_layer_keeps_one_rounding_of_its_input_for_the_backward():
+    """fp8_rowwise_gw_hp's weight gradient reads the unrounded input and its data gradient only the input's shape:
+    what a step saves for the backward is then FP32's activations plus the weights' roundings, not a second
+    activation-sized rounding a layer (the data gradient's operand stands in uninitialised, the same bits)."""
+    from mpt.memory import SavedTensorBytes
+
+    def saved(prec):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(),
+                              nn.Flatten(), nn.Linear(16 * 16 * 16, 10))
+        c = _cfg(prec)
+        if prec != "fp32":
+            c.fp8.ends = "fp8"
+        r = precision.build(c, "cpu")
+        r.prepare(model, [])
+        meter = SavedTensorBytes(model)
+        with meter.measure(), r.autocast():
+            model(torch.randn(32, 8, 16, 16)).square().mean()
+        return meter.bytes
+
+    fp32 = saved("fp32")
+    assert saved("fp8_rowwise_gw_hp") < 1.25 * fp32
