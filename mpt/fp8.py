@@ -561,8 +561,7 @@ class _Alone(torch.autograd.Function):
     A product reads only `live`'s shape and layout (a data gradient, its input's; a weight gradient, its weight's),
     so `live` is not kept: the input's rounding for the forward would otherwise stay alive to the backward beside
     the rounding the weight gradient reads -- a second activation-sized tensor a layer. An uninitialised tensor of
-    its shape and strides stands in for it (one per shape, kept: allocating it afresh each backward cost more than
-    the copy it saves)."""
+    its shape and strides stands in for it."""
 
     @staticmethod
     def forward(ctx, live, other, shape, product):
@@ -576,14 +575,19 @@ class _Alone(torch.autograd.Function):
         if not ctx.needs_input_grad[0]:  # a first layer's input, a frozen weight
             return None, None, None, None
         (other,) = ctx.saved_tensors
-        return ctx.product(g, _stand_in(*ctx.live), other), None, None, None
+        shape, stride, dtype, device = ctx.live
+        live = _cpu_stand_in(shape, stride, dtype) if device.type == "cpu" else \
+            torch.empty_strided(shape, stride, dtype=dtype, device=device)
+        return ctx.product(g, live, other), None, None, None
 
 
 @functools.lru_cache(maxsize=64)
-def _stand_in(shape: torch.Size, stride: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An uninitialised tensor of this shape and layout, made once: what a backward product reads of an operand it
-    needs only the shape and layout of (_Alone); never written."""
-    return torch.empty_strided(shape, stride, dtype=dtype, device=device)
+def _cpu_stand_in(shape: torch.Size, stride: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor of this shape and layout, made once (_Alone; never written): made afresh on every
+    backward, its pages are mapped again wherever a product reads it (oneDNN's strided convolutions copy their input),
+    which cost more than the copy of the rounding it replaces. Unread, its pages are never mapped. (A GPU's caching
+    allocator hands a fresh one out at no such cost.)"""
+    return torch.empty_strided(shape, stride, dtype=dtype)
 
 
 _CONV_KEYS = ("stride", "padding", "dilation", "groups")  # F.convNd's arguments after the bias
