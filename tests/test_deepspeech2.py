@@ -325,7 +325,7 @@ def test_unprepared_data_is_one_line(tmp_path, capsys):
 @pytest.mark.slow
 @needs_espeak
 def test_trained_cer_below_untrained(tmp_path_factory):
-    """Real learning: the tiny profile (180 steps of 32) against the same network untrained, on unseen voices."""
+    """Real learning: the tiny profile (120 steps of 32) against the same network untrained, on unseen voices."""
     from data_prep.librispeech import prepare as prep
     from data_prep.librispeech.tiny import generate
     from experiments.deepspeech2 import main
@@ -336,11 +336,11 @@ def test_trained_cer_below_untrained(tmp_path_factory):
     out = tmp_path_factory.mktemp("ds2_trained")
     untrained = main(run_overrides("english", root, out, "train.max_steps=1", "optim.lr=0"))
     trained = main(run_overrides("english", root, out))
-    # Measured (experiments/deepspeech2/README.md "The tiny English profile", Intel Xeon): the untrained
-    # network is at 97.2% CER (dev CTC loss 129.2 per utterance); seeds 0-4 end at 25.8, 21.4, 22.7, 26.6 and
-    # 29.3% (seed 0's dev loss 23.5). Where a run ends moves with the CPU's kernels (an earlier profile's seed
-    # 0 ended 25 points apart on two machines), so the bounds leave room: 0.6 x untrained CER (58%) is 29
-    # points above the worst seed measured, and the dev loss must fall below 0.35 x its own.
+    # Measured (experiments/deepspeech2/README.md "The tiny English profile", AMD EPYC): the untrained
+    # network is at 94.4% CER (dev CTC loss 129.6 per utterance); seeds 0-4 end at 45.0, 42.0, 42.1, 41.4 and
+    # 39.0% (seed 0's dev loss 35.1). Where a run ends moves with the CPU's kernels (an earlier profile's seed
+    # 0 ended 25 points apart on two machines), so the bounds leave room: 0.6 x untrained CER (57%) is 12
+    # points above the worst seed measured, and the dev loss must fall below 0.35 x its own (seed 0: 0.27 x).
     m, m0 = trained["metrics"], untrained["metrics"]
     assert m["cer"] < 0.6 * m0["cer"] and m["loss"] < 0.35 * m0["loss"], (m, m0)
 
