@@ -5,7 +5,8 @@ committed benchmark results (experiments/speed_memory/results/). `slurm.submit -
                    the cell sets train.num_workers lower; at least the main process's one)
                    x the one-process, one-thread samples/s of the experiment's training pipeline
                    (experiments/speed_memory/loader.py results: the same experiment and, where the task
-                   has one, the same task.augment; the latest when several)
+                   has one, the same task.augment; the latest day's when several, and of that day's
+                   CPUs the slowest: the estimate promises no more than the slower CPU measured feeds)
     GPU rate     = samples/s of one training step on the cluster's GPU (its `gpu` key, the name torch
                    reports) for the cell's model and precision, from a gpu_check result: the `headline`
                    part (ResNet-50, batch 256) or the `models` part (each model at its paper batch per
@@ -51,12 +52,13 @@ def results(kind: str, folder: pathlib.Path | None = None) -> list[tuple[str, di
 def per_core_rate(cfg, folder=None) -> tuple[float, str] | None:
     """(samples/s of one core, results file) for the cell's experiment and augmentation, or None."""
     augment = getattr(cfg.task, "augment", None)
-    found = [(d.get("date", ""), d["per_core_samples_per_s"], name) for name, d in results("loader", folder)
+    found = [(str(d.get("date", ""))[:10], d["per_core_samples_per_s"], name) for name, d in results("loader", folder)
              if d.get("experiment") == cfg.experiment and d.get("augment") == augment
              and isinstance(d.get("per_core_samples_per_s"), (int, float))]
     if not found:
         return None
-    _, rate, name = max(found)
+    newest = max(date for date, _, _ in found)
+    rate, name = min((rate, name) for date, rate, name in found if date == newest)
     return rate, name
 
 

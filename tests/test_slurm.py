@@ -798,7 +798,8 @@ def test_cell_timeout_must_be_positive(value):
 
 def test_dry_run_says_whether_each_cell_is_fed(tmp_path, capsys, monkeypatch):
     """The loader's rate (cores per GPU less one x the committed per-core figure of the experiment and
-    augmentation) against the GPU's step rate from a gpu_check result for the cluster's GPU."""
+    augmentation: the newest day's, the slowest CPU of that day) against the GPU's step rate from a
+    gpu_check result for the cluster's GPU."""
     from slurm import feed
 
     results = tmp_path / "results"
@@ -806,6 +807,12 @@ def test_dry_run_says_whether_each_cell_is_fed(tmp_path, capsys, monkeypatch):
     (results / "cpu-test-loader-ilsvrc_cnns.json").write_text(json.dumps({
         "schema": "speed_memory_loader/1", "date": "2026-01-01", "experiment": "ilsvrc_cnns",
         "augment": "torchvision", "per_core_samples_per_s": 100.0}))
+    (results / "cpu-fast-loader-ilsvrc_cnns.json").write_text(json.dumps({  # a faster CPU later that day: not used
+        "schema": "speed_memory_loader/1", "date": "2026-01-01T18:00:00+00:00", "experiment": "ilsvrc_cnns",
+        "augment": "torchvision", "per_core_samples_per_s": 300.0}))
+    (results / "cpu-old-loader-ilsvrc_cnns.json").write_text(json.dumps({  # an older pipeline: not used
+        "schema": "speed_memory_loader/1", "date": "2025-01-01", "experiment": "ilsvrc_cnns",
+        "augment": "torchvision", "per_core_samples_per_s": 10.0}))
     row = lambda prec, impl, ms, cl: {"model": "resnet50_preact", "precision": prec, "impl": impl,  # noqa: E731
                                       "status": "ok", "batch": 256, "channels_last": cl, "step_ms": {"median": ms}}
     (results / "test-gpu-gpu_check.json").write_text(json.dumps({
