@@ -464,8 +464,8 @@ def test_fp8_recipes_match_torchao_float8_linear(torchao, theirs, ours, fp8):
     output gradient in all three. The data separates these: quantising each tensor once (the shared
     simplification) misses torchao's gradients. Without grad (evaluation) the output is the same.
     The output's product bit for bit; its bias torchao adds after the product, ours goes into F.linear, where
-    the BLAS chooses how the sum is rounded (MKL on an AMD EPYC starts the accumulation from the bias, on an
-    Intel Xeon it did not): a rounding of the sum apart there, the bias-free product the same bits."""
+    the BLAS chooses how the sum is rounded (MKL's fused bias gave other last bits than product-then-bias on an
+    AMD EPYC, the same on an Intel Xeon): within a rounding of the sum there, the bias-free product the same bits."""
     import copy
     import dataclasses
 
