@@ -804,15 +804,13 @@ def test_dry_run_says_whether_each_cell_is_fed(tmp_path, capsys, monkeypatch):
 
     results = tmp_path / "results"
     results.mkdir()
-    (results / "cpu-test-loader-ilsvrc_cnns.json").write_text(json.dumps({
-        "schema": "speed_memory_loader/1", "date": "2026-01-01", "experiment": "ilsvrc_cnns",
-        "augment": "torchvision", "per_core_samples_per_s": 100.0}))
-    (results / "cpu-fast-loader-ilsvrc_cnns.json").write_text(json.dumps({  # a faster CPU later that day: not used
-        "schema": "speed_memory_loader/1", "date": "2026-01-01T18:00:00+00:00", "experiment": "ilsvrc_cnns",
-        "augment": "torchvision", "per_core_samples_per_s": 300.0}))
-    (results / "cpu-old-loader-ilsvrc_cnns.json").write_text(json.dumps({  # an older pipeline: not used
-        "schema": "speed_memory_loader/1", "date": "2025-01-01", "experiment": "ilsvrc_cnns",
-        "augment": "torchvision", "per_core_samples_per_s": 10.0}))
+    def loader(cpu, date, rate):
+        (results / f"cpu-{cpu}-loader-ilsvrc_cnns.json").write_text(json.dumps({
+            "schema": "speed_memory_loader/1", "date": date, "experiment": "ilsvrc_cnns",
+            "augment": "torchvision", "per_core_samples_per_s": rate}))
+    loader("test", "2026-01-01", 100.0)
+    loader("fast", "2026-01-01T18:00:00+00:00", 300.0)  # a faster CPU later that day: not used
+    loader("old", "2025-01-01", 10.0)  # an older pipeline: not used
     row = lambda prec, impl, ms, cl: {"model": "resnet50_preact", "precision": prec, "impl": impl,  # noqa: E731
                                       "status": "ok", "batch": 256, "channels_last": cl, "step_ms": {"median": ms}}
     (results / "test-gpu-gpu_check.json").write_text(json.dumps({
