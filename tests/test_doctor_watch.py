@@ -129,6 +129,30 @@ def test_without_a_scaler_a_producer_between_samples_is_reported_as_nonfinite_we
     assert "already non-finite as step 5 began" in " ".join(w.report()), w.report()
 
 
+def test_a_non_finite_loss_between_samples_is_chased_then_called_a_one_off():
+    """A loss that is nan at step 3 only (the loop skips that update itself; the watch has no optimizer to see it):
+    the losses since the last sample are read with the sample at step 5, which starts tracing the next steps; none
+    makes it again: a one-off, said once -- the finite losses after it do not start a second chase."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    lines = []
+    with watch(model, every=5, log=lines.append, trace_every=1000) as w:
+        for i in range(30):
+            loss = F.mse_loss(model(x), y) * (float("nan") if i == 3 else 1.0)
+            if torch.isfinite(loss):
+                loss.backward()
+                opt.step()
+            opt.zero_grad()
+            w.step(loss)
+    assert w.first is None
+    assert [line for line in lines if "one-off" in line] == [
+        "a non-finite value between steps 1 and 5, not made again in the 5 steps after it, all traced: a one-off "
+        "(a batch? the loss?)"], lines
+    assert w.traced == 1 + 5  # step 0 (trace_every), then steps 6-10 chasing it
+
+
 def test_the_run_up_is_the_samples_before_the_first_non_finite_value():
     """Late makes inf from step 12 on and the weights are nan after it; the watch samples on to step 28 -- more
     than its 8 kept samples. The run-up the report prints is the finite samples before step 12, not the nan ones
