@@ -147,9 +147,10 @@ class Watch:
 
     def _add_loss(self, loss: torch.Tensor) -> None:
         acc = self._losses
-        if acc is None or acc.device != loss.device:
+        if acc is None or acc.device != loss.device:  # (the first loss, or one on another device: the sum moves)
             wide = torch.float32 if loss.device.type == "mps" else torch.float64  # (MPS has no float64)
-            acc = self._losses = torch.zeros((), dtype=wide, device=loss.device)
+            acc = self._losses = torch.zeros((), dtype=wide, device=loss.device) if acc is None else \
+                acc.to(loss.device, wide)
         with torch.no_grad():  # (not part of the user's graph)
             acc.add_(loss if loss.dim() == 0 else loss.sum())
 
