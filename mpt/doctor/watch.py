@@ -18,7 +18,8 @@ them (its weights' as each backward ends, placed where its backward began), on t
 w.step() the sample is stacked and read in one host transfer. Every `trace_every`-th step (from step 0), and on the
 steps after a non-finite value, every operation of forward and backward is recorded instead, seen by a dispatch
 mode (about twice a step's time, paid only then).
-The steps between cost a finiteness flag on the loss, kept on the device and read with the next sample.
+The steps between cost one in-place add of the loss into a sum kept on the device, read with the next sample (non-finite
+when a loss since the last sample was).
 From the samples:
   - the run-up of each module's largest |value| (forward; gradients as the loop holds them, x S);
   - the first non-finite value: the first record in execution order that holds inf/nan -- everything recorded
@@ -242,7 +243,7 @@ class Watch:
 
     def _transfer(self, rec) -> tuple[list[float], list[float], list[float]]:
         """The sample on the host: the largest |value| of each weight as the step began and of each record, then
-        the non-finite-loss flag and the GradScaler's scale."""
+        whether a loss since the last sample was non-finite, and the GradScaler's scale."""
         extra = [~torch.isfinite(self._losses) if self._losses is not None else torch.zeros((), dtype=torch.bool)]
         if self._losses is not None:
             self._losses.zero_()  # (after the flag above, in the device's order)
