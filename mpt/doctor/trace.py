@@ -146,8 +146,9 @@ class Trace(TorchDispatchMode):
     def __enter__(self) -> "Trace":
         self._open = True
         # Two hooks on every module (the global ones), a module outside the model passed over, instead of two on
-        # each of the model's: placing and removing ~250 handles cost ~1 ms a traced step on a CPU (the tiny ResNet-50). (They run
-        # before a module's own hooks: an output that a user's forward hook replaces is not the one seen.)
+        # each of the model's: placing and removing ~250 handles cost ~1 ms a traced step on a CPU (the tiny
+        # ResNet-50). (They run before a module's own hooks: an output that a user's forward hook replaces is not
+        # the one seen.)
         for m in self.model.modules():
             self._weights[m] = ([], [])
         self._handles.append(register_module_forward_pre_hook(self._enter))

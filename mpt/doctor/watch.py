@@ -150,8 +150,8 @@ class Watch:
         acc = self._losses
         if acc is None or acc.device != loss.device:  # (the first loss, or one on another device: the sum moves)
             wide = torch.float32 if loss.device.type == "mps" else torch.float64  # (MPS has no float64)
-            acc = self._losses = torch.zeros((), dtype=wide, device=loss.device) if acc is None else \
-                acc.to(loss.device, wide)
+            acc = self._losses = (torch.zeros((), dtype=wide, device=loss.device) if acc is None
+                                  else acc.to(loss.device, wide))
         with torch.no_grad():  # (not part of the user's graph)
             acc.add_(loss if loss.dim() == 0 else loss.sum())
 
@@ -244,8 +244,10 @@ class Watch:
     def _transfer(self, rec) -> tuple[list[float], list[float], list[float]]:
         """The sample on the host: the largest |value| of each weight as the step began and of each record, then
         whether a loss since the last sample was non-finite, and the GradScaler's scale."""
-        extra = [~torch.isfinite(self._losses) if self._losses is not None else torch.zeros((), dtype=torch.bool)]
-        if self._losses is not None:
+        if self._losses is None:  # (no loss given yet)
+            extra = [torch.zeros((), dtype=torch.bool)]
+        else:
+            extra = [~torch.isfinite(self._losses)]
             self._losses.zero_()  # (after the flag above, in the device's order)
         if self.scaler is not None and self.scaler.is_enabled():
             scale = scaler_scale_tensor(self.scaler)
