@@ -73,6 +73,20 @@ def test_another_metric_and_a_changed_file(exported):
     assert committed.stale([readme]) == [readme]
 
 
+def test_runs_started_by_hand_are_counted_beside_the_grid_command(exported):
+    """A results file whose runs came partly from slurm.submit and partly from the experiment's own command
+    names the submit command and says how many runs it does not cover."""
+    lines = committed.load(exported)
+    for d in lines:  # (as slurm.submit's submissions.jsonl gives them)
+        d["command"] = "python -m slurm.submit experiments/ilsvrc_cnns/grid.yaml --profile tiny"
+    text = committed.to_markdown(lines, "demo.jsonl")
+    assert "outside slurm.submit" not in text and "Made by `python -m slurm.submit" in text
+    lines[0]["command"] = lines[1]["command"] = None
+    text = committed.to_markdown(lines, "demo.jsonl")
+    assert "; 2 of the runs outside slurm.submit, their command not recorded." in text
+    assert "Made by `python -m slurm.submit" in text
+
+
 def test_bad_input_is_one_line(tmp_path, capsys):
     readme = tmp_path / "README.md"
     readme.write_text("<!-- paper_tables: results/none.jsonl -->\n<!-- /paper_tables -->\n")

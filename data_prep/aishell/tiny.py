@@ -10,8 +10,9 @@ Debian Mandarin dictionary reads many characters through their pinyin, and sever
 reading: 的/地/得, 他/她, 是/事/市 -- one of each is kept), the k-th of them drawn with weight 1/k
 (Zipf's law, as the characters of real text fall: a few are frequent, most rare). Each speaker is a
 voice variant; every utterance draws its own rate (180-300 words a minute: ~1.9 s for 6.5 characters)
-and pitch, gain, silence and room noise; dev and test speakers use voices not heard in training. One training WAV has no transcript line, as in the real release.
-Deterministic given the arguments and the espeak-ng version.
+and pitch, gain, silence and room noise; dev and test speakers use voices not heard in training. One
+training WAV has no transcript line, as in the real release. Deterministic given the arguments and the
+espeak-ng version.
 """
 from __future__ import annotations
 
