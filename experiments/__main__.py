@@ -2,7 +2,8 @@
 
 Every table and figure of the paper at CPU scale, from the real tools and the tiny data generators:
 1. writes each tiny release in its official archive format (ILSVRC2012, PASCAL VOC, LibriSpeech,
-   WMT15, 1B Word, CelebA) and prepares it with the real data_prep code (skipped when prepared);
+   WMT15, 1B Word, CelebA) and prepares it with the real data_prep code (skipped where this code prepared
+   it already; written again where other code did: prepare_tiny);
 2. runs the tiny profile of every experiment's grid through the local launcher, as one pool of
    processes (longest runs first), three seeds wherever a table shows mean +- std:
    - Table 1: ResNet-50 (--models for others) in fp32, fp16 (the paper's MP, S = 1), mixed (dynamic S) and fp16_pure (no
@@ -39,20 +40,61 @@ DATASETS = {"imagenet": ("imagenet", {"workers": 2}), "voc": ("voc", {}), "libri
             "celeba": ("celeba", {})}
 
 
+def release_code(pkg: str) -> str:
+    """A digest of the code that writes and prepares a tiny release: its data_prep package and data_prep's
+    shared modules (the archive writers, espeak-ng's speech). Another digest: another release."""
+    import hashlib
+
+    import data_prep
+
+    root = pathlib.Path(data_prep.__file__).parent
+    h = hashlib.sha256()
+    for f in sorted([*root.glob("*.py"), *(root / pkg).glob("*.py")]):
+        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def prepare_tiny(name: str, data: pathlib.Path) -> pathlib.Path:
-    """The tiny release of `name`, written in its official format and prepared by the real code."""
-    if (data / "prepared.json").exists():
-        return data
+    """The tiny release of `name`, written in its official format and prepared by the real code. Prepared
+    already by this code (`<data>.release.json` holds its digest): used as it is. Prepared by other code (a
+    changed generator, or no record of one), it is written again: into new folders beside the old ones,
+    each replacing its old one once complete -- so a changed generator never leaves an older release in use,
+    and an interrupted rewrite leaves the prepared data of the old release whole (its record still the old
+    code's: written again next time)."""
     import importlib
+    import json
+    import shutil
+
+    from mpt.rundir import atomic_write_json
 
     pkg, kw = DATASETS[name]
+    stamp = data.parent / f"{data.name}.release.json"
+    code = release_code(pkg)
+    if (data / "prepared.json").exists():
+        try:
+            if json.loads(stamp.read_text()).get("code") == code:
+                return data
+        except (OSError, ValueError, AttributeError):
+            pass
+        print(f"[demo] {data} was not prepared by this version of the tiny {name} release's code: writing it again")
     generate = importlib.import_module(f"data_prep.{pkg}.tiny").generate
     prepare = importlib.import_module(f"data_prep.{pkg}.prepare").prepare
     archives = data.parent / (data.name + "_archives")
+    new_data, new_archives = (p.with_name(f".{p.name}.new") for p in (data, archives))
+    for p in (new_data, new_archives):  # (an interrupted rewrite's)
+        shutil.rmtree(p, ignore_errors=True)
     print(f"[demo] writing the tiny {name} release to {archives} and preparing {data}")
-    written = generate(archives)
+
+    def replace(new: pathlib.Path, old: pathlib.Path) -> None:
+        shutil.rmtree(old, ignore_errors=True)
+        new.rename(old)
+
+    written = generate(new_archives)
+    replace(new_archives, archives)  # (first: prepared.json records the archives it read, by path)
     # lm1b's generator returns its one archive file, which its prepare() takes; the others a folder.
-    prepare(written if name == "lm1b" else archives, data, log=lambda *a: None, **kw)
+    prepare(archives / written.name if name == "lm1b" else archives, new_data, log=lambda *a: None, **kw)
+    replace(new_data, data)
+    atomic_write_json(stamp, {"release": name, "code": code})
     return data
 
 

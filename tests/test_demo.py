@@ -69,6 +69,36 @@ def test_demo_seeds_keeps_the_first_seeds_of_each_cell():
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--seeds 0" in r.stderr, r.stderr
 
 
+def test_a_tiny_release_prepared_by_other_code_is_written_again(tmp_path, monkeypatch, capsys):
+    """The demo's preparation uses a tiny release its own code prepared, and writes again one that other code
+    did (a changed generator; a folder with no record of its code): the new folders replace the old ones,
+    nothing of the old release is left, and the same code gives the same data."""
+    import json
+
+    from experiments import __main__ as demo
+    from mpt.prepared import data_fingerprint
+
+    data, record = tmp_path / "tiny_wmt15", tmp_path / "tiny_wmt15.release.json"
+    assert demo.prepare_tiny("wmt15", data) == data
+    marker = data / "prepared.json"
+    first, fingerprint = marker.stat().st_mtime_ns, data_fingerprint(data)
+    assert demo.prepare_tiny("wmt15", data) == data and marker.stat().st_mtime_ns == first  # used as it is
+    assert "not prepared by this version" not in capsys.readouterr().out
+    (data / "stale.txt").write_text("a file of the old release")
+    monkeypatch.setattr(demo, "release_code", lambda pkg: "0123456789abcdef")  # the generator changed
+    demo.prepare_tiny("wmt15", data)
+    assert "was not prepared by this version of the tiny wmt15 release's code" in capsys.readouterr().out
+    assert not (data / "stale.txt").exists() and marker.stat().st_mtime_ns != first
+    assert json.loads(record.read_text()) == {"release": "wmt15", "code": "0123456789abcdef"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == [data.name, record.name, "tiny_wmt15_archives"]
+    assert data_fingerprint(data) == fingerprint
+    record.unlink()  # prepared before the demo recorded its code: written again too
+    demo.prepare_tiny("wmt15", data)
+    assert "not prepared by this version" in capsys.readouterr().out and record.is_file()
+    monkeypatch.undo()
+    assert demo.release_code("wmt15") == demo.release_code("wmt15") != demo.release_code("aishell")
+
+
 def test_demo_fills_every_table(demo):
     runs, out, stdout = demo
     assert "[demo] done" in stdout
