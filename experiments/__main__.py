@@ -43,15 +43,11 @@ DATASETS = {"imagenet": ("imagenet", {"workers": 2}), "voc": ("voc", {}), "libri
 def release_code(pkg: str) -> str:
     """A digest of the code that writes and prepares a tiny release: its data_prep package and data_prep's
     shared modules (the archive writers, espeak-ng's speech). Another digest: another release."""
-    import hashlib
-
     import data_prep
+    from mpt.rundir import files_digest
 
     root = pathlib.Path(data_prep.__file__).parent
-    h = hashlib.sha256()
-    for f in sorted([*root.glob("*.py"), *(root / pkg).glob("*.py")]):
-        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
-    return h.hexdigest()[:16]
+    return files_digest(root, sorted([*root.glob("*.py"), *(root / pkg).glob("*.py")]))
 
 
 def prepare_tiny(name: str, data: pathlib.Path) -> pathlib.Path:

@@ -380,6 +380,18 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
+def files_digest(root, files) -> str:
+    """sha256 of `files` (in the order given), each as its path relative to `root` and its bytes: names the code
+    that made something (a results file on a machine without git state, a tiny dataset release)."""
+    import hashlib
+
+    root = pathlib.Path(root)
+    h = hashlib.sha256()
+    for f in files:
+        h.update(str(pathlib.Path(f).relative_to(root)).encode() + b"\0" + pathlib.Path(f).read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
 def sampled_digest(path, chunk: int = 1 << 20) -> str:
     """sha256 of a file's size, first and last MiB: tells two source archives apart (for a dataset's
     identity, mpt.prepared.data_fingerprint) in milliseconds, where hashing 150 GB would take minutes."""

@@ -50,15 +50,11 @@ def source_digest(root: Path | None = None) -> str:
     """sha256 of the repository's Python sources (path and bytes, sorted): names the code that ran where
     the copy on a remote machine carries no usable git state. `--source-digest` prints it here, to
     compare with a results file's."""
-    import hashlib
+    from mpt.rundir import files_digest
 
     root = root or REPO
-    h = hashlib.sha256()
-    for d in ("mpt", "experiments", "models", "data_prep", "slurm", "paper_tables"):
-        for f in sorted((root / d).rglob("*.py")):
-            if "__pycache__" not in f.parts:
-                h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
-    return h.hexdigest()[:16]
+    return files_digest(root, [f for d in ("mpt", "experiments", "models", "data_prep", "slurm", "paper_tables")
+                               for f in sorted((root / d).rglob("*.py")) if "__pycache__" not in f.parts])
 
 
 def child_main(part: str, state: Path, smoke: bool, work: Path, selection: dict) -> int:
