@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from mpt import cpu_gru
 from mpt.graphs import autocast_cache_off as graphs_cache_off
 from mpt.memory import SavedTensorBytes
 from mpt.ranks import to_device
@@ -94,12 +95,19 @@ class TrainStep:
             graphs.check(device=device, world=world, recipe=recipe, observers=observers,
                          fake=graph_backend is not None)
             self.graphs = graphs.GraphRunner(model, recipe, graph_backend or graphs.CudaGraph, device)
+        # A model with a GRU on a CPU: torch.gru's training case computed by mpt.cpu_gru (its backward
+        # ~1.5x faster), entered beneath the recipe's modes so that every precision runs the same kernel.
+        self.cpu_gru = cpu_gru.mode_for(model, device)
 
     def __call__(self, micro_batches: list, meter: SavedTensorBytes | None = None) -> tuple[dict, int]:
         """One iteration over k micro-batches (this rank's share of the global batch) -> (logs: name ->
         device tensor, holding "loss"; items). Nothing here reads a device value except the recipe's
         overflow flag, once per update (the skip decision). `meter`: measure activation memory in
         this iteration (by default the first iteration is measured, for the summary)."""
+        with self.cpu_gru if self.cpu_gru is not None else contextlib.nullcontext():
+            return self._iteration(micro_batches, meter)
+
+    def _iteration(self, micro_batches: list, meter: SavedTensorBytes | None) -> tuple[dict, int]:
         own_meter = meter is None and self.measure_first and self.act_bytes is None
         if own_meter:
             meter = SavedTensorBytes(self.model)
