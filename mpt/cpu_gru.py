@@ -39,8 +39,9 @@ class _GRULayer(torch.autograd.Function):
     def forward(ctx, x, h0, w_ih, w_hh, b_ih, b_hh):
         T, B, _ = x.shape
         H = w_hh.shape[1]
+        x2 = x.reshape(T * B, -1)  # steps by batch rows (a copy for a batch-first input: kept for the backward)
         # The input's part of every gate for all steps at once: one large product.
-        gi = torch.addmm(b_ih, x.reshape(T * B, -1), w_ih.t()).view(T, B, 3 * H)
+        gi = torch.addmm(b_ih, x2, w_ih.t()).view(T, B, 3 * H)
         gh = x.new_empty(T, B, 3 * H)  # W_hh h_{t-1} + b_hh, every step
         rz = x.new_empty(T, B, 2 * H)  # the reset and update gates
         n = x.new_empty(T, B, H)  # the candidate state
@@ -57,24 +58,31 @@ class _GRULayer(torch.autograd.Function):
             torch.add(gi_rz[t], gh_rz[t], out=rz_t[t]).sigmoid_()
             torch.addcmul(gi_n[t], r_t[t], gh_n[t], out=n_t[t]).tanh_()
             h = torch.lerp(n_t[t], h, z_t[t], out=hs_t[t])  # (1 - z) n + z h
-        ctx.save_for_backward(x, h0, w_ih, w_hh, rz, n, gh, hs)
+        ctx.save_for_backward(x2, h0, w_ih, w_hh, rz, n, gh, hs)
+        ctx.x_shape = x.shape
         # Copies out, so that the caller may change them in place (as it may torch.gru's outputs).
         return hs.clone(), h.clone()
 
     @staticmethod
     def backward(ctx, g_out, g_last):
-        x, h0, w_ih, w_hh, rz, n, gh, hs = ctx.saved_tensors
+        x2, h0, w_ih, w_hh, rz, n, gh, hs = ctx.saved_tensors
         T, B, H = hs.shape
         need_x, need_h0, need_wih, need_whh, need_bih, need_bhh = ctx.needs_input_grad
         r, z = rz[..., :H], rz[..., H:]
-        h_prev = torch.cat([h0.unsqueeze(0), hs[:-1]])
-        # dh_t -> the pre-activations, for every step at once:
-        #   n's: dh (1 - z)(1 - n^2) = dh a;  z's: dh (h_prev - n) z (1 - z);  r's: dh a (W_hn h + b_hn) r (1 - r)
-        # and the recurrent product's n part is n's times r.
-        a = (1 - z) * (1 - n * n)
-        k = torch.cat([a * gh[..., 2 * H:] * r * (1 - r), (h_prev - n) * z * (1 - z), a * r], -1).view(T, B, 3, H)
+        # dh_t -> the gradient of the recurrent product W_hh h_{t-1} + b_hh, for every step at once, as factors
+        # k (T, B, 3, H) of dh_t:  r's: a (W_hn h + b_hn) r (1 - r);  z's: (h_{t-1} - n) z (1 - z);  n's: a r,
+        # with a = (1 - z)(1 - n^2) (n's pre-activation; r multiplies the recurrent product's n part only).
+        # Written into k's slices with one pass each where torch has the fused operation.
+        k = hs.new_empty(T, B, 3, H)
+        k_r, k_z, k_n = k.unbind(2)
+        a = torch.addcmul(torch.ones((), dtype=n.dtype), n, n, value=-1).mul_(torch.rsub(z, 1))
+        torch.addcmul(r, r, r, value=-1, out=k_r).mul_(a).mul_(gh[..., 2 * H:])
+        torch.addcmul(z, z, z, value=-1, out=k_z)
+        k_z[0].mul_(h0 - n[0])
+        k_z[1:].mul_(hs[:-1] - n[1:])
+        torch.mul(a, r, out=k_n)
         dh_all = torch.empty_like(hs)
-        dgh = hs.new_empty(T, B, 3, H)  # the gradient of W_hh h_{t-1} + b_hh
+        dgh = hs.new_empty(T, B, 3, H)
         carry = g_last if g_last is not None else torch.zeros_like(h0)
         if g_out is None:
             g_out = torch.zeros_like(hs)
@@ -84,13 +92,19 @@ class _GRULayer(torch.autograd.Function):
             d = torch.mul(dh.unsqueeze(1), k_t[t], out=dgh_t[t])
             carry = torch.addmm(dh * z_t[t], d.view(B, 3 * H), w_hh)
         dgh = dgh.view(T * B, 3 * H)
-        # The input's part: the same as the recurrent one but for n's, which r does not multiply.
-        dgi = torch.cat([dgh[:, :2 * H], (dh_all * a).view(T * B, H)], 1)
-        gx = (dgi @ w_ih).view(T, B, -1) if need_x else None
-        gw_ih = dgi.t() @ x.reshape(T * B, -1) if need_wih else None
-        gw_hh = dgh.t() @ h_prev.reshape(T * B, H) if need_whh else None
-        return (gx, carry if need_h0 else None, gw_ih, gw_hh, dgi.sum(0) if need_bih else None,
-                dgh.sum(0) if need_bhh else None)
+        # The input's part: the recurrent one's r and z parts, and n's own (dh a: r does not multiply it).
+        dgi_rz, dgi_n = dgh[:, :2 * H], dh_all.mul_(a).view(T * B, H)
+        gx = gw_ih = gw_hh = None
+        if need_x:
+            gx = torch.mm(dgi_rz, w_ih[:2 * H]).addmm_(dgi_n, w_ih[2 * H:]).view(ctx.x_shape)
+        if need_wih:
+            gw_ih = w_ih.new_empty(w_ih.shape)
+            torch.mm(dgi_rz.t(), x2, out=gw_ih[:2 * H])
+            torch.mm(dgi_n.t(), x2, out=gw_ih[2 * H:])
+        if need_whh:  # h_{t-1}: h0 for the first step, the layer's own output after it
+            gw_hh = torch.mm(dgh[B:].t(), hs[:-1].reshape((T - 1) * B, H)).addmm_(dgh[:B].t(), h0)
+        gb_ih = torch.cat([dgi_rz.sum(0), dgi_n.sum(0)]) if need_bih else None
+        return gx, carry if need_h0 else None, gw_ih, gw_hh, gb_ih, dgh.sum(0) if need_bhh else None
 
 
 def _takes(args, kwargs) -> bool:

@@ -142,6 +142,10 @@ def test_bad_input_is_one_line(capsys, argv, msg):
     ("formats_cost", ["warmup=-1"], "warmup=-1: give 0 or more"),
     ("formats_cost", ["tag=a/b"], "tag='a/b': use letters"),
     ("loader", ["ilsvrc_cnns", "--tag", "a b"], "--tag 'a b': use letters"),
+    ("cpu_gru", ["shapes=84x141x8"], "shapes=84x141x8: give mandarin, english or INPUTSxUNITSxBATCHxSTEPS"),
+    ("cpu_gru", ["shapes=0x1x1x1"], "shapes=0x1x1x1: give"),
+    ("cpu_gru", ["shapes="], "shapes= is empty"),
+    ("cpu_gru", ["reps=0"], "reps=0: give 1 or more"),
 ])
 def test_benchmarks_refuse_bad_options_before_measuring(capsys, tmp_path, module, argv, msg):
     """Each a one-line error before anything is measured or written (rounds=0 was a StatisticsError traceback
@@ -156,6 +160,21 @@ def test_benchmarks_refuse_bad_options_before_measuring(capsys, tmp_path, module
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and msg in err, err
     assert not list(tmp_path.iterdir())
+
+
+def test_cpu_gru_benchmark_prints_both_and_writes_them(capsys, tmp_path, one_thread):
+    """One GRU layer by torch.gru and by mpt.cpu_gru: both timed, their results checked equal, the file written."""
+    import json
+
+    from experiments.speed_memory import cpu_gru as bench_gru
+
+    rows = bench_gru.main(["shapes=mandarin,6x5x2x4", "rounds=1", "reps=1", f"out={tmp_path}", "tag=t"])
+    assert [r["shape"] for r in rows] == ["mandarin", "6x5x2x4"] and all(r["same_result"] for r in rows)
+    assert all(r["torch_gru_ms"] > 0 and r["cpu_gru_ms"] > 0 for r in rows)
+    out = capsys.readouterr().out
+    assert "mandarin (84 inputs, 141 units, batch 8, 125 steps): torch.gru" in out and "x; same output" in out
+    (f,) = tmp_path.iterdir()
+    assert f.name.endswith("-cpu_gru-t.json") and json.loads(f.read_text())["shapes"][1]["units"] == 5
 
 
 def _lrn_input_numel(model: str, width: float, batch: int, size: int) -> int:
