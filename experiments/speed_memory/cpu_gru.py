@@ -13,8 +13,6 @@ A shape is a name above or INPUTSxUNITSxBATCHxSTEPS (e.g. 84x141x8x125).
 """
 from __future__ import annotations
 
-import json
-import pathlib
 import re
 import shlex
 import statistics
@@ -24,12 +22,11 @@ import time
 import torch
 import torch.nn as nn
 
-from experiments.speed_memory import check_least, check_tag
-from experiments.speed_memory.loader import slug
+from experiments.speed_memory import check_least, check_tag, write_one_thread_result
 from mpt import cpu_gru
 from mpt.config_parse import parse_options
 from mpt.errors import UserError, cli
-from mpt.rundir import atomic_write_text, cpu_model, now
+from mpt.rundir import cpu_model, now
 
 SHAPES = {"mandarin": (84, 141, 8, 125), "english": (164, 210, 32, 80)}
 
@@ -105,11 +102,7 @@ def main(argv=None) -> list[dict]:
               f"same output and gradients (to FP32 rounding): {'yes' if r['same_result'] else 'NO'}", flush=True)
     result = {"command": "OMP_NUM_THREADS=1 python -m experiments.speed_memory.cpu_gru " + shlex.join(argv or []),
               "date": now(), "cpu": cpu, "threads": 1, "shapes": out}
-    path = pathlib.Path(o["out"]) / (f"cpu-{slug(cpu)}-{result['date'][:10]}-cpu_gru"
-                                     + (f"-{o['tag']}" if o["tag"] else "") + ".json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps(result, indent=1) + "\n")
-    print(f"written: {path}")
+    write_one_thread_result(o["out"], "cpu_gru", o["tag"], result)
     return out
 
 

@@ -20,7 +20,6 @@ sense, which a reduction may read at another speed.
 """
 from __future__ import annotations
 
-import json
 import pathlib
 import shlex
 import statistics
@@ -29,14 +28,13 @@ import time
 
 import torch
 
-from experiments.speed_memory import check_least, check_tag
-from experiments.speed_memory.loader import slug  # results named as the loader benchmark names them
+from experiments.speed_memory import check_least, check_tag, write_one_thread_result
 from mpt.config_parse import parse_options
 from mpt.doctor.targets import load
 from mpt.doctor.watch import watch
 from mpt.errors import UserError, cli
 from mpt.ranks import to_device
-from mpt.rundir import atomic_write_text, cpu_model, now
+from mpt.rundir import cpu_model, now
 
 # experiment -> (its tiny dataset, the demo's name for it, extra overrides)
 MODELS = {"ilsvrc_cnns": ("imagenet", ["model=resnet50_preact"]), "lm_biglstm": ("lm1b", [])}
@@ -175,11 +173,7 @@ def main(argv=None) -> list[dict]:
               flush=True)
     result = {"command": "OMP_NUM_THREADS=1 python -m experiments.speed_memory.watch_overhead "
                          + shlex.join(argv or []), "date": now(), "cpu": cpu, "threads": 1, "models": out}
-    path = pathlib.Path(o["out"]) / (f"cpu-{slug(cpu)}-{result['date'][:10]}-watch_overhead"
-                                     + (f"-{o['tag']}" if o["tag"] else "") + ".json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps(result, indent=1) + "\n")
-    print(f"written: {path}")
+    write_one_thread_result(o["out"], "watch_overhead", o["tag"], result)
     return out
 
 
