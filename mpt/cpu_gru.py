@@ -2,18 +2,19 @@
 
 Why: PyTorch's CPU GRU runs each time step as a handful of ATen operations (a matrix product, sigmoids, tanh,
 products, sums) and autograd records every one of them, so its backward walks ~15 graph nodes per step and
-layer -- DeepSpeech 2's tiny profiles spent about two thirds of a training step there (a GRU layer of 141
-units, batch 8, 95 steps: ~14 ms forward and backward on one core of a 2-core AMD EPYC; here ~9 ms,
-tests/test_cpu_gru.py and experiments/deepspeech2/README.md). cuDNN's GRU, on a GPU, is one kernel and is not
-touched.
+layer -- DeepSpeech 2's tiny profiles spent about two thirds of a training step in their GRUs. One layer of the
+tiny Mandarin profile (84 inputs, 141 units, batch 8, 125 steps), forward and backward on one core of a 2-core
+AMD EPYC: torch.gru 20.8 ms, this 14.5 ms; at English's batch of 32 both are bound by the same matrix products
+(54.2 and 52.5 ms): `python -m experiments.speed_memory.cpu_gru`. cuDNN's GRU, on a GPU, is one kernel and is
+not touched.
 
 How: the forward keeps what the backward needs (the gates r, z, n, the recurrent product W_hh h + b_hh and the
 hidden states), one output buffer each, written step by step. The backward then needs no autograd graph: from
-those it forms, for every step at once, the factors that carry dh_t into the gates' pre-activations, so the
-only sequential work left is dh_{t-1} = dh_t * z_t + (dh_t * K_t) @ W_hh (one small product per step); the
-weight gradients are then one large matrix product each over all steps instead of one small one per step.
+those it forms, for every step at once, the factors K_t that carry dh_t into the recurrent product's gradient,
+so the only sequential work left is dh_{t-1} = g_{t-1} + dh_t z_t + (dh_t K_t) W_hh (one small product per
+step); each weight gradient is then one large matrix product over all steps instead of one small one per step.
 Mathematically torch.gru's gradient, so only the order of floating-point sums differs (float64: equal to
-~1e-15 relative; float32: to within the rounding an order change makes, tests/test_cpu_gru.py).
+~1e-12; float32: to within the rounding an order change makes; tests/test_cpu_gru.py).
 
 Where: CPUGRU, a torch function mode that TrainStep enters around each iteration of a model that holds an
 nn.GRU on a CPU, beneath the precision recipe's own modes (mpt.half_math, mpt.fp8). A recipe sees torch.gru
@@ -21,8 +22,8 @@ as before, quantises or casts its operands as before, and its final call of torc
 same kernel runs under every precision. The hand loop runs only where it is torch.gru's training case with
 nothing else to honour: a grad-enabled call, tensors of one floating dtype on the CPU (FP16 and BF16 too, where
 half_math=native runs PyTorch's own CPU kernels in them: op by op here as in torch.gru's loop), a padded (not
-packed) batch, biases, one direction, no dropout between layers, autocast off. Anything else (evaluation under no_grad
-included, where PyTorch's loop records nothing and is as fast) goes to torch.gru.
+packed) batch, biases, one direction, no dropout between layers, autocast off. Anything else (evaluation
+under no_grad included, where PyTorch's loop records nothing) goes to torch.gru.
 """
 from __future__ import annotations
 
