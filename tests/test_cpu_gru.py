@@ -1,4 +1,6 @@
 """mpt.cpu_gru: torch.gru's training case computed with a hand-run time loop, against torch.gru itself."""
+import contextlib
+
 import pytest
 import torch
 import torch.nn as nn
@@ -24,7 +26,7 @@ def _run(gru: nn.GRU, x, h0, mode: bool):
     leaves = [x, h0, *gru.parameters()]
     for t in leaves:
         t.grad = None
-    with cpu_gru.CPUGRU() if mode else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+    with cpu_gru.CPUGRU() if mode else contextlib.nullcontext():
         out, hn = gru(x, h0)
     w = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)
     ((out * w).sum() + (hn.float() ** 2).sum()).backward()
