@@ -4,8 +4,8 @@ Why: PyTorch's CPU GRU runs each time step as a handful of ATen operations (a ma
 products, sums) and autograd records every one of them, so its backward walks ~15 graph nodes per step and
 layer -- DeepSpeech 2's tiny profiles spent about two thirds of a training step in their GRUs. One layer of the
 tiny Mandarin profile (84 inputs, 141 units, batch 8, 125 steps), forward and backward on one core of a 2-core
-AMD EPYC: torch.gru 20.8 ms, this 14.5 ms; at English's batch of 32 both are bound by the same matrix products
-(54.2 and 52.5 ms): `python -m experiments.speed_memory.cpu_gru`. cuDNN's GRU, on a GPU, is one kernel and is
+AMD EPYC: torch.gru 20.7 ms, this 13.9 ms; at English's batch of 32 both are bound by the same matrix products
+(53.2 and 50.2 ms): `python -m experiments.speed_memory.cpu_gru`. cuDNN's GRU, on a GPU, is one kernel and is
 not touched.
 
 How: the forward keeps what the backward needs (the gates r, z, n, the recurrent product W_hh h + b_hh and the

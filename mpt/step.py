@@ -95,7 +95,7 @@ class TrainStep:
             graphs.check(device=device, world=world, recipe=recipe, observers=observers,
                          fake=graph_backend is not None)
             self.graphs = graphs.GraphRunner(model, recipe, graph_backend or graphs.CudaGraph, device)
-        # A model with a GRU on a CPU: torch.gru's training case computed by mpt.cpu_gru (1.43x torch.gru's
+        # A model with a GRU on a CPU: torch.gru's training case computed by mpt.cpu_gru (1.49x torch.gru's
         # speed at the tiny Mandarin profile's batch of 8), entered beneath the recipe's modes so that every
         # precision runs the same kernel.
         self.cpu_gru = cpu_gru.mode_for(model, device)

@@ -172,7 +172,7 @@ def test_cpu_gru_benchmark_prints_both_and_writes_them(capsys, tmp_path, one_thr
     assert [r["shape"] for r in rows] == ["mandarin", "6x5x2x4"] and all(r["same_result"] for r in rows)
     assert all(r["torch_gru_ms"] > 0 and r["cpu_gru_ms"] > 0 for r in rows)
     out = capsys.readouterr().out
-    assert "mandarin (84 inputs, 141 units, batch 8, 125 steps): torch.gru" in out and "x; same output" in out
+    assert "mandarin (84 inputs, 141 units, batch 8, 125 steps): torch.gru" in out and "(the forward alone" in out
     (f,) = tmp_path.iterdir()
     assert f.name.endswith("-cpu_gru-t.json") and json.loads(f.read_text())["shapes"][1]["units"] == 5
 

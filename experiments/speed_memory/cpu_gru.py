@@ -1,9 +1,10 @@
 """What mpt.cpu_gru buys a GRU layer on a CPU: one layer's forward and backward (FP32, one thread) by torch.gru and
 by mpt.cpu_gru's hand-run time loop, at the tiny DeepSpeech 2 profiles' shapes (Mandarin: 84 inputs from the
 convolutions, 141 units, batch 8, ~125 steps in a batch; English: 164 inputs, 210 units, batch 32, ~80 steps) or
-any given. The two alternate call by call within each round (drift in the machine's speed falls on both alike);
-each round's figure is the mean over `reps` calls, timed by the thread's CPU time; the median of rounds is printed
-with the ratio, the CPU's name and a check that both give the same output and gradients (to FP32 rounding).
+any given, and each one's forward alone. The calls alternate within each round (drift in the machine's speed
+falls on all alike); each round's figure is the mean over `reps` calls, timed by the thread's CPU time; the
+median of rounds is printed with the ratio, the CPU's name and a check that both give the same output and
+gradients (to FP32 rounding).
 Writes the figures with the command and the CPU to out= (results/cpu-<cpu>-<date>-cpu_gru[-tag].json).
 
     OMP_NUM_THREADS=1 python -m experiments.speed_memory.cpu_gru [shapes=mandarin,english] [rounds=9] [reps=5]
@@ -13,6 +14,7 @@ A shape is a name above or INPUTSxUNITSxBATCHxSTEPS (e.g. 84x141x8x125).
 """
 from __future__ import annotations
 
+import contextlib
 import re
 import shlex
 import statistics
@@ -49,35 +51,36 @@ def measure(name: str, shape: tuple[int, ...], rounds: int, reps: int) -> dict:
     g_out = torch.randn(b, t, h)
     mode = cpu_gru.CPUGRU()
 
-    def call(hand: bool):
+    def call(hand: bool, backward: bool = True):
         x.grad = None
         for p in gru.parameters():
             p.grad = None
-        if hand:
-            with mode:
-                out = gru(x)[0]
-        else:
+        with mode if hand else contextlib.nullcontext():
             out = gru(x)[0]
-        out.backward(g_out)
+        if backward:
+            out.backward(g_out)
         return out.detach(), [x.grad, *(p.grad for p in gru.parameters())]
 
     ref, got = call(False), call(True)
     same = torch.allclose(got[0], ref[0], rtol=1e-4, atol=1e-5) and all(
         torch.allclose(a, c, rtol=1e-3, atol=1e-4 * c.abs().max().item()) for a, c in zip(got[1], ref[1]))
-    times = {False: [], True: []}
+    # (torch.gru or the hand loop, forward and backward or the forward alone) -> ms per round
+    times: dict = {(hand, bwd): [] for hand in (False, True) for bwd in (True, False)}
     for _ in range(rounds):
-        spent = {False: 0.0, True: 0.0}
+        spent = dict.fromkeys(times, 0.0)
         for _ in range(reps):
-            for hand in (False, True):
+            for key in times:
                 t0 = time.thread_time()
-                call(hand)
-                spent[hand] += time.thread_time() - t0
-        for hand in (False, True):
-            times[hand].append(1e3 * spent[hand] / reps)
-    torch_ms, hand_ms = statistics.median(times[False]), statistics.median(times[True])
+                call(*key)
+                spent[key] += time.thread_time() - t0
+        for key in times:
+            times[key].append(1e3 * spent[key] / reps)
+    ms = {key: statistics.median(v) for key, v in times.items()}
+    torch_ms, hand_ms = ms[False, True], ms[True, True]
     return {"shape": name, "inputs": i, "units": h, "batch": b, "steps": t, "rounds": rounds, "reps": reps,
             "torch_gru_ms": torch_ms, "cpu_gru_ms": hand_ms, "speedup": torch_ms / hand_ms, "same_result": same,
-            "torch_gru_ms_rounds": times[False], "cpu_gru_ms_rounds": times[True]}
+            "torch_gru_forward_ms": ms[False, False], "cpu_gru_forward_ms": ms[True, False],
+            "torch_gru_ms_rounds": times[False, True], "cpu_gru_ms_rounds": times[True, True]}
 
 
 def main(argv=None) -> list[dict]:
@@ -98,7 +101,8 @@ def main(argv=None) -> list[dict]:
         r = measure(name, shape, int(o["rounds"]), int(o["reps"]))
         out.append(r)
         print(f"{name} ({r['inputs']} inputs, {r['units']} units, batch {r['batch']}, {r['steps']} steps): "
-              f"torch.gru {r['torch_gru_ms']:.2f} ms, mpt.cpu_gru {r['cpu_gru_ms']:.2f} ms: {r['speedup']:.2f}x; "
+              f"torch.gru {r['torch_gru_ms']:.2f} ms, mpt.cpu_gru {r['cpu_gru_ms']:.2f} ms: {r['speedup']:.2f}x "
+              f"(the forward alone {r['torch_gru_forward_ms']:.2f} and {r['cpu_gru_forward_ms']:.2f} ms); "
               f"same output and gradients (to FP32 rounding): {'yes' if r['same_result'] else 'NO'}", flush=True)
     result = {"command": "OMP_NUM_THREADS=1 python -m experiments.speed_memory.cpu_gru " + shlex.join(argv or []),
               "date": now(), "cpu": cpu, "threads": 1, "shapes": out}
