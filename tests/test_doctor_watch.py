@@ -153,6 +153,40 @@ def test_a_non_finite_loss_between_samples_is_chased_then_called_a_one_off():
     assert w.traced == 1 + 5  # step 0 (trace_every), then steps 6-10 chasing it
 
 
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_non_finite_loss_in_a_rewritten_buffer_is_seen(in_place):
+    """The losses between samples are held as views until the sample reads them. A loop that writes each loss into
+    one tensor in place (a CUDA graph's static output) would leave only the last value in them: the watch sees the
+    buffer come back and copies each loss from then on, so a nan at step 3, overwritten by the finite loss of
+    step 4 before the sample at step 5 reads it, is still seen -- as it is with a new tensor each step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    buf = torch.zeros(())
+    lines = []
+    with watch(model, every=5, log=lines.append, trace_every=1000) as w:
+        for i in range(12):
+            loss = F.mse_loss(model(x), y).detach() * (float("nan") if i == 3 else 1.0)
+            w.step(buf.copy_(loss) if in_place else loss)
+    assert any("between steps 1 and 5" in line for line in lines), lines
+    assert w._copy_losses is in_place
+
+
+def test_losses_of_other_shapes_and_dtypes_between_samples():
+    """A loop may pass a per-example loss vector on one step and a BF16 scalar on another: each is checked as it
+    is (not stacked), and a nan among them is seen."""
+    model = nn.Sequential(nn.Linear(4, 1))
+    x = torch.randn(2, 4)
+    lines = []
+    with watch(model, every=5, log=lines.append, trace_every=1000) as w:
+        for i in range(12):
+            model(x)
+            loss = (torch.tensor([1.0, float("nan") if i == 3 else 2.0]) if i % 2 else
+                    torch.tensor(3.0, dtype=torch.bfloat16))
+            w.step(loss)
+    assert any("between steps 1 and 5" in line for line in lines), lines
+
+
 def test_the_run_up_is_the_samples_before_the_first_non_finite_value():
     """Late makes inf from step 12 on and the weights are nan after it; the watch samples on to step 28 -- more
     than its 8 kept samples. The run-up the report prints is the finite samples before step 12, not the nan ones

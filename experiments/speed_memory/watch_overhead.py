@@ -7,7 +7,9 @@ one and of one between samples is the median, over all such steps, of its time m
 in the same place of the same round's plain block (paired: drift in the machine's speed cancels), and the
 overhead these imply at `every` (a sample every `every` steps, a trace every 10 x `every`) -- steadier than the
 blocks' median, where a block's one sampled step is lost in the noise of the other nine. The control block,
-paired the same way, gives that figure's noise floor.
+paired the same way, gives that figure's noise floor. A step between samples adds only its w.step() call, whose
+own time is taken too: the overhead implied with it in place of that step's paired cost (~0.03 ms, inside the
+pairs' noise of +-0.15 ms) is printed beside.
 Prints the figures and writes them, with the command and the CPU, to out= (results/cpu-<cpu>-<date>-watch_overhead
 [-tag].json); the tiny data are generated and prepared on first use (under data=, default data/).
 
@@ -52,6 +54,7 @@ def _loop(patient, batches, channels_last: bool = False):
     state = {"i": 0}
 
     def step(w=None):
+        """One step; with a watch, returns the thread time of its w.step() call (None without)."""
         b = batches[state["i"] % len(batches)]
         state["i"] += 1
         out = loss_fn(model, b)
@@ -59,8 +62,11 @@ def _loop(patient, batches, channels_last: bool = False):
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if w is not None:
-            w.step(loss)
+        if w is None:
+            return None
+        t = time.thread_time()
+        w.step(loss)
+        return time.thread_time() - t
     return model, opt, step
 
 
@@ -87,15 +93,15 @@ def measure(name: str, every: int, rounds: int, steps: int, data: pathlib.Path, 
         # This thread's CPU time: on a machine shared with other processes, the time spent waiting for a core
         # is left out of every loop alike (engine_overhead's clock=cpu).
         t = time.thread_time()
-        each = []  # (what the step is, its thread time)
+        each = []  # (what the step is, its thread time, that of its w.step() call)
         if watched:
             w.__enter__()
         for _ in range(steps):
             # What this step is, known before it runs (the watch starts a step's sample at the step before)
             kind = "plain" if not watched else w.recording or "between"
             s = time.thread_time()
-            step(w if watched else None)
-            each.append((kind, time.thread_time() - s))
+            call = step(w if watched else None)
+            each.append((kind, time.thread_time() - s, call))
         if watched:
             w.__exit__(None, None, None)
         return (time.thread_time() - t) / steps, each
@@ -105,22 +111,28 @@ def measure(name: str, every: int, rounds: int, steps: int, data: pathlib.Path, 
         block(watched)
     times: dict = {i: [] for i in range(3)}
     paired: dict = {"between": [], "sampled": [], "traced": [], "control": []}  # a step's time minus the plain one's
+    calls = []  # the thread time of w.step() on the steps between samples
     plain_steps = []
     for r in range(rounds):  # rotate the order so drift in machine load hits every loop alike
         each = {}
         for i in [(r + j) % 3 for j in range(3)]:
             times[i].append((got := block(loops[i]))[0])
             each[i] = got[1]
-        plain_steps += [t for _, t in each[0]]
-        for (kind, t), (_, p), (_, c) in zip(each[1], each[0], each[2]):
+        plain_steps += [t for _, t, _ in each[0]]
+        calls += [call for kind, _, call in each[1] if kind == "between"]
+        for (kind, t, _), (_, p, _), (_, c, _) in zip(each[1], each[0], each[2]):
             paired[kind].append(t - p)
             paired["control"].append(c - p)
     plain_t, watched_t, ctl_t = times[0], times[1], times[2]
     step_t = statistics.median(plain_steps)
     cost = {k: statistics.median(v) if v else float("nan") for k, v in paired.items()}
     trace_every = w.trace_every
-    implied = (cost["between"] * (1 - 1 / every) + cost["sampled"] * (1 / every - 1 / trace_every)
-               + cost["traced"] / trace_every)
+    rare = cost["sampled"] * (1 / every - 1 / trace_every) + cost["traced"] / trace_every
+    implied = cost["between"] * (1 - 1 / every) + rare
+    # A step between samples does no more than the plain one but the w.step() call (and the optimizer's step hook,
+    # one Python call): its paired median is that call's ~0.02-0.05 ms lost in the pairs' noise (the control's
+    # paired median moves by +-0.15 ms), so the call's own time gives the same figure without that noise.
+    call = statistics.median(calls) if calls else float("nan")
     return {"model": patient.name, "every": every, "rounds": rounds, "steps": steps, "channels_last": channels_last,
             "plain_ms": 1e3 * statistics.median(plain_t), "watched_ms": 1e3 * statistics.median(watched_t),
             "overhead_pct": 100 * (statistics.median(b / a for a, b in zip(plain_t, watched_t)) - 1),
@@ -132,7 +144,8 @@ def measure(name: str, every: int, rounds: int, steps: int, data: pathlib.Path, 
             # overhead those imply at `every`.
             "step_ms": 1e3 * step_t, "n": {k: len(v) for k, v in paired.items()},
             **{f"{k}_cost_ms": 1e3 * cost[k] for k in ("between", "sampled", "traced")},
-            "implied_pct": 100 * implied / step_t, "control_step_ms": 1e3 * cost["control"]}
+            "implied_pct": 100 * implied / step_t, "control_step_ms": 1e3 * cost["control"],
+            "between_call_ms": 1e3 * call, "implied_call_pct": 100 * (call * (1 - 1 / every) + rare) / step_t}
 
 
 def main(argv=None) -> list[dict]:
@@ -167,9 +180,10 @@ def main(argv=None) -> list[dict]:
         print(f"  step by step, paired with the plain block's: plain {r['step_ms']:.1f} ms (median of {n['control']}); "
               f"a sampled step adds "
               f"{r['sampled_cost_ms']:+.1f} ms ({n['sampled']} steps), a traced one {r['traced_cost_ms']:+.1f} ms "
-              f"({n['traced']}), one between samples {r['between_cost_ms']:+.2f} ms ({n['between']}): "
-              f"{r['implied_pct']:+.1f}% a step at every={r['every']} (a trace every {10 * r['every']} steps; a control "
-              f"step {r['control_step_ms']:+.2f} ms)",
+              f"({n['traced']}), one between samples {r['between_cost_ms']:+.2f} ms ({n['between']}; its w.step() call "
+              f"{r['between_call_ms']:.3f} ms): {r['implied_pct']:+.1f}% a step at every={r['every']} (a trace every "
+              f"{10 * r['every']} steps; a control step {r['control_step_ms']:+.2f} ms); "
+              f"{r['implied_call_pct']:+.1f}% counting a step between samples as its w.step() call",
               flush=True)
     result = {"command": "OMP_NUM_THREADS=1 python -m experiments.speed_memory.watch_overhead "
                          + shlex.join(argv or []), "date": now(), "cpu": cpu, "threads": 1, "models": out}

@@ -18,8 +18,8 @@ them (its weights' as each backward ends, placed where its backward began), on t
 w.step() the sample is stacked and read in one host transfer. Every `trace_every`-th step (from step 0), and on the
 steps after a non-finite value, every operation of forward and backward is recorded instead, seen by a dispatch
 mode (about twice a step's time, paid only then).
-The steps between cost one in-place add of the loss into a sum kept on the device, read with the next sample (non-finite
-when a loss since the last sample was).
+The steps between cost one detached reference to the loss, kept until the next sample, which checks them all at
+once on the device (non-finite when a loss since the last sample was).
 From the samples:
   - the run-up of each module's largest |value| (forward; gradients as the loop holds them, x S);
   - the first non-finite value: the first record in execution order that holds inf/nan -- everything recorded
@@ -95,11 +95,12 @@ class Watch:
         self._weights: torch.Tensor | None = None
         self._parent = {self._names[m]: self._names[model.get_submodule(n.rpartition(".")[0])]
                         for n, m in model.named_modules() if n}
-        # The losses since the last sample, summed on the device: non-finite when one of them was (a float64 sum of
-        # finite FP32/FP16/BF16 losses cannot overflow). One in-place op a step, read with the next sample: right
-        # after a training step each small op took 10-30x its usual time on a CPU (cold caches, no page faults
-        # counted), so a flag of five ops (detach, isfinite, all, not, or) cost ~0.14 ms a step there.
-        self._losses: torch.Tensor | None = None
+        # The losses since the last sample, detached (views of the loop's own, no copies), checked all at once as the
+        # next sample is read. No arithmetic a step: right after a training step each small op took 10-30x its
+        # usual time on a CPU (cold caches, no page faults counted): a flag of five ops (detach, isfinite, all,
+        # not, or) cost ~0.14 ms a step there, an in-place add into a float64 sum ~40 us, a detach ~10 us.
+        self._losses: list[torch.Tensor] = []
+        self._copy_losses = False  # the loop rewrites one loss tensor in place: copy each (_add_loss)
         self._chase = 0  # steps left to sample one after another, chasing a non-finite value seen between samples
         self._chase_from = 0  # the first step that could have made it
         # Inside the `with` block: only there are the hooks (or a trace's dispatch mode) that step() places taken
@@ -147,13 +148,23 @@ class Watch:
         self._begin()
 
     def _add_loss(self, loss: torch.Tensor) -> None:
-        acc = self._losses
-        if acc is None or acc.device != loss.device:  # (the first loss, or one on another device: the sum moves)
-            wide = torch.float32 if loss.device.type == "mps" else torch.float64  # (MPS has no float64)
-            acc = self._losses = (torch.zeros((), dtype=wide, device=loss.device) if acc is None
-                                  else acc.to(loss.device, wide))
-        with torch.no_grad():  # (not part of the user's graph)
-            acc.add_(loss if loss.dim() == 0 else loss.sum())
+        held = self._losses
+        if not self._copy_losses and held and held[-1].data_ptr() == loss.data_ptr() and loss.numel():
+            # One tensor rewritten in place step after step (a CUDA graph's static output): a view would show only
+            # its last value, so each loss is copied from here on (the one it rewrote is not seen).
+            self._copy_losses = True
+        # (detached: a loss held with its graph would keep the graph's nodes alive)
+        held.append(loss.detach().clone() if self._copy_losses else loss.detach())
+
+    def _loss_flag(self) -> torch.Tensor:
+        """Whether a loss since the last sample was non-finite (a 0-dim bool, on the losses' device); lets them go."""
+        losses, self._losses = self._losses, []
+        if not losses:  # (no loss given since the last sample)
+            return torch.zeros((), dtype=torch.bool)
+        first = losses[0]
+        if all(x.shape == first.shape and x.dtype == first.dtype and x.device == first.device for x in losses):
+            return ~torch.isfinite(torch.stack(losses)).all()  # (the common case: one scalar a step)
+        return ~torch.stack([torch.isfinite(x).all().to(first.device) for x in losses]).all()
 
     def check_checkpoint(self, checkpoint: dict) -> bool:
         """Does the dict the loop saves hold the GradScaler's state? Without it a resumed run restarts S at
@@ -244,11 +255,7 @@ class Watch:
     def _transfer(self, rec) -> tuple[list[float], list[float], list[float]]:
         """The sample on the host: the largest |value| of each weight as the step began and of each record, then
         whether a loss since the last sample was non-finite, and the GradScaler's scale."""
-        if self._losses is None:  # (no loss given yet)
-            extra = [torch.zeros((), dtype=torch.bool)]
-        else:
-            extra = [~torch.isfinite(self._losses)]
-            self._losses.zero_()  # (after the flag above, in the device's order)
+        extra = [self._loss_flag()]
         if self.scaler is not None and self.scaler.is_enabled():
             scale = scaler_scale_tensor(self.scaler)
             extra.append(scale if scale is not None else torch.ones(()))
