@@ -17,6 +17,8 @@ them (tests/test_deepspeech2.py checks the counts within 5%).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -102,8 +104,10 @@ class RowConv(nn.Module):
 
 class DeepSpeech2(nn.Module):
     def __init__(self, vocab: int, hidden: int, conv_channels: int = CONV_CHANNELS, gru_layers: int = 3,
-                 lookahead: int = LOOKAHEAD, n_freq: int = N_FREQ):
+                 lookahead: int = LOOKAHEAD, n_freq: int = N_FREQ, blank_prior: float = 0.0):
         super().__init__()
+        if not 0.0 <= blank_prior < 1.0:
+            raise ValueError(f"blank_prior={blank_prior}: the blank's share of output frames, in [0, 1)")
         c = conv_channels
         self.conv = nn.ModuleList([
             nn.Sequential(nn.Conv2d(1, c, (41, 11), stride=(2, 2), padding=(20, 5), bias=False), nn.BatchNorm2d(c),
@@ -119,6 +123,13 @@ class DeepSpeech2(nn.Module):
         self.lookahead = RowConv(hidden, lookahead)
         self.out_norm = SequenceBatchNorm(hidden)
         self.fc = nn.Linear(hidden, vocab)
+        if blank_prior > 0:
+            # Output 0 (CTC's blank) starts at `blank_prior`, the others share the rest evenly: its bias is the
+            # log-odds of blank against one character. From DS2's uniform start CTC first drives every frame
+            # towards blank, and a short run can stay in that all-blank state (Zeyer et al. 2021, "Why does
+            # CTC result in peaky behavior?": from a uniform start gradient descent converges towards it).
+            with torch.no_grad():
+                self.fc.bias[0] = math.log(blank_prior * (vocab - 1) / (1.0 - blank_prior))
 
     def forward(self, spec: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """spec (N, F, T) log spectrogram, lengths (N,) valid frames -> (logits (N, T', V), lengths')."""
@@ -151,18 +162,22 @@ class DeepSpeech2(nn.Module):
         return self.fc(self.out_norm(x, mask)), lengths
 
 
-def _build(name: str, vocab: int | None, width: float, n_freq: int, conv_channels: int) -> DeepSpeech2:
-    """conv_channels 0: CONV_CHANNELS scaled by `width` like the GRUs (at least 4)."""
+def _build(name: str, vocab: int | None, width: float, n_freq: int, conv_channels: int,
+           blank_prior: float) -> DeepSpeech2:
+    """conv_channels 0: CONV_CHANNELS scaled by `width` like the GRUs (at least 4); blank_prior 0: uniform outputs."""
     v = vocab or (ENGLISH_VOCAB if name == "english" else MANDARIN_VOCAB)
     return DeepSpeech2(v, hidden=max(8, round(HIDDEN[name] * width)),
-                       conv_channels=conv_channels or max(4, round(CONV_CHANNELS * width)), n_freq=n_freq)
+                       conv_channels=conv_channels or max(4, round(CONV_CHANNELS * width)), n_freq=n_freq,
+                       blank_prior=blank_prior)
 
 
 @register("english", batch_norm=True)
-def english(vocab: int | None = None, width: float = 1.0, n_freq: int = N_FREQ, conv_channels: int = 0) -> DeepSpeech2:
-    return _build("english", vocab, width, n_freq, conv_channels)
+def english(vocab: int | None = None, width: float = 1.0, n_freq: int = N_FREQ, conv_channels: int = 0,
+            blank_prior: float = 0.0) -> DeepSpeech2:
+    return _build("english", vocab, width, n_freq, conv_channels, blank_prior)
 
 
 @register("mandarin", batch_norm=True)
-def mandarin(vocab: int | None = None, width: float = 1.0, n_freq: int = N_FREQ, conv_channels: int = 0) -> DeepSpeech2:
-    return _build("mandarin", vocab, width, n_freq, conv_channels)
+def mandarin(vocab: int | None = None, width: float = 1.0, n_freq: int = N_FREQ, conv_channels: int = 0,
+            blank_prior: float = 0.0) -> DeepSpeech2:
+    return _build("mandarin", vocab, width, n_freq, conv_channels, blank_prior)

@@ -498,3 +498,48 @@ def test_conv_channels_override():
     assert models.build("english", width=0.05, n_freq=81).conv[0][0].out_channels == 4
     m = models.build("english", width=0.05, n_freq=81, conv_channels=8)
     assert m.conv[0][0].out_channels == m.conv[1][0].out_channels == 8 and m.grus[0].input_size == 8 * 21
+
+
+def test_blank_prior_starts_the_blank_at_its_share():
+    """blank_prior=p: with the other outputs' biases equal, the untrained output puts p on the blank (index 0)
+    and shares the rest evenly; 0 leaves nn.Linear's own start (DS2's)."""
+    import models
+
+    m = models.build("english", width=0.05, n_freq=81, blank_prior=0.9)
+    b = m.fc.bias.detach().clone()
+    b[1:] = 0
+    p = torch.softmax(b, 0)
+    assert p[0].item() == pytest.approx(0.9) and torch.allclose(p[1:], torch.full((28,), 0.1 / 28))
+    plain = models.build("english", width=0.05, n_freq=81).fc
+    assert plain.bias.abs().max() <= plain.in_features ** -0.5  # nn.Linear's uniform start
+    with pytest.raises(ValueError, match="blank_prior=1.0"):
+        models.build("english", width=0.05, n_freq=81, blank_prior=1.0)
+
+
+def _write_manifest(root, name, rows):
+    (root / "manifests").mkdir(parents=True, exist_ok=True)
+    (root / "manifests" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_blank_share_from_the_training_manifests(tmp_path):
+    """task.blank_prior_init: the blank's share is 1 - target characters / output frames over the training
+    utterances (a 1 s utterance at a 10 ms hop: 101 spectrogram frames, 51 after the convolutions' stride;
+    characters the model cannot output are not targets); the model starts there. Transcripts longer than
+    their frames are one line naming the key."""
+    import math
+
+    from experiments.deepspeech2.task import ENGLISH, Task, TaskCfg, blank_share, manifest_rows
+    from mpt.config import Config
+
+    rows = [{"id": "a", "audio": "a.flac", "duration": 1.0, "text": "AB C"},
+            {"id": "b", "audio": "b.flac", "duration": 1.0, "text": "xyz!"}]  # "!": not an output
+    _write_manifest(tmp_path, "train-clean-100", rows)
+    share = blank_share(manifest_rows(tmp_path, ["train-clean-100"]), ENGLISH, True, 160)
+    assert share == pytest.approx(1 - 7 / 102)
+    cfg = Config(model="english", width=0.05, task=TaskCfg(data_root=str(tmp_path), train_sets=["train-clean-100"],
+                                                         hop_ms=10.0, blank_prior_init=True))
+    bias = Task(cfg, Task.Facts(chars=ENGLISH)).build_model().fc.bias
+    assert bias[0].item() == pytest.approx(math.log(share * 28 / (1 - share)), rel=1e-6)
+    _write_manifest(tmp_path, "train-clean-100", [{**rows[0], "text": "a" * 51}])
+    with pytest.raises(UserError, match="51 characters for 51 output frames.*blank_prior_init=false"):
+        Task(cfg, Task.Facts(chars=ENGLISH)).build_model()
