@@ -336,14 +336,14 @@ def test_trained_cer_below_untrained(tmp_path_factory):
     out = tmp_path_factory.mktemp("ds2_trained")
     untrained = main(run_overrides("english", root, out, "train.max_steps=1", "optim.lr=0"))
     trained = main(run_overrides("english", root, out))
-    # Measured (experiments/deepspeech2/README.md "Results" and "The tiny English profile", AMD EPYC): the
-    # untrained network is at 94.4% CER (dev CTC loss 129.6 per utterance); seeds 0-9 end at 39.8-67.2% (47.3
-    # +- 10.4), the slow starters' dev loss at 0.37-0.39 x the untrained one (seed 0: 0.27 x). Where a seed
-    # ends moves with the CPU's kernels (a reordered sum moves a tiny DS2 run by up to ~10 points), so seed 0
-    # may end where any of them did: the bounds hold for all ten with room -- 0.8 x untrained CER (75.5%) and
-    # 0.5 x its dev loss -- and still fail a run that did not learn.
+    # Measured (experiments/deepspeech2/README.md "Results" and "The blank's prior", AMD EPYC): the untrained
+    # network, started at the blank's prior, outputs only blanks (100% CER, dev CTC loss 75.6 per utterance);
+    # seeds 0-9 end at 21.4-37.3% (28.1 +- 4.6), their dev loss at 0.25-0.38 x the untrained one. Where a seed
+    # ends moves with the CPU's kernels (a reordered sum moves a tiny DS2 run by points), so seed 0 may end
+    # where any of them did: the bounds hold for all ten with room -- 0.6 x untrained CER (60%) and 0.5 x its
+    # dev loss -- and still fail a run that did not learn.
     m, m0 = trained["metrics"], untrained["metrics"]
-    assert m["cer"] < 0.8 * m0["cer"] and m["loss"] < 0.5 * m0["loss"], (m, m0)
+    assert m["cer"] < 0.6 * m0["cer"] and m["loss"] < 0.5 * m0["loss"], (m, m0)
 
 
 @pytest.mark.slow
