@@ -139,6 +139,7 @@ def test_a_part_past_its_budget_is_killed_and_recorded(tmp_path):
         os.environ.update(env_before)
     assert rec["status"] == "failed" and rec["error"].startswith("timeout: killed after its 3 s budget")
     assert rec["seconds"] < 20
+    assert "(most recent call first)" in rec["traceback"]  # where it was when killed: its threads' stacks
     # The cells finished before the kill: measured, or skipped for what they need (the CUDA-graph cells on a CPU;
     # a faster CPU reaches them within the budget).
     assert all(x["status"] in ("ok", "skipped") for x in rec["result"].get("rows", []))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import faulthandler
 import json
 import os
 import shutil
@@ -28,6 +29,7 @@ RESULTS_DIR = "experiments/speed_memory/results"
 # The whole call's default limit, the environment probe included: 6 minutes. A 15-minute GPU job
 # spends 1-2 on the machine's start; 6 here leaves room for a second call that reruns what failed.
 DEFAULT_CALL_S = 360
+STACK_DUMP_S = 3  # a hung part's time to print its stacks before the kill
 PROBE_S = 60  # importing torch and reading the device: ~10-20 s with CUDA's first initialisation
 # Each part's limit on one H100/H200, in seconds (its process is killed past it; what it finished is
 # kept). Measured on an H200 (results/nvidia-h200-2026-11-27-gpu_check-call*.json): headline 124 s (8
@@ -65,6 +67,9 @@ def child_main(part: str, state: Path, smoke: bool, work: Path, selection: dict)
         atomic_write_json(state, {"result": result, **kw})
 
     partial: dict = {}
+    # A hang is diagnosed from where it hangs: the parent sends SIGUSR1 before its kill, and every thread's
+    # Python stack (the loader's pin-memory thread included) goes to the output the parent keeps.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     def emit_partial(r: dict) -> None:
         partial.clear()
@@ -110,7 +115,7 @@ def run_part(part: str, smoke: bool, work: Path, timeout: float, save=lambda rec
         # slower (speed_memory README).
         env.setdefault("OMP_NUM_THREADS", "1")
     t0 = time.time()
-    tail: collections.deque = collections.deque(maxlen=60)
+    tail: collections.deque = collections.deque(maxlen=200)  # room for a hung part's stacks
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             cwd=REPO, start_new_session=True)
 
@@ -127,6 +132,11 @@ def run_part(part: str, smoke: bool, work: Path, timeout: float, save=lambda rec
             left = timeout - (time.time() - t0)
             if left <= 0:
                 timed_out = True
+                os.kill(proc.pid, signal.SIGUSR1)  # its stacks first (child_main), into the tail kept below
+                try:
+                    proc.wait(timeout=STACK_DUMP_S)
+                except subprocess.TimeoutExpired:
+                    pass
                 os.killpg(proc.pid, signal.SIGKILL)  # the part's whole process group (torchrun's ranks too)
                 rc = proc.wait()
                 break
