@@ -307,3 +307,23 @@ def test_report_merges_a_machines_calls(tmp_path):
     with pytest.raises(SystemExit) as e:
         main(["--report", str(bad)])
     assert e.value.code == 2
+
+
+def test_report_adds_up_the_e2e_rows_of_calls_with_other_worker_counts(tmp_path):
+    """Calls that each ran the e2e part with other worker counts (--e2e-workers 7, then 3) report every
+    (decode, workers) row, each with its ratio to the headline of the call that measured one."""
+    import shutil
+
+    src = REPO / runner.RESULTS_DIR
+    calls = [shutil.copy(src / f"nvidia-h200-2026-11-29-gpu_check-{c}.json", tmp_path)
+             for c in ("call2", "call1-w7", "call1-w3")]
+    res = merge([json.loads(open(c).read()) for c in calls])
+    rows = res["parts"]["e2e"]["result"]["rows"]
+    assert [(r["decode"], r["num_workers"], r["call"]) for r in rows] == [
+        ("cpu", 7, 2), ("gpu", 7, 2), ("cpu", 3, 3), ("gpu", 3, 3)]
+    synthetic = next(r["throughput"] for r in res["parts"]["headline"]["result"]["rows"]
+                     if r["precision"] == "mixed" and r["impl"] == "autocast" and r["channels_last"])
+    assert all(r["ratio_to_synthetic"] == round(r["throughput_steady"] / synthetic, 3) for r in rows)
+    assert main(["--report", *map(str, calls)]) == 0
+    md = (tmp_path / "nvidia-h200-2026-11-29-gpu_check.md").read_text()
+    assert md.count("| cpu | ") == 2 and md.count("| gpu | ") == 2 and "SSD300 mixed, batch 32" in md

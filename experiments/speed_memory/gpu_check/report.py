@@ -137,6 +137,17 @@ def merge(results: list[dict]) -> dict:
         if recs:
             i, rec = max(recs, key=rank)
             out["parts"][p] = {**rec, "call": i + 1}
+    e2e = out["parts"].get("e2e")
+    if e2e and e2e.get("result"):
+        # Calls that each ran other worker counts (--e2e-workers 7, then 3) add up: every (decode, workers)
+        # row, from the last call that measured it; x synthetic against the merged headline.
+        rows: dict = {}
+        for i, r in enumerate(results):
+            for row in ((r["parts"].get("e2e") or {}).get("result") or {}).get("rows") or []:
+                rows[(row["decode"], row.get("num_workers"))] = {**row, "call": i + 1}
+        e2e["result"] = {**e2e["result"], "rows": sorted(rows.values(), key=lambda x: (-(x.get("num_workers") or 0),
+                                                                                         x["decode"]))}
+        add_e2e_ratios(out)
     return out
 
 
@@ -166,6 +177,7 @@ def markdown(res: dict) -> str:
                          f"{_md(f.get('peak_gpu_mem'), '{:.2f}')} |")
         lines += ["", "| goal | target | measured | status |", "|---|---|---|---|"]
         lines += [f"| {x['id']} | {x['target']} | {x['measured']} | {x['status']} |" for x in h.get("goals", [])]
+    lines += _end_to_end_md(P)
     for name, title in (("ds2_worst", "DeepSpeech 2 at its worst paper batch (longest utterances: English 35 s, "
                                       "Mandarin 15 s)"),
                         ("models", "Every Table 1 and Table 3 model at the paper grid's batch per GPU")):
@@ -193,6 +205,38 @@ def markdown(res: dict) -> str:
     if P.get("ddp", {}).get("note"):
         lines += ["", f"DDP: {P['ddp']['status']}: {P['ddp']['note']}."]
     return "\n".join(lines) + "\n"
+
+
+def _end_to_end_md(P: dict) -> list[str]:
+    """The JPEG-file runs: ResNet-50 per decode and worker count against the synthetic rate, SSD300's run,
+    and the CIFAR-10 recipe's top-1 per precision and seed."""
+    lines = []
+    e = (P.get("e2e") or {}).get("result") or {}
+    if e.get("rows"):
+        hl = (P.get("headline") or {}).get("call", "-")
+        lines += ["", f"## {RN} mixed (autocast, NHWC), batch {e['rows'][0].get('batch')}, trained from JPEG files",
+                  "", f"{e['data']['train_images']:,} photographs ({e['data']['sizes']}; {e['data']['source']}), "
+                      f"loader workers of a {e['cores']}-core machine; images/s: the median of the log windows after "
+                      f"the first few; x synthetic: over the headline's row of the same layout (call {hl}).", "",
+                  "| decode | workers | images/s | x synthetic | every log window, min-max | from call |",
+                  "|---|---|---|---|---|---|"]
+        for r in e["rows"]:
+            w = r.get("windows") or []
+            lines.append(f"| {r['decode']} | {r.get('num_workers', e['num_workers'])} | "
+                         f"{_md(r.get('throughput_steady'), '{:,.0f}')} | {_md(r.get('ratio_to_synthetic'), '{:.2f}')} | "
+                         f"{f'{min(w):,.0f}-{max(w):,.0f}' if w else '-'} | {r.get('call', '-')} |")
+    r = ((P.get("ssd_e2e") or {}).get("result") or {}).get("row")
+    if r:
+        lines += ["", f"SSD300 mixed, batch {r['batch']}, trained from VOC-format JPEG files: {r['status']}, "
+                      f"{_md(r.get('throughput_steady'), '{:,.0f}')} images/s (windows {r.get('windows')})."]
+    c = (P.get("cifar") or {}).get("result") or {}
+    if c.get("rows"):
+        lines += ["", f"## CIFAR-10 real recipe ({c['epochs']} epochs), top-1 %", "", "| precision | per seed |",
+                  "|---|---|"]
+        for prec in CIFAR_PRECISIONS:
+            got = [f"{(x.get('metrics') or {}).get('top1', float('nan')):.2f}" for x in c["rows"] if x["precision"] == prec]
+            lines.append(f"| {prec} | {', '.join(got) or '-'} |")
+    return lines
 
 
 def _md(v, fmt: str) -> str:
