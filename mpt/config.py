@@ -187,7 +187,7 @@ class Config:
     impl: str = "autocast"  # autocast | paper
     # FP16/BF16 dot products on a CPU: emulated (FP32 math on the FP16 operands, rounded once: section
     # 3.3's arithmetic) | native (PyTorch's CPU kernels) | auto (emulated; BF16 native where the CPU has
-    # BF16 instructions). A GPU always runs its own kernels. mpt.half_math.HalfMath; env.json records
+    # BF16 instructions). A GPU runs its own kernels but for emulated. mpt.half_math.HalfMath; env.json records
     # what auto picked.
     half_math: str = "auto"
     loss_scale: str = "auto"  # auto | dynamic | <number>

@@ -15,7 +15,8 @@ What computes a run's FP16/BF16 dot products (cfg.half_math: auto | emulated | n
   auto       emulated for FP16; for BF16 native where the processor has BF16 dot-product instructions
              (AVX512-BF16 or AMX-BF16: oneDNN's BF16 kernels beat FP32 there) and emulated where it
              has none.
-A GPU always runs its own kernels (the setting is moot there).
+A GPU runs its own kernels, but for `emulated`, which computes there as on a CPU: what a GPU run of the
+CPU's arithmetic tells apart from the GPU's kernels (speed_memory's gpu_check --cifar fp16+emulated).
 
 Why at the function level (a TorchFunctionMode, ~270 calls in a tiny ResNet-50 forward) and not below
 autograd (a TorchDispatchMode would see every aten op of forward and backward, ~820 there, ~9,200 in a
@@ -333,7 +334,8 @@ def resolve_half_math(setting: str, dtype: torch.dtype, device) -> str:
     if dtype == torch.float32:
         return "none"
     if device.type != "cpu":
-        return "device"
+        # (emulated only when asked: the CPU runs' arithmetic on a GPU, to tell it from the GPU's own kernels)
+        return "emulated" if setting == "emulated" else "device"
     if setting in ("emulated", "native"):
         return setting
     if dtype == torch.bfloat16 and cpu_has_fast_bf16()[0]:

@@ -43,9 +43,10 @@ def test_half_math_key_is_checked_and_resolved():
     assert resolve_half_math("emulated", torch.float32, cpu) == "none"
     fast, basis = cpu_has_fast_bf16()
     assert resolve_half_math("auto", torch.bfloat16, cpu) == ("native" if fast else "emulated") and basis
-    for setting in precisions.HALF_MATHS:  # a GPU always runs its own kernels
-        assert resolve_half_math(setting, torch.float16, gpu) == "device"
-        assert precision.half_math_used(Config(precision="mixed", half_math=setting), gpu) == "device"
+    for setting in precisions.HALF_MATHS:  # a GPU runs its own kernels, but for emulated when asked
+        want = "emulated" if setting == "emulated" else "device"
+        assert resolve_half_math(setting, torch.float16, gpu) == want
+        assert precision.half_math_used(Config(precision="mixed", half_math=setting), gpu) == want
     assert precision.half_math_used(Config(precision="fp16_storage", half_math="native"), cpu) == "emulated"
     for prec, impl in [("fp16", "autocast"), ("mixed", "paper"), ("fp16_pure", "paper")]:
         for hm in ("emulated", "native"):

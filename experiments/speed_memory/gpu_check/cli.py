@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from experiments.speed_memory import gpu_check
-from experiments.speed_memory.gpu_check.parts import GRAPHED, PARTS, TABLE1, TABLE3
+from experiments.speed_memory.gpu_check.parts import CIFAR_PRECISIONS, GRAPHED, PARTS, TABLE1, TABLE3, cifar_cell
 from experiments.speed_memory.gpu_check.report import write_report
 from experiments.speed_memory.gpu_check.runner import (COMMAND, DEFAULT_CALL_S, RESULTS_DIR, SMOKE_CALL_S, child_main,
                                                        run_call, source_digest)
@@ -40,6 +40,9 @@ def _parse(argv):
     p.add_argument("--e2e-workers", default="auto", help="the e2e part's loader workers, a run of each decode "
                    "per value (comma-separated counts, or auto: the cores less one; e.g. 15,7,3 for what a node "
                    "with fewer cores per GPU would feed)")
+    p.add_argument("--cifar", default=",".join(CIFAR_PRECISIONS), help="the cifar part's cells, a run of each per "
+                   "seed: precisions, each optionally +emulated (its FP16/BF16 dot products by mpt.half_math's "
+                   "FP32 arithmetic rounded once, the CPU runs' arithmetic, on the GPU; e.g. fp32,fp16,fp16+emulated)")
     p.add_argument("--source-digest", action="store_true", help="print the digest of this tree's Python "
                    "sources (as a results file records it) and exit")
     p.add_argument("--_save_every", type=float, default=5.0, help=argparse.SUPPRESS)  # tests: sooner
@@ -71,8 +74,13 @@ def _parse(argv):
     a.e2e_workers = tuple(x.strip() for x in a.e2e_workers.split(",") if x.strip())
     if not a.e2e_workers or not all(x == "auto" or (x.isdigit() and int(x) >= 1) for x in a.e2e_workers):
         raise UserError(f"--e2e-workers {','.join(a.e2e_workers) or '(empty)'}: give counts >= 1 or auto, e.g. 15,7,3")
+    a.cifar = tuple(x.strip() for x in a.cifar.split(",") if x.strip())
+    bad = [x for x in a.cifar if cifar_cell(x) is None]
+    if bad or not a.cifar:
+        raise UserError(f"--cifar {','.join(bad) or '(empty)'}: give precisions of mpt.precisions, each optionally "
+                        f"+emulated, e.g. fp32,fp16,fp16+emulated")
     a.selection = ["--models", ",".join(a.models), "--graphed", ",".join(a.graphed) or "none",
-                   "--e2e-workers", ",".join(a.e2e_workers)]
+                   "--e2e-workers", ",".join(a.e2e_workers), "--cifar", ",".join(a.cifar)]
     if a.budget is not None and a.budget <= 0:
         raise UserError(f"--budget {a.budget:g}: give a positive number of seconds")
     return a
@@ -83,7 +91,8 @@ def main(argv=None) -> int:
     a = _parse(sys.argv[1:] if argv is None else argv)
     if a._part:  # a child: one part
         return child_main(a._part, Path(a._state), a.cpu_smoke, Path(a._work),
-                          {"models": a.models, "graphed": a.graphed, "e2e_workers": a.e2e_workers})
+                          {"models": a.models, "graphed": a.graphed, "e2e_workers": a.e2e_workers,
+                           "cifar": a.cifar})
     if a.report:
         return write_report([Path(x) for x in a.report])
     if a.source_digest:

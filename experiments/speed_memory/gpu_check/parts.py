@@ -52,6 +52,17 @@ DS2_LONGEST_S = {"english": 35.0, "mandarin": 15.0}
 CIFAR_PRECISIONS = ("fp32", "fp16", "mixed", "bf16")
 
 
+def cifar_cell(cell: str) -> tuple[str, list[str]] | None:
+    """A cifar cell -- a precision, optionally `+emulated` (its FP16/BF16 dot products computed as the CPU
+    runs compute them: mpt.half_math, half_math=emulated) -- as (precision, extra overrides); None if unknown."""
+    from mpt.precisions import PRECISIONS
+
+    prec, plus, how = cell.partition("+")
+    if prec not in PRECISIONS or (plus and how != "emulated"):
+        return None
+    return prec, (["half_math=emulated"] if plus else [])
+
+
 @dataclasses.dataclass(frozen=True)
 class Sizes:
     """What each part runs at: the paper's sizes on a GPU, tiny ones for the CPU smoke."""
@@ -113,12 +124,13 @@ SMOKE = Sizes(headline_width=0.03125, headline_batch=4, headline_size="64", head
 
 class Ctx:
     def __init__(self, smoke: bool, work: Path, emit, models: tuple = TABLE1 + TABLE3, graphed: tuple = GRAPHED,
-                 e2e_workers: tuple = ("auto",)):
+                 e2e_workers: tuple = ("auto",), cifar: tuple = CIFAR_PRECISIONS):
         import torch
 
         self.smoke, self.work, self.emit = smoke, work, emit
         self.models, self.graphed = models, graphed  # the models part's cells (--models, --graphed)
         self.e2e_workers = e2e_workers  # the e2e part's loader workers, a run each (--e2e-workers)
+        self.cifar = cifar  # the cifar part's cells, a run each per seed (--cifar)
         self.sizes = SMOKE if smoke else GPU
         self.device = torch.device("cpu") if smoke else torch.device("cuda", 0)
         if not smoke and not torch.cuda.is_available():
@@ -502,27 +514,29 @@ def part_cifar(ctx: Ctx) -> dict:
     cifar_dev.generate(ctx.work / "cifar_archives", source=str(src), **s.cifar_sizes)
     prepare.prepare(ctx.work / "cifar_archives", data, workers=4, log=lambda *a: None)
     out = {"rows": [], "epochs": s.cifar_epochs}
-    cells = [(seed, prec) for seed in s.cifar_seeds for prec in CIFAR_PRECISIONS]
-    for k in range(0, len(cells), s.cifar_at_once):  # a seed's four precisions side by side on a GPU
+    cells = [(seed, cell) for seed in s.cifar_seeds for cell in ctx.cifar]
+    for k in range(0, len(cells), s.cifar_at_once):  # a seed's four cells side by side on a GPU
         procs = []
-        for seed, prec in cells[k:k + s.cifar_at_once]:
-            ov = ["profile=real", "model=resnet8_cifar", f"precision={prec}", f"seed={seed}", f"task.data_root={data}",
+        for seed, cell in cells[k:k + s.cifar_at_once]:
+            prec, extra = cifar_cell(cell)
+            ov = ["profile=real", "model=resnet8_cifar", f"precision={prec}", *extra, f"seed={seed}", f"task.data_root={data}",
                   f"out_dir={ctx.work / 'cifar_runs'}", f"device={ctx.device}", "wandb.mode=disabled",
                   "train.progress=false", f"train.epochs={s.cifar_epochs}", f"train.eval_every_epochs={s.cifar_epochs}"]
-            with open(ctx.work / f"cifar_{prec}_{seed}.log", "w") as log:
-                procs.append((seed, prec, ov, time.time(), subprocess.Popen(
+            with open(ctx.work / f"cifar_{cell}_{seed}.log", "w") as log:
+                procs.append((seed, cell, ov, time.time(), subprocess.Popen(
                     [sys.executable, "-m", "experiments.ilsvrc_cnns", *ov], stdout=log, stderr=subprocess.STDOUT,
                     cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": str(s.cifar_threads)})))
-        for seed, prec, ov, t0, p in procs:
+        for seed, cell, ov, t0, p in procs:
             rc = p.wait()
             summ = identity.run_dir(config.resolve("ilsvrc_cnns", ov)) / "summary.json"
             s_ = json.loads(summ.read_text()) if summ.is_file() else {"status": f"exit {rc}"}
-            row = {"precision": prec, "seed": seed, **_brief(s_), "seconds": round(time.time() - t0, 1)}
+            row = {"precision": cifar_cell(cell)[0], "cell": cell, "seed": seed, **_brief(s_),
+                   "seconds": round(time.time() - t0, 1)}
             out["rows"].append(row)
-            print(f"cifar {prec} seed {seed}: {row['status']} top1 {(row.get('metrics') or {}).get('top1')} "
+            print(f"cifar {cell} seed {seed}: {row['status']} top1 {(row.get('metrics') or {}).get('top1')} "
                   f"({row['seconds']:.0f} s)", file=sys.stderr, flush=True)
             ctx.emit(out)
-    return _failed_runs(out, lambda r: f"{r['precision']} seed {r['seed']}")
+    return _failed_runs(out, lambda r: f"{r.get('cell', r['precision'])} seed {r['seed']}")
 
 
 def part_env(ctx: Ctx) -> dict:

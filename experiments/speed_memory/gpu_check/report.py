@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from experiments.speed_memory.gpu_check.parts import CIFAR_PRECISIONS, DS2_LONGEST_S, PARTS, RN, TABLE1, TABLE3
+from experiments.speed_memory.gpu_check.parts import DS2_LONGEST_S, PARTS, RN, TABLE1, TABLE3
 from mpt.errors import UserError, one_line
 
 SCHEMA = "gpu_check/1"  # a results file's format: every call writes it, --report reads it
@@ -109,9 +109,9 @@ def _cifar_resume_ddp_lines(P: dict) -> list[str]:
     c = P.get("cifar", {}).get("result", {})
     if c.get("rows"):
         lines += ["", f"CIFAR-10 real recipe on the GPU ({c['epochs']} epochs), top-1 % per seed:"]
-        for prec in CIFAR_PRECISIONS:
-            got = [f"{(r.get('metrics') or {}).get('top1', float('nan')):.1f}" for r in c["rows"] if r["precision"] == prec]
-            lines.append(f"  {prec:6s} {', '.join(got)}")
+        for cell in _cells(c["rows"]):
+            got = [f"{(r.get('metrics') or {}).get('top1', float('nan')):.1f}" for r in c["rows"] if _cell(r) == cell]
+            lines.append(f"  {cell:6s} {', '.join(got)}")
     r = P.get("resume", {}).get("result", {})
     if r.get("second"):
         lines += ["", f"resume: stopped at step {r['first']['step']} ({r['first']['status']}), restarted: "
@@ -233,10 +233,19 @@ def _end_to_end_md(P: dict) -> list[str]:
     if c.get("rows"):
         lines += ["", f"## CIFAR-10 real recipe ({c['epochs']} epochs), top-1 %", "", "| precision | per seed |",
                   "|---|---|"]
-        for prec in CIFAR_PRECISIONS:
-            got = [f"{(x.get('metrics') or {}).get('top1', float('nan')):.2f}" for x in c["rows"] if x["precision"] == prec]
-            lines.append(f"| {prec} | {', '.join(got) or '-'} |")
+        for cell in _cells(c["rows"]):
+            got = [f"{(x.get('metrics') or {}).get('top1', float('nan')):.2f}" for x in c["rows"] if _cell(x) == cell]
+            lines.append(f"| {cell} | {', '.join(got)} |")
     return lines
+
+
+def _cell(row: dict) -> str:
+    return row.get("cell", row["precision"])  # (calls before --cifar: the precision alone)
+
+
+def _cells(rows: list[dict]) -> list[str]:
+    """The cifar cells in the order first run."""
+    return list(dict.fromkeys(_cell(r) for r in rows))
 
 
 def _md(v, fmt: str) -> str:

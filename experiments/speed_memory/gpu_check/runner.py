@@ -103,7 +103,7 @@ def run_part(part: str, smoke: bool, work: Path, timeout: float, save=lambda rec
     """The part in a child process (a CUDA error or a leak cannot reach the next part; a hang is
     killed at `timeout`); its output is echoed live, indented. Every `every` seconds what it has
     finished goes to save(record), so a kill of the whole call loses at most those seconds. selection:
-    the call's --models/--graphed/--e2e-workers arguments, passed on to the part's process."""
+    the call's --models/--graphed/--e2e-workers/--cifar arguments, passed on to the part's process."""
     state = work / f"{part}.state.json"
     state.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", MODULE, "--_part", part, "--_state", str(state),
@@ -270,7 +270,7 @@ class Call:
                     "source_digest": source_digest(), "sizes": dataclasses.asdict(SMOKE if a.cpu_smoke else GPU),
                     "budget_s": round(self.total), "part_budgets_s": {p: self.budgets[p] for p in a.parts},
                     "models": list(a.models), "graphed": list(a.graphed), "e2e_workers": list(a.e2e_workers),
-                    "parts": {}, "wall_s": None, "exit_code": None}
+                    "cifar": list(a.cifar), "parts": {}, "wall_s": None, "exit_code": None}
         print(f"gpu_check on {self.env['device_name']}: parts {', '.join(a.parts)}; budget {self.total:.0f} s; "
               f"-> {self.path}", file=sys.stderr, flush=True)
 
