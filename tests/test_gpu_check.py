@@ -125,6 +125,9 @@ def test_cpu_smoke_runs_every_part(tmp_path):
     ddp = parts["ddp"]["result"]
     assert ddp["world_size"] == 2 and ddp["summary"]["status"] == "completed"
     assert ddp["summary"]["skipped_steps"] < ddp["summary"]["step"]
+    # the watch on a torch.amp loop, in the CPU benchmark's rotation: one sampled step a watched block of 2
+    (watch,) = parts["watch"]["result"]["rows"]
+    assert watch["precision"] == "mixed" and watch["n"]["sampled"] == 1 and watch["step_ms"] > 0
     assert "every part ok" in r.stdout and "headline" in r.stdout
 
 

@@ -138,6 +138,9 @@ def test_bad_input_is_one_line(capsys, argv, msg):
     ("watch_overhead", ["rounds=0"], "rounds=0: give 1 or more"),
     ("watch_overhead", ["steps=0"], "steps=0: give 1 or more"),
     ("watch_overhead", ["tag=../elsewhere"], "tag='../elsewhere': use letters"),
+    ("watch_overhead", ["precision=bf16"], "precision=bf16: choose fp32 or mixed"),
+    ("watch_overhead", ["device=tpu"], "device=tpu: choose cpu or cuda"),
+    ("watch_overhead", ["batch=-1"], "batch=-1: give 0 or more"),
     ("formats_cost", ["rounds=0"], "rounds=0: give 1 or more"),
     ("formats_cost", ["warmup=-1"], "warmup=-1: give 0 or more"),
     ("formats_cost", ["tag=a/b"], "tag='a/b': use letters"),
@@ -368,9 +371,16 @@ def test_watch_overhead_channels_last_trains_nhwc(one_thread):
     net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 6 * 6, 2))
     patient = types.SimpleNamespace(model=net, optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
                                     loss_fn=lambda: lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]))
-    model, opt, step = wo._loop(patient, got[:1], channels_last=True)
-    assert model[0].weight.is_contiguous(memory_format=torch.channels_last)
+    model, opt, step, scaler = wo._loop(patient, got[:1], channels_last=True)
+    assert model[0].weight.is_contiguous(memory_format=torch.channels_last) and scaler is None
     before = model[0].weight.detach().clone()
     step()
     assert not torch.equal(model[0].weight, before)  # a step trained
     assert net[0].weight.is_contiguous()  # the patient's own model untouched (a copy is trained)
+    # mixed: the loop a torch.amp user writes -- FP16 autocast, the GradScaler stepping the optimizer
+    model, opt, step, scaler = wo._loop(patient, got[:1], mixed=True)
+    seen = []
+    model[0].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    before = model[0].weight.detach().clone()
+    step()
+    assert seen == [torch.float16] and scaler.get_scale() == 2.0 ** 16 and not torch.equal(model[0].weight, before)

@@ -77,17 +77,18 @@ def check_tag(tag: str, flag: str = "tag=") -> str:
     return tag
 
 
-def write_one_thread_result(out: str, bench: str, tag: str, result: dict) -> None:
+def write_one_thread_result(out: str, bench: str, tag: str, result: dict, machine: str | None = None) -> None:
     """A one-thread CPU benchmark's figures (`result`, holding its "date" and "cpu") to
-    <out>/cpu-<cpu>-<date>-<bench>[-<tag>].json, atomically; the path printed."""
+    <out>/cpu-<cpu>-<date>-<bench>[-<tag>].json, atomically; the path printed. `machine`: a GPU's name, for a
+    run on it (<out>/<gpu>-<date>-...)."""
     import json
     import pathlib
 
     from experiments.speed_memory.loader import slug  # results named as the loader benchmark names them
     from mpt.rundir import atomic_write_text
 
-    path = pathlib.Path(out) / (f"cpu-{slug(result['cpu'])}-{result['date'][:10]}-{bench}" + (f"-{tag}" if tag else "")
-                                + ".json")
+    who = slug(machine) if machine else f"cpu-{slug(result['cpu'])}"
+    path = pathlib.Path(out) / (f"{who}-{result['date'][:10]}-{bench}" + (f"-{tag}" if tag else "") + ".json")
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(result, indent=1) + "\n")
     print(f"written: {path}")

@@ -15,10 +15,17 @@ Prints the figures and writes them, with the command and the CPU, to out= (resul
 
     OMP_NUM_THREADS=1 python -m experiments.speed_memory.watch_overhead [every=10] [rounds=7] [steps=10]
         [data=data] [models=ilsvrc_cnns,lm_biglstm] [channels_last=false] [out=experiments/speed_memory/results] [tag=]
+        [device=cpu|cuda] [precision=fp32|mixed] [width=] [batch=] [crop=]
 
 channels_last=true: the CNN's weights and batches in NHWC (torch.channels_last), as a GPU recipe trains them (the
 bigLSTM has no 4-D tensor: unchanged); the records then read tensors that are not contiguous in torch's default
 sense, which a reduction may read at another speed.
+
+Where users train: device=cuda (the wall clock after each step's kernels have run, instead of the thread's CPU
+time; written to results/<gpu>-<date>-watch_overhead[-tag].json), precision=mixed (the usual torch.amp loop: FP16
+autocast and a GradScaler, which the watch is given), and other sizes of the tiny profile (width=, batch=, crop=:
+e.g. width=1 batch=64 crop=224, ResNet-50's own size at a paper-grid batch per GPU). gpu_check's `watch` part
+runs both sizes on a GPU.
 """
 from __future__ import annotations
 
@@ -42,69 +49,92 @@ from mpt.rundir import cpu_model, now
 MODELS = {"ilsvrc_cnns": ("imagenet", ["model=resnet50_preact"]), "lm_biglstm": ("lm1b", [])}
 
 
-def _loop(patient, batches, channels_last: bool = False):
-    """One plain training step per call over the patient's batches (FP32, its optimizer, its loss)."""
+def _clock(device: torch.device):
+    """The benchmark's clock: this thread's CPU time on a CPU (time waiting for a core left out); on a GPU the
+    wall clock after the device has finished what was queued (a step's kernels run after its Python returns)."""
+    if device.type == "cpu":
+        return time.thread_time
+
+    def synced() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+    return synced
+
+
+def _loop(patient, batches, channels_last: bool = False, device=torch.device("cpu"), mixed: bool = False):
+    """One plain training step per call over the patient's batches (its optimizer, its loss): FP32, or with
+    `mixed` as the usual torch.amp loop writes it (autocast to FP16, a GradScaler). -> model, opt, step,
+    scaler (None in FP32)."""
     import copy
 
-    model = copy.deepcopy(patient.model)
+    model = copy.deepcopy(patient.model).to(device)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     opt = patient.optimizer(model)
     loss_fn = patient.loss_fn()
+    scaler = torch.amp.GradScaler(device.type) if mixed else None
+    clock = _clock(device)
     state = {"i": 0}
 
     def step(w=None):
-        """One step; with a watch, returns the thread time of its w.step() call (None without)."""
+        """One step; with a watch, returns the time of its w.step() call (None without)."""
         b = batches[state["i"] % len(batches)]
         state["i"] += 1
-        out = loss_fn(model, b)
+        with torch.autocast(device.type, torch.float16, enabled=mixed):
+            out = loss_fn(model, b)
         loss = out[0] if isinstance(out, tuple) else out
-        loss.backward()
-        opt.step()
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
         opt.zero_grad(set_to_none=True)
         if w is None:
             return None
-        t = time.thread_time()
+        t = clock()
         w.step(loss)
-        return time.thread_time() - t
-    return model, opt, step
+        return clock() - t
+    return model, opt, step, scaler
 
 
-def measure(name: str, every: int, rounds: int, steps: int, data: pathlib.Path, channels_last: bool = False) -> dict:
+def measure(name: str, every: int, rounds: int, steps: int, data: pathlib.Path, channels_last: bool = False,
+            device=torch.device("cpu"), mixed: bool = False, overrides: tuple = ()) -> dict:
     from experiments.__main__ import prepare_tiny
 
     ds, extra = MODELS[name]
     root = prepare_tiny(ds, data / f"tiny_{ds}")
-    patient = load(f"experiment:{name}", [f"task.data_root={root}", *extra], "tiny", steps=max(steps, 20))
+    patient = load(f"experiment:{name}", [f"task.data_root={root}", *extra, *overrides], "tiny", steps=max(steps, 20))
     torch.manual_seed(0)
     # One model, optimizer and batch cycle for all three: blocks differ only in whether a watch is on (the
     # same objects in memory; separate copies ran up to 2x apart here, plain against plain).
-    # (NHWC as the engine lays a batch out: mpt.ranks.to_device, on the device the batches are on)
-    dev = next(patient.model.parameters()).device
-    batches = [to_device(b, dev, True) for b in patient.batches] if channels_last else patient.batches
-    model, opt, step = _loop(patient, batches, channels_last)
+    # (on the device, NHWC as the engine lays a batch out: mpt.ranks.to_device)
+    batches = [to_device(b, device, channels_last) for b in patient.batches]
+    model, opt, step, scaler = _loop(patient, batches, channels_last, device, mixed)
 
     # One watch for the whole measurement, on during the watched blocks: its step count runs on across them,
     # so the first step of each block of `every` steps is sampled and one in trace_every is traced, as in a
     # long run.
-    w = watch(model, every=every, optimizer=opt, log=lambda line: None)
+    w = watch(model, every=every, optimizer=opt, scaler=scaler, log=lambda line: None)
+    # On a CPU, this thread's CPU time: on a machine shared with other processes, the time spent waiting for a
+    # core is left out of every loop alike (engine_overhead's clock=cpu). On a GPU, the wall clock, synchronised.
+    clock = _clock(device)
 
     def block(watched: bool):
-        # This thread's CPU time: on a machine shared with other processes, the time spent waiting for a core
-        # is left out of every loop alike (engine_overhead's clock=cpu).
-        t = time.thread_time()
-        each = []  # (what the step is, its thread time, that of its w.step() call)
+        t = clock()
+        each = []  # (what the step is, its time, that of its w.step() call)
         if watched:
             w.__enter__()
         for _ in range(steps):
             # What this step is, known before it runs (the watch starts a step's sample at the step before)
             kind = "plain" if not watched else w.recording or "between"
-            s = time.thread_time()
+            s = clock()
             call = step(w if watched else None)
-            each.append((kind, time.thread_time() - s, call))
+            each.append((kind, clock() - s, call))
         if watched:
             w.__exit__(None, None, None)
-        return (time.thread_time() - t) / steps, each
+        return (clock() - t) / steps, each
 
     loops = [False, True, False]  # plain, watched, the control (plain again)
     for watched in loops:  # warm-up
@@ -134,6 +164,7 @@ def measure(name: str, every: int, rounds: int, steps: int, data: pathlib.Path, 
     # paired median moves by +-0.15 ms), so the call's own time gives the same figure without that noise.
     call = statistics.median(calls) if calls else float("nan")
     return {"model": patient.name, "every": every, "rounds": rounds, "steps": steps, "channels_last": channels_last,
+            "precision": "mixed" if mixed else "fp32", "overrides": list(overrides),
             "plain_ms": 1e3 * statistics.median(plain_t), "watched_ms": 1e3 * statistics.median(watched_t),
             "overhead_pct": 100 * (statistics.median(b / a for a, b in zip(plain_t, watched_t)) - 1),
             "control_pct": 100 * (statistics.median(b / a for a, b in zip(plain_t, ctl_t)) - 1),
@@ -151,7 +182,8 @@ def measure(name: str, every: int, rounds: int, steps: int, data: pathlib.Path, 
 def main(argv=None) -> list[dict]:
     o = parse_options(argv or [], {"every": 10, "rounds": 7, "steps": 10, "data": "data",
                                    "models": ",".join(MODELS), "channels_last": False,
-                                   "out": "experiments/speed_memory/results", "tag": ""},
+                                   "out": "experiments/speed_memory/results", "tag": "", "device": "cpu",
+                                   "precision": "fp32", "width": 0.0, "batch": 0, "crop": 0},
                       "experiments.speed_memory.watch_overhead")
     names = [m for m in o["models"].split(",") if m]
     if not names:
@@ -159,16 +191,30 @@ def main(argv=None) -> list[dict]:
     for m in names:
         if m not in MODELS:
             raise UserError(f"models={m}: choose from {', '.join(MODELS)}")
-    check_least(o, {"every": 1, "rounds": 1, "steps": 1})
+    check_least(o, {"every": 1, "rounds": 1, "steps": 1, "width": 0, "batch": 0, "crop": 0})
     check_tag(o["tag"])
+    if o["precision"] not in ("fp32", "mixed"):
+        raise UserError(f"precision={o['precision']}: choose fp32 or mixed (autocast to FP16 with a GradScaler)")
+    if o["device"] not in ("cpu", "cuda"):
+        raise UserError(f"device={o['device']}: choose cpu or cuda")
+    if o["device"] == "cuda" and not torch.cuda.is_available():
+        raise UserError("device=cuda: no CUDA GPU is visible to this process; run on a GPU machine or use device=cpu")
+    device = torch.device(o["device"])
+    mixed = o["precision"] == "mixed"
+    # The tiny profile, or other sizes of it (a paper-sized model on a GPU: width=1 batch=64 crop=224)
+    overrides = tuple([f"width={o['width']}"] * bool(o["width"]) + [f"train.batch_size={o['batch']}"] * bool(o["batch"])
+                      + [f"task.crop={o['crop']}", f"task.resize={o['crop'] * 8 // 7}"] * bool(o["crop"]))
     cpu = cpu_model()
     nhwc = o["channels_last"]
-    if torch.get_num_threads() != 1:
+    if device.type == "cpu" and torch.get_num_threads() != 1:
         raise UserError("the blocks are timed by this thread's CPU time: run with OMP_NUM_THREADS=1")
-    print(f"watch overhead on {cpu}, one thread, FP32, timed by the thread's CPU time")
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    print(f"watch overhead on {gpu or cpu}, {'FP16 autocast + GradScaler' if mixed else 'FP32'}, " +
+          ("timed by the wall clock, synchronised" if gpu else "one thread, timed by the thread's CPU time"))
     out = []
     for m in names:
-        r = measure(m, int(o["every"]), int(o["rounds"]), int(o["steps"]), pathlib.Path(o["data"]), nhwc)
+        r = measure(m, int(o["every"]), int(o["rounds"]), int(o["steps"]), pathlib.Path(o["data"]), nhwc, device,
+                    mixed, overrides)
         out.append(r)
         print(f"{r['model']}{' (channels-last)' if nhwc else ''}: plain {r['plain_ms']:.1f} ms/step, "
               f"watched (every={r['every']}) {r['watched_ms']:.1f} "
@@ -185,9 +231,10 @@ def main(argv=None) -> list[dict]:
               f"{10 * r['every']} steps; a control step {r['control_step_ms']:+.2f} ms); "
               f"{r['implied_call_pct']:+.1f}% counting a step between samples as its w.step() call",
               flush=True)
-    result = {"command": "OMP_NUM_THREADS=1 python -m experiments.speed_memory.watch_overhead "
-                         + shlex.join(argv or []), "date": now(), "cpu": cpu, "threads": 1, "models": out}
-    write_one_thread_result(o["out"], "watch_overhead", o["tag"], result)
+    result = {"command": ("" if gpu else "OMP_NUM_THREADS=1 ") + "python -m experiments.speed_memory.watch_overhead "
+                         + shlex.join(argv or []), "date": now(), "cpu": cpu, "threads": torch.get_num_threads(),
+              "device": gpu or "cpu", "clock": "wall, synchronised" if gpu else "thread CPU time", "models": out}
+    write_one_thread_result(o["out"], "watch_overhead", o["tag"], result, machine=gpu)
     return out
 
 

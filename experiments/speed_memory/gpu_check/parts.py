@@ -38,7 +38,7 @@ from experiments.speed_memory.gpu_check.data import REPO, photo_imagenet, photo_
 from mpt.errors import UserError
 
 # The parts in the order a call runs them, most valuable first
-PARTS = ("headline", "e2e", "ssd_e2e", "resume", "ds2_worst", "cifar", "models", "ddp")
+PARTS = ("headline", "e2e", "ssd_e2e", "resume", "ds2_worst", "cifar", "models", "ddp", "watch")
 RN = "resnet50_preact"
 TABLE1 = ("alexnet", "vgg16", "googlenet", "inception_v2", "inception_v3", RN)
 TABLE3 = ("english", "mandarin")
@@ -101,6 +101,12 @@ class Sizes:
     cifar_at_once: int = 4  # runs sharing the device (launch-bound: ~45 s a run on an H200, four at a time)
     cifar_threads: int = 2
     cifar_sizes: dict = dataclasses.field(default_factory=lambda: {"train_per_class": 500, "test_per_class": 200})
+    # watch: mpt.doctor.watch on the tiny ResNet-50 as the CPU benchmark runs it (a launch-bound step here), then
+    # at ResNet-50's own size at a paper-grid batch per GPU
+    watch_rounds: int = 10
+    watch_steps: int = 10
+    watch_every: int = 10
+    watch_sizes: tuple = ((), ("width=1.0", "train.batch_size=64", "task.crop=224", "task.resize=256"))
 
 
 GPU = Sizes()
@@ -115,7 +121,8 @@ SMOKE = Sizes(headline_width=0.03125, headline_batch=4, headline_size="64", head
               e2e_train_per_class=2, e2e_val_per_class=1, e2e_crop=64, e2e_resize=72, e2e_steps=4, e2e_log_every=1,
               e2e_skip_windows=1, ssd_image=96, ssd_images=8, ssd_batch=2, ssd_steps=2, cifar_seeds=(0,), cifar_epochs=1,
               cifar_at_once=1, cifar_threads=1,
-              cifar_sizes={"train_per_class": 8, "test_per_class": 4})
+              cifar_sizes={"train_per_class": 8, "test_per_class": 4},
+              watch_rounds=1, watch_steps=2, watch_every=2, watch_sizes=((),))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -539,6 +546,33 @@ def part_cifar(ctx: Ctx) -> dict:
     return _failed_runs(out, lambda r: f"{r.get('cell', r['precision'])} seed {r['seed']}")
 
 
+def part_watch(ctx: Ctx) -> dict:
+    """What mpt.doctor.watch(every=10) costs a torch.amp loop (FP16 autocast, a GradScaler) on the GPU: the CPU
+    benchmark's measurement (experiments.speed_memory.watch_overhead: watched, plain and control blocks rotated,
+    each step paired with the plain one in its place) timed by the wall clock after each step's kernels."""
+    import torch
+
+    from experiments.speed_memory import watch_overhead
+
+    s = ctx.sizes
+    out = {"rows": [], "every": s.watch_every, "rounds": s.watch_rounds, "steps": s.watch_steps}
+    for sizes in s.watch_sizes:
+        t0 = time.time()
+        row = watch_overhead.measure("ilsvrc_cnns", s.watch_every, s.watch_rounds, s.watch_steps,
+                                     ctx.work / "watch_data", channels_last=ctx.device.type == "cuda",
+                                     device=ctx.device, mixed=True, overrides=tuple(sizes))
+        row["seconds"] = round(time.time() - t0, 1)
+        out["rows"].append(row)
+        print(f"watch {' '.join(sizes) or 'tiny profile'}: plain {row['step_ms']:.1f} ms, a sampled step "
+              f"{row['sampled_cost_ms']:+.1f} ms, a traced one {row['traced_cost_ms']:+.1f} ms: "
+              f"{row['implied_call_pct']:+.1f}% a step at every={s.watch_every} ({row['seconds']:.0f} s)",
+              file=sys.stderr, flush=True)
+        ctx.emit(out)
+        if ctx.device.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
 def part_env(ctx: Ctx) -> dict:
     """The device and library versions (the parent process never touches CUDA: every part gets the
     whole GPU)."""
@@ -550,7 +584,8 @@ def part_env(ctx: Ctx) -> dict:
 
 
 PART_FNS = {"env": part_env, "headline": part_headline, "e2e": part_e2e, "ssd_e2e": part_ssd_e2e, "cifar": part_cifar,
-            "models": part_models, "ds2_worst": part_ds2_worst, "resume": part_resume, "ddp": part_ddp}
+            "models": part_models, "ds2_worst": part_ds2_worst, "resume": part_resume, "ddp": part_ddp,
+            "watch": part_watch}
 
 
 def _brief(s: dict) -> dict:

@@ -117,6 +117,11 @@ def _cifar_resume_ddp_lines(P: dict) -> list[str]:
         lines += ["", f"resume: stopped at step {r['first']['step']} ({r['first']['status']}), restarted: "
                       f"{r['second']['status']} at step {r['second']['step']}, {r['steps_second']} steps trained "
                       f"after the checkpoint, model on {r['model_device']}"]
+    w = P.get("watch", {}).get("result", {})
+    for r in w.get("rows", []):
+        lines.append(f"\nwatch(every={r['every']}), FP16 autocast + GradScaler, {' '.join(r['overrides']) or 'tiny profile'}: "
+                     f"plain {r['step_ms']:.1f} ms a step; a sampled step {r['sampled_cost_ms']:+.2f} ms, a traced one "
+                     f"{r['traced_cost_ms']:+.2f} ms: {r['implied_call_pct']:+.1f}% a step")
     r = P.get("ddp", {}).get("result", {})
     if r.get("summary"):
         lines += ["", f"ddp: world size {r['world_size']}: {r['summary']['status']} at step {r['summary']['step']}"]
@@ -202,6 +207,16 @@ def markdown(res: dict) -> str:
         lines += ["", f"Resume on the device: stopped at step {r['first']['step']} ({r['first']['status']}), restarted: "
                       f"{r['second']['status']} at step {r['second']['step']}, {r['steps_second']} steps trained after "
                       f"the checkpoint, model on {r['model_device']}."]
+    w = (P.get("watch") or {}).get("result") or {}
+    if w.get("rows"):
+        lines += ["", f"## mpt.doctor.watch(every={w['every']}) on a torch.amp loop (FP16 autocast, GradScaler)", "",
+                  "| model | plain step, ms | a sampled step adds, ms | a traced one, ms | a step between samples, ms "
+                  "| per step at every=10 | rounds x steps |", "|---|---|---|---|---|---|---|"]
+        for r in w["rows"]:
+            lines.append(f"| {r['model']}{', ' + ' '.join(r['overrides']) if r['overrides'] else ''} | "
+                         f"{r['step_ms']:.2f} | {r['sampled_cost_ms']:+.2f} | {r['traced_cost_ms']:+.2f} | "
+                         f"{r['between_call_ms']:.3f} (its w.step() call) | {r['implied_call_pct']:+.1f}% | "
+                         f"{r['rounds']} x {r['steps']} |")
     if P.get("ddp", {}).get("note"):
         lines += ["", f"DDP: {P['ddp']['status']}: {P['ddp']['note']}."]
     return "\n".join(lines) + "\n"

@@ -39,12 +39,12 @@ PROBE_S = 60  # importing torch and reading the device: ~10-20 s with CUDA's fir
 # 2026-11-28 (results/nvidia-h200-2026-11-28-gpu_check-call*.json): the headline's first 5 rows took 127 s
 # and 150 s cut its last 3; e2e 59 s (its photographs written in ~10 s), ssd_e2e 63 s, cifar 147 s (12 runs,
 # four at a time). A first call of the default parts gets through headline, e2e and ssd_e2e in ~330 s; a
-# second call runs --parts resume,ds2_worst,cifar,models.
+# second call runs --parts resume,ds2_worst,cifar,models; --parts watch is a call of its own.
 GPU_BUDGET_S = {"headline": 200, "e2e": 120, "ssd_e2e": 100, "resume": 45, "ds2_worst": 120, "cifar": 180,
-                "models": 120, "ddp": 60}
+                "models": 120, "ddp": 60, "watch": 120}
 # The CPU smoke's limits: generous (a loaded 2-core machine), they only catch a hang.
 SMOKE_BUDGET_S = {"headline": 120, "e2e": 150, "ssd_e2e": 150, "cifar": 240, "models": 180, "ds2_worst": 120,
-                  "resume": 120, "ddp": 180}
+                  "resume": 120, "ddp": 180, "watch": 120}
 SMOKE_CALL_S = PROBE_S + sum(SMOKE_BUDGET_S.values())
 
 
