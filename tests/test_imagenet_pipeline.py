@@ -91,6 +91,22 @@ def test_dct_downscaled_decode_is_used_and_close(photos):
     assert (a.float() - b.float()).abs().mean() < 2.0
 
 
+@pytest.mark.parametrize("k", [2, 4, 8])
+def test_the_dct_scaled_decode_gives_pils_draft_pixels(photos, k):
+    """The scaled decode (libjpeg-turbo through simplejpeg) is PIL's draft mode at the same 1/k, bit for bit."""
+    from torchvision.transforms.functional import pil_to_tensor
+
+    big = next(p for p in photos if Image.open(p).size == (1000, 750))
+    data = open(big, "rb").read()
+    # a plan whose crop of the whole image ends at 1/k of its size (slightly more: f just above k)
+    plan = pipeline.Plan(750, 1000, 0, 0, 750, 1000, 750 // k - 1, 1000 // k - 1, False)
+    got, scale = pipeline.decode_for(data, plan, 750, 1000)
+    im = Image.open(big)
+    im.draft("RGB", (1000 // k, 750 // k))
+    assert im.size == (-(-1000 // k), -(-750 // k)) and scale == (im.size[1] / 750, im.size[0] / 1000)  # 1/k, rounded up
+    assert torch.equal(got, pil_to_tensor(im.convert("RGB")))
+
+
 def test_the_gpu_decode_path_gives_the_cpu_pipelines_images(photos):
     """decode=gpu: workers hand over the bytes and the drawn plan; decode_on_device (here on the CPU) gives
     the CPU decode's images (no DCT scaling there: equal where the CPU path decoded whole too)."""
