@@ -13,6 +13,7 @@ from conftest import REPO
 from experiments.speed_memory.gpu_check import runner
 from experiments.speed_memory.gpu_check.cli import main
 from experiments.speed_memory.gpu_check.parts import CIFAR_PRECISIONS, GRAPHED, PARTS, TABLE1, TABLE3
+from experiments.speed_memory.gpu_check.parts import epoch_starts, sustained_rate
 from experiments.speed_memory.gpu_check.report import SCHEMA, merge
 
 MODULE = "experiments.speed_memory.gpu_check"  # python -m MODULE: the README's command
@@ -326,7 +327,23 @@ def test_report_adds_up_the_e2e_rows_of_calls_with_other_worker_counts(tmp_path)
         ("cpu", 7, 2), ("gpu", 7, 2), ("cpu", 3, 3), ("gpu", 3, 3)]
     synthetic = next(r["throughput"] for r in res["parts"]["headline"]["result"]["rows"]
                      if r["precision"] == "mixed" and r["impl"] == "autocast" and r["channels_last"])
-    assert all(r["ratio_to_synthetic"] == round(r["throughput_steady"] / synthetic, 3) for r in rows)
+    assert all(r["ratio_to_synthetic"] == round(r["throughput_sustained"] / synthetic, 3) for r in rows)
+    # these files predate the recorded rate: computed from their windows (32-step epochs, 5-step windows)
+    w7 = rows[0]
+    assert w7["throughput_sustained"] == sustained_rate(w7["windows"], [i in (0, 6, 12) for i in range(16)], 4)
     assert main(["--report", *map(str, calls)]) == 0
     md = (tmp_path / "nvidia-h200-2026-11-29-gpu_check.md").read_text()
     assert md.count("| cpu | ") == 2 and md.count("| gpu | ") == 2 and "SSD300 mixed, batch 32" in md
+
+
+def test_the_sustained_rate_is_images_over_time_within_epochs():
+    """A loader that falls behind makes the windows swing: their median reads high; the sustained rate is
+    the windows' images over their time (equal step counts: the harmonic mean), less the epoch starts."""
+    # 10-step epochs, 5-step windows: windows 0, 2 and 4 hold an epoch's first step (steps 1, 11, 21)
+    starts = epoch_starts([i * 5 / 10 for i in range(7)])
+    assert starts == [True, False, True, False, True, False]
+    windows = [50.0, 300.0, 20.0, 100.0, 20.0, 300.0]
+    assert sustained_rate(windows, starts, 0) == 180.0  # 3 windows / (1/300 + 1/100 + 1/300) s per image
+    assert sustained_rate(windows, starts, 2) == 150.0 and sustained_rate(windows, [True] * 6, 0) is None
+    # the e2e runs: 32-step epochs, 5-step windows: windows 6 and 12 start epochs 2 and 3
+    assert [i for i, st in enumerate(epoch_starts([i * 5 / 32 for i in range(17)])) if st] == [0, 6, 12]

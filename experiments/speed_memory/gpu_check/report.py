@@ -5,21 +5,39 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from experiments.speed_memory.gpu_check.parts import DS2_LONGEST_S, PARTS, RN, TABLE1, TABLE3
+from experiments.speed_memory.gpu_check.parts import (DS2_LONGEST_S, PARTS, RN, TABLE1, TABLE3, epoch_starts,
+                                                      sustained_rate)
 from mpt.errors import UserError, one_line
 
 SCHEMA = "gpu_check/1"  # a results file's format: every call writes it, --report reads it
 
 
+def add_sustained(res: dict) -> None:
+    """throughput_sustained (parts.sustained_rate) of the end-to-end rows of a results file written before it
+    was recorded, from their windows: epochs of the data's steps (drop_last), windows of e2e_log_every steps."""
+    sz = res.get("sizes") or {}
+    L, skip = sz.get("e2e_log_every"), sz.get("e2e_skip_windows", 0)
+    per_epoch = {"e2e": 12 * sz.get("e2e_train_per_class", 0) // sz.get("headline_batch", 1),
+                 "ssd_e2e": sz.get("ssd_images", 0) // sz.get("ssd_batch", 1)}
+    for part, spe in per_epoch.items():
+        res_ = (res["parts"].get(part) or {}).get("result") or {}
+        for r in res_.get("rows") or ([res_["row"]] if res_.get("row") else []):
+            w = r.get("windows") or []
+            if "throughput_sustained" not in r and w and L and spe:
+                r["throughput_sustained"] = sustained_rate(w, epoch_starts([i * L / spe for i in range(len(w) + 1)]),
+                                                           skip)
+
+
 def add_e2e_ratios(res: dict) -> None:
-    """ratio_to_synthetic of each end-to-end row: its images/s over the same call's headline row of the
-    same model, precision and layout (synthetic tensors already on the GPU)."""
+    """ratio_to_synthetic of each end-to-end row: its images/s sustained within epochs over the same call's
+    headline row of the same model, precision and layout (synthetic tensors already on the GPU)."""
+    add_sustained(res)
     rows = res["parts"].get("headline", {}).get("result", {}).get("rows", [])
     for r in res["parts"].get("e2e", {}).get("result", {}).get("rows", []):
         h = next((x for x in rows if x["precision"] == r["precision"] and x.get("impl") == r["impl"]
                   and x.get("channels_last") == r["channels_last"] and x.get("throughput")), None)
-        if h and r.get("throughput_steady"):
-            r["ratio_to_synthetic"] = round(r["throughput_steady"] / h["throughput"], 3)
+        if h and r.get("throughput_sustained"):
+            r["ratio_to_synthetic"] = round(r["throughput_sustained"] / h["throughput"], 3)
 
 
 def summary_text(res: dict) -> str:
@@ -91,15 +109,18 @@ def _end_to_end_lines(P: dict) -> list[str]:
     if e.get("rows"):
         lines += ["", f"end to end: {RN} mixed (autocast, NHWC) from JPEG files, loader workers of {e['cores']} "
                       f"cores; {e['data']['train_images']:,} photographs ({e['data']['sizes']})",
-                  f"  {'decode':6s} {'workers':>7s} {'status':10s} {'img/s':>9s} {'x synthetic':>11s}  per-window img/s"]
+                  f"  {'decode':6s} {'workers':>7s} {'status':10s} {'img/s':>9s} {'x synthetic':>11s} {'median':>7s}  "
+                  f"per-window img/s (img/s: sustained within epochs; median: of the windows)"]
         for r in e["rows"]:
             lines.append(f"  {r['decode']:6s} {r.get('num_workers', e['num_workers']):7d} {r['status'] or '-':10s} "
-                         f"{_num(r.get('throughput_steady'), '{:9.0f}')} "
-                         f"{_num(r.get('ratio_to_synthetic'), '{:10.2f}x')}  {r.get('windows')}")
+                         f"{_num(r.get('throughput_sustained'), '{:9.0f}')} "
+                         f"{_num(r.get('ratio_to_synthetic'), '{:10.2f}x')} {_num(r.get('throughput_steady'), '{:7.0f}')}  "
+                         f"{r.get('windows')}")
     r = P.get("ssd_e2e", {}).get("result", {}).get("row")
     if r:
         lines += ["", f"end to end: SSD300 mixed, batch {r['batch']}: {r['status']}, "
-                      f"{_num(r.get('throughput_steady'), '{:.0f}')} img/s (windows {r.get('windows')})"]
+                      f"{_num(r.get('throughput_sustained'), '{:.0f}')} img/s sustained within epochs (median window "
+                      f"{_num(r.get('throughput_steady'), '{:.0f}')}; windows {r.get('windows')})"]
     return lines
 
 
@@ -135,6 +156,8 @@ def merge(results: list[dict]) -> dict:
         i, rec = i_rec
         return (rec["status"] in ("ok", "skipped"), len((rec.get("result") or {}).get("rows") or []), i)
 
+    for r in results:
+        add_sustained(r)  # (each file with its own sizes, before they merge)
     out = {"env": results[-1]["env"], "date": results[-1]["date"], "mode": results[-1]["mode"], "parts": {},
            "calls": [{"command": r["command"], "date": r["date"], "wall_s": r["wall_s"]} for r in results]}
     for p in PARTS:
@@ -231,19 +254,22 @@ def _end_to_end_md(P: dict) -> list[str]:
         hl = (P.get("headline") or {}).get("call", "-")
         lines += ["", f"## {RN} mixed (autocast, NHWC), batch {e['rows'][0].get('batch')}, trained from JPEG files",
                   "", f"{e['data']['train_images']:,} photographs ({e['data']['sizes']}; {e['data']['source']}), "
-                      f"loader workers of a {e['cores']}-core machine; images/s: the median of the log windows after "
-                      f"the first few; x synthetic: over the headline's row of the same layout (call {hl}).", "",
-                  "| decode | workers | images/s | x synthetic | every log window, min-max | from call |",
-                  "|---|---|---|---|---|---|"]
+                      f"loader workers of a {e['cores']}-core machine; images/s: sustained within epochs (the log "
+                      f"windows after the first few, those that start an epoch left out: their images over their "
+                      f"time); x synthetic: that over the headline's row of the same layout (call {hl}).", "",
+                  "| decode | workers | images/s | x synthetic | median window | every log window, min-max | from call |",
+                  "|---|---|---|---|---|---|---|"]
         for r in e["rows"]:
             w = r.get("windows") or []
             lines.append(f"| {r['decode']} | {r.get('num_workers', e['num_workers'])} | "
-                         f"{_md(r.get('throughput_steady'), '{:,.0f}')} | {_md(r.get('ratio_to_synthetic'), '{:.2f}')} | "
+                         f"{_md(r.get('throughput_sustained'), '{:,.0f}')} | {_md(r.get('ratio_to_synthetic'), '{:.2f}')} | "
+                         f"{_md(r.get('throughput_steady'), '{:,.0f}')} | "
                          f"{f'{min(w):,.0f}-{max(w):,.0f}' if w else '-'} | {r.get('call', '-')} |")
     r = ((P.get("ssd_e2e") or {}).get("result") or {}).get("row")
     if r:
         lines += ["", f"SSD300 mixed, batch {r['batch']}, trained from VOC-format JPEG files: {r['status']}, "
-                      f"{_md(r.get('throughput_steady'), '{:,.0f}')} images/s (windows {r.get('windows')})."]
+                      f"{_md(r.get('throughput_sustained'), '{:,.0f}')} images/s sustained within epochs (median "
+                      f"window {_md(r.get('throughput_steady'), '{:,.0f}')}; windows {r.get('windows')})."]
     c = (P.get("cifar") or {}).get("result") or {}
     if c.get("rows"):
         lines += ["", f"## CIFAR-10 real recipe ({c['epochs']} epochs), top-1 %", "", "| precision | per seed |",
