@@ -458,7 +458,7 @@ def sustained_rate(windows: list[float], starts: list[bool], skip: int) -> float
     falls behind, the windows swing between the GPU's rate (batches buffered) and the loader's; their median
     then reads high (15 workers decoding on the GPU: a median of 3,368 where 2,305 images/s were sustained).
     The windows that start an epoch (persistent workers refilling their queues) are left out: ILSVRC's ~5,000
-    steps an epoch hide what these short runs' 32-step epochs show every seventh window."""
+    steps an epoch hide what these short runs' 32-step epochs show every sixth or seventh window."""
     keep = [w for i, (w, st) in enumerate(zip(windows, starts)) if i >= skip and not st and w > 0]
     return round(len(keep) / sum(1 / w for w in keep), 1) if keep else None
 
