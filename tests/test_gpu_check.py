@@ -306,6 +306,12 @@ def test_report_merges_a_machines_calls(tmp_path):
     assert main(["--report", *map(str, calls)]) == 0
     md = (tmp_path / "nvidia-h200-2026-11-27-gpu_check.md").read_text()
     assert "| mixed (paper) | NHWC | 6,018 |" in md and "Not reached in its time limit: resnet50_preact" in md
+    other = json.loads(open(calls[0]).read())
+    other["env"]["device_name"] = "NVIDIA H100 80GB HBM3"
+    (tmp_path / "h100.json").write_text(json.dumps(other))
+    with pytest.raises(SystemExit) as e:
+        main(["--report", str(calls[1]), str(tmp_path / "h100.json")])
+    assert e.value.code == 2
     bad = tmp_path / "x.json"
     bad.write_text("{}")
     with pytest.raises(SystemExit) as e:

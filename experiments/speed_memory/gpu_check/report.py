@@ -311,6 +311,10 @@ def write_report(paths: list[Path]) -> int:
         if r.get("schema") != SCHEMA:
             raise UserError(f"--report {p}: schema {r.get('schema')!r}, not {SCHEMA} (a gpu_check results file)")
         results.append(r)
+    names = {(r.get("env") or {}).get("device_name") for r in results}
+    if len(names) > 1:  # (ratios across machines would compare unlike with unlike)
+        raise UserError(f"--report: these files come from {len(names)} devices ({', '.join(sorted(map(str, names)))}); "
+                        f"merge the calls of one machine at a time")
     md = markdown(merge(results))
     stem = paths[0].name.removesuffix(".json")
     stem = stem[: stem.index("-gpu_check") + len("-gpu_check")] if "-gpu_check" in stem else stem
