@@ -46,13 +46,9 @@ def rgb_tensor(data: bytes):
     from PIL import Image
     from torchvision.transforms.functional import pil_to_tensor
 
-    if data[:2] == b"\xff\xd8":
-        try:
-            import simplejpeg
-
-            return torch.from_numpy(simplejpeg.decode_jpeg(data, colorspace="RGB")).permute(2, 0, 1)
-        except (ImportError, ValueError):
-            pass
+    x = simplejpeg_rgb(data)
+    if x is not None:
+        return x
     try:
         from torchvision.io import ImageReadMode, decode_image as tv_decode
 
@@ -64,6 +60,23 @@ def rgb_tensor(data: bytes):
     with Image.open(io.BytesIO(data)) as im:
         return pil_to_tensor(im.convert("RGB"))
 
+
+
+def simplejpeg_rgb(data: bytes, min_height: int = 0, min_width: int = 0):
+    """A JPEG's bytes as a uint8 (3, H, W) RGB tensor (HWC in memory) through simplejpeg (libjpeg-turbo's SIMD
+    build), decoded in the DCT domain at the smallest scale of at least min_height x min_width (0: whole);
+    None for what it does not decode (not a JPEG, a CMYK one, simplejpeg not installed): the caller's fallback."""
+    if data[:2] != b"\xff\xd8":
+        return None
+    import torch
+
+    try:
+        import simplejpeg
+
+        a = simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=min_height, min_width=min_width)
+    except (ImportError, ValueError):
+        return None
+    return torch.from_numpy(a).permute(2, 0, 1)
 
 
 def decode_image(data, what: str, fix: str, kind: str = "an image") -> tuple[str, tuple[int, int]]:

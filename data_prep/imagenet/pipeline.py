@@ -216,23 +216,18 @@ def decode_for(data: bytes, p: Plan, h: int, w: int) -> tuple[torch.Tensor, tupl
     greyscale JPEGs come out as RGB either way."""
     from torchvision.transforms.functional import pil_to_tensor
 
-    from data_prep.archives import rgb_tensor
+    from data_prep.archives import rgb_tensor, simplejpeg_rgb
 
     f = dct_factor(p, h, w)
-    if f >= 2 and data[:2] == b"\xff\xd8":
+    if f >= 2:
         # simplejpeg at 1/k, k the largest of 2, 4, 8 within f (its other scalings, 3/8-7/8, decode slower than
         # whole: speed_memory README): the pixels of PIL's draft at the same scale, in ~0.8 of its time. (Asked
         # for ceil(h / k) rows, libjpeg-turbo picks 1/k; PIL's draft, flooring, decodes an odd side whole at f = 2.)
         k = 8 if f >= 8 else 4 if f >= 4 else 2
-        try:
-            import simplejpeg
-
-            a = simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=math.ceil(h / k), min_width=math.ceil(w / k))
-            return torch.from_numpy(a).permute(2, 0, 1), (a.shape[0] / h, a.shape[1] / w)
-        except (ImportError, ValueError):  # (not installed; a CMYK JPEG)
-            pass
-    if f >= 2:
-        im = Image.open(io.BytesIO(data))
+        x = simplejpeg_rgb(data, math.ceil(h / k), math.ceil(w / k))
+        if x is not None:
+            return x, (x.shape[1] / h, x.shape[2] / w)
+        im = Image.open(io.BytesIO(data))  # (what simplejpeg refuses: PIL's draft at the same scales)
         if im.format == "JPEG":
             im.draft("RGB", (math.ceil(w / f), math.ceil(h / f)))  # the largest 1/k with size >= that
             if im.size != (w, h):
