@@ -99,6 +99,19 @@ def _loop(patient, batches, channels_last: bool = False, device=torch.device("cp
     return model, opt, step, scaler
 
 
+def size_overrides(width: float = 0.0, batch: int = 0, crop: int = 0) -> tuple[str, ...]:
+    """The tiny profile's config overrides for other sizes of it (0: the profile's own), e.g. (1.0, 64, 224):
+    ResNet-50's own size at a paper-grid batch per GPU. The crop comes with ILSVRC's resize of crop x 8/7."""
+    out = []
+    if width:
+        out.append(f"width={width}")
+    if batch:
+        out.append(f"train.batch_size={batch}")
+    if crop:
+        out += [f"task.crop={crop}", f"task.resize={crop * 8 // 7}"]
+    return tuple(out)
+
+
 def measure(name: str, every: int, rounds: int, steps: int, data: pathlib.Path, channels_last: bool = False,
             device=torch.device("cpu"), mixed: bool = False, overrides: tuple = ()) -> dict:
     from experiments.__main__ import prepare_tiny
@@ -201,9 +214,7 @@ def main(argv=None) -> list[dict]:
         raise UserError("device=cuda: no CUDA GPU is visible to this process; run on a GPU machine or use device=cpu")
     device = torch.device(o["device"])
     mixed = o["precision"] == "mixed"
-    # The tiny profile, or other sizes of it (a paper-sized model on a GPU: width=1 batch=64 crop=224)
-    overrides = tuple([f"width={o['width']}"] * bool(o["width"]) + [f"train.batch_size={o['batch']}"] * bool(o["batch"])
-                      + [f"task.crop={o['crop']}", f"task.resize={o['crop'] * 8 // 7}"] * bool(o["crop"]))
+    overrides = size_overrides(o["width"], o["batch"], o["crop"])
     cpu = cpu_model()
     nhwc = o["channels_last"]
     if device.type == "cpu" and torch.get_num_threads() != 1:

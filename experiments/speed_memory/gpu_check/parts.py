@@ -107,7 +107,7 @@ class Sizes:
     watch_rounds: int = 10
     watch_steps: int = 10
     watch_every: int = 10
-    watch_sizes: tuple = ((), ("width=1.0", "train.batch_size=64", "task.crop=224", "task.resize=256"))
+    watch_sizes: tuple = ((0.0, 0, 0), (1.0, 64, 224))  # (width, batch, crop): watch_overhead.size_overrides
 
 
 GPU = Sizes()
@@ -123,7 +123,7 @@ SMOKE = Sizes(headline_width=0.03125, headline_batch=4, headline_size="64", head
               e2e_skip_windows=1, ssd_image=96, ssd_images=8, ssd_batch=2, ssd_steps=2, cifar_seeds=(0,), cifar_epochs=1,
               cifar_at_once=1, cifar_threads=1,
               cifar_sizes={"train_per_class": 8, "test_per_class": 4},
-              watch_rounds=1, watch_steps=2, watch_every=2, watch_sizes=((),))
+              watch_rounds=1, watch_steps=2, watch_every=2, watch_sizes=((0.0, 0, 0),))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -579,11 +579,12 @@ def part_watch(ctx: Ctx) -> dict:
 
     s = ctx.sizes
     out = {"rows": [], "every": s.watch_every, "rounds": s.watch_rounds, "steps": s.watch_steps}
-    for sizes in s.watch_sizes:
+    for size in s.watch_sizes:
         t0 = time.time()
+        sizes = watch_overhead.size_overrides(*size)
         row = watch_overhead.measure("ilsvrc_cnns", s.watch_every, s.watch_rounds, s.watch_steps,
                                      ctx.work / "watch_data", channels_last=ctx.device.type == "cuda",
-                                     device=ctx.device, mixed=True, overrides=tuple(sizes))
+                                     device=ctx.device, mixed=True, overrides=sizes)
         row["seconds"] = round(time.time() - t0, 1)
         out["rows"].append(row)
         print(f"watch {' '.join(sizes) or 'tiny profile'}: plain {row['step_ms']:.1f} ms, a sampled step "
